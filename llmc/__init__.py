@@ -1,0 +1,1 @@
+"""llmc: an ahead-of-time compiler and runtime for LLM inference."""

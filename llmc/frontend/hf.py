@@ -1,0 +1,91 @@
+"""Local Hugging Face model directories: validate, load, and capture the cache-free forward.
+
+Only local paths are read (config.json, *.safetensors, tokenizer files); nothing is downloaded.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from llmc.errors import CompileError
+from llmc.frontend.attention import register_hf_attention
+from llmc.frontend.torch_export import capture
+from llmc.ir.graph import Graph
+
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+MAX_BATCH = 1024
+
+
+def read_config(path: Path) -> dict:
+    """The config of a model directory, or a CompileError saying what is wrong with the path."""
+    if not path.exists():
+        raise CompileError(f"{path} does not exist. Pass a local Hugging Face model directory or builtin:NAME.")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise CompileError(f"{path} is not a model: it has no config.json. Pass a local Hugging Face model "
+                           "directory (config.json + *.safetensors + tokenizer files) or builtin:NAME.")
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CompileError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+    archs = cfg.get("architectures") or []
+    if not any(a in SUPPORTED for a in archs):
+        raise CompileError(f"architecture {', '.join(archs) or '(none given)'} is not supported; llmc compiles "
+                           f"{', '.join(SUPPORTED)}")
+    if not list(path.glob("*.safetensors")):
+        raise CompileError(f"{path} has no *.safetensors weights (llmc loads safetensors only, never pickle)")
+    return cfg
+
+
+class _Forward(torch.nn.Module):
+    """The cache-free forward that llmc captures: (input_ids, position_ids) -> logits."""
+
+    def __init__(self, m: torch.nn.Module):
+        super().__init__()
+        self.m = m
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """Load a supported local HF causal LM in eval mode with llmc's attention implementation."""
+    from transformers import AutoModelForCausalLM
+    path = Path(path)
+    read_config(path)
+    attn = register_hf_attention()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn,
+                                                     local_files_only=True)
+    except Exception as e:
+        raise CompileError(f"could not load the model in {path}: {str(e).splitlines()[0][:400]}") from e
+    return model.eval()
+
+
+def capture_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> Graph:
+    """Capture a local HF model as an llmc Graph `(input_ids[B,S], position_ids[B,S]) -> logits[B,S,V]`."""
+    path = Path(path)
+    cfg = read_config(path)
+    model = load_model(path, dtype)
+    max_len = int(cfg.get("max_position_embeddings") or 4096)
+    # example sizes avoid 0/1 so that export does not specialise them
+    ids = torch.randint(0, int(cfg["vocab_size"]), (2, min(7, max_len)))
+    pos = torch.arange(ids.shape[1]).expand_as(ids).contiguous()
+    dyn = {"input_ids": {0: ("B", 1, MAX_BATCH), 1: ("S", 1, max_len)},
+           "position_ids": {0: ("B", 1, MAX_BATCH), 1: ("S", 1, max_len)}}
+    g = capture(_Forward(model), (ids, pos), ["input_ids", "position_ids"], dyn,
+                name=cfg["architectures"][0].replace("ForCausalLM", "").lower())
+    g.meta.update({
+        "architecture": cfg["architectures"][0],
+        "vocab_size": int(cfg["vocab_size"]),
+        "max_position_embeddings": max_len,
+        "num_hidden_layers": int(cfg["num_hidden_layers"]),
+        "num_key_value_heads": int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+        "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
+        "eos_token_id": cfg.get("eos_token_id"),
+        "bos_token_id": cfg.get("bos_token_id"),
+    })
+    return g

@@ -1,0 +1,389 @@
+"""The op registry: every op's operands, attributes, type rule and torch reference implementation.
+
+The reference implementations are the golden model: the interpreter runs any graph with them,
+and every pass and kernel is tested against them. Families (ELEMENTWISE, REDUCE, MOVEMENT) let
+rules speak of groups of ops.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from llmc.errors import IRError
+from llmc.ir.types import Dim, TensorType, broadcast_shapes, dim_div, dim_eval, dim_mul, make_dim, torch_dtype
+
+UNARY = "unary"
+BINARY = "binary"
+ELEMENTWISE_FAMILIES = (UNARY, BINARY)
+
+
+@dataclass
+class RefEnv:
+    """What a reference implementation may need beyond its operands: the symbol values, state."""
+
+    dims: dict[str, int] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def dim(self, d: Dim | str) -> int:
+        return dim_eval(make_dim(d), self.dims) if not isinstance(d, int) else d
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """One op. `operands` names the inputs; a trailing `?` marks an optional one, `*` a variadic tail."""
+
+    name: str
+    family: str
+    operands: tuple[str, ...]
+    attrs: dict[str, Any]
+    infer_fn: Callable
+    ref: Callable
+    doc: str = ""
+
+    def complete_attrs(self, attrs: dict) -> dict:
+        unknown = set(attrs) - set(self.attrs)
+        if unknown:
+            raise IRError(f"op {self.name} has no attribute(s) {sorted(unknown)}; it takes {sorted(self.attrs)}")
+        out = {}
+        for k, default in self.attrs.items():
+            if k in attrs:
+                out[k] = attrs[k]
+            elif default is REQUIRED:
+                raise IRError(f"op {self.name} needs attribute {k!r}")
+            else:
+                out[k] = default
+        return out
+
+    def check_arity(self, n: int) -> None:
+        req = [o for o in self.operands if not o.endswith(("?", "*"))]
+        variadic = any(o.endswith("*") for o in self.operands)
+        if n < len(req) or (not variadic and n > len(self.operands)):
+            raise IRError(f"op {self.name} takes operands ({', '.join(self.operands)}), got {n}")
+
+    def infer(self, node) -> list[TensorType]:
+        self.check_arity(len(node.inputs))
+        out = self.infer_fn([v.type if v is not None else None for v in node.inputs], node.attrs)
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+class _Required:
+    def __repr__(self):
+        return "REQUIRED"
+
+
+REQUIRED = _Required()
+OPS: dict[str, OpDef] = {}
+FAMILIES: dict[str, set[str]] = {}
+
+
+def register_op(name: str, family: str, operands: tuple[str, ...], infer: Callable, ref: Callable,
+                attrs: dict | None = None, doc: str = "") -> OpDef:
+    """Add an op to the registry (user extensions use this too)."""
+    opdef = OpDef(name, family, tuple(operands), dict(attrs or {}), infer, ref, doc)
+    OPS[name] = opdef
+    FAMILIES.setdefault(family, set()).add(name)
+    return opdef
+
+
+def get_op(name: str) -> OpDef:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise IRError(f"unknown op {name!r}; registered ops: {', '.join(sorted(OPS))}") from None
+
+
+def family(name: str) -> set[str]:
+    return FAMILIES.get(name, set())
+
+
+def is_elementwise(op: str) -> bool:
+    return op in FAMILIES.get(UNARY, set()) | FAMILIES.get(BINARY, set()) or op == "cast"
+
+
+# ---------------------------------------------------------------------------------------------
+# type rules
+
+def _same(ts, a):
+    return ts[0]
+
+
+def _norm_dim(d: int, rank: int) -> int:
+    if not -rank <= d < max(rank, 1):
+        raise IRError(f"dim {d} out of range for rank {rank}")
+    return d % rank if rank else 0
+
+
+def _result_dtype(types) -> str:
+    # exact torch promotion: rank-0 operands do not promote within a category
+    from llmc.ir.types import dtype_name
+    out = None
+    for t in types:
+        p = torch.empty(() if t.rank == 0 else (1,), dtype=torch_dtype(t.dtype))
+        out = p if out is None else torch.empty(() if out.dim() == 0 and p.dim() == 0 else (1,),
+                                                dtype=torch.result_type(out, p))
+    return dtype_name(out.dtype)
+
+
+def _binary_infer(ts, a):
+    return TensorType(broadcast_shapes(ts[0].shape, ts[1].shape), _result_dtype(ts[:2]))
+
+
+def _resolve_shape(in_t: TensorType, shape: list) -> tuple:
+    shape = [make_dim(d) if d != -1 else -1 for d in shape]
+    if -1 in shape:
+        known = [d for d in shape if d != -1]
+        rest = dim_div(in_t.numel(), dim_mul(*known) if known else 1)
+        shape = [rest if d == -1 else d for d in shape]
+    return tuple(shape)
+
+
+def _reshape_infer(ts, a):
+    out = _resolve_shape(ts[0], a["shape"])
+    if dim_mul(*out) != ts[0].numel():
+        raise IRError(f"reshape of {ts[0]} to {list(map(str, out))} changes the element count")
+    return ts[0].with_shape(out)
+
+
+def _expand_infer(ts, a):
+    shape = list(a["shape"])
+    pad = len(shape) - ts[0].rank
+    src = [1] * pad + list(ts[0].shape)
+    out = [src[i] if d == -1 else make_dim(d) for i, d in enumerate(shape)]
+    for s, o in zip(src, out):
+        if s != 1 and s != o:
+            raise IRError(f"cannot expand dim {s} to {o}")
+    return ts[0].with_shape(out)
+
+
+def _transpose_infer(ts, a):
+    s = list(ts[0].shape)
+    i, j = _norm_dim(a["dim0"], len(s)), _norm_dim(a["dim1"], len(s))
+    s[i], s[j] = s[j], s[i]
+    return ts[0].with_shape(s)
+
+
+def _permute_infer(ts, a):
+    return ts[0].with_shape([ts[0].shape[d] for d in a["dims"]])
+
+
+def _unsqueeze_infer(ts, a):
+    s = list(ts[0].shape)
+    d = a["dim"] % (len(s) + 1)
+    return ts[0].with_shape(s[:d] + [1] + s[d:])
+
+
+def _squeeze_infer(ts, a):
+    s = list(ts[0].shape)
+    d = _norm_dim(a["dim"], len(s))
+    if s[d] != 1:
+        raise IRError(f"squeeze of dim {d} of size {s[d]}")
+    return ts[0].with_shape(s[:d] + s[d + 1:])
+
+
+def _slice_infer(ts, a):
+    s = list(ts[0].shape)
+    d = _norm_dim(a["dim"], len(s))
+    start, end, step = a["start"], a["end"], a["step"]
+    size = s[d]
+    if isinstance(size, int):
+        n = len(range(*slice(start, end, step).indices(size)))
+    elif start >= 0 and end is not None and end >= 0 and end < (1 << 62):
+        n = len(range(start, end, step))  # a fixed window of a symbolic dim
+    elif start >= 0 and (end is None or end >= (1 << 62)):
+        n = make_dim(f"({size})-{start}") if step == 1 else make_dim(f"ceiling((({size})-{start})/{step})")
+    else:
+        raise IRError(f"slice [{start}:{end}:{step}] of symbolic dim {size} is not supported")
+    s[d] = n
+    return ts[0].with_shape(s)
+
+
+def _concat_infer(ts, a):
+    d = _norm_dim(a["dim"], ts[0].rank)
+    total: Dim = 0
+    for t in ts:
+        total = total + t.shape[d] if isinstance(total, int) and isinstance(t.shape[d], int) else \
+            make_dim(f"({total})+({t.shape[d]})")
+    s = list(ts[0].shape)
+    s[d] = total
+    return TensorType(tuple(s), _result_dtype(ts))
+
+
+def _reduce_infer(ts, a):
+    s = list(ts[0].shape)
+    dims = sorted(_norm_dim(d, len(s)) for d in a["dims"])
+    out = [1 if i in dims else x for i, x in enumerate(s)] if a["keepdim"] else \
+        [x for i, x in enumerate(s) if i not in dims]
+    return ts[0].with_shape(out)
+
+
+def _linear_infer(ts, a):
+    x, w = ts[0], ts[1]
+    if w.rank != 2 or x.shape[-1] != w.shape[1]:
+        raise IRError(f"linear: input {x} does not match weight {w} (weight is [out, in])")
+    return TensorType(x.shape[:-1] + (w.shape[0],), x.dtype)
+
+
+def _matmul_infer(ts, a):
+    x, y = ts
+    if x.shape[-1] != y.shape[-2]:
+        raise IRError(f"matmul: {x} @ {y} inner dims differ")
+    batch = broadcast_shapes(x.shape[:-2], y.shape[:-2])
+    return TensorType(batch + (x.shape[-2], y.shape[-1]), _result_dtype(ts))
+
+
+def _embedding_infer(ts, a):
+    w, ids = ts
+    return TensorType(ids.shape + (w.shape[1],), w.dtype)
+
+
+def _attention_infer(ts, a):
+    q, k, v = ts[:3]
+    if q.rank != 4 or k.rank != 4 or v.rank != 4:
+        raise IRError("attention takes q, k, v of rank 4: [B, H, S, D]")
+    if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
+        raise IRError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    return q.with_shape(q.shape[:3] + (v.shape[3],))
+
+
+# ---------------------------------------------------------------------------------------------
+# reference implementations
+
+def _attention_ref(x, a, env):
+    q, k, v = x[:3]  # [B, Hq, S, D], [B, Hkv, S, D]
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    S, L = q.shape[2], k.shape[2]
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * a["scale"]
+    if a["causal"] or a["window"]:
+        i = torch.arange(S, device=q.device)[:, None] + (L - S)
+        j = torch.arange(L, device=q.device)[None, :]
+        allowed = torch.ones(S, L, dtype=torch.bool, device=q.device)
+        if a["causal"]:
+            allowed &= j <= i
+        if a["window"]:
+            allowed &= j > i - a["window"]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
+def _rms_norm_ref(x, a, env):
+    h, w = x
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + a["eps"])
+    return w * normed.to(h.dtype) if a["weight_first_cast"] else (normed * w.float()).to(h.dtype)
+
+
+def _rope_ref(x, a, env):
+    t, cos, sin = x
+    half = t.shape[-1] // 2
+    rot = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+    return t * cos + rot * sin
+
+
+def _slice_ref(x, a, env):
+    end = a["end"]
+    end = None if end is None or end >= (1 << 62) else end
+    idx = [slice(None)] * x[0].dim()
+    idx[a["dim"]] = slice(a["start"], end, a["step"])
+    return x[0][tuple(idx)]
+
+
+def _shape_arg(shape, env):
+    return [d if isinstance(d, int) else env.dim(d) for d in shape]
+
+
+def _unary(name, fn, attrs=None, doc=""):
+    register_op(name, UNARY, ("x",), _same, lambda x, a, env: fn(x[0], a), attrs, doc)
+
+
+def _binary(name, fn):
+    register_op(name, BINARY, ("a", "b"), _binary_infer, lambda x, a, env: fn(x[0], x[1]))
+
+
+register_op("constant", "constant", (), lambda ts, a: TensorType((), a["dtype"]),
+            lambda x, a, env: torch.tensor(a["value"], dtype=torch_dtype(a["dtype"])),
+            {"value": REQUIRED, "dtype": "f32"}, "a scalar literal")
+register_op("cast", UNARY, ("x",), lambda ts, a: ts[0].with_dtype(a["dtype"]),
+            lambda x, a, env: x[0].to(torch_dtype(a["dtype"])), {"dtype": REQUIRED})
+_unary("neg", lambda x, a: -x)
+_unary("silu", lambda x, a: F.silu(x))
+_unary("gelu", lambda x, a: F.gelu(x, approximate=a["approximate"]), {"approximate": "none"})
+_unary("relu", lambda x, a: torch.relu(x))
+_unary("sigmoid", lambda x, a: torch.sigmoid(x))
+_unary("tanh", lambda x, a: torch.tanh(x))
+_unary("exp", lambda x, a: torch.exp(x))
+_unary("log", lambda x, a: torch.log(x))
+_unary("sqrt", lambda x, a: torch.sqrt(x))
+_unary("rsqrt", lambda x, a: torch.rsqrt(x))
+_unary("reciprocal", lambda x, a: torch.reciprocal(x))
+_unary("abs", lambda x, a: torch.abs(x))
+_unary("cos", lambda x, a: torch.cos(x))
+_unary("sin", lambda x, a: torch.sin(x))
+_binary("add", torch.add)
+_binary("sub", torch.sub)
+_binary("mul", torch.mul)
+_binary("div", torch.div)
+_binary("pow", torch.pow)
+_binary("maximum", torch.maximum)
+_binary("minimum", torch.minimum)
+
+register_op("mean", "reduce", ("x",), _reduce_infer,
+            lambda x, a, env: x[0].mean(dim=a["dims"], keepdim=a["keepdim"]), {"dims": REQUIRED, "keepdim": False})
+register_op("sum", "reduce", ("x",), _reduce_infer,
+            lambda x, a, env: x[0].sum(dim=a["dims"], keepdim=a["keepdim"]), {"dims": REQUIRED, "keepdim": False})
+register_op("amax", "reduce", ("x",), _reduce_infer,
+            lambda x, a, env: x[0].amax(dim=a["dims"], keepdim=a["keepdim"]), {"dims": REQUIRED, "keepdim": False})
+register_op("softmax", "reduce", ("x",), _same,
+            lambda x, a, env: torch.softmax(x[0].float(), dim=a["dim"]).to(x[0].dtype), {"dim": -1})
+
+register_op("reshape", "movement", ("x",), _reshape_infer,
+            lambda x, a, env: x[0].reshape(_shape_arg(a["shape"], env)), {"shape": REQUIRED})
+register_op("expand", "movement", ("x",), _expand_infer,
+            lambda x, a, env: x[0].expand(_shape_arg(a["shape"], env)), {"shape": REQUIRED})
+register_op("transpose", "movement", ("x",), _transpose_infer,
+            lambda x, a, env: x[0].transpose(a["dim0"], a["dim1"]), {"dim0": REQUIRED, "dim1": REQUIRED})
+register_op("permute", "movement", ("x",), _permute_infer,
+            lambda x, a, env: x[0].permute(a["dims"]), {"dims": REQUIRED})
+register_op("unsqueeze", "movement", ("x",), _unsqueeze_infer,
+            lambda x, a, env: x[0].unsqueeze(a["dim"]), {"dim": REQUIRED})
+register_op("squeeze", "movement", ("x",), _squeeze_infer,
+            lambda x, a, env: x[0].squeeze(a["dim"]), {"dim": REQUIRED})
+register_op("slice", "movement", ("x",), _slice_infer, _slice_ref,
+            {"dim": REQUIRED, "start": 0, "end": None, "step": 1})
+register_op("concat", "movement", ("xs*",), _concat_infer,
+            lambda x, a, env: torch.cat(x, dim=a["dim"]), {"dim": REQUIRED})
+register_op("gather", "movement", ("x", "index"),
+            lambda ts, a: ts[0].with_shape(ts[0].shape[:a["dim"] % ts[0].rank] + ts[1].shape
+                                           + ts[0].shape[a["dim"] % ts[0].rank + 1:]),
+            lambda x, a, env: torch.index_select(x[0], a["dim"], x[1].reshape(-1)).reshape(
+                x[0].shape[:a["dim"] % x[0].dim()] + x[1].shape + x[0].shape[a["dim"] % x[0].dim() + 1:]),
+            {"dim": 0}, "rows of x at index along dim (index_select with an index of any shape)")
+
+register_op("embedding", "nn", ("weight", "ids"), _embedding_infer, lambda x, a, env: F.embedding(x[1], x[0]))
+register_op("linear", "nn", ("x", "weight", "bias?"), _linear_infer,
+            lambda x, a, env: F.linear(x[0], x[1], x[2] if len(x) > 2 else None), doc="x @ weight.T + bias")
+register_op("matmul", "nn", ("a", "b"), _matmul_infer, lambda x, a, env: torch.matmul(x[0], x[1]))
+register_op("rms_norm", "nn", ("x", "weight"), lambda ts, a: ts[0].with_dtype(_result_dtype([ts[0], ts[1]])),
+            _rms_norm_ref, {"eps": 1e-6, "weight_first_cast": True},
+            "RMSNorm in fp32; weight_first_cast: multiply the weight after casting back (Llama's order)")
+register_op("layer_norm", "nn", ("x", "weight?", "bias?"), _same,
+            lambda x, a, env: F.layer_norm(x[0], x[0].shape[-1:], x[1] if len(x) > 1 else None,
+                                           x[2] if len(x) > 2 else None, a["eps"]), {"eps": 1e-5})
+register_op("rope", "nn", ("x", "cos", "sin"),
+            lambda ts, a: TensorType(broadcast_shapes(ts[0].shape, ts[1].shape), _result_dtype(ts)), _rope_ref,
+            doc="rotary embedding, rotate-half convention: x*cos + rotate_half(x)*sin")
+register_op("silu_mul", "nn", ("gate", "up"), _binary_infer,
+            lambda x, a, env: F.silu(x[0]) * x[1], doc="silu(gate) * up (the SwiGLU MLP body)")
+register_op("attention", "attention", ("q", "k", "v"), _attention_infer, _attention_ref,
+            {"scale": REQUIRED, "causal": True, "window": 0},
+            "softmax(q k^T * scale) v over [B, H, S, D]; grouped-query when k has fewer heads; "
+            "window > 0 limits each query to the last `window` keys")
+
+ELEMENTWISE = family(UNARY) | family(BINARY)
+REDUCE = family("reduce")
+MOVEMENT = family("movement")

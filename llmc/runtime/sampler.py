@@ -1,0 +1,112 @@
+"""Turn one logits row per sequence into the next token: penalties, filters, then a draw.
+
+Order (each step reads the previous one's output):
+  1. repetition penalty (HF): over prompt+output tokens, divide positive logits, multiply
+     negative ones, so a repeated token always becomes less likely;
+  2. presence / frequency penalties (OpenAI): `logit -= frequency * count + presence * (count>0)`
+     over output tokens only;
+  3. temperature (greedy rows keep temperature 1: argmax is invariant, and their logprobs stay
+     those of the penalised distribution);
+  4. top-k, 5. top-p, 6. min-p: masked to -inf. Top-k/top-p use one descending stable sort so
+     that among equal logits the lowest token id is kept, which makes top_k=1 and a tiny top_p
+     agree with greedy's argmax (ties to the lowest id);
+  7. draw: greedy rows take the argmax; others use `torch.multinomial` with the sequence's own
+     generator, so a seeded request repeats whatever else is in the batch.
+The returned logprob is `log_softmax` of the processed logits at the chosen token.
+Everything is batched over rows except the per-row draw (each row may own a generator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmc.runtime.sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # [N]
+    logprobs: list[float]  # [N], log-probability of each chosen token
+
+
+class Sampler:
+    """Samples one token per row of `logits` for the matching sequence.
+
+    Example:
+        >>> out = Sampler()(logits, seqs)  # logits: float32 [len(seqs), V]
+        >>> out.token_ids, out.logprobs
+    """
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        # logits: [N, V], one row per entry of seqs
+        assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
+        logits = self.process(logits, seqs)
+        logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
+        tokens = self._draw(logits, seqs)  # [N]
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [N]
+        return SamplerOutput(tokens.tolist(), chosen.tolist())
+
+    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Apply penalties, temperature and filters; returns new float32 logits [N, V]."""
+        logits = logits.to(torch.float32, copy=True)
+        params = [s.params for s in seqs]
+        device = logits.device
+
+        def column(name: str) -> torch.Tensor:  # [N, 1]
+            return torch.tensor([getattr(p, name) for p in params], device=device)[:, None]
+
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = _token_counts([s.token_ids for s in seqs], logits.shape[1], device) > 0
+            penalty = column("repetition_penalty").to(torch.float32)
+            penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen, penalised, logits)
+        if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+            counts = _token_counts([s.output_token_ids for s in seqs], logits.shape[1], device)
+            logits -= column("frequency_penalty").to(torch.float32) * counts
+            logits -= column("presence_penalty").to(torch.float32) * (counts > 0)
+        temperature = column("temperature").to(torch.float32)
+        logits /= torch.where(temperature == 0, 1.0, temperature)
+        logits = _top_k_top_p(logits, column("top_k"), column("top_p").to(torch.float32))
+        if any(p.min_p > 0 for p in params):
+            probs = torch.softmax(logits, dim=-1)
+            floor = column("min_p").to(torch.float32) * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < floor, float("-inf"))
+        return logits
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)  # [N]; first maximum = lowest id on ties
+        probs = torch.softmax(logits, dim=-1)
+        for i, seq in enumerate(seqs):
+            if not seq.params.greedy:
+                tokens[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
+        return tokens
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Occurrences of each token id per row: [N, V] float32."""
+    counts = torch.zeros(len(token_lists), vocab, device=device)
+    for i, tokens in enumerate(token_lists):
+        if tokens:
+            ids = torch.tensor(tokens, device=device)
+            counts[i].index_add_(0, ids, torch.ones(len(tokens), device=device))
+    return counts
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask all but each row's top-k and top-p tokens. top_k: [N, 1] int, top_p: [N, 1]."""
+    vocab = logits.shape[1]
+    k = torch.where(top_k <= 0, vocab, top_k.clamp(max=vocab))  # [N, 1]
+    if bool((k >= vocab).all()) and bool((top_p >= 1.0).all()):
+        return logits
+    # Stable descending sort: among equal logits the lower token id comes first.
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [N, V]
+    rank = torch.arange(vocab, device=logits.device)[None, :]  # [1, V]
+    drop = rank >= k
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+    drop |= (mass_before >= top_p) & (rank > 0)  # rank 0 always survives
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))

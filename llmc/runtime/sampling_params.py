@@ -1,0 +1,148 @@
+"""How one request wants its tokens chosen and when it wants generation to stop.
+
+The fields follow the OpenAI / vLLM names so that `llmc serve` maps request JSON onto them
+one to one. `validate()` is the single place a bad request is turned into a `RequestError`
+with a message the user can act on; the scheduler calls it in `add()` so that nothing invalid
+ever reaches the sampler (which would otherwise fail deep inside a torch call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+from llmc.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping options of one request.
+
+    Args:
+        n: number of independent samples of the same prompt (they share the prompt's KV blocks).
+        temperature: softmax temperature; 0 means greedy (argmax, ties to the lowest token id).
+        top_k: keep the k most likely tokens; 0 or -1 turns it off.
+        top_p: keep the smallest set of most likely tokens whose probability sums to >= top_p.
+        min_p: drop tokens whose probability is below min_p times the top token's probability.
+        repetition_penalty: HF semantics over prompt+output tokens (1.0 = off).
+        presence_penalty: OpenAI semantics over output tokens (0.0 = off).
+        frequency_penalty: OpenAI semantics over output tokens (0.0 = off).
+        seed: makes sampling repeatable; sample i of an n>1 request uses seed + i.
+        stop_token_ids: token ids that end generation (finish_reason "stop").
+        stop: strings that end generation; the output text is cut before the stop string.
+        max_tokens: most tokens to generate (finish_reason "length").
+        logprobs: keep the log-probability of each chosen token.
+        ignore_eos: keep generating past the end-of-sequence token.
+        priority: lower value is served first (see `Scheduler` for the aging rule).
+
+    Example:
+        >>> SamplingParams(temperature=0.0, max_tokens=8, stop=["\\n"]).validate()
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] | list[int] = ()
+    stop: str | tuple[str, ...] | list[str] = ()
+    max_tokens: int = 16
+    logprobs: bool = False
+    ignore_eos: bool = False
+    priority: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """`stop` as a tuple (a single string is accepted for OpenAI compatibility)."""
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def validate(self, context_len: int | None = None) -> None:
+        """Raise `RequestError` naming the first invalid field and its allowed range.
+
+        Args:
+            context_len: the model's maximum context length; when given, `max_tokens` larger
+                than it is rejected because it could never be reached.
+        """
+        _int(self.n, "n")
+        if self.n < 1:
+            raise RequestError(f"n must be at least 1, got {self.n}.")
+        _int(self.max_tokens, "max_tokens")
+        if self.max_tokens <= 0:
+            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if context_len is not None and self.max_tokens > context_len:
+            raise RequestError(
+                f"max_tokens={self.max_tokens} exceeds the model's context length "
+                f"({context_len}); lower max_tokens."
+            )
+        _real(self.temperature, "temperature")
+        if self.temperature < 0:
+            raise RequestError(
+                f"temperature must be >= 0 (0 means greedy), got {self.temperature}."
+            )
+        _int(self.top_k, "top_k")
+        if self.top_k < -1:
+            raise RequestError(f"top_k must be -1 or 0 (off) or a positive int, got {self.top_k}.")
+        _real(self.top_p, "top_p")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}.")
+        _real(self.min_p, "min_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}.")
+        _real(self.repetition_penalty, "repetition_penalty")
+        if self.repetition_penalty <= 0:
+            raise RequestError(
+                f"repetition_penalty must be > 0 (1.0 is off), got {self.repetition_penalty}."
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _real(value, name)
+            if not -2.0 <= value <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {value}.")
+        if self.seed is not None:
+            _int(self.seed, "seed")
+        _int(self.priority, "priority")
+        self._validate_stop()
+
+    def _validate_stop(self) -> None:
+        stop = self.stop
+        if isinstance(stop, str):
+            if not stop:
+                raise RequestError("stop must not be an empty string.")
+        elif isinstance(stop, (list, tuple)):
+            for s in stop:
+                if not isinstance(s, str) or not s:
+                    raise RequestError(
+                        f"stop must be a string or a list of non-empty strings; got element {s!r}."
+                    )
+        else:
+            raise RequestError(
+                f"stop must be a string or a list of non-empty strings, got {type(stop).__name__}."
+            )
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise RequestError(
+                f"stop_token_ids must be a list of non-negative ints, got {type(ids).__name__}."
+            )
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, Integral) or t < 0:
+                raise RequestError(
+                    f"stop_token_ids must be a list of non-negative ints; got element {t!r}."
+                )
+
+
+def _int(value: object, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise RequestError(f"{name} must be an int, got {value!r}.")
+
+
+def _real(value: object, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, Real) or value != value:
+        raise RequestError(f"{name} must be a number, got {value!r}.")

@@ -1,0 +1,345 @@
+"""Iteration-level continuous batching: which tokens of which sequences run in the next step.
+
+Pure CPU logic over `Sequence` and `BlockManager`, so every policy here is unit-tested without a
+model. Each `schedule()` builds one step under two budgets, `max_num_seqs` sequences and
+`max_num_batched_tokens` tokens, in this order:
+  1. running decodes (1 token each), then running prefills (the next chunk of a long prompt);
+  2. swapped sequences, swapped back in (only if nothing was preempted in this step);
+  3. waiting requests, admitted in priority order (only if nothing was preempted and nothing is
+     still swapped: admitting more would just thrash).
+With `enable_chunked_prefill` a prompt larger than the remaining budget is split across steps
+(only the final chunk is sampled); without it a prompt runs whole, so the config then requires
+`max_num_batched_tokens >= max_model_len`: a recomputed sequence must always fit in one step.
+
+Prompt blocks are allocated in full at admission (a request's footprint is known at once; chunks
+then never need blocks). When a running sequence cannot get a block, the worst running sequence is
+preempted: by "recompute" (blocks freed, `num_computed_tokens = 0`, back to waiting with its output
+kept so the prefill covers prompt+output) or by "swap" (blocks copied to host memory).
+
+Priority and starvation. Sequences are ordered by the key
+    (arrival_step + priority * aging_steps, arrival)
+i.e. a request of priority p is treated as if it had arrived p * aging_steps steps later (a
+"virtual deadline"). Lower priority values go first, and a waiting request ages: one arriving
+aging_steps * (p - q) steps after it with the better priority q no longer overtakes it. The same
+key orders admission (waiting/swapped heads are never bypassed: if the head does not fit, nothing
+behind it is admitted) and picks preemption victims (the worst key). Guarantee: with priorities
+bounded below (by q_min) and every request finite (max_tokens, max_model_len), a request R is
+overtaken only by requests arriving within aging_steps * (p_R - q_min) steps of it — finitely
+many — each of which finishes; blocks are freed as they finish, R reaches the head, is admitted
+without bypass, and is preempted only for sequences with a better key. `aging_steps=None` gives
+strict priority (FCFS within a priority), which *can* starve a low priority under a steady stream
+of higher ones. Requests that could never run (prompt or full length larger than the whole cache,
+prompt not shorter than max_model_len) are rejected in `add()` with `RequestError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from llmc.errors import RequestError
+from llmc.runtime.block_manager import BlockManager
+from llmc.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
+
+StopFn = Callable[[Sequence], "str | None"]
+
+
+@dataclass
+class SchedulerConfig:
+    """Budgets and policies of the scheduler (see the module docstring)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    max_model_len: int = 2048
+    aging_steps: int | None = 64  # waited steps worth one priority level; None = strict
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
+            raise ValueError("max_num_seqs, max_num_batched_tokens must be >= 1, max_model_len >= 2")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens must be >= max_model_len, "
+                "else a long (re)computed prompt could never be scheduled"
+            )
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: K/V for positions [computed, computed + num_new_tokens)."""
+
+    seq: Sequence
+    num_new_tokens: int
+    is_prefill: bool
+    sample: bool  # False for a non-final prefill chunk: no logits row
+    forks: list[Sequence] = field(default_factory=list)  # siblings sampled from seq's logits row
+    copies: list[tuple[int, int]] = field(default_factory=list)  # this seq's COW pairs
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. The runner applies, in order: swap-out, swap-in, copies, forward."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def blocks_to_copy(self) -> list[tuple[int, int]]:  # (src, dst) device blocks
+        return [pair for e in self.scheduled for pair in e.copies]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.scheduled)
+
+    @property
+    def sampled_seqs(self) -> list[Sequence]:
+        """Sequences that receive a token this step, in sampler-row order."""
+        return [s for e in self.scheduled if e.sample for s in (e.seq, *e.forks)]
+
+    @property
+    def logits_repeats(self) -> list[int]:
+        """Per logits row (one per entry with sample=True): how many sampler rows it feeds."""
+        return [1 + len(e.forks) for e in self.scheduled if e.sample]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides each step's batch; see the module docstring for the policy.
+
+    Example (the engine's step):
+        >>> out = scheduler.schedule()
+        >>> logits = runner.run(out)  # [len(out.logits_repeats), V]
+        >>> rows = logits.repeat_interleave(torch.tensor(out.logits_repeats), dim=0)
+        >>> sampled = sampler(rows, out.sampled_seqs)
+        >>> scheduler.update_after_step(out, sampled.token_ids, sampled.logprobs, stop_checker)
+        >>> done = scheduler.pop_finished()
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.groups: dict[str, SequenceGroup] = {}
+        self._finished: list[SequenceGroup] = []
+        self._step = 0
+        self._arrivals = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        """Queue a request; raises `RequestError` if it is invalid or could never run."""
+        cfg, params, prompt_len = self.config, group.params, len(group.prompt_token_ids)
+        params.validate(cfg.max_model_len)
+        if group.request_id in self.groups:
+            raise RequestError(f"request id {group.request_id!r} is already in use.")
+        if prompt_len == 0:
+            raise RequestError("the prompt is empty; give at least one token.")
+        if prompt_len >= cfg.max_model_len:
+            raise RequestError(
+                f"the prompt has {prompt_len} tokens but the model's context is "
+                f"{cfg.max_model_len}; shorten the prompt to leave room for output."
+            )
+        longest = min(prompt_len + params.max_tokens, cfg.max_model_len)
+        if self.bm.blocks_for(longest) > self.bm.num_blocks:
+            raise RequestError(
+                f"the request needs up to {self.bm.blocks_for(longest)} KV blocks "
+                f"({longest} tokens) but the cache has only {self.bm.num_blocks}; shorten the "
+                "prompt or max_tokens, or give the engine more KV-cache memory."
+            )
+        if params.n > cfg.max_num_seqs:
+            raise RequestError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}.")
+        for seq in group.seqs:
+            seq.arrival, seq.arrival_step = self._arrivals, self._step
+        self._arrivals += 1
+        self.groups[group.request_id] = group
+        self.waiting.append(group.leader)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish every sequence of the request with reason "abort", in any state."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return False
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.finish(seq, "abort")
+        return True
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark `seq` finished ("stop", "length" or "abort") and free its blocks."""
+        group = self.groups[seq.request_id]
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        self.bm.free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.for_reason(reason), reason
+        if seq is group.leader and not group.forked:  # its siblings can never be forked now
+            for sibling in group.pending_forks(seq):
+                sibling.status, sibling.finish_reason = seq.status, reason
+        if group.is_finished:
+            del self.groups[group.request_id]
+            self._finished.append(group)
+
+    def pop_finished(self) -> list[SequenceGroup]:
+        """Requests finished since the last call (for the engine to return to callers)."""
+        done, self._finished = self._finished, []
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    # ---- the step ------------------------------------------------------------------------
+    def _key(self, seq: Sequence) -> tuple[int, int, int]:
+        aging = self.config.aging_steps
+        if aging is None:
+            return (seq.priority, seq.arrival, seq.seq_id)
+        return (seq.arrival_step + seq.priority * aging, seq.arrival, seq.seq_id)
+
+    def _slots(self, seq: Sequence) -> int:
+        return 1 + len(self.groups[seq.request_id].pending_forks(seq))
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        if not seq.is_prefill:
+            return min(1, budget)
+        todo = seq.num_uncomputed_tokens
+        if self.config.enable_chunked_prefill:
+            return min(todo, budget)
+        return todo if todo <= budget else 0
+
+    def _entry(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> ScheduledSeq:
+        sample = seq.num_computed_tokens + n == seq.num_tokens
+        forks = self.groups[seq.request_id].pending_forks(seq) if sample else []
+        return ScheduledSeq(seq, n, seq.is_prefill, sample, forks, copies)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step (see module docstring); mutates queues and block tables."""
+        self._step += 1
+        out, budget = SchedulerOutput(), self.config.max_num_batched_tokens
+        entries: dict[int, ScheduledSeq] = {}  # seq_id -> entry, in scheduling order
+
+        self.running.sort(key=self._key)
+        order = [s for s in self.running if not s.is_prefill] + [
+            s for s in self.running if s.is_prefill
+        ]
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._num_new_tokens(seq, budget)
+            if n == 0:
+                continue
+            while seq.status is SequenceStatus.RUNNING and not self.bm.can_append(seq, n):
+                victim = max(self.running, key=self._key)
+                budget += self._preempt(victim, entries, out)
+            if seq.status is SequenceStatus.RUNNING:
+                entries[seq.seq_id] = self._entry(seq, n, self.bm.append_slots(seq, n))
+                budget -= n
+
+        slots = sum(self._slots(s) for s in self.running)
+        if not out.preempted:
+            self.swapped.sort(key=self._key)
+            while self.swapped and budget > 0:
+                seq = self.swapped[0]
+                n, need = self._num_new_tokens(seq, budget), self._slots(seq)
+                if n == 0 or slots + need > self.config.max_num_seqs:
+                    break
+                if not self.bm.can_swap_in(seq, n):
+                    break
+                out.blocks_to_swap_in.extend(self.bm.swap_in(seq).items())
+                self._move(seq, self.swapped, SequenceStatus.RUNNING)
+                entries[seq.seq_id] = self._entry(seq, n, self.bm.append_slots(seq, n))
+                budget, slots = budget - n, slots + need
+
+        if not out.preempted and not self.swapped:
+            self.waiting.sort(key=self._key)
+            while self.waiting and budget > 0:
+                seq = self.waiting[0]
+                need = self._slots(seq)
+                if slots + need > self.config.max_num_seqs or not self.bm.can_allocate(seq):
+                    break
+                if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
+                    break  # checked before allocating: without chunking it runs whole or not
+                self.bm.allocate(seq)
+                n = self._num_new_tokens(seq, budget)
+                self._move(seq, self.waiting, SequenceStatus.RUNNING)
+                entries[seq.seq_id] = self._entry(seq, n, self.bm.append_slots(seq, n))
+                budget, slots = budget - n, slots + need
+
+        out.scheduled = list(entries.values())
+        return out
+
+    def _move(self, seq: Sequence, source: list[Sequence], status: SequenceStatus) -> None:
+        source.remove(seq)
+        seq.status = status
+        {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
+         SequenceStatus.SWAPPED: self.swapped}[status].append(seq)
+
+    def _preempt(self, victim: Sequence, entries: dict[int, ScheduledSeq], out: SchedulerOutput) -> int:
+        """Preempt `victim`; returns the token budget it gives back if it was already scheduled."""
+        entry = entries.pop(victim.seq_id, None)
+        # A victim with copy-on-write pairs this step cannot be swapped: its swap-out would copy
+        # the destination block before the COW copy filled it (swap-outs run first).
+        swap = (
+            self.config.preemption_mode == "swap"
+            and not (entry and entry.copies)
+            and self.bm.can_swap_out(victim)
+        )
+        if swap:
+            out.blocks_to_swap_out.extend(self.bm.swap_out(victim).items())
+            self._move(victim, self.running, SequenceStatus.SWAPPED)
+        else:
+            self.bm.free(victim)
+            victim.num_computed_tokens = 0
+            self._move(victim, self.running, SequenceStatus.WAITING)
+        out.preempted.append(victim)
+        return entry.num_new_tokens if entry else 0
+
+    def update_after_step(
+        self,
+        out: SchedulerOutput,
+        token_ids: list[int],
+        logprobs: list[float] | None = None,
+        check_stop: StopFn | None = None,
+    ) -> list[Sequence]:
+        """Record a finished step: advance computed tokens, fork siblings, append sampled tokens.
+
+        Args:
+            out: the plan `schedule()` returned for this step.
+            token_ids: one token per `out.sampled_seqs` entry, in that order.
+            logprobs: matching log-probabilities, kept if the request asked for them.
+            check_stop: e.g. a `StopChecker`; returns "stop"/"length"/None for a sequence.
+        Returns:
+            the sequences that finished in this step.
+        """
+        assert len(token_ids) == len(out.sampled_seqs), "one token per sampled sequence"
+        finished, row = [], 0
+        for e in out.scheduled:
+            seq = e.seq
+            targets = (seq, *e.forks) if e.sample else ()
+            row += len(targets)
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted between schedule() and now
+            seq.num_computed_tokens += e.num_new_tokens
+            self.bm.mark_computed(seq)
+            if e.forks:
+                self.groups[seq.request_id].forked = True
+                for child in e.forks:
+                    self.bm.fork(seq, child)
+                    child.status = SequenceStatus.RUNNING
+                    self.running.append(child)
+            for i, target in enumerate(targets, start=row - len(targets)):
+                lp = logprobs[i] if logprobs is not None and target.params.logprobs else None
+                target.append_token(token_ids[i], lp)
+                reason = check_stop(target) if check_stop is not None else None
+                if reason is not None:
+                    self.finish(target, reason)
+                    finished.append(target)
+        return finished

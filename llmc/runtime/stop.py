@@ -1,0 +1,94 @@
+"""When a sequence is done: stop tokens, stop strings, max_tokens and the model's context length.
+
+Stop strings are matched on text, not tokens, because a string like "\\n\\n" can be split across
+tokens in many ways. The text is decoded incrementally (the vLLM / HF streamer scheme): each step
+decodes a small window of tokens ending at the new one and emits only the text that extends the
+previous window, and holds back text ending in U+FFFD, which means a multi-byte character is still
+incomplete. The window starts a few tokens back so that tokenizers which drop a leading space on
+the first token of a decode call still produce the right delta.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from llmc.runtime.sequence import Sequence
+
+Decode = Callable[[list[int]], str]
+
+
+def detokenize_incrementally(seq: Sequence, decode: Decode) -> str:
+    """Append the text of the newest token(s) to `seq.output_text`; returns the new text."""
+    tokens = seq.token_ids
+    prefix_text = decode(tokens[seq.prefix_offset : seq.read_offset])
+    new_text = decode(tokens[seq.prefix_offset :])
+    if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        return ""  # an incomplete character: wait for the next token
+    delta = new_text[len(prefix_text) :]
+    seq.prefix_offset, seq.read_offset = seq.read_offset, len(tokens)
+    seq.output_text += delta
+    return delta
+
+
+class StopChecker:
+    """Decides whether a sequence has finished after a token was appended to it.
+
+    Args:
+        max_model_len: the model's context length; a sequence whose length reaches it has no
+            room for the next token's K/V and finishes with "length".
+        eos_token_id: the end-of-sequence id (or ids: some models have several); None if none.
+        decode: token ids -> text, needed for stop strings and `output_text`; None skips text.
+
+    Example:
+        >>> checker = StopChecker(max_model_len=2048, eos_token_id=2)
+        >>> reason = checker(seq)  # None, "stop" or "length"; also sets seq.stop_reason
+    """
+
+    def __init__(
+        self,
+        max_model_len: int,
+        eos_token_id: int | Iterable[int] | None = None,
+        decode: Decode | None = None,
+    ) -> None:
+        self.max_model_len = max_model_len
+        if eos_token_id is None:
+            self.eos_ids: frozenset[int] = frozenset()
+        elif isinstance(eos_token_id, int):
+            self.eos_ids = frozenset((eos_token_id,))
+        else:
+            self.eos_ids = frozenset(eos_token_id)
+        self.decode = decode
+
+    def __call__(self, seq: Sequence) -> str | None:
+        """Return the finish reason ("stop" / "length") for `seq`, or None to keep going."""
+        params = seq.params
+        token = seq.last_token_id
+        # Stop tokens end the sequence before their text is decoded: they are control tokens.
+        if (not params.ignore_eos and token in self.eos_ids) or token in params.stop_token_ids:
+            seq.stop_reason = token
+            return "stop"
+        if self.decode is not None:
+            delta = detokenize_incrementally(seq, self.decode)
+            stop = _find_stop_string(seq.output_text, len(delta), params.stop_strings)
+            if stop is not None:
+                index, string = stop
+                seq.output_text = seq.output_text[:index]
+                seq.stop_reason = string
+                return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+
+def _find_stop_string(
+    text: str, num_new_chars: int, stops: tuple[str, ...]
+) -> tuple[int, str] | None:
+    """Earliest stop string that ends inside the newly added text, as (start index, string)."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        # Only a match overlapping the new characters is new; older text was checked before.
+        begin = max(0, len(text) - num_new_chars - len(stop) + 1)
+        index = text.find(stop, begin)
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
+    return best
