@@ -1,0 +1,48 @@
+"""The default compile pipeline: one list, in phases.
+
+Users insert their own passes with `pipeline(extra, before=NAME)` / `after=NAME`.
+"""
+from __future__ import annotations
+
+from llmc.errors import CompileError
+from llmc.passes.dead_code import DeadCode
+from llmc.passes.fold_constants import FoldConstants
+from llmc.passes.lift_patterns import LiftPatterns
+from llmc.passes.manager import Pass
+
+
+def default_passes(options: dict | None = None) -> list[Pass]:
+    return [
+        # phase 0: canonicalize and lift LLM patterns
+        DeadCode(),
+        FoldConstants(),
+        LiftPatterns(),
+        DeadCode(),
+        # phase 1: flatten tokens, attention onto the paged KV cache      (paged_kv)
+        # phase 2: quantization: plan, calibrate, materialize             (quantize/*)
+        # phase 3: fusion: horizontal, then vertical                      (fuse_*)
+        # phase 4: lower and plan memory                                  (codegen)
+    ]
+
+
+def pipeline(extra: list[Pass] | None = None, before: str | None = None, after: str | None = None,
+             options: dict | None = None) -> list[Pass]:
+    """The default passes with `extra` inserted before/after the named pass (default: at the end).
+
+    Example:
+        >>> from llmc.passes import pipeline, DeadCode
+        >>> [p.name for p in pipeline([DeadCode()], after="lift_patterns")][:5]
+        ['dead_code', 'fold_constants', 'lift_patterns', 'dead_code', 'dead_code']
+    """
+    passes = default_passes(options)
+    extra = list(extra or [])
+    if before and after:
+        raise CompileError("give before= or after=, not both")
+    anchor = before or after
+    if anchor is None:
+        return passes + extra
+    idx = [i for i, p in enumerate(passes) if p.name == anchor]
+    if not idx:
+        raise CompileError(f"no pass named {anchor!r} in the pipeline: {[p.name for p in passes]}")
+    at = idx[0] if before else idx[0] + 1
+    return passes[:at] + extra + passes[at:]
