@@ -189,6 +189,10 @@ class Graph:
         return dict(sorted(out.items()))
 
     # -- mutation -----------------------------------------------------------------------------
+    def rename(self, v: Value, name: str) -> None:
+        self._names.discard(v.name)
+        v.name = self._claim(name)
+
     def replace_uses(self, old: Value, new: Value) -> None:
         for n in self.nodes:
             n.inputs = [new if v is old else v for v in n.inputs]

@@ -387,3 +387,24 @@ register_op("attention", "attention", ("q", "k", "v"), _attention_infer, _attent
 ELEMENTWISE = family(UNARY) | family(BINARY)
 REDUCE = family("reduce")
 MOVEMENT = family("movement")
+
+
+def _paged_attention_infer(ts, a):
+    q, k, v, cache = ts[:4]
+    if q.rank != 4 or cache.rank != 5:
+        raise IRError("paged_attention takes q [1, Hq, T, D] and kv_cache [2, NB, BS, Hkv, D]")
+    if (len(ts) > 8) != (cache.dtype in ("i8", "f8e4m3")):
+        raise IRError(f"paged_attention: a {cache.dtype} cache {'needs' if len(ts) <= 8 else 'takes no'} kv_scale")
+    return q.with_shape(q.shape[:3] + (v.shape[3],))
+
+
+def _paged_attention_ref(x, a, env):
+    from llmc.ir.paged_attention import paged_attention_ref
+    return paged_attention_ref(x, a, env)
+
+
+register_op("paged_attention", "attention",
+            ("q", "k", "v", "kv_cache", "query_start_loc", "seq_lens", "block_tables", "slot_mapping", "kv_scale?"),
+            _paged_attention_infer, _paged_attention_ref, {"scale": REQUIRED, "causal": True, "window": 0},
+            "writes the new k, v into kv_cache (in place) at slot_mapping, then attends each sequence's "
+            "new queries over its whole cached context; see llmc/ir/paged_attention.py")

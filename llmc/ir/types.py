@@ -171,3 +171,13 @@ def broadcast_shapes(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> tuple[Dim, ...]:
         else:
             raise IRError(f"shapes {list(map(str, a))} and {list(map(str, b))} do not broadcast")
     return tuple(reversed(out))
+
+
+def dim_subs(d: Dim, mapping: dict[str, int | str]) -> Dim:
+    """Substitute base symbols in a dim (`B*S` with {B: 1, S: "T"} gives `T`)."""
+    if isinstance(d, int) or not any(k in d.name for k in mapping):
+        return d
+    expr = sympy.sympify(d.name, locals=_SYMPY_LOCALS(d.name))
+    subs = {sympy.Symbol(k, positive=True, integer=True):
+            (v if isinstance(v, int) else sympy.Symbol(v, positive=True, integer=True)) for k, v in mapping.items()}
+    return make_dim(str(expr.subs(subs)))

@@ -9,16 +9,19 @@ from llmc.passes.dead_code import DeadCode
 from llmc.passes.fold_constants import FoldConstants
 from llmc.passes.lift_patterns import LiftPatterns
 from llmc.passes.manager import Pass
+from llmc.passes.paged_kv import PagedKV
 
 
 def default_passes(options: dict | None = None) -> list[Pass]:
+    opts = options or {}
     return [
         # phase 0: canonicalize and lift LLM patterns
         DeadCode(),
         FoldConstants(),
         LiftPatterns(),
         DeadCode(),
-        # phase 1: flatten tokens, attention onto the paged KV cache      (paged_kv)
+        # phase 1: flatten tokens, attention onto the paged KV cache
+        *([PagedKV(kv_cache_dtype=opts.get("kv_cache_dtype", "auto"))] if opts.get("paged_kv", True) else []),
         # phase 2: quantization: plan, calibrate, materialize             (quantize/*)
         # phase 3: fusion: horizontal, then vertical                      (fuse_*)
         # phase 4: lower and plan memory                                  (codegen)

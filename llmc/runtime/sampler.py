@@ -108,5 +108,6 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-    drop |= (mass_before >= top_p) & (rank > 0)  # rank 0 always survives
+    # rank 0 always survives; top_p == 1 is exempt since the cumsum may round up to 1.0
+    drop |= (mass_before >= top_p) & (rank > 0) & (top_p < 1.0)
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))

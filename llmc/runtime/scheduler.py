@@ -149,7 +149,8 @@ class Scheduler:
                 f"the prompt has {prompt_len} tokens but the model's context is "
                 f"{cfg.max_model_len}; shorten the prompt to leave room for output."
             )
-        longest = min(prompt_len + params.max_tokens, cfg.max_model_len)
+        # The last generated token never needs K/V, hence the - 1.
+        longest = min(prompt_len + params.max_tokens, cfg.max_model_len) - 1
         if self.bm.blocks_for(longest) > self.bm.num_blocks:
             raise RequestError(
                 f"the request needs up to {self.bm.blocks_for(longest)} KV blocks "

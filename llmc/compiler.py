@@ -1,0 +1,112 @@
+"""`llmc.compile`: frontend ▸ pass pipeline ▸ artifact."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from llmc.errors import CompileError
+from llmc.ir.graph import Graph
+from llmc.passes.manager import Pass, PassContext, PassManager
+from llmc.runtime.artifact import Artifact, save_artifact
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_model(model: str | Path) -> tuple[Path, str]:
+    """A model argument as a local directory: `builtin:NAME` or a path. Returns (dir, source label)."""
+    s = str(model)
+    if s.startswith("builtin:"):
+        from llmc.models import builtin_dir
+        try:
+            return Path(builtin_dir(s.split(":", 1)[1])), s
+        except (ValueError, FileNotFoundError) as e:
+            raise CompileError(str(e)) from None
+    p = Path(s).expanduser()
+    if p.suffix == ".onnx":
+        raise CompileError(f"{p}: ONNX import is not available in this version of llmc; export the model "
+                           "as a Hugging Face directory or pass an nn.Module to llmc.compile")
+    return p, str(p.resolve())
+
+
+def capture(model: Any, example_inputs: Sequence[torch.Tensor] | None = None, dtype: str = "float32",
+            dynamic: dict | None = None) -> tuple[Graph, str, list[Path]]:
+    """Run the right frontend. Returns the graph, a source label and the tokenizer files to ship."""
+    if dtype not in DTYPES:
+        raise CompileError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if isinstance(model, torch.nn.Module):
+        if example_inputs is None:
+            raise CompileError("compiling an nn.Module needs example_inputs (a tuple of tensors)")
+        from llmc.frontend.torch_export import capture as capture_module
+        names = [p for p in inspect.signature(model.forward).parameters][:len(example_inputs)]
+        model = model.to(DTYPES[dtype]).eval() if dtype != "float32" else model.eval()
+        g = capture_module(model, example_inputs, names, dynamic, name=type(model).__name__.lower())
+        return g, f"module:{type(model).__qualname__}", []
+    from llmc.frontend.hf import TOKENIZER_FILES, capture_hf
+    path, source = resolve_model(model)
+    g = capture_hf(path, DTYPES[dtype])
+    return g, source, [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
+
+
+def compile(model: Any, output: str | Path | None = None, *, example_inputs=None, dtype: str = "float32",
+            passes: Sequence[Pass] | None = None, before: str | None = None, after: str | None = None,
+            dynamic: dict | None = None, verify: bool = False, dump_ir: str | Path | None = None,
+            progress: bool = False, **options) -> Artifact:
+    """Compile a model into an artifact.
+
+    Args:
+        model: a local Hugging Face directory, `builtin:NAME`, or an `nn.Module` (with `example_inputs`).
+        output: the artifact directory to write; a temporary directory when None.
+        dtype: float32, float16 or bfloat16.
+        passes: extra passes, inserted `before`/`after` a named pass (default: at the end).
+        dynamic: for an nn.Module: {input name: {dim index: (symbol, min, max)}}.
+        verify: verify the graph after every pass (tests turn this on).
+        dump_ir: a directory to write the IR after every pass.
+    Returns:
+        The written Artifact.
+
+    Example:
+        >>> art = llmc.compile("builtin:tiny-py", "tiny.llmc")      # doctest: +SKIP
+        >>> art.summary()["op_counts"]["attention"]                  # doctest: +SKIP
+    """
+    from llmc.passes.pipeline import pipeline
+    bar = _Progress(progress)
+    with bar:
+        bar.step("capturing with torch.export")
+        graph, source, tok_files = capture(model, example_inputs, dtype, dynamic)
+        plist = pipeline(list(passes or []), before=before, after=after, options=options)
+        bar.step(f"running {len(plist)} passes")
+        graph = PassManager(plist, verify=verify, dump_dir=dump_ir,
+                            progress=lambda p: bar.step(f"pass {p.name}")).run(graph, PassContext(options=dict(options)))
+        out = Path(output) if output is not None else Path(tempfile.mkdtemp(prefix="llmc-")) / "model.llmc"
+        bar.step(f"writing {out}")
+        opts = {"dtype": dtype, **{k: v for k, v in options.items() if isinstance(v, (str, int, float, bool))}}
+        return save_artifact(graph, out, source, opts, tok_files)
+
+
+class _Progress:
+    """A rich spinner with the current compile step, or nothing when not on a terminal / not asked."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self._p, self._t = enabled, None, None
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+            self._p = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True)
+            self._p.__enter__()
+            self._t = self._p.add_task("compiling", total=None)
+        return self
+
+    def step(self, msg: str) -> None:
+        if self._p:
+            self._p.update(self._t, description=msg)
+
+    def __exit__(self, *exc):
+        if self._p:
+            self._p.__exit__(*exc)
+        return False
