@@ -303,6 +303,42 @@ def _cat(L, xs, dim=0):
     return L.emit("concat", vals, dim=dim % vals[0].type.rank)
 
 
+def _split_at(L, x, sizes, dim):
+    v = L.val(x)
+    d, start, outs = dim % v.type.rank, 0, []
+    for n in sizes:
+        outs.append(L.emit("slice", [v], dim=d, start=start, end=start + n, step=1))
+        start += n
+    return tuple(outs)
+
+
+def _static_size(L, v, d):
+    size = v.type.shape[d]
+    if not isinstance(size, int):
+        raise CompileError(f"splitting a symbolic dim ({size}) is not supported")
+    return size
+
+
+@lowering(aten.chunk)
+def _chunk(L, x, chunks, dim=0):
+    v = L.val(x)
+    size = _static_size(L, v, dim % v.type.rank)
+    step = -(-size // chunks)
+    return _split_at(L, x, [min(step, size - i) for i in range(0, size, step)], dim)
+
+
+@lowering(aten.split.Tensor)
+def _split(L, x, split_size, dim=0):
+    v = L.val(x)
+    size = _static_size(L, v, dim % v.type.rank)
+    return _split_at(L, x, [min(split_size, size - i) for i in range(0, size, split_size)], dim)
+
+
+@lowering(aten.split_with_sizes)
+def _split_sizes(L, x, sizes, dim=0):
+    return _split_at(L, x, list(sizes), dim)
+
+
 @lowering(aten.index_select)
 def _index_select(L, x, dim, index):
     return L.emit("gather", [L.val(x), L.val(index)], dim=dim)

@@ -39,6 +39,7 @@ def _write(cache: torch.Tensor, scale: torch.Tensor | None, which: int, new: tor
     amax = new.float().abs().amax(dim=-1)  # [t, Hkv]
     need = torch.zeros(NB, new.shape[1], device=new.device).index_reduce_(0, blocks, amax / qmax, "amax")
     old = scale[which]  # [NB, Hkv]
+    old[blocks[slots % BS == 0]] = 0.0  # a write at offset 0 starts a block afresh: forget a reused block's scale
     grown = need > old
     if grown.any():
         # rescale the blocks' existing entries to the larger scale so that one scale covers them all

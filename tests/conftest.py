@@ -1,0 +1,97 @@
+"""Shared fixtures: tiny models of each supported architecture, saved as local HF directories."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+TOKENIZER_TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "import os\nimport sys\n\nif __name__ == '__main__':\n    main()\n",
+    "The quick brown fox jumps over the lazy dog. Hello world!",
+]
+VOCAB = 320
+
+
+def build_tokenizer(out: Path, vocab_size: int = VOCAB) -> None:
+    """A byte-level BPE tokenizer trained on a few lines: real, tiny, and built offline in milliseconds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TOKENIZER_TEXT * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.save_pretrained(str(out))
+
+
+def _common(**kw):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=0,
+                pad_token_id=0)
+    base.update(kw)
+    return base
+
+
+def make_config(arch: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    if arch == "llama":  # Llama-3 rope scaling, untied head
+        return LlamaConfig(**_common(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                                     tie_word_embeddings=False), architectures=["LlamaForCausalLM"])
+    if arch == "qwen2":  # attention biases, tied embeddings, a sliding-window layer
+        return Qwen2Config(**_common(tie_word_embeddings=True, use_sliding_window=True, sliding_window=6,
+                                     max_window_layers=1, layer_types=["full_attention", "sliding_attention"]),
+                           architectures=["Qwen2ForCausalLM"])
+    if arch == "mistral":  # sliding window on every layer, head_dim not hidden/heads
+        return MistralConfig(**_common(sliding_window=5, head_dim=24), architectures=["MistralForCausalLM"])
+    raise ValueError(arch)
+
+
+def make_model_dir(root: Path, arch: str, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+    out = root / arch
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(arch)).eval()
+    with torch.no_grad():  # larger weights than the init give peaked, non-degenerate logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(str(out))
+    build_tokenizer(out)
+    return out
+
+
+ARCHS = ["llama", "qwen2", "mistral"]
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def arch_dir(request, model_root) -> Path:
+    return make_model_dir(model_root, request.param)
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_root) -> Path:
+    return make_model_dir(model_root, "llama")
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
