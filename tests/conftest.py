@@ -95,3 +95,17 @@ def llama_dir(model_root) -> Path:
 def hf_model(path: Path):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="session")
+def llama_artifact(llama_dir, tmp_path_factory):
+    import llmc
+    return llmc.compile(llama_dir, tmp_path_factory.mktemp("art") / "llama.llmc")
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """HF generate(do_sample=False) continuation of `ids`, stopping at eos like llmc does."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()

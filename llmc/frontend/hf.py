@@ -54,6 +54,9 @@ class _Forward(torch.nn.Module):
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
     """Load a supported local HF causal LM in eval mode with llmc's attention implementation."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # llmc shows its own progress; keep stderr to one line per error
+    hf_logging.set_verbosity_error()
     path = Path(path)
     read_config(path)
     attn = register_hf_attention()

@@ -384,7 +384,7 @@ def _register_custom_lowerings():
 # ---------------------------------------------------------------------------------------------
 
 def capture(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], input_names: Sequence[str],
-            dynamic: dict[str, dict[int, tuple[str, int, int]]] | None = None, name: str = "main") -> Graph:
+            dynamic: dict[str, dict[int, tuple[str, int, int]]] | str | None = None, name: str = "main") -> Graph:
     """Export `module` and lift it to an llmc Graph.
 
     Args:
@@ -392,23 +392,29 @@ def capture(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], inp
         example_inputs: one tensor per input.
         input_names: the graph input names, in order.
         dynamic: per input name, {dim index: (symbol name, min, max)}; symbols shared by name.
+            "auto": every dim dynamic where the code allows, named `<input>_<dim>` (for patterns).
     Returns:
         A Graph whose params hold the module's weights and buffers.
     """
     _register_custom_lowerings()
-    dynamic = dynamic or {}
+    auto = dynamic == "auto"
+    dynamic = {} if auto or not dynamic else dynamic
     dims = {}
-    spec = []
-    for nm in input_names:
+    spec = [{i: torch.export.Dim.AUTO for i in range(t.dim())} or None for t in example_inputs] if auto else []
+    for nm in input_names if not auto else []:
         d = {}
         for i, (sym, lo, hi) in dynamic.get(nm, {}).items():
             if sym not in dims:
                 dims[sym] = torch.export.Dim(sym, min=lo, max=hi)
             d[i] = dims[sym]
         spec.append(d or None)
+    shapes = tuple(spec)
+    import inspect
+    if any(p.kind == p.VAR_POSITIONAL for p in inspect.signature(module.forward).parameters.values()):
+        shapes = (shapes,)  # forward(*args): the spec of `args` is one nested tuple
     try:
         with torch.no_grad():
-            ep = torch.export.export(module, tuple(example_inputs), dynamic_shapes=tuple(spec), strict=False)
+            ep = torch.export.export(module, tuple(example_inputs), dynamic_shapes=shapes, strict=False)
     except CompileError:
         raise
     except Exception as e:  # torch's own message is long; keep its first lines
@@ -422,6 +428,10 @@ def capture(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], inp
     for spec_, nm in zip(user_inputs, input_names):
         val = placeholders[spec_.arg.name].meta["val"]
         for i, s in enumerate(val.shape):
+            if auto and isinstance(s, torch.SymInt) and str(s.node.expr) not in symbols \
+                    and s.node.expr.is_Symbol:
+                symbols[str(s.node.expr)] = f"{nm}_{i}"
+                g.add_dim(f"{nm}_{i}", 0, None)
             if isinstance(s, torch.SymInt) and i in dynamic.get(nm, {}):
                 sym, lo, hi = dynamic[nm][i]
                 symbols[str(s.node.expr)] = sym

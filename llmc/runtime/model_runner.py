@@ -133,9 +133,15 @@ class ModelRunner:
         for t in self.kv.values():
             t[:, dst] = t[:, src]
 
-    def swap(self, mapping: dict[int, int] | list[tuple[int, int]], to_host: bool) -> None:
-        """Move blocks between device and host caches: (device block, host block) pairs."""
-        pairs = list(mapping.items()) if isinstance(mapping, dict) else list(mapping)
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (device block, host block) pairs to host memory (swap preemption)."""
+        self._swap(pairs, to_host=True)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (host block, device block) pairs back to the device."""
+        self._swap([(d, h) for h, d in pairs], to_host=False)
+
+    def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
         if not pairs:
             return
         if not self.host_kv:

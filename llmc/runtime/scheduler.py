@@ -58,9 +58,13 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
-            raise ValueError("max_num_seqs, max_num_batched_tokens must be >= 1, max_model_len >= 2")
+            raise ValueError(
+                "max_num_seqs and max_num_batched_tokens must be >= 1, max_model_len >= 2"
+            )
         if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "without chunked prefill max_num_batched_tokens must be >= max_model_len, "
@@ -283,8 +287,14 @@ class Scheduler:
         {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
          SequenceStatus.SWAPPED: self.swapped}[status].append(seq)
 
-    def _preempt(self, victim: Sequence, entries: dict[int, ScheduledSeq], out: SchedulerOutput) -> int:
-        """Preempt `victim`; returns the token budget it gives back if it was already scheduled."""
+    def _preempt(
+        self, victim: Sequence, entries: dict[int, ScheduledSeq], out: SchedulerOutput
+    ) -> int:
+        """Preempt `victim`; returns the token budget it gives back if it was already scheduled.
+
+        With prompts allocated whole at admission only decodes (taken in key order) need blocks,
+        so a victim is never already scheduled today; the refund keeps this correct if that
+        changes (incremental prefill allocation, multi-token speculative decodes)."""
         entry = entries.pop(victim.seq_id, None)
         # A victim with copy-on-write pairs this step cannot be swapped: its swap-out would copy
         # the destination block before the COW copy filled it (swap-outs run first).

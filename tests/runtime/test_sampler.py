@@ -1,0 +1,154 @@
+"""Sampler: greedy, seeding, filters and penalties against direct formulas."""
+
+import math
+
+import pytest
+import torch
+
+from llmc.runtime.sampler import Sampler
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sequence import Sequence, SequenceGroup
+
+V = 50
+
+
+def seq(prompt=(1, 2, 3), output=(), **params):
+    s = Sequence("r", list(prompt), SamplingParams(**params), seed=params.get("seed"))
+    for t in output:
+        s.append_token(t)
+    return s
+
+
+def rand_logits(n, v=V, seed=0):
+    return torch.randn(n, v, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_with_ties_to_lowest_id():
+    logits = rand_logits(4)
+    logits[3] = 0.0
+    logits[3, [7, 3, 11]] = 5.0  # a three-way tie
+    out = Sampler()(logits, [seq(temperature=0.0) for _ in range(4)])
+    expected = logits.argmax(-1).tolist()
+    expected[3] = 3
+    assert out.token_ids == expected
+
+
+def test_logprobs_are_log_softmax_of_processed_logits():
+    logits = rand_logits(3)
+    seqs = [seq(temperature=0.7, seed=1), seq(temperature=0.0), seq(temperature=1.3, seed=2)]
+    out = Sampler()(logits, seqs)
+    for i, (s, t) in enumerate(zip(seqs, out.token_ids)):
+        temp = s.params.temperature or 1.0
+        expected = torch.log_softmax(logits[i] / temp, -1)[t].item()
+        assert out.logprobs[i] == pytest.approx(expected, abs=1e-5)
+
+
+def test_seeded_sampling_repeats_and_depends_on_seed():
+    logits = torch.zeros(1, 1000)  # uniform: any two seeds disagree almost surely
+    def draws(seed):
+        s = seq(seed=seed)
+        return [Sampler()(logits, [s]).token_ids[0] for _ in range(6)]
+    assert draws(123) == draws(123)
+    assert draws(123) != draws(124)
+
+
+def test_seed_is_independent_of_batch_composition():
+    logits = rand_logits(3, v=200)
+    alone = Sampler()(logits[1:2], [seq(seed=5)]).token_ids
+    batched = Sampler()(logits, [seq(seed=9), seq(seed=5), seq()]).token_ids
+    assert batched[1] == alone[0]
+
+
+def test_n_samples_with_seed_use_seed_plus_index():
+    group = SequenceGroup("g", [1, 2], SamplingParams(n=3, seed=40))
+    logits = torch.zeros(3, 1000)
+    got = Sampler()(logits, group.seqs).token_ids
+    for i in range(3):
+        g = torch.Generator().manual_seed(40 + i)
+        assert got[i] == torch.multinomial(torch.softmax(logits[i], -1), 1, generator=g).item()
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy():
+    logits = rand_logits(6)
+    logits[5] = 0.0
+    logits[5, [9, 4]] = 2.0  # tie at the top: filters must keep the lowest id like argmax
+    greedy = Sampler()(logits, [seq(temperature=0.0) for _ in range(6)]).token_ids
+    for trial in range(3):
+        top_k = Sampler()(logits, [seq(top_k=1, seed=trial) for _ in range(6)]).token_ids
+        top_p = Sampler()(logits, [seq(top_p=1e-6, seed=trial) for _ in range(6)]).token_ids
+        assert top_k == greedy and top_p == greedy
+
+
+def test_top_k_keeps_exactly_k_best():
+    logits = rand_logits(2)
+    processed = Sampler().process(logits, [seq(top_k=5), seq(top_k=-1)])
+    kept = torch.isfinite(processed[0])
+    assert kept.sum() == 5
+    assert set(kept.nonzero().flatten().tolist()) == set(logits[0].topk(5).indices.tolist())
+    assert torch.equal(processed[1], logits[1])
+
+
+def test_top_p_matches_direct_definition():
+    logits = rand_logits(3)
+    for p in (0.3, 0.6, 0.9):
+        processed = Sampler().process(logits, [seq(top_p=p) for _ in range(3)])
+        for i in range(3):
+            probs = torch.softmax(logits[i], -1)
+            order = probs.argsort(descending=True).tolist()
+            keep, mass = set(), 0.0
+            for t in order:  # smallest prefix of the ranking whose mass reaches p
+                keep.add(t)
+                mass += probs[t].item()
+                if mass >= p:
+                    break
+            assert set(torch.isfinite(processed[i]).nonzero().flatten().tolist()) == keep
+
+
+def test_min_p_filters_relative_to_top_probability():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]]))
+    processed = Sampler().process(logits, [seq(min_p=0.15)])  # floor = 0.075
+    assert torch.isfinite(processed[0]).tolist() == [True, True, True, False, False]
+    for _ in range(20):
+        assert Sampler()(logits, [seq(min_p=0.15)]).token_ids[0] in (0, 1, 2)
+
+
+def test_penalties_match_direct_formula():
+    logits = rand_logits(1)[0]
+    prompt, output = [1, 2, 3, 3], [3, 7, 7, 7, 40]
+    s = seq(prompt, output, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)
+    processed = Sampler().process(logits[None], [s])[0]
+    expected = logits.clone()
+    for t in set(prompt + output):  # HF repetition penalty over prompt+output
+        x = expected[t].item()
+        expected[t] = x / 1.3 if x > 0 else x * 1.3
+    for t in set(output):  # OpenAI penalties over output only
+        expected[t] -= 0.25 * output.count(t) + 0.5
+    torch.testing.assert_close(processed, expected)
+    untouched = [t for t in range(V) if t not in prompt + output]
+    assert torch.equal(processed[untouched], logits[untouched])
+
+
+def test_repetition_penalty_makes_seen_tokens_less_likely_either_sign():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    processed = Sampler().process(logits, [seq(prompt=[0, 1], repetition_penalty=2.0)])
+    assert processed[0].tolist() == [1.0, -4.0, 1.0, 0.5]
+
+
+def test_temperature_scales_logits_and_rows_are_independent():
+    logits = rand_logits(2)
+    seqs = [seq(temperature=0.5), seq(temperature=0.0, frequency_penalty=1.0, output=[4])]
+    processed = Sampler().process(logits, seqs)
+    torch.testing.assert_close(processed[0], logits[0] / 0.5)
+    expected = logits[1].clone()
+    expected[4] -= 1.0
+    torch.testing.assert_close(processed[1], expected)
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    s = seq(seed=0)
+    counts = [0, 0, 0]
+    for _ in range(2000):
+        counts[Sampler()(logits, [s]).token_ids[0]] += 1
+    for c, p in zip(counts, (0.7, 0.2, 0.1)):
+        assert math.isclose(c / 2000, p, abs_tol=0.04), counts

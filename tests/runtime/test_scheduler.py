@@ -1,0 +1,200 @@
+"""Scheduler policies on hand-built scenarios, driven through the fake engine (conftest.py)."""
+
+import pytest
+
+from llmc.errors import RequestError
+from llmc.runtime.block_manager import BlockManager
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.scheduler import Scheduler, SchedulerConfig
+from llmc.runtime.sequence import SequenceGroup, SequenceStatus
+
+
+def cfg(**kw):
+    kw.setdefault("max_model_len", 64)
+    return SchedulerConfig(**kw)
+
+
+def test_chunked_prefill_respects_token_budget(fake_engine):
+    eng = fake_engine(cfg(max_num_batched_tokens=8), num_blocks=32)
+    long = eng.add("long", list(range(20)), max_tokens=3).leader
+    plans = [eng.step() for _ in range(3)]
+    assert [[(e.num_new_tokens, e.sample) for e in p.scheduled] for p in plans] == [
+        [(8, False)], [(8, False)], [(4, True)]]
+    assert long.num_output_tokens == 1 and long.num_computed_tokens == 20
+    short = eng.add("short", [1, 2, 3], max_tokens=2).leader
+    eng.add("big", list(range(30)), max_tokens=1)
+    p = eng.step()  # decode first, then admit: short prompt whole, big gets the rest (8-1-3)
+    assert [(e.seq, e.num_new_tokens, e.is_prefill) for e in p.scheduled] == [
+        (long, 1, False), (short, 3, True), (eng.groups[2].leader, 4, True)]
+    while eng.sched.has_unfinished():
+        assert eng.step().num_batched_tokens <= 8
+    eng.assert_drained()
+
+
+def test_without_chunking_prompts_run_whole():
+    config = SchedulerConfig(
+        max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False
+    )
+    sched = Scheduler(config, BlockManager(32, 4))
+    sched.add(SequenceGroup("a", list(range(10)), SamplingParams()))
+    sched.add(SequenceGroup("b", list(range(10)), SamplingParams()))
+    out = sched.schedule()
+    assert [e.num_new_tokens for e in out.scheduled] == [10]  # b must wait for a fresh budget
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_model_len"):
+        SchedulerConfig(max_num_batched_tokens=8, max_model_len=16, enable_chunked_prefill=False)
+
+
+def test_priority_orders_admission(fake_engine):
+    eng = fake_engine(cfg(max_num_seqs=1), num_blocks=32)
+    for rid, prio in (("low", 2), ("high", 0), ("mid", 1), ("high2", 0)):
+        eng.add(rid, [1, 2, 3], priority=prio, max_tokens=2)
+    order = []
+    while eng.sched.has_unfinished():
+        for e in eng.step().scheduled:
+            if e.is_prefill:
+                order.append(e.seq.request_id)
+    assert order == ["high", "high2", "mid", "low"]
+    eng.assert_drained()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_picks_lowest_priority(fake_engine, mode):
+    # 4 blocks of 4: the three requests fill 3 blocks, the first decode block then preempts.
+    eng = fake_engine(cfg(preemption_mode=mode), num_blocks=4, num_cpu_blocks=8)
+    a = eng.add("a", [1, 2, 3, 4], priority=0, max_tokens=6).leader
+    b = eng.add("b", [5, 6, 7, 8], priority=2, max_tokens=6).leader
+    c = eng.add("c", [9, 9, 9, 9], priority=1, max_tokens=6).leader
+    eng.step()  # prefill all three
+    out = eng.step()  # a takes the last free block; c then needs one -> the worst key, b, goes
+    assert out.preempted == [b]
+    assert [e.seq for e in out.scheduled] == [a, c]
+    if mode == "swap":
+        assert b.status is SequenceStatus.SWAPPED and len(out.blocks_to_swap_out) == 1
+        assert b.num_computed_tokens == 4
+    else:
+        assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
+        assert not out.blocks_to_swap_out
+    assert b.num_output_tokens == 1  # generated tokens are kept
+    eng.run_until_done()
+    eng.assert_drained()
+    assert all(s.num_output_tokens == 6 for s in (a, b, c))
+
+
+def test_recompute_prefills_prompt_plus_output(fake_engine):
+    eng = fake_engine(cfg(), num_blocks=3, prefix_caching=False)
+    a = eng.add("a", [1, 2, 3, 4], priority=0, max_tokens=5).leader
+    b = eng.add("b", [5, 6, 7], priority=1, max_tokens=5).leader
+    eng.step()
+    eng.step()  # a decodes into a second block: all 3 blocks used; b's next decode preempts b
+    out = eng.step()
+    assert out.preempted == [b] and b.status is SequenceStatus.WAITING
+    b_tokens = b.num_tokens
+    for _ in range(20):
+        mine = [e for e in eng.step().scheduled if e.seq is b]
+        if mine:
+            break
+    assert mine[0].is_prefill and mine[0].num_new_tokens == b_tokens and mine[0].sample
+    eng.run_until_done()
+    eng.assert_drained()
+
+
+def test_aging_prevents_starvation(fake_engine):
+    """One sequence at a time, a new urgent request every step: with aging the patient request
+    runs within a bounded number of steps; with strict priority it never does."""
+    def run(aging):
+        eng = fake_engine(cfg(max_num_seqs=1, aging_steps=aging), num_blocks=64)
+        patient = eng.add("patient", [1, 2], priority=5, max_tokens=1).leader
+        for i in range(60):
+            eng.add(f"urgent{i}", [3, 4], priority=0, max_tokens=2)
+            eng.step()
+            if patient.is_finished:
+                return sum(g.is_finished for g in eng.groups[1:])
+        return None
+    # Priority 5 with aging_steps=2 is a 10-step handicap: only the urgent requests that arrived
+    # within 10 steps of the patient one (keys 0..9) may overtake it.
+    assert run(aging=2) == 10
+    assert run(aging=None) is None
+
+
+def test_abort_in_every_state_frees_blocks(fake_engine):
+    eng = fake_engine(cfg(max_num_batched_tokens=4, preemption_mode="swap"), num_blocks=6,
+                      num_cpu_blocks=6)
+    waiting = eng.add("waiting", [7] * 8, priority=3, max_tokens=4)
+    prefilling = eng.add("prefilling", list(range(10)), priority=0, n=2, max_tokens=4)
+    eng.step()
+    assert prefilling.leader.status is SequenceStatus.RUNNING and prefilling.leader.is_prefill
+    assert eng.sched.abort("prefilling") and eng.sched.abort("waiting")
+    assert all(s.finish_reason == "abort" for s in prefilling.seqs + waiting.seqs)
+    assert eng.bm.num_used_blocks == 0
+    assert not eng.sched.abort("prefilling")  # already gone
+    # forked and swapped
+    forked = eng.add("forked", [1, 2, 3], priority=0, n=3, max_tokens=12)
+    other = eng.add("other", [4, 5, 6], priority=1, max_tokens=12)
+    for _ in range(50):
+        if any(s.status is SequenceStatus.SWAPPED for s in forked.seqs + other.seqs):
+            break
+        eng.step()
+    assert any(s.status is SequenceStatus.SWAPPED for s in forked.seqs + other.seqs)
+    assert eng.sched.abort("other") and eng.sched.abort("forked")
+    eng.check_invariants()
+    eng.assert_drained()
+    assert [g.request_id for g in eng.sched.pop_finished()] == [
+        "prefilling", "waiting", "other", "forked"]
+
+
+def test_abort_between_schedule_and_update(fake_engine):
+    eng = fake_engine(cfg(), num_blocks=8)
+    eng.add("a", [1, 2, 3], max_tokens=4)
+    out = eng.sched.schedule()
+    eng.sched.abort("a")
+    assert eng.sched.update_after_step(out, [0]) == []
+    eng.assert_drained()
+
+
+def test_requests_that_can_never_run_are_rejected():
+    sched = Scheduler(cfg(max_num_seqs=2), BlockManager(num_blocks=4, block_size=4))
+    with pytest.raises(RequestError, match="cache has only 4"):
+        sched.add(SequenceGroup("big", list(range(17)), SamplingParams(max_tokens=1)))
+    with pytest.raises(RequestError, match="cache has only 4"):  # fits now, not when grown
+        sched.add(SequenceGroup("grows", list(range(10)), SamplingParams(max_tokens=8)))
+    with pytest.raises(RequestError, match="shorten the prompt"):
+        sched.add(SequenceGroup("ctx", list(range(64)), SamplingParams()))
+    with pytest.raises(RequestError, match="prompt is empty"):
+        sched.add(SequenceGroup("empty", [], SamplingParams()))
+    with pytest.raises(RequestError, match="exceeds max_num_seqs"):
+        sched.add(SequenceGroup("n", [1], SamplingParams(n=3)))
+    with pytest.raises(RequestError, match="top_p"):
+        sched.add(SequenceGroup("p", [1], SamplingParams(top_p=0)))
+    sched.add(SequenceGroup("ok", list(range(10)), SamplingParams(max_tokens=7)))  # 16 K/V
+    with pytest.raises(RequestError, match="already in use"):
+        sched.add(SequenceGroup("ok", [1], SamplingParams()))
+    assert not sched.waiting[1:]
+
+
+def test_n_samples_fork_share_prompt_blocks_then_copy_on_write(fake_engine):
+    eng = fake_engine(cfg(), num_blocks=16, vocab=50)
+    group = eng.add("g", list(range(10)), n=4, max_tokens=3)
+    out = eng.step()
+    (entry,) = out.scheduled
+    assert entry.seq is group.leader and entry.forks == group.seqs[1:] and out.logits_repeats == [4]
+    assert len(out.sampled_seqs) == 4
+    table = list(group.leader.block_table)
+    assert all(s.block_table == table for s in group.seqs)
+    assert all(eng.bm.ref_count(b) == 4 for b in table)
+    out = eng.step()  # each writes position 10 into the shared partial last block
+    assert len(out.blocks_to_copy) == 3 and all(src == table[-1] for src, _ in out.blocks_to_copy)
+    assert all(eng.bm.ref_count(b) == 4 for b in table[:2])
+    assert len({s.block_table[-1] for s in group.seqs}) == 4
+    eng.run_until_done()
+    eng.assert_drained()
+
+
+def test_prefix_cache_shared_across_requests(fake_engine):
+    eng = fake_engine(cfg(), num_blocks=16)
+    eng.add("a", [1] * 12 + [2], max_tokens=2)
+    eng.run_until_done()
+    eng.add("b", [1] * 12 + [3, 3], max_tokens=2)
+    out = eng.step()
+    assert out.scheduled[0].num_new_tokens == 2 and eng.bm.stats.prefix_cache_hit_tokens == 12
+    eng.run_until_done()
+    eng.assert_drained()

@@ -1,0 +1,85 @@
+"""StopChecker: stop tokens, stop strings on incrementally decoded text, length limits."""
+
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sequence import Sequence
+from llmc.runtime.stop import StopChecker, detokenize_incrementally
+
+VOCAB = ["<s>", "</s>", "a", "b", " ", "\n", "END", "x"]
+
+
+def decode(ids):
+    return "".join(VOCAB[i] for i in ids)
+
+
+def run(tokens, prompt=(0,), max_model_len=100, eos=1, **params):
+    s = Sequence("r", list(prompt), SamplingParams(**params))
+    check = StopChecker(max_model_len, eos_token_id=eos, decode=decode)
+    for t in tokens:
+        s.append_token(t)
+        reason = check(s)
+        if reason:
+            return s, reason
+    return s, None
+
+
+def test_eos_stops_unless_ignored():
+    s, reason = run([2, 1, 3])
+    assert reason == "stop" and s.output_token_ids == [2, 1] and s.stop_reason == 1
+    assert s.output_text == "a"  # the eos token is not decoded into the text
+    s, reason = run([2, 1, 3], ignore_eos=True)
+    assert reason is None and s.output_text == "a</s>b"
+
+
+def test_several_eos_ids_and_stop_token_ids():
+    checker = StopChecker(100, eos_token_id=[1, 7])
+    s = Sequence("r", [0], SamplingParams())
+    s.append_token(7)
+    assert checker(s) == "stop"
+    s, reason = run([2, 3, 6, 2], stop_token_ids=[6])
+    assert reason == "stop" and s.stop_reason == 6 and s.num_output_tokens == 3
+
+
+def test_stop_string_truncates_text_and_can_span_tokens():
+    s, reason = run([2, 5, 5, 3], stop=["\n\n"])
+    assert reason == "stop" and s.output_text == "a" and s.stop_reason == "\n\n"
+    s, reason = run([2, 3, 6, 2], stop="END")
+    assert reason == "stop" and s.output_text == "ab"
+    s, reason = run([2, 3, 4, 2], stop=["zz"])
+    assert reason is None and s.output_text == "ab a"
+
+
+def test_earliest_stop_string_wins():
+    s, reason = run([2, 3, 2, 3], stop=["ba", "ab"])
+    assert reason == "stop" and s.output_text == "" and s.stop_reason == "ab"
+
+
+def test_stop_string_in_prompt_does_not_stop():
+    s, reason = run([3], prompt=(2, 5, 5), stop=["\n\n"], max_tokens=5)
+    assert reason is None and s.output_text == "b"
+
+
+def test_max_tokens_and_max_model_len_give_length():
+    s, reason = run([2, 2, 2, 2], max_tokens=3)
+    assert reason == "length" and s.num_output_tokens == 3
+    s, reason = run([2] * 10, prompt=(0, 0, 0), max_model_len=6, max_tokens=50)
+    assert reason == "length" and s.num_tokens == 6
+
+
+def test_incomplete_utf8_character_is_held_back():
+    byte_vocab = {0: b"h", 1: "é".encode()[:1], 2: "é".encode()[1:], 3: b"!"}
+    dec = lambda ids: b"".join(byte_vocab[i] for i in ids).decode("utf-8", errors="replace")
+    s = Sequence("r", [0], SamplingParams())
+    deltas = []
+    for t in (1, 2, 3):
+        s.append_token(t)
+        deltas.append(detokenize_incrementally(s, dec))
+    assert deltas == ["", "é", "!"] and s.output_text == "é!"
+
+
+def test_without_decode_only_tokens_and_lengths_matter():
+    check = StopChecker(100, eos_token_id=None)
+    s = Sequence("r", [0], SamplingParams(stop=["a"], max_tokens=2))
+    s.append_token(2)
+    assert check(s) is None and s.output_text == ""
+    s.append_token(2)
+    assert check(s) == "length"

@@ -1,0 +1,145 @@
+"""The command line: compile / run / inspect, and the errors a user can meet (one line, no traceback)."""
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+from llmc.cli import main
+from tests.conftest import hf_greedy, hf_model
+
+PROMPT = "def add(a, b):"
+
+
+def cli(*args):
+    res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=True)
+    return res.exit_code, res.output  # click >= 8.2: stdout and stderr interleaved
+
+
+def assert_clean_error(code, out, *needles):
+    assert code != 0, out
+    assert "Traceback" not in out, out
+    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out
+    for n in needles:
+        assert n in out, out
+
+
+@pytest.fixture(scope="module")
+def compiled(arch_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / f"{arch_dir.name}.llmc"
+    code, text = cli("compile", arch_dir, "-o", out)
+    assert code == 0, text
+    return arch_dir, out
+
+
+def test_run_json_greedy_matches_hf_generate(compiled):
+    path, art = compiled
+    code, out = cli("run", art, "--prompt", PROMPT, "--max-tokens", 32, "--json")
+    assert code == 0, out
+    res = json.loads(out)
+    assert set(res) >= {"text", "token_ids", "finish_reason"}
+    from transformers import AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(str(path)).encode(PROMPT, add_special_tokens=False)
+    assert res["token_ids"] == hf_greedy(hf_model(path), ids, 32)
+    assert res["finish_reason"] in ("length", "stop")
+
+
+def test_inspect_summary_and_ir(compiled):
+    _, art = compiled
+    code, out = cli("inspect", art)
+    assert code == 0 and "paged_attention" in out and "lift_patterns" in out and "f32" in out
+    code, ir = cli("inspect", art, "--ir")
+    assert code == 0 and ir.startswith("graph ") and "paged_attention(" in ir
+
+
+def test_bad_model_paths(tmp_path):
+    assert_clean_error(*cli("compile", tmp_path / "nope", "-o", tmp_path / "o.llmc"), "does not exist")
+    (tmp_path / "empty").mkdir()
+    assert_clean_error(*cli("compile", tmp_path / "empty", "-o", tmp_path / "o.llmc"), "no config.json")
+    gpt = tmp_path / "gpt"
+    gpt.mkdir()
+    (gpt / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    assert_clean_error(*cli("compile", gpt, "-o", tmp_path / "o.llmc"), "GPT2LMHeadModel", "not supported")
+    assert_clean_error(*cli("compile", "builtin:nonesuch", "-o", tmp_path / "o.llmc"), "nonesuch")
+
+
+def test_unlowerable_op_names_op_and_model_line(llama_dir, tmp_path, monkeypatch):
+    from llmc.frontend import torch_export
+    import torch
+    monkeypatch.delitem(torch_export.LOWERINGS, torch.ops.aten.rsqrt)
+    code, out = cli("compile", llama_dir, "-o", tmp_path / "o.llmc")
+    assert_clean_error(code, out, "aten.rsqrt", "modeling_llama.py:", "torch.rsqrt")
+
+
+def test_artifact_errors(llama_artifact, tmp_path):
+    bad = tmp_path / "bad.llmc"
+    shutil.copytree(llama_artifact.path, bad)
+    w = bad / "weights.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-10] ^= 0xFF
+    w.write_bytes(bytes(data))
+    assert_clean_error(*cli("run", bad, "--prompt", PROMPT), "weights.safetensors", "corrupted")
+    shutil.rmtree(bad)
+    shutil.copytree(llama_artifact.path, bad)
+    man = json.loads((bad / "manifest.json").read_text())
+    man["format_version"] = 99
+    (bad / "manifest.json").write_text(json.dumps(man))
+    assert_clean_error(*cli("inspect", bad), "format version 99")
+    assert_clean_error(*cli("inspect", tmp_path), "not an llmc artifact")
+
+
+def test_prompt_errors(llama_artifact):
+    assert_clean_error(*cli("run", llama_artifact.path, "--prompt", ""), "empty")
+    long_prompt = "for i in range(10):\n" * 200
+    assert_clean_error(*cli("run", llama_artifact.path, "--prompt", long_prompt), "context")
+    assert_clean_error(*cli("run", llama_artifact.path, "--prompt", PROMPT, "--top-p", 0), "top_p")
+    assert_clean_error(*cli("run", llama_artifact.path, "--prompt", PROMPT, "--max-tokens", 0), "max_tokens")
+
+
+def test_console_script_error_is_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "llmc.cli", "compile", str(tmp_path / "missing"), "-o",
+                        str(tmp_path / "x")], capture_output=True, text=True)
+    assert p.returncode == 1
+    assert p.stderr.strip().count("\n") == 0 and "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, "-m", "llmc.cli", "--debug", "compile", str(tmp_path / "missing"), "-o",
+                        str(tmp_path / "x")], capture_output=True, text=True)
+    assert p.returncode != 0 and "Traceback" in p.stderr
+
+
+USER_PASS = textwrap.dedent('''
+    from dataclasses import dataclass
+    from typing import ClassVar
+    from llmc.passes import P, Pass, PassResult, RewriteRule, apply_rewrites
+
+    @dataclass
+    class UnfuseSwiGLU(Pass):
+        """Spell silu_mul(g, u) as mul(silu(g), u) again."""
+        name: ClassVar[str] = "unfuse_swiglu"
+        scale: float = 1.0
+
+        def run(self, graph, ctx):
+            rule = RewriteRule("unfuse", P.op("silu_mul")(P.any("g"), P.any("u")),
+                               lambda b, m: b.call("mul", b.call("silu", m["g"]), m["u"]))
+            stats = apply_rewrites(graph, [rule])
+            return PassResult(graph, any(stats.values()), stats)
+''')
+
+
+def test_custom_pass_shows_in_inspect_and_ir(llama_dir, tmp_path):
+    f = tmp_path / "my_pass.py"
+    f.write_text(USER_PASS)
+    out = tmp_path / "custom.llmc"
+    code, text = cli("compile", llama_dir, "-o", out, "--pass", f"{f}:UnfuseSwiGLU{{scale=2.0}}")
+    assert code == 0, text
+    code, summary = cli("inspect", out)
+    assert "unfuse_swiglu{scale=2.0}" in summary and "unfuse=2" in summary
+    code, ir = cli("inspect", out, "--ir")
+    assert "silu_mul(" not in ir and "= silu(" in ir
+    code, res = cli("run", out, "--prompt", PROMPT, "--max-tokens", 4, "--json")
+    assert code == 0, res
+    assert_clean_error(*cli("compile", llama_dir, "-o", out, "--pass", f"{f}:UnfuseSwiGLU{{bogus=1}}"), "bogus")
+    assert_clean_error(*cli("compile", llama_dir, "-o", out, "--pass", f"{f}:Nope"), "Nope")
