@@ -109,3 +109,15 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
                              attention_mask=torch.ones(1, len(ids), dtype=torch.long))
     return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def tiny_py_artifact(tmp_path_factory):
+    """The shipped code model, compiled once per test session."""
+    import llmc
+    from llmc.models import builtin_dir
+    try:
+        builtin_dir("tiny-py")
+    except (ValueError, FileNotFoundError) as e:
+        pytest.fail(f"the shipped model is missing: {e}")
+    return llmc.compile("builtin:tiny-py", tmp_path_factory.mktemp("tiny") / "tiny-py.llmc")

@@ -37,7 +37,8 @@ def _write(cache: torch.Tensor, scale: torch.Tensor | None, which: int, new: tor
     qmax = QMAX[cache.dtype]
     blocks = slots // BS
     amax = new.float().abs().amax(dim=-1)  # [t, Hkv]
-    need = torch.zeros(NB, new.shape[1], device=new.device).index_reduce_(0, blocks, amax / qmax, "amax")
+    need = torch.zeros(NB, new.shape[1], device=new.device).scatter_reduce_(
+        0, blocks[:, None].expand_as(amax), amax / qmax, "amax")  # [NB, Hkv]: the scale each block needs
     old = scale[which]  # [NB, Hkv]
     old[blocks[slots % BS == 0]] = 0.0  # a write at offset 0 starts a block afresh: forget a reused block's scale
     grown = need > old
