@@ -62,15 +62,24 @@ def main(ctx, debug):
 @click.option("--pass-after", default=None, metavar="NAME", help="Insert --pass passes after this pass.")
 @click.option("--dump-ir", type=click.Path(), default=None, help="Write the IR after every pass into this directory.")
 @click.option("--verify/--no-verify", default=True, show_default=True, help="Verify the IR after every pass.")
-def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_after, dump_ir, verify):
+@click.option("--explain-fusion", is_flag=True, help="Say why each fusion candidate was declined.")
+@click.option("--no-fuse", is_flag=True, help="Skip the fusion passes (phase 3).")
+def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_after, dump_ir, verify, explain_fusion,
+            no_fuse):
     """Compile MODEL (a local Hugging Face directory or builtin:NAME) into an artifact."""
     import llmc
     from llmc.passes.manager import parse_pass_spec
     extra = [parse_pass_spec(s) for s in passes]
     art = llmc.compile(model, output, dtype=dtype, kv_cache_dtype=kv_cache_dtype, passes=extra,
                        before=pass_before, after=pass_after, dump_ir=dump_ir, verify=verify,
-                       progress=sys.stderr.isatty())
+                       progress=sys.stderr.isatty(), fuse=not no_fuse)
     s = art.summary()
+    if explain_fusion:
+        reasons = art.compile_log.explain if art.compile_log else []
+        for r in reasons:
+            click.echo(f"fusion: {r}")
+        if not reasons:
+            click.echo("fusion: no candidate was declined")
     nbytes = sum(s["param_bytes_by_dtype"].values())
     click.echo(f"wrote {art.path}: {s['num_params'] / 1e6:.2f}M params ({nbytes / 2**20:.1f} MiB), "
                f"{sum(s['op_counts'].values())} ops, passes: {', '.join(p.split('{')[0] for p in s['passes'])}")

@@ -80,12 +80,15 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         graph, source, tok_files = capture(model, example_inputs, dtype, dynamic)
         plist = pipeline(list(passes or []), before=before, after=after, options=options)
         bar.step(f"running {len(plist)} passes")
+        ctx = PassContext(options=dict(options))
         graph = PassManager(plist, verify=verify, dump_dir=dump_ir,
-                            progress=lambda p: bar.step(f"pass {p.name}")).run(graph, PassContext(options=dict(options)))
+                            progress=lambda p: bar.step(f"pass {p.name}")).run(graph, ctx)
         out = Path(output) if output is not None else Path(tempfile.mkdtemp(prefix="llmc-")) / "model.llmc"
         bar.step(f"writing {out}")
         opts = {"dtype": dtype, **{k: v for k, v in options.items() if isinstance(v, (str, int, float, bool))}}
-        return save_artifact(graph, out, source, opts, tok_files)
+        art = save_artifact(graph, out, source, opts, tok_files)
+        art.compile_log = ctx  # fusion explanations and pass notes, for `llmc compile --explain-fusion`
+        return art
 
 
 class _Progress:

@@ -408,3 +408,60 @@ register_op("paged_attention", "attention",
             _paged_attention_infer, _paged_attention_ref, {"scale": REQUIRED, "causal": True, "window": 0},
             "writes the new k, v into kv_cache (in place) at slot_mapping, then attends each sequence's "
             "new queries over its whole cached context; see llmc/ir/paged_attention.py")
+
+
+# ---------------------------------------------------------------------------------------------
+# fused forms, produced by the fusion passes (phase 3); each reference composes the primitives'
+
+def _add_rms_norm_ref(x, a, env):
+    h = x[0] + x[1]
+    return _rms_norm_ref([h, x[2]], a, env), h
+
+
+register_op("add_rms_norm", "nn", ("a", "b", "weight"),
+            lambda ts, a: [ts[0].with_shape(broadcast_shapes(ts[0].shape, ts[1].shape)).with_dtype(
+                _result_dtype([_binary_infer(ts[:2], a), ts[2]])), _binary_infer(ts[:2], a)],
+            _add_rms_norm_ref, {"eps": 1e-6, "weight_first_cast": True},
+            "(rms_norm(a + b, weight), a + b): the residual add and the next norm in one pass")
+
+
+def _rope_kv_write_ref(x, a, env):
+    from llmc.ir.paged_attention import rope_kv_write_ref
+    return rope_kv_write_ref(x, a, env)
+
+
+def _attend_paged_ref(x, a, env):
+    from llmc.ir.paged_attention import attend_paged_ref
+    return attend_paged_ref(x, a, env)
+
+
+register_op("rope_kv_write", "attention",
+            ("q", "k", "v", "cos", "sin", "kv_cache", "slot_mapping", "kv_scale?"),
+            lambda ts, a: ts[0], _rope_kv_write_ref,
+            doc="rope on q and k; writes roped k and v into kv_cache at slot_mapping; returns roped q")
+register_op("attend_paged", "attention", ("q", "kv_cache", "query_start_loc", "seq_lens", "block_tables", "kv_scale?"),
+            lambda ts, a: ts[0].with_shape(ts[0].shape[:3] + (ts[1].shape[4],)), _attend_paged_ref,
+            {"scale": REQUIRED, "causal": True, "window": 0},
+            "paged attention over a cache that already holds this step's k and v")
+
+LINEAR_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+               "relu": torch.relu}
+register_op("linear_act", "nn", ("x", "weight", "bias?"), _linear_infer,
+            lambda x, a, env: LINEAR_ACTS[a["act"]](F.linear(x[0], x[1], x[2] if len(x) > 2 else None)),
+            {"act": REQUIRED}, "act(x @ weight.T + bias): a matmul with its activation epilogue")
+
+
+def _fused_infer(ts, a):
+    from llmc.ir.region import region_types
+    return region_types(a, ts)
+
+
+def _fused_ref(x, a, env):
+    from llmc.ir.region import run_region
+    return run_region(a, x, env)
+
+
+register_op("fused", "fused", ("xs*",), _fused_infer, _fused_ref, {"kind": "elementwise", "body": REQUIRED,
+                                                                 "outputs": REQUIRED},
+            "a region: body = [[name, op, [operand names], attrs], ...] over operands named %0.. %n-1; "
+            "outputs names the body values it returns")

@@ -65,16 +65,17 @@ def _read(cache, scale, which, blocks, L, dtype):
     return kv.reshape(-1, *cache.shape[3:])[:L].to(dtype)  # [L, Hkv, D]
 
 
-def paged_attention_ref(x, a, env) -> torch.Tensor:
-    q, k, v, cache, qsl, seq_lens, block_tables, slot_mapping = x[:8]
-    scale = x[8] if len(x) > 8 else None
-    qt = q[0].transpose(0, 1)  # [T, Hq, D]
-    kt, vt = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [T, Hkv, D]
-    _write(cache, scale, 0, kt, slot_mapping.long())
-    _write(cache, scale, 1, vt, slot_mapping.long())
+def write_kv(cache, scale, k, v, slot_mapping) -> None:
+    """k, v: [T, Hkv, D] written at slot_mapping (in place)."""
+    _write(cache, scale, 0, k, slot_mapping.long())
+    _write(cache, scale, 1, v, slot_mapping.long())
+
+
+def attend(q, cache, scale, qsl, seq_lens, block_tables, a) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D]: each sequence's new queries over its cached context."""
     BS = cache.shape[2]
-    Hq, Hkv = qt.shape[1], kt.shape[1]
-    out = torch.zeros(qt.shape[0], Hq, vt.shape[-1], dtype=q.dtype, device=q.device)
+    Hq, Hkv = q.shape[1], cache.shape[3]
+    out = torch.zeros(q.shape[0], Hq, cache.shape[-1], dtype=q.dtype, device=q.device)
     qsl, seq_lens, block_tables = qsl.tolist(), seq_lens.tolist(), block_tables.long()
     for i in range(len(seq_lens)):
         s, e, L = qsl[i], qsl[i + 1], seq_lens[i]
@@ -84,7 +85,7 @@ def paged_attention_ref(x, a, env) -> torch.Tensor:
         blocks = block_tables[i, : (L + BS - 1) // BS]
         K = _read(cache, scale, 0, blocks, L, torch.float32).repeat_interleave(Hq // Hkv, dim=1)  # [L, Hq, D]
         V = _read(cache, scale, 1, blocks, L, torch.float32).repeat_interleave(Hq // Hkv, dim=1)
-        scores = torch.einsum("thd,lhd->htl", qt[s:e].float(), K) * a["scale"]  # [Hq, n, L]
+        scores = torch.einsum("thd,lhd->htl", q[s:e].float(), K) * a["scale"]  # [Hq, n, L]
         qpos = torch.arange(L - n, L, device=q.device)[:, None]
         kpos = torch.arange(L, device=q.device)[None, :]
         allowed = kpos <= qpos if a["causal"] else torch.ones_like(kpos <= qpos)
@@ -92,4 +93,28 @@ def paged_attention_ref(x, a, env) -> torch.Tensor:
             allowed &= kpos > qpos - a["window"]
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[s:e] = torch.einsum("htl,lhd->thd", torch.softmax(scores, dim=-1), V).to(q.dtype)
+    return out
+
+
+def paged_attention_ref(x, a, env) -> torch.Tensor:
+    q, k, v, cache, qsl, seq_lens, block_tables, slot_mapping = x[:8]
+    scale = x[8] if len(x) > 8 else None
+    write_kv(cache, scale, k[0].transpose(0, 1), v[0].transpose(0, 1), slot_mapping)
+    out = attend(q[0].transpose(0, 1), cache, scale, qsl, seq_lens, block_tables, a)
     return out.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
+
+
+def rope_kv_write_ref(x, a, env) -> torch.Tensor:
+    """rope on q and k, then k and v into the cache; returns roped q. q: [1, Hq, T, D], cos/sin [1, 1, T, D]."""
+    from llmc.ir.ops import _rope_ref
+    q, k, v, cos, sin, cache, slot_mapping = x[:7]
+    scale = x[7] if len(x) > 7 else None
+    qr, kr = _rope_ref([q, cos, sin], a, env), _rope_ref([k, cos, sin], a, env)
+    write_kv(cache, scale, kr[0].transpose(0, 1), v[0].transpose(0, 1), slot_mapping)
+    return qr.to(q.dtype)
+
+
+def attend_paged_ref(x, a, env) -> torch.Tensor:
+    q, cache, qsl, seq_lens, block_tables = x[:5]
+    scale = x[5] if len(x) > 5 else None
+    return attend(q[0].transpose(0, 1), cache, scale, qsl, seq_lens, block_tables, a).transpose(0, 1).unsqueeze(0)

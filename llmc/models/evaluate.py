@@ -127,7 +127,8 @@ def heldout_slice_tokens(tokenizer, n_tokens: int = DEFAULT_SLICE_TOKENS) -> np.
     """The first ``n_tokens + 1`` tokens of the shipped ``heldout.txt``: the fixed test slice."""
     from llmc.models import heldout_text_path
 
-    text = heldout_text_path().read_text(encoding="utf-8")[:_SLICE_TEXT_CHARS]
+    # Bytes, not read_text: universal newlines would turn the corpus's "\r\n" files into "\n".
+    text = heldout_text_path().read_bytes().decode("utf-8")[:_SLICE_TEXT_CHARS]
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     if len(ids) < n_tokens + 1:
         raise ValueError(f"heldout.txt gives {len(ids)} tokens, fewer than {n_tokens + 1}")

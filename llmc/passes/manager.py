@@ -109,7 +109,7 @@ class PassManager:
             except Exception as e:
                 node = getattr(e, "node", None)
                 where = ir_context(graph, node) if node is not None else ""
-                raise CompileError(f"pass {p.name!r} raised {type(e).__name__}: {e}"
+                raise CompileError(f"pass {p.name!r} raised {type(e).__name__}: {e} (at {_user_frame(e)})"
                                    + (f"\n{where}" if where else "")) from e
             if not isinstance(res, PassResult):
                 raise CompileError(f"pass {p.name!r} returned {type(res).__name__}, not a PassResult")
@@ -127,6 +127,18 @@ class PassManager:
             if self.progress:
                 self.progress(p)
         return graph
+
+
+def _user_frame(e: BaseException) -> str:
+    """file:line of the innermost frame outside llmc itself: where a user's pass failed."""
+    import traceback
+    frames = traceback.extract_tb(e.__traceback__)
+    import llmc
+    root = str(Path(llmc.__file__).parent)
+    for f in reversed(frames):
+        if not f.filename.startswith(root):
+            return f"{f.filename}:{f.lineno}"
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown location"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -272,10 +272,15 @@ def apply_rewrites(graph: Graph, rules: Iterable[RewriteRule], max_iterations: i
             if node not in graph.nodes or len(node.outputs) != 1:
                 continue
             for rule in rules:
-                m = rule.pattern(node.out)
+                try:
+                    m = rule.pattern(node.out)
+                    new = None if m is None else rule.rewrite(Builder(graph, node), m)
+                except Exception as e:  # let the pass manager show the IR around the failing node
+                    if getattr(e, "node", None) is None:
+                        e.node = node
+                    raise
                 if m is None:
                     continue
-                new = rule.rewrite(Builder(graph, node), m)
                 if new is None or new is node.out:
                     continue
                 graph.replace_uses(node.out, new)

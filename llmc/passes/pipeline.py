@@ -10,6 +10,11 @@ from llmc.passes.fold_constants import FoldConstants
 from llmc.passes.lift_patterns import LiftPatterns
 from llmc.passes.manager import Pass
 from llmc.passes.paged_kv import PagedKV
+from llmc.passes.fuse_add_rmsnorm import FuseAddRmsNorm
+from llmc.passes.fuse_elementwise import FuseElementwise
+from llmc.passes.fuse_linear_epilogue import FuseLinearEpilogue
+from llmc.passes.fuse_parallel_linears import FuseParallelLinears
+from llmc.passes.fuse_rope_kv_write import FuseRopeKVWrite
 
 
 def default_passes(options: dict | None = None) -> list[Pass]:
@@ -23,7 +28,9 @@ def default_passes(options: dict | None = None) -> list[Pass]:
         # phase 1: flatten tokens, attention onto the paged KV cache
         *([PagedKV(kv_cache_dtype=opts.get("kv_cache_dtype", "auto"))] if opts.get("paged_kv", True) else []),
         # phase 2: quantization: plan, calibrate, materialize             (quantize/*)
-        # phase 3: fusion: horizontal, then vertical                      (fuse_*)
+        # phase 3: fusion: horizontal, then vertical
+        *([FuseParallelLinears(), FuseAddRmsNorm(), FuseRopeKVWrite(), FuseLinearEpilogue(), FuseElementwise(),
+           DeadCode()] if opts.get("fuse", True) else []),
         # phase 4: lower and plan memory                                  (codegen)
     ]
 

@@ -45,6 +45,7 @@ class Artifact:
     manifest: dict[str, Any]
     graph: Graph
     tuning: dict[str, Any] = field(default_factory=dict)
+    compile_log: Any = None
 
     @property
     def tokenizer_dir(self) -> Path | None:

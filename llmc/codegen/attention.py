@@ -1,0 +1,298 @@
+"""Attention-side kernels of the CUDA backend: fused rope + paged KV write, and paged attention.
+
+Two kernel families, each a frozen spec naming its template (all decisions are made here):
+
+- `RopeKVWriteSpec` (`rope_kv_write.py.jinja`): one pass over the new tokens that ropes q and k and
+  scatters the roped k and the v into the paged cache (`rope_kv_write`).
+- `PagedAttentionSpec` (`paged_attention_{prefill,decode}.py.jinja`): attention of the new tokens
+  over each sequence's whole context, read from the cache through the block table
+  (`paged_attention`). Prefill is a flash-attention loop over key tiles; decode is split-K
+  "flash decoding" (a partition kernel plus a reduce kernel) so that a few long sequences still
+  fill the GPU.
+
+Layouts are the token-flattened ones of `llmc/ir/paged_attention.py` (the golden model): q, k, v
+[T, H, D]; kv_cache [2, NB, BS, Hkv, D]; kv_scale [2, NB, Hkv]. The kernels run on CUDA, or on
+CPU under `TRITON_INTERPRET=1` (set before the first `load` of a spec: `triton.jit` reads it when
+the rendered module is imported).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from llmc.codegen.kernels import KernelSpec, load
+from llmc.ir.paged_attention import QMAX, _write
+
+LOG2E = 1.4426950408889634
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
+QUANTIZED = ("int8", "float8_e4m3fn")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------------
+# rope + KV write
+
+
+@dataclass(frozen=True)
+class RopeKVWriteSpec(KernelSpec):
+    """Rope q and k of the new tokens and write k, v into the paged cache, in one kernel.
+
+    One program per token handles all its heads, so cos/sin are read once per token. With
+    `write_cache=False` (quantized caches) the kernel returns the roped k instead of writing it.
+    """
+
+    template: ClassVar[str] = "rope_kv_write.py.jinja"
+    head_dim: int
+    num_q_heads: int
+    num_kv_heads: int
+    dtype: str = "float16"
+    cache_dtype: str = "float16"
+    block_size: int = 16
+    write_cache: bool = True
+
+    def __post_init__(self):
+        if self.head_dim % 2:
+            raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"cache block_size must be a power of two, got {self.block_size}")
+
+    def constexprs(self) -> dict[str, Any]:
+        return dict(NUM_Q_HEADS=self.num_q_heads, NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim,
+                    HALF=self.head_dim // 2, BLOCK_HQ=_pow2(self.num_q_heads),
+                    BLOCK_HKV=_pow2(self.num_kv_heads), BLOCK_D=_pow2(self.head_dim), BLOCK_SIZE=self.block_size)
+
+
+def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply rotate-half rope to q and k, write k and v into the paged cache, return the roped q.
+
+    Args:
+        q: [T, Hq, D] queries; k, v: [T, Hkv, D] new keys and values (any strides).
+        cos, sin: [T, D] rope tables of each token's position.
+        kv_cache: [2, NB, BS, Hkv, D]; written in place at `slot_mapping`.
+        slot_mapping: [T] int flat slot (block * BS + offset) per token; -1 skips the token.
+        kv_scale: [2, NB, Hkv] f32, required for int8 / fp8 caches. For those the kernel ropes k only
+            and the write goes through the reference `_write` (per-(block, head) scale that grows
+            and requantizes the block), so the cache contents match the golden model exactly.
+
+    Returns:
+        [T, Hq, D] roped q (contiguous, q's dtype).
+
+    Example:
+        >>> q_roped = rope_kv_write(q, k, v, cos, sin, kv_cache, slot_mapping)  # doctest: +SKIP
+    """
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    assert k.shape == v.shape == (T, Hkv, D), (q.shape, k.shape, v.shape)
+    assert cos.shape == sin.shape == (T, D), (cos.shape, sin.shape)
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[3:] == (Hkv, D), kv_cache.shape
+    assert slot_mapping.shape == (T,), slot_mapping.shape
+    quant = kv_cache.dtype in QMAX
+    assert (kv_scale is not None) == quant, "kv_scale is required exactly for int8 / fp8 caches"
+    spec = RopeKVWriteSpec(D, Hq, Hkv, dtype_name(q.dtype), dtype_name(kv_cache.dtype), kv_cache.shape[2],
+                           write_cache=not quant)
+    q_out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((T, Hkv, D), dtype=k.dtype, device=k.device) if quant else q_out  # unused unless quant
+    if T == 0:
+        return q_out
+    mod = load(spec)
+    mod.rope_kv_write_kernel[(T,)](
+        q, k, v, cos, sin, slot_mapping, q_out, kv_cache, k_out,
+        *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *q_out.stride(),
+        *kv_cache.stride(), *k_out.stride(),
+        **spec.constexprs(), num_warps=4 if Hq * _pow2(D) >= 2048 else 1)
+    if quant:
+        slots = slot_mapping.long()
+        _write(kv_cache, kv_scale, 0, k_out, slots)
+        _write(kv_cache, kv_scale, 1, v, slots)
+    return q_out
+
+
+# ---------------------------------------------------------------------------------------------
+# paged attention
+
+
+@dataclass(frozen=True)
+class PagedAttentionSpec(KernelSpec):
+    """Paged attention of the new tokens over each sequence's cached context.
+
+    The query heads sharing one kv head are packed into the rows of one tile (GQA packing, as in
+    vLLM's unified attention kernel): each K/V tile is read once per kv head instead of once per
+    query head, which divides the dominant memory traffic by Hq / Hkv. The head dim is padded to a
+    power of two (and at least 16, the smallest `tl.dot` operand) with masks.
+    """
+
+    head_dim: int
+    num_q_heads: int
+    num_kv_heads: int
+    block_size: int
+    dtype: str = "float16"
+    kv_dtype: str = "float16"
+    mode: str = "prefill"
+    causal: bool = True
+    sliding_window: bool = False
+    block_m: int = 0  # rows of a query tile (query tokens x packed heads); 0 = pick from head_dim
+    block_n: int = 0  # keys per inner-loop tile; 0 = pick from head_dim
+    num_splits_p2: int = 1  # decode only: power of two >= the number of context partitions
+
+    def __post_init__(self):
+        if self.mode not in ("prefill", "decode"):
+            raise ValueError(f"mode must be 'prefill' or 'decode', got {self.mode!r}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_q_heads {self.num_q_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"cache block_size must be a power of two, got {self.block_size}")
+        for f in ("block_m", "block_n"):
+            v = getattr(self, f)
+            if v and (v < 16 or v & (v - 1)):
+                raise ValueError(f"{f} must be a power of two >= 16 (tl.dot), got {v}")
+
+    @property
+    def template(self) -> str:  # one spec class, two templates: the mode picks
+        return f"paged_attention_{self.mode}.py.jinja"
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    def tiles(self) -> tuple[int, int]:
+        """(BLOCK_M, BLOCK_N). Tutorial-06 sizes: 64 x 64 keeps a D<=64 tile pair in registers; for
+        D=128 halve the key tile so q, k, v and the accumulator still fit without spilling."""
+        bd = max(16, _pow2(self.head_dim))
+        block_n = self.block_n or (64 if bd <= 64 else 32)
+        group_p2 = _pow2(self.group)
+        if self.mode == "decode":  # one query token: the rows are only the group's heads
+            return max(16, group_p2), block_n
+        return max(self.block_m or 64, group_p2), block_n
+
+    def context(self) -> dict[str, Any]:
+        ctx = super().context()
+        ctx.update(quantized=self.kv_dtype in QUANTIZED, direct_output=self.num_splits_p2 == 1,
+                   # fp32 must not drop to tf32 on the GPU; the argument means nothing for 16-bit inputs
+                   dot_args=', input_precision="ieee"' if self.dtype == "float32" else "")
+        return ctx
+
+    def constexprs(self) -> dict[str, Any]:
+        block_m, block_n = self.tiles()
+        group_p2 = _pow2(self.group)
+        c = dict(HEAD_DIM=self.head_dim, BLOCK_D=max(16, _pow2(self.head_dim)), GROUP=self.group,
+                 GROUP_P2=group_p2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=self.block_size)
+        if self.mode == "prefill":
+            c["BLOCK_Q"] = block_m // group_p2
+        return c
+
+
+def decode_partition(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, block_n: int,
+                     target_programs: int = 264, min_partition: int = 256) -> int:
+    """Keys per split of split-K decode, chosen from the context length.
+
+    Aim at ~2 programs per SM of an H200 (132 SMs) over (sequence, kv head, split); no split
+    shorter than `min_partition` keys, below which the reduce pass and the partial-result traffic
+    cost more than the extra parallelism wins. A multiple of `block_n`.
+    """
+    base = max(1, num_seqs * num_kv_heads)
+    splits = max(1, min(_cdiv(target_programs, base), _cdiv(max_seqlen_k, min_partition)))
+    return max(block_n, _cdiv(_cdiv(max_seqlen_k, splits), block_n) * block_n)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, causal: bool = True,
+                    window: int = 0, kv_scale: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+                    max_seqlen_k: int | None = None, *, block_m: int = 0, block_n: int = 0,
+                    partition_size: int | None = None) -> torch.Tensor:
+    """Attention of the new tokens over their sequences' whole context, read from the paged cache.
+
+    The cache must already hold the new K/V (`rope_kv_write` ran first). The new tokens of
+    sequence i are its last n_i = qsl[i+1] - qsl[i] positions.
+
+    Args:
+        q: [T, Hq, D] queries (any strides).
+        kv_cache: [2, NB, BS, Hkv, D] (float16 / bfloat16 / float32, or int8 / fp8 with kv_scale).
+        query_start_loc: [N+1] int32 start of each sequence's new tokens in T.
+        seq_lens: [N] int32 context length after this step (cached + new).
+        block_tables: [N, M] int32 blocks of each sequence, in order.
+        scale: softmax scale (usually D ** -0.5).
+        causal: mask keys after each query's position.
+        window: > 0 limits each query to its last `window` keys (sliding window).
+        kv_scale: [2, NB, Hkv] f32 per-(block, head) dequantization scale, for int8 / fp8 caches.
+        max_seqlen_q: largest n_i; 1 selects the split-K decode kernels. Computed (a host sync) if None.
+        max_seqlen_k: largest seq_len; sizes the decode splits. Computed (a host sync) if None.
+        block_m, block_n: tile overrides (0 = the spec's choice); partition_size: decode keys per
+            split override (a multiple of the key tile; keep it fixed under CUDA graphs).
+
+    Returns:
+        [T, Hq, D] attention output in q's dtype.
+
+    Example:
+        >>> out = paged_attention(q, kv_cache, qsl, seq_lens, block_tables, 64 ** -0.5,
+        ...                       max_seqlen_q=1, max_seqlen_k=4096)  # doctest: +SKIP
+    """
+    T, Hq, D = q.shape
+    _, NB, BS, Hkv, Dk = kv_cache.shape
+    N = seq_lens.shape[0]
+    assert Dk == D and kv_cache.shape[0] == 2, (q.shape, kv_cache.shape)
+    assert Hq % Hkv == 0, (Hq, Hkv)
+    assert query_start_loc.shape == (N + 1,) and block_tables.shape[0] == N, (query_start_loc.shape, block_tables.shape)
+    assert query_start_loc.dtype == seq_lens.dtype == block_tables.dtype == torch.int32
+    quant = kv_cache.dtype in QMAX
+    assert (kv_scale is not None) == quant, "kv_scale is required exactly for int8 / fp8 caches"
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
+    out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    if T == 0 or N == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    mode = "decode" if max_seqlen_q == 1 else "prefill"
+    # pointers, then strides (kv_scale's only for quantized caches: the template drops them otherwise)
+    tensors = (q, kv_cache, *((kv_scale,) if quant else ()), query_start_loc, seq_lens, block_tables)
+    strides = (*q.stride(), *out.stride(), *kv_cache.stride(), *(kv_scale.stride() if quant else ()),
+               *block_tables.stride())
+    qk_scale = scale * LOG2E  # the kernels use exp2
+    base = dict(head_dim=D, num_q_heads=Hq, num_kv_heads=Hkv, block_size=BS, dtype=dtype_name(q.dtype),
+                kv_dtype=dtype_name(kv_cache.dtype), sliding_window=window > 0, block_n=block_n)
+    if mode == "prefill":
+        spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m)
+        c = spec.constexprs()
+        grid = (_cdiv(max_seqlen_q, c["BLOCK_Q"]), N, Hkv)
+        load(spec).paged_attention_prefill_kernel[grid](
+            out, *tensors, *strides, qk_scale, window,
+            **c, num_warps=4, num_stages=2)
+        return out
+    # decode: the one query sits at the last position, so causal masks nothing
+    if max_seqlen_k is None:
+        max_seqlen_k = int(seq_lens.max())
+    tile_n = PagedAttentionSpec(**base, mode="decode").tiles()[1]
+    partition = partition_size or decode_partition(N, Hkv, max_seqlen_k, tile_n)
+    assert partition % tile_n == 0, f"partition_size {partition} must be a multiple of the key tile {tile_n}"
+    splits = _cdiv(max(max_seqlen_k, 1), partition)
+    spec = PagedAttentionSpec(**base, mode="decode", num_splits_p2=_pow2(splits))
+    mod, c = load(spec), spec.constexprs()
+    # partials: [N, Hq, splits] running max / sum and [N, Hq, splits, BLOCK_D] unnormalized output, fp32
+    m_part = torch.empty((N, Hq, splits), dtype=torch.float32, device=q.device)
+    l_part = torch.empty_like(m_part)
+    o_part = torch.empty((N, Hq, splits, c["BLOCK_D"]), dtype=torch.float32, device=q.device)
+    mod.paged_attention_decode_kernel[(N, Hkv, splits)](
+        out, m_part, l_part, o_part, *tensors, *strides, *m_part.stride(), *o_part.stride(),
+        qk_scale, window, partition,
+        **c, num_warps=4, num_stages=2)
+    if splits > 1:
+        mod.paged_attention_reduce_kernel[(N, Hq)](
+            out, m_part, l_part, o_part, query_start_loc, seq_lens,
+            *out.stride(), *m_part.stride(), *o_part.stride(), partition,
+            HEAD_DIM=D, BLOCK_D=c["BLOCK_D"], SPLITS_P2=spec.num_splits_p2, num_warps=4)
+    return out

@@ -1,0 +1,165 @@
+"""Compile-time autotuning: time candidate configs once per kernel and shape bucket, keep the fastest.
+
+Choices live in `tuning.json` beside the artifact's graph and are reused at load without retuning:
+
+    {"format": 1, "device": "NVIDIA H200", "triton": "3.6.0",
+     "kernels": {kernel_key: {bucket: {"config": {...}, "triton_ms": 0.011,
+                                       "cublas_ms": 0.013, "prefer_cublas": false}}}}
+
+`kernel_key` names the kernel and the static part of its shape (for a linear: dtype, bias,
+epilogue, N and K); `bucket` the dynamic part (the token count M, rounded up to a power of two, 128+
+for prefill). Timing needs a GPU: on CPU and under the interpreter the first (default) candidate is
+returned untimed and nothing is recorded, so a CPU compile never writes choices it did not measure.
+The cuBLAS time is kept beside the best Triton time so the lowering can keep cuBLAS where it wins.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from llmc.errors import ArtifactError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def m_bucket(m: int) -> str:
+    """The shape bucket of a token count: "1", "2", "4", ..., "64", or "128+"."""
+    for b in M_BUCKETS[:-1]:
+        if m <= b:
+            return str(b)
+    return "128+"
+
+
+def bucket_size(bucket: str) -> int:
+    """The largest M of a bucket (128 stands for 128 and more)."""
+    return int(bucket.rstrip("+"))
+
+
+@dataclass
+class TuneRecord:
+    """One choice: the fastest config, its time, cuBLAS's time for the same work (ms), and the verdict."""
+
+    config: dict[str, Any]
+    triton_ms: float | None = None
+    cublas_ms: float | None = None
+    prefer_cublas: bool = False
+
+
+def _device_name() -> str | None:
+    try:
+        import torch
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def can_time() -> bool:
+    """True when kernels run compiled on a GPU (not on CPU, not under TRITON_INTERPRET)."""
+    from llmc.codegen.elementwise import interpreting
+    return _device_name() is not None and not interpreting()
+
+
+class Tuner:
+    """Chooses a config per (kernel_key, bucket), timing candidates with `triton.testing.do_bench` on CUDA.
+
+    Args:
+        records: {kernel_key: {bucket: TuneRecord-as-dict}} from an earlier run (see `load`).
+        device: the GPU name the records were measured on (default: the current one).
+
+    Example:
+        >>> t = Tuner()
+        >>> t.choose("k", "1", [{"BLOCK": 64}, {"BLOCK": 128}], bench=lambda cfg: None)  # on CPU: untimed
+        {'BLOCK': 64}
+    """
+
+    def __init__(self, records: dict[str, dict[str, dict]] | None = None, device: str | None = None):
+        self.records: dict[str, dict[str, dict]] = records or {}
+        self.device = device or _device_name()
+
+    def lookup(self, key: str, bucket: str) -> TuneRecord | None:
+        rec = self.records.get(key, {}).get(bucket)
+        return TuneRecord(**rec) if rec is not None else None
+
+    def choose(self, key: str, bucket: str, candidates: Sequence[dict], bench: Callable[[dict], Any],
+               baseline: Callable[[], Any] | None = None, margin: float = 0.97) -> dict:
+        """The config for `key` at `bucket`: recorded, else timed now (GPU), else the first candidate.
+
+        Args:
+            key, bucket: where the choice is recorded.
+            candidates: configs (plain JSON dicts), the default first.
+            bench: runs the kernel once with a config (timed with do_bench; a config that fails is skipped).
+            baseline: runs the cuBLAS/torch equivalent once; its time is recorded beside the best.
+            margin: cuBLAS is preferred unless Triton is faster than `margin` times its time.
+
+        Returns:
+            The chosen config.
+        """
+        assert candidates, "no candidate configs"
+        if not can_time():
+            return dict(candidates[0])
+        rec = self.lookup(key, bucket)
+        if rec is not None:
+            return rec.config
+        rec = self.tune(candidates, bench, baseline, margin)
+        self.records.setdefault(key, {})[bucket] = asdict(rec)
+        log.info("autotune %s [%s]: %s in %.4f ms (cuBLAS %s ms)", key, bucket, rec.config, rec.triton_ms or -1,
+                 rec.cublas_ms)
+        return rec.config
+
+    @staticmethod
+    def tune(candidates: Sequence[dict], bench: Callable[[dict], Any], baseline: Callable[[], Any] | None,
+             margin: float = 0.97) -> TuneRecord:
+        from triton.testing import do_bench
+        best, best_ms = None, float("inf")
+        for cfg in candidates:
+            try:
+                ms = do_bench(lambda: bench(cfg), warmup=10, rep=40)
+            except Exception as e:  # out of shared memory or registers for this tile: not a candidate
+                log.debug("autotune: config %s failed: %s", cfg, e)
+                continue
+            if ms < best_ms:
+                best, best_ms = dict(cfg), ms
+        if best is None:
+            raise RuntimeError(f"autotune: every candidate failed ({list(candidates)})")
+        cublas_ms = do_bench(baseline, warmup=10, rep=40) if baseline is not None else None
+        prefer = cublas_ms is not None and best_ms > margin * cublas_ms
+        return TuneRecord(best, float(best_ms), None if cublas_ms is None else float(cublas_ms), prefer)
+
+    def to_json(self) -> dict:
+        import triton
+        return {"format": FORMAT, "device": self.device, "triton": triton.__version__, "kernels": self.records}
+
+    def save(self, path: str | Path) -> None:
+        """Write tuning.json atomically (plain JSON, sorted keys for stable diffs)."""
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.to_json(), f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Tuner":
+        if data.get("format") != FORMAT:
+            raise ArtifactError(f"tuning.json has format {data.get('format')!r}; this llmc reads format {FORMAT}: "
+                                f"recompile the artifact, or delete tuning.json to use default tiles")
+        here = _device_name()
+        if here is not None and data.get("device") not in (None, here):
+            log.warning("tuning.json was measured on %s, this is %s: tuning afresh", data.get("device"), here)
+            return cls()
+        return cls(data.get("kernels", {}), data.get("device"))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Tuner":
+        """The tuner of a tuning.json; an empty one when the file is missing."""
+        path = Path(path)
+        if not path.exists():
+            return cls()
+        return cls.from_json(json.loads(path.read_text()))

@@ -1,0 +1,55 @@
+"""Kernel specs and rendering: Jinja fills in templates, every decision stays in Python.
+
+Each kernel family is a frozen `KernelSpec` dataclass naming its template in
+`llmc/codegen/templates/`; `render(spec)` gives the source, `load(spec)` the imported module
+(through the content-hash cache). Templates are only ever rendered from llmc's own files: an
+artifact's kernels/ folder is for reading, never for loading.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any, ClassVar
+
+import jinja2
+
+from llmc.codegen.cache import load_source
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+@lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Base of all kernel specs. Subclasses set `template` and add fields (the Jinja variables)."""
+
+    template: ClassVar[str] = ""
+
+    def context(self) -> dict[str, Any]:
+        """Variables for the template; override to add derived values (computed here, not in Jinja)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @property
+    def name(self) -> str:
+        return self.template.removesuffix(".py.jinja")
+
+    def describe(self) -> str:
+        return f"{self.name}(" + ", ".join(f"{k}={v}" for k, v in self.context().items()
+                                           if not isinstance(v, (list, dict, tuple))) + ")"
+
+
+def render(spec: KernelSpec) -> str:
+    return _env().get_template(spec.template).render(**spec.context())
+
+
+def load(spec: KernelSpec) -> ModuleType:
+    """The rendered, imported module of `spec` (cached by content hash)."""
+    return load_source(render(spec), spec.name)

@@ -1,0 +1,185 @@
+"""Linear layers with a fused epilogue, tuned for decode: y = epilogue(x @ w.T + b), w [N, K].
+
+At decode M is 1..64 tokens and a linear is a weight stream (memory-bound): what matters is
+reading w once with enough programs in flight to saturate HBM. A plain tiled kernel covers M >= 32;
+below that the N tiles alone are too few programs for 132 SMs, so split-K spreads K over more
+programs (fp32 partials, summed by a small second kernel that applies the epilogue). The epilogue
+(bias, silu, gelu, ...) runs on the fp32 accumulator, so y is written once and never read back.
+Tiles come from `autotune.Tuner` per M bucket; `prefer_cublas` records where cuBLAS wins.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from llmc.codegen.autotune import Tuner, bucket_size, m_bucket
+from llmc.codegen.elementwise import UNARY_OPS, _freeze_attrs, cast_expr, cast_helpers, interpreting, op_expr, HELPERS
+from llmc.codegen.kernels import KernelSpec, load
+from llmc.errors import CompileError
+from llmc.ir.ops import get_op
+from llmc.ir.types import dtype_name, torch_dtype
+
+EPILOGUE_OPS = tuple(op for op in UNARY_OPS if op != "cast")
+
+
+def _norm_epilogue(epilogue: Sequence) -> tuple:
+    out = []
+    for e in epilogue:
+        op, attrs = (e, ()) if isinstance(e, str) else (e[0], _freeze_attrs(e[1] if len(e) > 1 else ()))
+        if op not in EPILOGUE_OPS:
+            raise CompileError(f"matmul epilogue: {op!r} cannot be fused into a matmul; unary ops only: "
+                               f"{', '.join(EPILOGUE_OPS)}")
+        out.append((op, attrs))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class MatmulSpec(KernelSpec):
+    """y = epilogue(x @ w.T + b) for x, w, b, y of `dtype`; epilogue: unary op names or (op, attrs) pairs."""
+
+    template = "matmul.py.jinja"
+    dtype: str
+    has_bias: bool
+    epilogue: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "epilogue", _norm_epilogue(self.epilogue))
+
+    def key(self, n: int, k: int) -> str:
+        """The autotune key: this kernel at a static weight shape [n, k]."""
+        epi = "+".join(op + "".join(f"[{k_}={v}]" for k_, v in at) for op, at in self.epilogue) or "none"
+        return f"matmul[{self.dtype},bias={int(self.has_bias)},epilogue={epi}]N{n}K{k}"
+
+    def context(self) -> dict[str, Any]:
+        helpers: set[str] = set()
+        lines = [f"acc = {op_expr(op, ['acc'], dict(at), helpers)}" for op, at in self.epilogue]
+        # the interpreter's tl.dot runs np.matmul on bf16's raw uint16 bits: feed it fp32 there
+        # fp32 on the GPU: "ieee" keeps full precision (tf32 would miss the 1e-4 tolerance)
+        if self.dtype == "bf16" and interpreting():
+            dot = "tl.dot(a.to(tl.float32), b.to(tl.float32), acc)"
+        elif self.dtype == "f32":
+            dot = 'tl.dot(a, b, acc, input_precision="ieee")'
+        else:
+            dot = "tl.dot(a, b, acc)"
+        e = torch_dtype(self.dtype).itemsize
+        bytes_comment = (f"bytes: w read once ({e}NK), x ({e}MK, from L2 per N tile), y written once ({e}MN); "
+                         f"unfused, each of the {len(self.epilogue) + self.has_bias} epilogue ops would read and "
+                         f"write y again ({2 * e}MN each)")
+        summary = "x @ w.T" + (" + b" if self.has_bias else "")
+        for op, _ in self.epilogue:
+            summary = f"{op}({summary})"
+        return {"has_bias": self.has_bias, "epilogue_lines": lines, "dot": dot, "bytes_comment": bytes_comment,
+                "store_cast": cast_expr("acc", self.dtype), "summary": summary,
+                "helpers": [HELPERS[h] for h in sorted(helpers)] + cast_helpers([self.dtype])}
+
+
+def _cfg(bm, bn, bk, split_k, warps, stages) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "num_warps": warps, "num_stages": stages}
+
+
+def candidates(bucket: str) -> list[dict]:
+    """Configs to try for an M bucket, the default first (the default is what CPU and interpreter use)."""
+    m = bucket_size(bucket)
+    if m <= 16:  # weight streaming: narrow N tiles and split-K for enough programs in flight
+        return [_cfg(16, 64, 128, 1, 4, 4), _cfg(16, 32, 128, 1, 4, 4), _cfg(16, 64, 256, 1, 4, 3),
+                _cfg(16, 128, 128, 1, 4, 3), _cfg(16, 64, 128, 2, 4, 4), _cfg(16, 32, 256, 2, 4, 3),
+                _cfg(16, 64, 128, 4, 4, 4), _cfg(16, 32, 128, 4, 4, 4), _cfg(16, 64, 256, 4, 4, 3),
+                _cfg(16, 32, 128, 8, 4, 4), _cfg(16, 64, 64, 8, 4, 4), _cfg(16, 128, 64, 1, 4, 4)]
+    if m <= 64:
+        return [_cfg(m, 64, 64, 1, 4, 4), _cfg(m, 128, 64, 1, 4, 4), _cfg(m, 64, 128, 1, 4, 3),
+                _cfg(m, 128, 128, 1, 8, 3), _cfg(m, 64, 64, 2, 4, 4), _cfg(m, 128, 64, 2, 4, 4),
+                _cfg(m, 64, 128, 4, 4, 3), _cfg(m, 32, 128, 2, 4, 4)]
+    return [_cfg(64, 128, 64, 1, 4, 4), _cfg(128, 128, 64, 1, 8, 3), _cfg(128, 64, 64, 1, 4, 4),
+            _cfg(64, 64, 64, 1, 4, 4), _cfg(128, 256, 64, 1, 8, 3), _cfg(64, 256, 64, 1, 8, 3)]
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = ()) -> torch.Tensor:
+    """The same computation with torch (cuBLAS on the GPU) and the IR ops' reference implementations."""
+    y = F.linear(x, w, b)
+    for op, at in _norm_epilogue(epilogue):
+        opdef = get_op(op)
+        y = opdef.ref([y], opdef.complete_attrs(dict(at)), None)
+    return y
+
+
+def _launch(spec: MatmulSpec, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y2: torch.Tensor,
+            cfg: dict) -> None:
+    mod = load(spec)
+    M, K = x2.shape
+    N = w.shape[0]
+    split_k = cfg["SPLIT_K"]
+    ws = torch.empty((split_k, M, N) if split_k > 1 else (1,), dtype=torch.float32, device=x2.device)
+    bias = (b,) if spec.has_bias else ()
+    grid = (triton_cdiv(M, cfg["BLOCK_M"]), triton_cdiv(N, cfg["BLOCK_N"]), split_k)
+    mod.matmul_kernel[grid](x2, w, *bias, y2, ws, x2.stride(0), w.stride(0), y2.stride(0), M, N, K,
+                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split_k,
+                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split_k > 1:
+        block_n = min(1024, 1 << max(0, (N - 1).bit_length()))
+        mod.splitk_reduce_kernel[(M, triton_cdiv(N, block_n))](ws, *bias, y2, y2.stride(0), M, N,
+                                                               SPLIT_K=split_k, BLOCK_N=block_n, num_warps=4)
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = (), *,
+           tuner: Tuner | None = None, config: dict | None = None) -> torch.Tensor:
+    """y = epilogue(x @ w.T + b) with a generated Triton kernel.
+
+    Args:
+        x: [..., K] activations (any row stride, unit column stride).
+        w: [N, K] weight (nn.Linear layout), x's dtype.
+        b: optional [N] bias.
+        epilogue: unary llmc ops applied in order, names or (name, attrs):
+            ("silu",), (("gelu", {"approximate": "tanh"}),).
+        tuner: chooses (and on a GPU, times and records) the tile config for this shape's M bucket.
+        config: a fixed config instead (a dict as in `candidates`).
+
+    Returns:
+        y [..., N] of x's dtype.
+
+    Example:
+        >>> y = matmul(torch.randn(3, 64), torch.randn(32, 64), torch.randn(32), ("silu",))
+    """
+    K = x.shape[-1]
+    N = w.shape[0]
+    assert w.dim() == 2 and w.shape[1] == K, f"matmul: weight {list(w.shape)} does not match x's last dim {K}"
+    assert w.dtype == x.dtype and (b is None or (b.shape == (N,) and b.dtype == x.dtype)), "matmul: mixed dtypes"
+    spec = MatmulSpec(dtype_name(x.dtype), b is not None, tuple(epilogue))
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    x2 = x2.view(-1, K) if x2.dim() == 2 or x2.is_contiguous() else x2.reshape(-1, K)
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    b = b.contiguous() if b is not None else None
+    M = x2.shape[0]
+    y = torch.empty(x.shape[:-1] + (N,), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    y2 = y.view(-1, N)
+    if K == 0:
+        return y.copy_(reference(x, w, b, epilogue))
+    if config is None:
+        bucket = m_bucket(M)
+        tuner = tuner or Tuner()
+        config = tuner.choose(spec.key(N, K), bucket, candidates(bucket),
+                              bench=lambda cfg: _launch(spec, x2, w, b, y2, cfg),
+                              baseline=lambda: reference(x2, w, b, spec.epilogue))
+    _launch(spec, x2, w, b, y2, config)
+    return y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = (), *,
+           tuner: Tuner | None = None) -> torch.Tensor:
+    """`matmul`, or cuBLAS (torch) where the tuner recorded that cuBLAS is faster for this shape bucket."""
+    if tuner is not None:
+        spec = MatmulSpec(dtype_name(x.dtype), b is not None, tuple(epilogue))
+        M = x.numel() // max(1, x.shape[-1])
+        rec = tuner.lookup(spec.key(w.shape[0], w.shape[1]), m_bucket(M))
+        if rec is not None and rec.prefer_cublas:
+            return reference(x, w, b, epilogue)
+    return matmul(x, w, b, epilogue, tuner=tuner)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b

@@ -1,0 +1,48 @@
+"""Greedy sampling on the device: a row-wise argmax over the logits, ties to the lowest index."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmc.codegen.kernels import KernelSpec, load
+from llmc.ir.types import dtype_name, torch_dtype
+
+
+@dataclass(frozen=True)
+class ArgmaxSpec(KernelSpec):
+    """Row-wise argmax over logits of `dtype`."""
+
+    template = "argmax.py.jinja"
+    dtype: str
+
+    def context(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "itemsize": torch_dtype(self.dtype).itemsize}
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The index of the largest logit of each row, as torch.argmax(logits, -1) (first index on ties, NaN largest).
+
+    Args:
+        logits: [N, V] or [V] (any row stride, unit column stride).
+
+    Returns:
+        [N] (or 0-d for a 1-d input) int64 token ids, on the logits' device.
+
+    Example:
+        >>> argmax(torch.tensor([[0.0, 2.0, 2.0], [5.0, 1.0, 0.0]]))
+        tensor([1, 0])
+    """
+    assert logits.dim() in (1, 2) and logits.shape[-1] > 0, f"argmax: logits of shape {list(logits.shape)}"
+    squeeze = logits.dim() == 1
+    x = logits.unsqueeze(0) if squeeze else logits
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    N, V = x.shape
+    out = torch.empty(N, dtype=torch.int64, device=x.device)
+    if N:
+        block = min(4096, 1 << max(0, (V - 1).bit_length()))
+        load(ArgmaxSpec(dtype_name(x.dtype))).argmax_kernel[(N,)](x, out, x.stride(0), V, BLOCK=block,
+                                                                   num_warps=8 if block >= 2048 else 4)
+    return out[0] if squeeze else out

@@ -1,0 +1,39 @@
+"""Vertical fusion: an activation applied to a linear's output runs in the matmul's epilogue.
+
+The activation then costs no extra pass over the [T, N] output (one write instead of a write, a
+read and a write).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from llmc.passes.manager import Pass, PassResult, register_pass
+from llmc.passes.pattern import P, RewriteRule, apply_rewrites
+
+_ACTS = {("silu", None): "silu", ("relu", None): "relu", ("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh"}
+
+
+def _rule(ctx) -> RewriteRule:
+    root = P.op("silu", "relu", "gelu")(P.op("linear").any_args().named("lin"))
+
+    def rewrite(b, m):
+        users = [n for n in b.graph.nodes if m["lin"] in n.inputs]
+        if len(users) != 1 or m["lin"] in b.graph.outputs:
+            ctx.explain.append(f"fuse_linear_epilogue: declined %{m['lin'].name}: its output has other users")
+            return None
+        act = m.root.producer
+        kind = _ACTS.get((act.op, act.attrs.get("approximate")))
+        return b.call("linear_act", *m["lin"].producer.inputs, act=kind)
+
+    return RewriteRule("linear_act", root, rewrite)
+
+
+@register_pass
+@dataclass
+class FuseLinearEpilogue(Pass):
+    name: ClassVar[str] = "fuse_linear_epilogue"
+
+    def run(self, g, ctx):
+        stats = apply_rewrites(g, [_rule(ctx)])
+        return PassResult(g, any(stats.values()), stats)
