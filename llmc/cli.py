@@ -153,7 +153,8 @@ def _read_prompts(prompt: str | None, prompts_file: str | None) -> list[dict]:
 @click.option("--seed", default=None, type=int, help="Seed for reproducible sampling.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
-@click.option("--backend", type=click.Choice(["auto", "reference"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "cuda", "triton-interpret", "reference"]), default="auto",
+              show_default=True, help="auto: cuda when a GPU is present, else reference (the interpreter).")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
 @click.option("--max-num-seqs", default=64, show_default=True, help="Sequences batched per step.")
 @click.option("--max-num-batched-tokens", default=2048, show_default=True, help="Token budget per step.")

@@ -70,6 +70,7 @@ class EngineConfig:
     num_cpu_blocks: int = 0
     kv_memory_fraction: float = 0.5
     max_model_len: int | None = None
+    cuda_graphs: bool = True
 
 
 class LLMEngine:
@@ -87,11 +88,12 @@ class LLMEngine:
         self.artifact = artifact
         meta = artifact.graph.meta
         self.tokenizer = artifact.tokenizer() if artifact.tokenizer_dir else None
-        device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = cfg.device or ("cuda" if torch.cuda.is_available() and cfg.backend in ("auto", "cuda") else "cpu")
         self.max_model_len = min(cfg.max_model_len or 1 << 30, int(meta.get("max_position_embeddings") or 2048))
         kv_dtype = cfg.kv_cache_dtype or meta.get("kv_cache_dtype", "auto")
         self.runner = ModelRunner(artifact.graph, device, cfg.block_size, cfg.num_blocks, kv_dtype,
-                                  cfg.kv_memory_fraction, cfg.backend, cfg.num_cpu_blocks)
+                                  cfg.kv_memory_fraction, cfg.backend, cfg.num_cpu_blocks, artifact.tuning,
+                                  cfg.cuda_graphs)
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           cfg.num_cpu_blocks)
         budget = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else max(cfg.max_num_batched_tokens,

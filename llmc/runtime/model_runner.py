@@ -32,11 +32,27 @@ class StepInput:
     num_logits: int = 1
 
 
+BACKENDS = ("auto", "cuda", "triton-interpret", "reference")
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
 def select_backend(backend: str) -> str:
+    """auto: cuda when a GPU is present, else reference. triton-interpret runs the generated kernels
+    on the CPU, which needs TRITON_INTERPRET=1 before triton is first imported."""
+    import os
+    import sys
+    if backend not in BACKENDS:
+        raise LLMCError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "reference"  # the generated-kernel backends register here as they land
-    if backend != "reference":
-        raise LLMCError(f"backend {backend!r} is not available in this build; use auto or reference")
+        return "cuda" if torch.cuda.is_available() else "reference"
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise LLMCError("the cuda backend needs an NVIDIA GPU, and torch sees none; use --backend reference "
+                        "or triton-interpret")
+    if backend == "triton-interpret" and os.environ.get("TRITON_INTERPRET") != "1":
+        if "triton" in sys.modules:
+            raise LLMCError("the triton-interpret backend needs TRITON_INTERPRET=1 before triton is imported; "
+                            "set it in the environment of this process")
+        os.environ["TRITON_INTERPRET"] = "1"
     return backend
 
 
@@ -53,11 +69,15 @@ class ModelRunner:
 
     def __init__(self, graph: Graph, device: str = "cpu", block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_dtype: str = "auto", kv_memory_fraction: float = 0.5, backend: str = "auto",
-                 num_cpu_blocks: int = 0):
+                 num_cpu_blocks: int = 0, tuning: dict | None = None, use_cuda_graphs: bool = True):
         if not graph.meta.get("paged"):
             raise ArtifactError("this artifact was compiled without the paged_kv pass; recompile it with the "
                                 "default pipeline to run it")
         self.backend = select_backend(backend)
+        if self.backend == "cuda":
+            device = "cuda" if torch.device(device).type != "cuda" else device
+        elif self.backend == "triton-interpret":
+            device = "cpu"
         self.device = torch.device(device)
         if kv_cache_dtype != graph.meta.get("kv_cache_dtype", "auto"):
             graph = set_kv_cache_dtype(graph.clone(), kv_cache_dtype)
@@ -84,7 +104,16 @@ class ModelRunner:
         self.host_kv = {k: torch.zeros((t.shape[0], num_cpu_blocks, *t.shape[2:]), dtype=t.dtype)
                         for k, t in self.kv.items()} if num_cpu_blocks else {}
         self.kv_bytes = per_block * self.num_blocks
-        self.plan = Interpreter(graph, self.device)
+        self.max_model_len = int(graph.meta.get("max_position_embeddings") or 4096)
+        self.graphs: dict[int, tuple] = {}  # decode batch bucket -> (CUDAGraph, static inputs, output)
+        self.use_cuda_graphs = self.backend == "cuda" and use_cuda_graphs
+        if self.backend == "reference":
+            self.plan = Interpreter(graph, self.device)
+        else:
+            from llmc.codegen.autotune import Tuner
+            from llmc.codegen.lower import Plan
+            tuner = Tuner(tuning.get("kernels", {})) if tuning else None
+            self.plan = Plan(graph, self.device, tuner, triton_matmul=self.backend == "triton-interpret")
 
     # -- steps ------------------------------------------------------------------------------------
     def build_inputs(self, batch: list[StepInput]) -> dict[str, torch.Tensor]:
@@ -121,7 +150,67 @@ class ModelRunner:
         """Run one step; returns float32 logits [sum(num_logits), V] in batch order."""
         if not batch:
             return torch.empty(0)
-        return self.plan.run(self.build_inputs(batch))[0].float()
+        decode = all(len(s.token_ids) == 1 and s.num_logits == 1 for s in batch)
+        if self.use_cuda_graphs and decode and len(batch) <= DECODE_BUCKETS[-1]:
+            return self._replay(batch)
+        inputs = self.build_inputs(batch)
+        if self.backend == "reference":
+            return self.plan.run(inputs)[0].float()
+        hints = {"max_seqlen_q": max(len(s.token_ids) for s in batch),
+                 "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in batch)}
+        return self.plan.run(inputs, hints)[0].float()
+
+    # -- CUDA graphs: one per decode batch bucket, so that a decode step is one replay --------------
+    def _static_inputs(self, B: int) -> dict[str, torch.Tensor]:
+        dev, M = self.device, (self.max_model_len + self.block_size - 1) // self.block_size
+        return {
+            "input_ids": torch.zeros(B, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(B, dtype=torch.int64, device=dev),
+            "query_start_loc": torch.arange(B + 1, dtype=torch.int32, device=dev),
+            "seq_lens": torch.ones(B, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros((B, M), dtype=torch.int32, device=dev),
+            "slot_mapping": torch.full((B,), -1, dtype=torch.int64, device=dev),
+            "logits_indices": torch.arange(B, dtype=torch.int64, device=dev),
+        }
+
+    def _capture(self, B: int):
+        static = self._static_inputs(B)
+        # fixed for the capture: keys per split follow the longest context the model allows
+        hints = {"max_seqlen_q": 1, "max_seqlen_k": self.max_model_len}
+        inputs = {**static, **self.kv}
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile and warm every kernel outside the capture
+                self.plan.run(inputs, hints)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=getattr(self, "_pool", None)):
+            out = self.plan.run(inputs, hints)[0]
+        self._pool = graph.pool()
+        return graph, static, out
+
+    def _replay(self, batch: list[StepInput]) -> torch.Tensor:
+        n = len(batch)
+        B = next(b for b in DECODE_BUCKETS if b >= n)
+        if B not in self.graphs:
+            self.graphs[B] = self._capture(B)
+        graph, st, out = self.graphs[B]
+        ids = torch.zeros(B, dtype=torch.int64)
+        pos = torch.zeros(B, dtype=torch.int64)
+        lens = torch.ones(B, dtype=torch.int32)
+        slots = torch.full((B,), -1, dtype=torch.int64)
+        tables = torch.zeros(st["block_tables"].shape, dtype=torch.int32)
+        for i, s in enumerate(batch):
+            p = s.start_pos
+            ids[i], pos[i], lens[i] = s.token_ids[0], p, p + 1
+            slots[i] = s.block_table[p // self.block_size] * self.block_size + p % self.block_size
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        for name, t in (("input_ids", ids), ("positions", pos), ("seq_lens", lens), ("slot_mapping", slots),
+                        ("block_tables", tables)):
+            st[name].copy_(t, non_blocking=True)
+        graph.replay()
+        return out[:n].float()
 
     # -- block movement ---------------------------------------------------------------------------
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

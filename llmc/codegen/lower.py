@@ -1,0 +1,253 @@
+"""Lowering: the fused, token-flattened graph becomes a plan of kernel launches.
+
+Each node maps to one step: a generated Triton kernel (norms, rope + KV write, paged attention,
+elementwise regions, small-M matmuls where tuning.json says they beat cuBLAS), cuBLAS through
+torch for the other GEMMs, a view for movement ops, and the op's torch reference for the rare
+rest (named "torch:<op>" in `llmc inspect --kernels`). Intermediates are released after their last
+use, so the caching allocator (and a CUDA graph's private pool) reuses them by lifetime.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import sympy
+import torch
+import torch.nn.functional as F
+
+from llmc.errors import LLMCError
+from llmc.ir.graph import Graph, Node
+from llmc.ir.ops import RefEnv, get_op, is_elementwise
+from llmc.ir.types import SymDim, _SYMPY_LOCALS, torch_dtype
+
+ACT_EPILOGUE = {"silu": ("silu",), "relu": ("relu",), "gelu": ("gelu",),
+                "gelu_tanh": (("gelu", {"approximate": "tanh"}),)}
+
+
+@dataclass
+class Step:
+    node: Node
+    fn: Callable[[list, dict], Any]
+    kernel: str  # what runs: "triton:rms_norm", "cublas", "view", "torch:gather", ...
+    spec: str = ""
+
+
+class Plan:
+    """A graph lowered for the `cuda` or `triton-interpret` backend.
+
+    Args:
+        graph: the fused paged graph (weights attached).
+        device: where it runs.
+        tuner: tuning choices from the artifact (matmul tiles, cuBLAS preference); never retunes.
+        triton_matmul: use the generated matmul for every linear (the triton-interpret backend
+            does, to test it); otherwise only where the tuner recorded that it wins.
+    """
+
+    def __init__(self, graph: Graph, device: torch.device, tuner=None, triton_matmul: bool = False):
+        self.graph, self.device, self.tuner, self.triton_matmul = graph, torch.device(device), tuner, triton_matmul
+        self.params = {p.name: graph.weights[p.name].to(self.device) for p in graph.params}
+        self.symbols = sorted({d.name for v in graph.inputs for d in v.type.shape if isinstance(d, SymDim)})
+        self.steps = [self._lower(n) for n in graph.nodes]
+        last = {}
+        for i, n in enumerate(graph.nodes):
+            for v in n.inputs:
+                last[v.name] = i
+        keep = {v.name for v in graph.outputs}
+        self.free_after = [[v.name for v in n.inputs if last.get(v.name) == i and v.kind == "node"
+                            and v.name not in keep] for i, n in enumerate(graph.nodes)]
+
+    # -- execution --------------------------------------------------------------------------------
+    def run(self, inputs: dict[str, torch.Tensor], hints: dict | None = None) -> list[torch.Tensor]:
+        hints = dict(hints or {})
+        g = self.graph
+        vals = dict(self.params)
+        for v in g.inputs:
+            t = inputs[v.name]
+            vals[v.name] = t
+            for d, n in zip(v.type.shape, t.shape):
+                if isinstance(d, SymDim) and d.name.isidentifier():
+                    hints.setdefault(d.name, n)
+        for i, st in enumerate(self.steps):
+            n = st.node
+            out = st.fn([vals[v.name] for v in n.inputs], hints)
+            if len(n.outputs) == 1:
+                vals[n.outputs[0].name] = out
+            else:
+                for v, t in zip(n.outputs, out):
+                    vals[v.name] = t
+            for name in self.free_after[i]:
+                vals.pop(name, None)
+        return [vals[v.name] for v in g.outputs]
+
+    def kernels(self) -> list[dict]:
+        """What each node runs, for `llmc inspect --kernels`."""
+        return [{"node": ", ".join("%" + v.name for v in s.node.outputs), "op": s.node.op, "kernel": s.kernel,
+                 "spec": s.spec} for s in self.steps]
+
+    def sources(self) -> dict[str, str]:
+        """Rendered sources of the generated kernels that the plan's specs determine statically."""
+        from llmc.codegen.kernels import render
+        out = {}
+        for s in self.steps:
+            spec = getattr(s.fn, "spec", None)
+            if spec is not None:
+                out[f"{spec.name}_{abs(hash(spec)) % 10**8:08d}.py"] = render(spec)
+        return out
+
+    # -- lowering rules ---------------------------------------------------------------------------
+    def _lower(self, n: Node) -> Step:
+        rule = getattr(self, f"_op_{n.op}", None)
+        if rule is not None:
+            step = rule(n)
+            if step is not None:
+                return step
+        if is_elementwise(n.op) and n.op != "cast" or n.op == "cast":
+            step = self._elementwise(n, [(n.outputs[0].name, n.op, [f"in{i}" for i in range(len(n.inputs))],
+                                          dict(n.attrs))], [n.outputs[0].name])
+            if step is not None:
+                return step
+        ref, attrs = get_op(n.op).ref, n.attrs
+        return Step(n, lambda x, h: ref(x, attrs, RefEnv(dict(h))), f"torch:{n.op}")
+
+    def _op_constant(self, n):
+        t = get_op("constant").ref([], n.attrs, RefEnv()).to(self.device)
+        return Step(n, lambda x, h: t, "constant")
+
+    def _op_embedding(self, n):
+        return Step(n, lambda x, h: F.embedding(x[1], x[0]), "torch:embedding")
+
+    def _linear(self, n, epilogue):
+        from llmc.codegen import matmul as mm
+        tuner, use_triton = self.tuner, self.triton_matmul
+
+        def fn(x, h):
+            b = x[2] if len(x) > 2 else None
+            if use_triton:
+                return mm.matmul(x[0], x[1], b, epilogue, tuner=tuner)
+            if tuner is not None:
+                return mm.linear(x[0], x[1], b, epilogue, tuner=tuner)
+            return mm.reference(x[0], x[1], b, epilogue)
+        return Step(n, fn, "triton:matmul" if use_triton else "cublas" + ("+epilogue" if epilogue else ""),
+                    f"epilogue={epilogue}")
+
+    def _op_linear(self, n):
+        return self._linear(n, ())
+
+    def _op_linear_act(self, n):
+        return self._linear(n, ACT_EPILOGUE[n.attrs["act"]])
+
+    def _op_rms_norm(self, n):
+        from llmc.codegen.norm import rms_norm
+        eps, wfc = n.attrs["eps"], n.attrs["weight_first_cast"]
+        return Step(n, lambda x, h: rms_norm(x[0], x[1], eps, weight_first_cast=wfc), "triton:rms_norm")
+
+    def _op_add_rms_norm(self, n):
+        from llmc.codegen.norm import rms_norm
+        eps, wfc = n.attrs["eps"], n.attrs["weight_first_cast"]
+        return Step(n, lambda x, h: rms_norm(x[0], x[2], eps, residual=x[1], weight_first_cast=wfc),
+                    "triton:rms_norm+residual")
+
+    def _op_rope_kv_write(self, n):
+        from llmc.codegen.attention import rope_kv_write
+
+        def fn(x, h):
+            q, k, v, cos, sin, cache, slots = x[:7]  # q/k/v: [1, H, T, D], cos/sin: [1, 1, T, D]
+            T, D = q.shape[2], q.shape[3]
+            qr = rope_kv_write(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                               cos.reshape(T, D), sin.reshape(T, D), cache, slots, x[7] if len(x) > 7 else None)
+            return qr.transpose(0, 1).unsqueeze(0)
+        return Step(n, fn, "triton:rope_kv_write")
+
+    def _attend(self, q, cache, qsl, lens, tables, kv_scale, attrs, h):
+        from llmc.codegen.attention import paged_attention
+        out = paged_attention(q[0].transpose(0, 1), cache, qsl, lens, tables, attrs["scale"], attrs["causal"],
+                              attrs["window"], kv_scale, max_seqlen_q=h.get("max_seqlen_q"),
+                              max_seqlen_k=h.get("max_seqlen_k"), partition_size=h.get("partition_size"))
+        return out.transpose(0, 1).unsqueeze(0)
+
+    def _op_attend_paged(self, n):
+        attrs = n.attrs
+        return Step(n, lambda x, h: self._attend(x[0], x[1], x[2], x[3], x[4], x[5] if len(x) > 5 else None,
+                                                 attrs, h), "triton:paged_attention")
+
+    def _op_paged_attention(self, n):
+        from llmc.ir.paged_attention import write_kv
+        attrs = n.attrs
+
+        def fn(x, h):
+            scale = x[8] if len(x) > 8 else None
+            write_kv(x[3], scale, x[1][0].transpose(0, 1), x[2][0].transpose(0, 1), x[7])
+            return self._attend(x[0], x[3], x[4], x[5], x[6], scale, attrs, h)
+        return Step(n, fn, "torch:kv_write+triton:paged_attention")
+
+    def _op_silu_mul(self, n):
+        return self._elementwise(n, [(n.outputs[0].name, "silu_mul", ["in0", "in1"], {})], [n.outputs[0].name])
+
+    def _op_fused(self, n):
+        return self._elementwise(n, [tuple(b) for b in n.attrs["body"]], list(n.attrs["outputs"]))
+
+    def _elementwise(self, n, body, outputs):
+        from llmc.codegen.elementwise import SUPPORTED_OPS, broadcast_kind, fused_elementwise, spec_from_ops
+        if any(op not in SUPPORTED_OPS for _, op, _, _ in body):
+            return None
+        out_shape = max((v.type.shape for v in n.outputs), key=len)
+        try:
+            inputs = [(f"in{i}", v.type.dtype, broadcast_kind(v.type.shape, out_shape)) for i, v in enumerate(n.inputs)]
+            spec = spec_from_ops(inputs, [(op, args, attrs, name) for name, op, args, attrs in body], outputs)
+        except Exception:
+            return None  # a broadcast the kernel does not cover: the torch reference runs it
+        if not inputs:
+            return None
+
+        def fn(x, h):
+            outs = fused_elementwise(spec, x)
+            return outs[0] if len(outs) == 1 else outs
+        fn.spec = spec
+        return Step(n, fn, "triton:fused_elementwise", spec.summary())
+
+    # movement: views (a copy only where torch needs one)
+    def _shape(self, shape):
+        fns = []
+        for d in shape:
+            if isinstance(d, int):
+                fns.append(d)
+            else:
+                expr = sympy.sympify(d, locals=_SYMPY_LOCALS(d))
+                syms = sorted(expr.free_symbols, key=str)
+                fns.append((sympy.lambdify(syms, expr), [str(s) for s in syms]))
+        return lambda h: [f if isinstance(f, int) else int(f[0](*[h[s] for s in f[1]])) for f in fns]
+
+    def _op_reshape(self, n):
+        shape = self._shape(n.attrs["shape"])
+        return Step(n, lambda x, h: x[0].reshape(shape(h)), "view")
+
+    def _op_expand(self, n):
+        shape = self._shape(n.attrs["shape"])
+        return Step(n, lambda x, h: x[0].expand(shape(h)), "view")
+
+    def _op_transpose(self, n):
+        a, b = n.attrs["dim0"], n.attrs["dim1"]
+        return Step(n, lambda x, h: x[0].transpose(a, b), "view")
+
+    def _op_permute(self, n):
+        d = n.attrs["dims"]
+        return Step(n, lambda x, h: x[0].permute(d), "view")
+
+    def _op_unsqueeze(self, n):
+        d = n.attrs["dim"]
+        return Step(n, lambda x, h: x[0].unsqueeze(d), "view")
+
+    def _op_squeeze(self, n):
+        d = n.attrs["dim"]
+        return Step(n, lambda x, h: x[0].squeeze(d), "view")
+
+    def _op_slice(self, n):
+        ref, attrs = get_op("slice").ref, n.attrs
+        return Step(n, lambda x, h: ref(x, attrs, None), "view")
+
+
+def kernels_per_layer(plan: Plan) -> dict[str, int]:
+    """Launches per decoder layer (views and constants excluded): total non-view steps / layers."""
+    layers = max(1, sum(1 for s in plan.steps if s.node.op in ("attend_paged", "paged_attention")))
+    launches = [s for s in plan.steps if s.kernel not in ("view", "constant")]
+    return {"layers": layers, "launches": len(launches), "per_layer": round(len(launches) / layers, 2)}
