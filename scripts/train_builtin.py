@@ -15,9 +15,12 @@ Design choices, and why:
   from the logits (vocab 8192 makes that cheap).
 * The cosine schedule is defined over ``--steps``. ``--seconds`` is a hard wall-clock cap
   that stops early (and says so in the log) so a slow machine still produces a model.
-  ``--fit-to-seconds`` goes one step further: after timing the first steps, it shrinks
-  ``--steps`` so that the whole cosine schedule fits inside ``--seconds``; then the cap should
-  never cut training off with the learning rate still high.
+  ``--fit-to-seconds`` goes one step further: ``--steps`` becomes a maximum, and every
+  ``--fit-every`` steps the measured step time re-plans the total so that the whole cosine
+  schedule ends inside ``--seconds``. The plan may grow (up to ``--steps``) only in the first
+  30% of the schedule, where the cosine is still flat; later it only shrinks. This matters when
+  two trainings share one GPU: the draft finishes early and the target then runs faster than it
+  did at the start, and a finished schedule beats one cut off at a high learning rate.
 * Residual dropout (``--dropout``) is applied with forward hooks during training only, so the
   saved model stays a stock Llama. It matters because the corpus is small (~8M tokens): the
   target model sees it many times over.
@@ -70,10 +73,10 @@ class Preset:
 PRESETS = {
     # 15.7M parameters (3.1M of them the tied embedding): head_dim 64, 3 query heads per KV head.
     "tiny-py": Preset(hidden=384, layers=8, heads=6, kv_heads=2, intermediate=1024,
-                      lr=1.5e-3, steps=6000, batch=64, dropout=0.1),
+                      lr=1.5e-3, steps=7000, batch=64, dropout=0.1),
     # 1.9M parameters: head_dim 32, cheap enough to be a useful speculative draft.
     "tiny-py-draft": Preset(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384,
-                            lr=3e-3, steps=3000, batch=64, dropout=0.0),
+                            lr=3e-3, steps=2500, batch=64, dropout=0.0),
 }
 
 
@@ -122,6 +125,13 @@ def lr_at(step: int, total: int, p: Preset, peak: float) -> float:
         return peak * (step + 1) / warmup
     frac = min(1.0, (step - warmup) / max(1, total - warmup))
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def fit_steps(step: int, max_steps: int, dt: float, remaining_s: float, evals_left: int) -> int:
+    """Total steps whose remainder fits in ``remaining_s`` at ``dt`` s/step, keeping ~15 s for
+    the final eval and saving and ~0.5 s per periodic eval, with a 5% margin."""
+    budget = remaining_s - 15.0 - 0.5 * evals_left
+    return max(step + 1, min(max_steps, step + int(0.95 * budget / dt)))
 
 
 class Batches:
@@ -200,7 +210,8 @@ def parse_args():
     ap.add_argument("--dropout", type=float, help="residual dropout while training")
     ap.add_argument("--seconds", type=float, default=None, help="wall-clock cap; stops early")
     ap.add_argument("--fit-to-seconds", action="store_true",
-                    help="after timing the first steps, shrink --steps to fit --seconds")
+                    help="treat --steps as a maximum and re-plan the schedule to fit --seconds")
+    ap.add_argument("--fit-every", type=int, default=250, help="steps between re-plans")
     ap.add_argument("--data", type=Path, default=Path(".data"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -209,6 +220,7 @@ def parse_args():
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--eval-windows", type=int, default=32, help="windows for periodic held-out loss")
     ap.add_argument("--final-eval-windows", type=int, default=256)
+    ap.add_argument("--probe-steps", type=int, default=30, help="steps timed after step 10")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (eager fallback)")
     return ap.parse_args()
 
@@ -218,6 +230,7 @@ def main() -> None:
     args = parse_args()
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    import transformers
     from transformers import LlamaForCausalLM
 
     preset = PRESETS[args.model]
@@ -250,10 +263,12 @@ def main() -> None:
 
     log = {"model": args.model, "preset": asdict(preset), "params": n_params, "steps_planned": steps,
            "batch": batch, "ctx": args.ctx, "lr": peak_lr, "dropout": dropout, "seed": args.seed,
-           "device": str(device), "torch": torch.__version__, "compile": args.compile,
-           "loss_curve": [], "heldout_curve": [], "stopped_early": False}
-    probe = (10, 40)  # time steps 10..40: after CUDA warm-up, early enough to act on
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+           "torch": torch.__version__, "transformers": transformers.__version__, "compile": args.compile,
+           "loss_curve": [], "heldout_curve": [], "fit_history": [], "stopped_early": False}
+    probe = (10, 10 + args.probe_steps)  # after CUDA warm-up, early enough to act on
     t_probe = None
+    max_steps, t_fit, step_fit = steps, None, 0
     running, running_n = torch.zeros((), device=device), 0
     console = Console()
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -289,7 +304,7 @@ def main() -> None:
             running_n += 1
             step += 1
 
-            if step == probe[0] or step == probe[1]:
+            if step in probe:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 if step == probe[0]:
@@ -300,17 +315,26 @@ def main() -> None:
                     print(f"throughput: {tokens_per_step / dt:,.0f} tokens/s, {dt * 1e3:.1f} ms/step; "
                           f"{steps} steps need ~{elapsed + (steps - step) * dt:.0f}s", flush=True)
                     log["tokens_per_s_probe"] = tokens_per_step / dt
-                    if args.fit_to_seconds and args.seconds is not None:
-                        # Reserve time for evals and saving; a shorter complete cosine beats a
-                        # longer one cut off at a high learning rate.
-                        n_evals = steps // args.eval_every + 2
-                        budget = args.seconds - elapsed - 15 - 0.5 * n_evals
-                        fit = step + int(0.95 * budget / dt)
-                        if fit < steps:
-                            print(f"fit-to-seconds: steps {steps} -> {fit}", flush=True)
-                            steps = max(step + 1, fit)
-                            log["steps_fitted"] = steps
-                            progress.update(task, total=steps)
+                    t_fit, step_fit = time.time(), step
+            if args.fit_to_seconds and args.seconds and t_fit is not None and (
+                    step == probe[1] or step - step_fit >= args.fit_every):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                now = time.time()
+                if step > step_fit:
+                    dt = (now - t_fit) / (step - step_fit)
+                new = fit_steps(step, max_steps, dt, args.seconds - (now - t_start),
+                                (steps - step) // args.eval_every + 1)
+                shrink = new < 0.98 * steps
+                grow = step < 0.3 * steps and new > steps and (new > 1.02 * steps or new == max_steps)
+                if shrink or grow:
+                    print(f"fit-to-seconds: {dt * 1e3:.1f} ms/step, steps {steps} -> {new}", flush=True)
+                    log["fit_history"].append({"step": step, "ms_per_step": round(dt * 1e3, 2),
+                                               "steps": new})
+                    steps = new
+                    log["steps_fitted"] = steps
+                    progress.update(task, total=steps)
+                t_fit, step_fit = now, step
 
             if step % args.log_every == 0 or step == steps:
                 mean = (running / running_n).item()
