@@ -51,9 +51,9 @@ def test_run_json_greedy_matches_hf_generate(compiled):
 def test_inspect_summary_and_ir(compiled):
     _, art = compiled
     code, out = cli("inspect", art)
-    assert code == 0 and "paged_attention" in out and "lift_patterns" in out and "f32" in out
+    assert code == 0 and "attend_paged" in out and "rope_kv_write" in out and "lift_patterns" in out and "f32" in out
     code, ir = cli("inspect", art, "--ir")
-    assert code == 0 and ir.startswith("graph ") and "paged_attention(" in ir
+    assert code == 0 and ir.startswith("graph ") and "attend_paged(" in ir
 
 
 def test_bad_model_paths(tmp_path):

@@ -17,7 +17,10 @@ the rendered module is imported).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import lru_cache
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -41,6 +44,17 @@ def _pow2(x: int) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _module(spec: KernelSpec) -> ModuleType:
+    """`load(spec)` memoized per process: rendering and hashing on every call cost more host time than
+    a decode step's kernels take on the GPU. Keyed by the interpret flag too, which picks the module."""
+    return _load_memo(spec, os.environ.get("TRITON_INTERPRET", ""))
+
+
+@lru_cache(maxsize=None)
+def _load_memo(spec: KernelSpec, interpret: str) -> ModuleType:
+    return load(spec)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +124,7 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     k_out = torch.empty((T, Hkv, D), dtype=k.dtype, device=k.device) if quant else q_out  # unused unless quant
     if T == 0:
         return q_out
-    mod = load(spec)
+    mod = _module(spec)
     mod.rope_kv_write_kernel[(T,)](
         q, k, v, cos, sin, slot_mapping, q_out, kv_cache, k_out,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *q_out.stride(),
@@ -269,7 +283,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m)
         c = spec.constexprs()
         grid = (_cdiv(max_seqlen_q, c["BLOCK_Q"]), N, Hkv)
-        load(spec).paged_attention_prefill_kernel[grid](
+        _module(spec).paged_attention_prefill_kernel[grid](
             out, *tensors, *strides, qk_scale, window,
             **c, num_warps=4, num_stages=2)
         return out
@@ -281,7 +295,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     assert partition % tile_n == 0, f"partition_size {partition} must be a multiple of the key tile {tile_n}"
     splits = _cdiv(max(max_seqlen_k, 1), partition)
     spec = PagedAttentionSpec(**base, mode="decode", num_splits_p2=_pow2(splits))
-    mod, c = load(spec), spec.constexprs()
+    mod, c = _module(spec), spec.constexprs()
     # partials: [N, Hq, splits] running max / sum and [N, Hq, splits, BLOCK_D] unnormalized output, fp32
     m_part = torch.empty((N, Hq, splits), dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)

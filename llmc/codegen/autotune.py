@@ -14,6 +14,7 @@ The cuBLAS time is kept beside the best Triton time so the lowering can keep cuB
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -53,6 +54,7 @@ class TuneRecord:
     prefer_cublas: bool = False
 
 
+@functools.lru_cache(maxsize=1)
 def _device_name() -> str | None:
     try:
         import torch
@@ -67,8 +69,23 @@ def can_time() -> bool:
     return _device_name() is not None and not interpreting()
 
 
+def gpu_time_ms(fn: Callable[[], Any]) -> float:
+    """Milliseconds per call of `fn` replayed as a CUDA graph, as the runtime replays decode steps.
+
+    Plain `do_bench` times Python launch overhead too (tens of microseconds, as long as a decode
+    linear itself), which would make every tile look alike; it is the fallback when `fn` cannot be
+    captured.
+    """
+    from triton.testing import do_bench, do_bench_cudagraph
+    try:
+        return float(do_bench_cudagraph(fn, rep=20, return_mode="median"))
+    except Exception as e:
+        log.debug("autotune: CUDA graph timing failed (%s), timing eagerly", e)
+        return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
 class Tuner:
-    """Chooses a config per (kernel_key, bucket), timing candidates with `triton.testing.do_bench` on CUDA.
+    """Chooses a config per (kernel_key, bucket), timing candidates with triton.testing on CUDA (`gpu_time_ms`).
 
     Args:
         records: {kernel_key: {bucket: TuneRecord-as-dict}} from an earlier run (see `load`).
@@ -117,11 +134,10 @@ class Tuner:
     @staticmethod
     def tune(candidates: Sequence[dict], bench: Callable[[dict], Any], baseline: Callable[[], Any] | None,
              margin: float = 0.97) -> TuneRecord:
-        from triton.testing import do_bench
         best, best_ms = None, float("inf")
         for cfg in candidates:
             try:
-                ms = do_bench(lambda: bench(cfg), warmup=10, rep=40)
+                ms = gpu_time_ms(lambda: bench(cfg))
             except Exception as e:  # out of shared memory or registers for this tile: not a candidate
                 log.debug("autotune: config %s failed: %s", cfg, e)
                 continue
@@ -129,7 +145,7 @@ class Tuner:
                 best, best_ms = dict(cfg), ms
         if best is None:
             raise RuntimeError(f"autotune: every candidate failed ({list(candidates)})")
-        cublas_ms = do_bench(baseline, warmup=10, rep=40) if baseline is not None else None
+        cublas_ms = gpu_time_ms(baseline) if baseline is not None else None
         prefer = cublas_ms is not None and best_ms > margin * cublas_ms
         return TuneRecord(best, float(best_ms), None if cublas_ms is None else float(cublas_ms), prefer)
 

@@ -16,8 +16,10 @@ row: [..., 1]), `col` (one value per column: [C] or [1, ..., C]) and `scalar` (0
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Sequence
 
 import torch
@@ -25,7 +27,7 @@ import torch
 from llmc.codegen.kernels import KernelSpec, load
 from llmc.errors import CompileError
 from llmc.ir.ops import get_op
-from llmc.ir.types import FLOAT_DTYPES, TensorType, dtype_name
+from llmc.ir.types import FLOAT_DTYPES, TensorType, dtype_name, torch_dtype
 
 KINDS = ("full", "row", "col", "scalar")
 UNARY_OPS = ("neg", "silu", "gelu", "relu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "reciprocal",
@@ -33,8 +35,9 @@ UNARY_OPS = ("neg", "silu", "gelu", "relu", "sigmoid", "tanh", "exp", "log", "sq
 BINARY_OPS = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "silu_mul")
 SUPPORTED_OPS = UNARY_OPS + BINARY_OPS + ("constant",)
 _INT_OK = {"neg", "abs", "relu", "cast", "add", "sub", "mul", "maximum", "minimum", "constant"}
-_TL = {"f64": "tl.float64", "f32": "tl.float32", "f16": "tl.float16", "bf16": "tl.bfloat16", "i64": "tl.int64",
-       "i32": "tl.int32", "i16": "tl.int16", "i8": "tl.int8", "u8": "tl.uint8", "bool": "tl.int1"}
+_TL = {"f64": "tl.float64", "f32": "tl.float32", "f16": "tl.float16", "bf16": "tl.bfloat16",
+       "f8e4m3": "tl.float8e4nv", "i64": "tl.int64", "i32": "tl.int32", "i16": "tl.int16", "i8": "tl.int8",
+       "u8": "tl.uint8", "bool": "tl.int1"}
 # a stand-in shape per kind, so the registry's type rules (torch promotion, rank-0 rule) give dtypes
 _PROBE_SHAPE = {"full": (2, 3), "row": (2, 1), "col": (3,), "scalar": ()}
 
@@ -88,6 +91,16 @@ def cast_expr(expr: str, dtype: str) -> str:
 def cast_helpers(dtypes) -> list[str]:
     """The helper sources `cast_expr` needs for casts to `dtypes`."""
     return [RNE_BF16] if interpreting() and "bf16" in set(dtypes) else []
+
+
+@functools.lru_cache(maxsize=None)
+def _module(spec: KernelSpec, interpret: bool) -> ModuleType:
+    return load(spec)
+
+
+def compiled(spec: KernelSpec) -> ModuleType:
+    """`kernels.load(spec)` memoized per spec: a launch must not re-render and re-hash its template."""
+    return _module(spec, interpreting())
 
 
 def _lit(value: Any, dtype: str) -> str:
@@ -254,18 +267,14 @@ class ElementwiseSpec(KernelSpec):
         return "; ".join(f"{o} = {op}({', '.join(a)})" for o, op, a, _ in self.body)
 
     def _bytes_comment(self, dtypes: dict[str, str], kinds: dict[str, str]) -> str:
-        size = {n: torch.empty((), dtype=_torch_dtype(d)).element_size() for n, d in dtypes.items()}
-        fused = sum(size[n] for n, _, k in self.inputs if k == "full") + sum(size[n] for n, _ in self.outputs)
+        size = {n: torch_dtype(d).itemsize for n, d in dtypes.items()}
+        fused = sum(size[n] for n, _, k in self.inputs if k == "full") + sum(torch_dtype(d).itemsize
+                                                                             for _, d in self.outputs)
         consts = {out for out, op, _, _ in self.body if op == "constant"}
         unfused = sum(sum(size[a] for a in args if kinds.get(a, "full") == "full" and a not in consts) + size[out]
                       for out, op, args, _ in self.body if op != "constant")
         return (f"per output element, fused: {fused} B (full inputs read once, outputs written once); "
                 f"one kernel per op: {unfused} B")
-
-
-def _torch_dtype(d: str) -> torch.dtype:
-    from llmc.ir.types import torch_dtype
-    return torch_dtype(d)
 
 
 def broadcast_kind(shape: Sequence, out_shape: Sequence) -> str:
@@ -368,7 +377,7 @@ def fused_elementwise(spec: ElementwiseSpec, tensors: Sequence[torch.Tensor] | d
     numel = math.prod(out_shape)
     rows = numel // cols if cols else 0
     device = tensors[0].device if tensors else torch.device("cpu")
-    outs = [torch.empty(out_shape, dtype=_torch_dtype(d), device=device) for _, d in spec.outputs]
+    outs = [torch.empty(out_shape, dtype=torch_dtype(d), device=device) for _, d in spec.outputs]
     if numel == 0:
         return tuple(outs)
     args, strides = [], []
@@ -394,7 +403,7 @@ def fused_elementwise(spec: ElementwiseSpec, tensors: Sequence[torch.Tensor] | d
     block_c = min(_next_pow2(cols), 1024)
     block_r = max(1, min(_next_pow2(rows), 2048 // block_c))
     grid = (triton_cdiv(rows, block_r), triton_cdiv(cols, block_c))
-    load(spec).fused_elementwise_kernel[grid](*args, *views, *strides, *[v.stride(0) for v in views], rows, cols,
+    compiled(spec).fused_elementwise_kernel[grid](*args, *views, *strides, *[v.stride(0) for v in views], rows, cols,
                                                BLOCK_R=block_r, BLOCK_C=block_c)
     return tuple(outs)
 

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from llmc.codegen.autotune import Tuner, bucket_size, m_bucket
-from llmc.codegen.elementwise import UNARY_OPS, _freeze_attrs, cast_expr, cast_helpers, interpreting, op_expr, HELPERS
-from llmc.codegen.kernels import KernelSpec, load
+from llmc.codegen.elementwise import (HELPERS, UNARY_OPS, _freeze_attrs, cast_expr, cast_helpers, compiled,
+                                      interpreting, op_expr)
+from llmc.codegen.kernels import KernelSpec
 from llmc.errors import CompileError
 from llmc.ir.ops import get_op
 from llmc.ir.types import dtype_name, torch_dtype
@@ -108,7 +109,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, e
 
 def _launch(spec: MatmulSpec, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y2: torch.Tensor,
             cfg: dict) -> None:
-    mod = load(spec)
+    mod = compiled(spec)
     M, K = x2.shape
     N = w.shape[0]
     split_k = cfg["SPLIT_K"]
@@ -134,7 +135,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
         b: optional [N] bias.
         epilogue: unary llmc ops applied in order, names or (name, attrs):
             ("silu",), (("gelu", {"approximate": "tanh"}),).
-        tuner: chooses (and on a GPU, times and records) the tile config for this shape's M bucket.
+        tuner: chooses (on a GPU: times once, records, then reuses) the tiles for this shape's M bucket;
+            None: the bucket's default tiles, untimed.
         config: a fixed config instead (a dict as in `candidates`).
 
     Returns:
@@ -159,9 +161,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
     y2 = y.view(-1, N)
     if K == 0:
         return y.copy_(reference(x, w, b, epilogue))
-    if config is None:
+    if config is None and tuner is None:
+        config = candidates(m_bucket(M))[0]
+    elif config is None:
         bucket = m_bucket(M)
-        tuner = tuner or Tuner()
         config = tuner.choose(spec.key(N, K), bucket, candidates(bucket),
                               bench=lambda cfg: _launch(spec, x2, w, b, y2, cfg),
                               baseline=lambda: reference(x2, w, b, spec.epilogue))

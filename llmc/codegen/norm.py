@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from llmc.codegen.elementwise import cast_expr, cast_helpers
-from llmc.codegen.kernels import KernelSpec, load
+from llmc.codegen.elementwise import cast_expr, cast_helpers, compiled
+from llmc.codegen.kernels import KernelSpec
 from llmc.ir.types import dtype_name, torch_dtype
 
 
@@ -102,7 +102,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6, residual: torc
     h = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     if x2.shape[0] == 0:
         return (out, h) if residual is not None else out
-    kernel = load(spec).rms_norm_kernel
+    kernel = compiled(spec).rms_norm_kernel
     grid = (x2.shape[0],)
     w = w.contiguous()
     if residual is not None:

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from llmc.codegen.kernels import KernelSpec, load
+from llmc.codegen.elementwise import compiled
+from llmc.codegen.kernels import KernelSpec
 from llmc.ir.types import dtype_name, torch_dtype
 
 
@@ -43,6 +44,6 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(N, dtype=torch.int64, device=x.device)
     if N:
         block = min(4096, 1 << max(0, (V - 1).bit_length()))
-        load(ArgmaxSpec(dtype_name(x.dtype))).argmax_kernel[(N,)](x, out, x.stride(0), V, BLOCK=block,
+        compiled(ArgmaxSpec(dtype_name(x.dtype))).argmax_kernel[(N,)](x, out, x.stride(0), V, BLOCK=block,
                                                                    num_warps=8 if block >= 2048 else 4)
     return out[0] if squeeze else out

@@ -50,33 +50,32 @@ def kv_cache_inputs(g: Graph) -> list[Value]:
 
 
 def set_kv_cache_dtype(g: Graph, kv_cache_dtype: str) -> Graph:
-    """Retype the KV caches of a paged graph (auto / int8 / fp8), adding or dropping the scale inputs."""
+    """Retype the KV caches of a paged graph (auto / int8 / fp8), adding or dropping the scale inputs.
+
+    Every op that reads or writes a cache (paged_attention, rope_kv_write, attend_paged) takes the
+    scale as its optional last operand `kv_scale`.
+    """
+    from llmc.ir.ops import get_op
     if kv_cache_dtype not in KV_DTYPES:
         raise CompileError(f"kv cache dtype must be one of {', '.join(KV_DTYPES)}, not {kv_cache_dtype!r}")
-    by_cache = {}
-    for n in g.nodes:
-        if n.op == "paged_attention":
-            by_cache[n.inputs[3].name] = n
+    users = g.users()
     for cache in kv_cache_inputs(g):
-        node = by_cache[cache.name]
-        want = KV_DTYPES[kv_cache_dtype] or node.inputs[0].type.dtype
+        nodes = users.get(cache, [])
+        model_dtype = next((n.inputs[0].type.dtype for n in nodes), cache.type.dtype)
+        want = KV_DTYPES[kv_cache_dtype] or model_dtype
         cache.type = cache.type.with_dtype(want)
         quant = want in ("i8", "f8e4m3")
-        idx = cache.name.split(".", 1)[1]
-        scale_name = f"kv_scale.{idx}"
-        existing = next((v for v in g.inputs if v.name == scale_name), None)
-        if quant and existing is None:
+        scale_name = f"kv_scale.{cache.name.split('.', 1)[1]}"
+        scale = next((v for v in g.inputs if v.name == scale_name), None)
+        if quant and scale is None:
             s = cache.type.shape
-            existing = Value(scale_name, TensorType((2, s[1], s[3]), "f32"), None, "input")
-            g._claim(scale_name)
-            g.inputs.append(existing)
-        if quant:
-            node.inputs = node.inputs[:8] + [existing]
-        else:
-            node.inputs = node.inputs[:8]
-            if existing is not None:
-                g.inputs.remove(existing)
-                g._names.discard(scale_name)
+            scale = g.add_input(scale_name, TensorType((2, s[1], s[3]), "f32"))
+        for n in nodes:
+            at = get_op(n.op).operands.index("kv_scale?")
+            n.inputs = n.inputs[:at] + ([scale] if quant else [])
+        if not quant and scale is not None:
+            g.inputs.remove(scale)
+            g._names.discard(scale_name)
     g.meta["kv_cache_dtype"] = kv_cache_dtype
     return g
 

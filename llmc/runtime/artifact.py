@@ -49,8 +49,10 @@ class Artifact:
 
     @property
     def tokenizer_dir(self) -> Path | None:
+        """The copied tokenizer files, or None when the source model had no tokenizer."""
         d = self.path / "tokenizer"
-        return d if d.is_dir() and any(d.iterdir()) else None
+        found = any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+        return d if found else None
 
     def tokenizer(self):
         """The artifact's tokenizer (transformers' AutoTokenizer over the copied files)."""

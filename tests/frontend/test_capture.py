@@ -15,7 +15,7 @@ from tests.conftest import hf_model
 @pytest.fixture(scope="module")
 def captured(arch_dir):
     g = capture_hf(arch_dir)
-    return arch_dir, PassManager(pipeline(options={"paged_kv": False}), verify=True).run(g)
+    return arch_dir, PassManager(pipeline(options={"paged_kv": False, "fuse": False}), verify=True).run(g)
 
 
 def rel_err(a, b):

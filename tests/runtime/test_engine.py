@@ -89,21 +89,33 @@ CODE_PROMPTS = ["def fibonacci(n):", "import os\n\n", "class Stack:\n    def __i
 
 
 def test_int8_kv_cache_agrees_with_unquantized(tiny_py_artifact, capsys):
-    """On the shipped trained model (random tiny models have near-tied logits, which any
-    perturbation flips): 8 prompts x 64 greedy tokens."""
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=True)
+    """On the shipped trained model, 8 prompts x 64 greedy tokens.
+
+    Teacher-forced agreement (each step's argmax on the unquantized run's own sequence) measures the
+    int8 cache itself and must be >= 98%. Free-running agreement compounds: one flipped near-tie
+    changes every later token of that prompt; it is reported, not asserted (see the issue note)."""
+    from llmc.runtime.model_runner import ModelRunner, StepInput
+    tok = tiny_py_artifact.tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     full = LLM(tiny_py_artifact, num_blocks=256).generate(CODE_PROMPTS, params)
     q8 = LLM(tiny_py_artifact, num_blocks=256, kv_cache_dtype="int8").generate(CODE_PROMPTS, params)
-    same = total = 0
-    for a, b in zip(full, q8):
-        for x, y in zip(a.token_ids, b.token_ids):
-            same += x == y
-            total += 1
-    agree = same / total
-    lp_err = max(abs(x - y) for a, b in zip(full, q8) for x, y in zip(a.outputs[0].logprobs[:4], b.outputs[0].logprobs[:4]))
+    free = sum(x == y for a, b in zip(full, q8) for x, y in zip(a.token_ids, b.token_ids)) / 512
+    r8 = ModelRunner(tiny_py_artifact.graph, num_blocks=256, kv_cache_dtype="int8")
+    same, errs = 0, []
+    for i, (prompt, out) in enumerate(zip(CODE_PROMPTS, full)):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        seq, bt = ids + out.token_ids, list(range(16 * i, 16 * i + 16))
+        logits = r8.execute([StepInput(ids, 0, bt)])[0]
+        preds = [int(logits.argmax())]
+        for j in range(len(ids), len(seq) - 1):
+            preds.append(int(r8.execute([StepInput([seq[j]], j, bt)])[0].argmax()))
+        same += sum(x == y for x, y in zip(preds, out.token_ids))
+    forced = same / 512
     with capsys.disabled():
-        print(f"\n[int8 KV] greedy agreement {agree:.4f} over {total} tokens; max |dlogprob| (first 4) {lp_err:.2e}")
-    assert agree >= 0.95
+        print(f"\n[int8 KV, tiny-py] teacher-forced agreement {forced:.4f}, free-running agreement {free:.4f} "
+              f"over 8 prompts x 64 tokens")
+    assert forced >= 0.98
+    assert free > 0.5  # compounding divergences, but not a broken cache
 
 
 def test_int8_paged_attention_logit_error(llama_artifact):
@@ -126,6 +138,7 @@ def test_int8_paged_attention_logit_error(llama_artifact):
                                     slot_mapping=torch.arange(20), logits_indices=torch.arange(20), **kv)
         errs.append(out)
     rel = ((errs[0] - errs[1]).abs().max() / errs[0].abs().max()).item()
+    print(f"[int8 KV, tiny llama] max relative logit error over a 20-token prefill: {rel:.2e}")
     assert 0 < rel < 0.05  # quantization changes logits a little, never a lot
 
 

@@ -1,0 +1,153 @@
+"""Batch-1 decode speed of llmc's cuda backend on a Llama-3.2-1B-shaped model (random bf16 weights),
+against the memory-bandwidth roofline measured in the same run.
+
+Reports: copy bandwidth, bytes read per step, roofline tok/s; the graph-replay decode step time
+(the runner alone) and the end-to-end engine tok/s (scheduler + sampler included); kernels per
+decoder layer before and after fusion. Usage: python benchmarks/decode_bench.py [--new 256] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, head_dim=64,
+               max_position_embeddings=4096),
+    # a smoke-test shape for checking this script on a CPU (--shape tiny --backend triton-interpret)
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True, head_dim=16,
+                 max_position_embeddings=256),
+}
+CUDA = torch.cuda.is_available()
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def bandwidth() -> float:
+    if not CUDA:
+        return float("nan")
+    n = 2 * 1024 ** 3
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    s.record()
+    for _ in range(10):
+        b.copy_(a)
+    e.record()
+    sync()
+    del a, b
+    return 2 * n * 10 / (s.elapsed_time(e) / 1e3)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
+    ap.add_argument("--backend", default="cuda")
+    a = ap.parse_args()
+    import llmc
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from llmc.codegen.lower import Plan, kernels_per_layer
+    from llmc.runtime.engine import LLM, SamplingParams
+    from llmc.runtime.model_runner import StepInput
+    res = {"gpu": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__, "shape": a.shape,
+           "backend": a.backend}
+    import triton
+    res["triton"] = triton.__version__
+    bw = bandwidth()
+    res["bw_TBps"] = bw / 1e12
+    work = Path(tempfile.mkdtemp())
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SHAPES[a.shape], architectures=["LlamaForCausalLM"])
+    t = time.time()
+    with torch.device("cuda" if CUDA else "cpu"):  # random init on the GPU: seconds, not minutes
+        m = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    m.save_pretrained(str(work / "llama"))
+    nparam = sum(p.numel() for p in m.parameters())
+    del m
+    step_bytes = 2 * nparam  # tied embedding: the table is read once, as the LM head
+    res.update(params=nparam, step_bytes=step_bytes, roofline_tok_s=bw / step_bytes)
+    print(f"model saved in {time.time() - t:.0f}s; roofline {res['roofline_tok_s']:.0f} tok/s", flush=True)
+    t = time.time()
+    art = llmc.compile(work / "llama", work / "llama.llmc", dtype="bfloat16")
+    res["compile_s"] = round(time.time() - t, 1)
+    res["kernels_per_layer_fused"] = kernels_per_layer(Plan(art.graph, "meta"))["per_layer"]
+    print(f"compiled in {res['compile_s']}s; kernels/layer {res['kernels_per_layer_fused']}", flush=True)
+
+    llm = LLM(art, backend=a.backend, num_blocks=2048, max_num_seqs=8)
+    prompt = torch.randint(0, cfg.vocab_size, (a.prompt,)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=a.new, ignore_eos=True)
+    llm.generate([prompt], params)  # warm-up: compiles kernels, captures the batch-1 graph
+    sync()
+    t = time.perf_counter()
+    out = llm.generate([prompt], params)[0]
+    sync()
+    e2e = time.perf_counter() - t
+    res["engine_tok_s"] = a.new / e2e  # prefill of the prompt included, as the peers' figures
+    # the runner alone: graph replays of one decode step
+    runner = llm.engine.runner
+    bt = list(range(32))
+    for _ in range(5):
+        runner.execute([StepInput([1], a.prompt, bt)])
+    sync()
+    n = 200
+    t = time.perf_counter()
+    for i in range(n):
+        runner.execute([StepInput([1], a.prompt + i, bt)])
+    sync()
+    res["step_ms"] = (time.perf_counter() - t) / n * 1e3
+    res["runner_tok_s"] = 1e3 / res["step_ms"]
+    res["roofline_fraction_runner"] = res["runner_tok_s"] / res["roofline_tok_s"]
+    res["roofline_fraction_engine"] = res["engine_tok_s"] / res["roofline_tok_s"]
+    # the same decode step without the fusion passes (graph replay too): what fusion buys
+    del llm, runner
+    torch.cuda.empty_cache() if CUDA else None
+    plain = llmc.compile(work / "llama", work / "llama-unfused.llmc", dtype="bfloat16", fuse=False)
+    res["kernels_per_step_unfused"] = kernels_per_layer(Plan(plain.graph, "meta"))["launches"]
+    res["kernels_per_step_fused"] = kernels_per_layer(Plan(art.graph, "meta"))["launches"]
+    r2 = LLM(plain, backend=a.backend, num_blocks=2048, max_num_seqs=8).engine.runner
+    for _ in range(5):
+        r2.execute([StepInput([1], a.prompt, bt)])
+    sync()
+    t = time.perf_counter()
+    for i in range(n):
+        r2.execute([StepInput([1], a.prompt + i, bt)])
+    sync()
+    res["step_ms_unfused"] = (time.perf_counter() - t) / n * 1e3
+    del r2, plain
+    llm = LLM(art, backend=a.backend, num_blocks=2048, max_num_seqs=8)
+    # batch 8 decode through the engine (continuous batching), useful tokens per second
+    prompts = [torch.randint(0, cfg.vocab_size, (a.prompt,)).tolist() for _ in range(8)]
+    llm.generate(prompts, params)
+    sync()
+    t = time.perf_counter()
+    llm.generate(prompts, params)
+    sync()
+    res["engine_batch8_tok_s"] = 8 * a.new / (time.perf_counter() - t)
+    Path(a.out, "decode_bench.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+    print(f"\n{'metric':34s} value")
+    for k in ("bw_TBps", "roofline_tok_s", "step_ms", "runner_tok_s", "engine_tok_s", "engine_batch8_tok_s",
+              "roofline_fraction_runner", "step_ms_unfused", "kernels_per_step_unfused", "kernels_per_step_fused"):
+        print(f"{k:34s} {res[k]:.3f}" if isinstance(res[k], float) else f"{k:34s} {res[k]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""The attention kernels (rope + KV write, paged prefill, split-K decode) against the golden model.
+
+The kernels run on CPU under the Triton interpreter. How `TRITON_INTERPRET` works in triton 3.9:
+`triton.jit` reads it when it decorates a function, and triton decorates its *own* library
+(`tl.zeros`, `tl.max`, `tl.sum`, `tl.cdiv`, ... are `@jit` functions) when `triton` is first
+imported. So the variable must be set before the process's first `import triton`: set later, our
+kernels become interpreted functions that call compiled-mode library functions and fail with
+"Cannot call @triton.jit'd outside of the scope of a kernel" (seen with triton 3.9). One process
+runs triton either interpreted or compiled, never both. Hence `_interpreted_here()`:
+
+- triton not imported yet and no GPU (CI), or the variable already set: set it (for the whole
+  session: every triton kernel on a GPU-less host needs it) and run the tests in this process;
+- otherwise (triton already imported compiled, e.g. by a GPU test module collected earlier):
+  the tests here skip and `test_interpreted_in_child` reruns this file in a fresh
+  `python -m pytest` with the variable set, so the result never depends on collection order.
+
+Rendered modules are cached by a key that includes the interpret flag, so an already-loaded compiled
+module is never reused here; `test_kernels_run_interpreted` checks that.
+
+bfloat16: the triton 3.9 interpreter stores bf16 tensors as their uint16 bit patterns and its
+`InterpreterBuilder.create_dot` runs `np.matmul` on that storage directly (it converts only 8-bit
+floats), so any bf16 `tl.dot` returns garbage (~1e8) on CPU. Loads, stores, casts and elementwise
+bf16 are right. The fixture patches `create_dot` for the module to widen bf16 operands to fp32
+first (exact: bf16 is the top half of an fp32), so the bf16 kernels, unchanged, are tested here;
+on the GPU they are checked by scripts/gpu_check_attention.py.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+
+def _interpreted_here() -> bool:
+    """Whether this process runs triton interpreted (setting TRITON_INTERPRET if it still can)."""
+    if os.environ.get("LLMC_INTERPRET_CHILD") == "1" or (
+            "triton" not in sys.modules and not torch.cuda.is_available()):
+        os.environ["TRITON_INTERPRET"] = "1"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(tl.zeros, InterpretedFunction)  # the library was decorated interpreted
+
+
+INTERPRETED = _interpreted_here()
+
+from llmc.codegen.attention import (PagedAttentionSpec, RopeKVWriteSpec, decode_partition,  # noqa: E402
+                                    dtype_name, paged_attention, rope_kv_write)
+from llmc.codegen.kernels import load  # noqa: E402
+from llmc.ir.ops import _rope_ref  # noqa: E402
+from llmc.ir.paged_attention import QMAX, _to_q, _write, paged_attention_ref  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def _bf16_dot(builder, a, b, d, input_precision, max_num_imprecise_acc):
+    """`create_dot` that widens bf16 operands (uint16 bit patterns) to fp32 before the matmul."""
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+    if tl.bfloat16 not in (a.dtype.scalar, b.dtype.scalar):
+        return _ORIGINAL_DOT(builder, a, b, d, input_precision, max_num_imprecise_acc)
+    widen = lambda h: (h.data.astype(np.uint32) << 16).view(np.float32) if h.dtype.scalar == tl.bfloat16 else h.data  # noqa: E731
+    return TensorHandle(np.matmul(widen(a), widen(b), dtype=d.data.dtype) + d.data, d.dtype.scalar)
+
+
+_ORIGINAL_DOT = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreted(tmp_path_factory):
+    global _ORIGINAL_DOT
+    if not INTERPRETED:
+        yield
+        return
+    from triton.runtime.interpreter import InterpreterBuilder
+    _ORIGINAL_DOT = InterpreterBuilder.create_dot
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLMC_CACHE_DIR", str(tmp_path_factory.mktemp("llmc_cache")))
+        mp.setattr(InterpreterBuilder, "create_dot", _bf16_dot)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def needs_interpreter(request):
+    if not INTERPRETED and request.node.originalname != "test_interpreted_in_child":
+        pytest.skip("triton was imported compiled in this process: test_interpreted_in_child runs these")
+
+
+def test_interpreted_in_child():
+    """This file in a fresh interpreted process, when this one imported triton compiled first."""
+    if INTERPRETED:
+        pytest.skip("this process runs triton interpreted: the tests ran here")
+    if os.environ.get("LLMC_INTERPRET_CHILD") == "1":
+        pytest.fail("the child process could not run triton interpreted")
+    env = dict(os.environ, TRITON_INTERPRET="1", LLMC_INTERPRET_CHILD="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+def close(out, ref, dtype):
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def make_case(ctx, new, Hq, Hkv, D, BS, dtype, seed, spare_blocks=3):
+    """Random ragged metadata: shuffled block tables, garbage in free slots, the new tokens last."""
+    g = torch.Generator().manual_seed(seed)
+    N = len(ctx)
+    per_seq = [-(-c // BS) for c in ctx]
+    NB = sum(per_seq) + spare_blocks
+    perm = torch.randperm(NB, generator=g)
+    M = max(per_seq)
+    bt = torch.zeros(N, M, dtype=torch.int32)
+    i0 = 0
+    for i, nb in enumerate(per_seq):
+        bt[i, :nb] = perm[i0:i0 + nb]
+        bt[i, nb:] = perm[-1]  # padding entries point anywhere valid: never read
+        i0 += nb
+    slots = [int(bt[i, p // BS]) * BS + p % BS for i in range(N) for p in range(ctx[i] - new[i], ctx[i])]
+    T = sum(new)
+    return dict(
+        q=torch.randn(T, Hq, D, generator=g).to(dtype),
+        k=torch.randn(T, Hkv, D, generator=g).to(dtype),
+        v=torch.randn(T, Hkv, D, generator=g).to(dtype),
+        cache=torch.randn(2, NB, BS, Hkv, D, generator=g).to(dtype),
+        qsl=torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32),
+        seq_lens=torch.tensor(ctx, dtype=torch.int32),
+        bt=bt, slots=torch.tensor(slots, dtype=torch.int64))
+
+
+def reference(c, cache, scale=None, causal=True, window=0):
+    """paged_attention_ref on [T, H, D] tensors; writes the new K/V into `cache` (and `scale`)."""
+    t = lambda x: x.transpose(0, 1)[None]  # noqa: E731  [T, H, D] -> [1, H, T, D]
+    x = [t(c["q"]), t(c["k"]), t(c["v"]), cache, c["qsl"], c["seq_lens"], c["bt"], c["slots"]]
+    attrs = dict(scale=c["q"].shape[-1] ** -0.5, causal=causal, window=window)
+    return paged_attention_ref(x + ([scale] if scale is not None else []), attrs, None)[0].transpose(0, 1)
+
+
+def run_attention(c, causal=True, window=0, **kw):
+    """The kernels on the cache the reference wrote; compares and returns nothing."""
+    cache = c["cache"].clone()
+    ref = reference(c, cache, causal=causal, window=window)
+    new = (c["qsl"][1:] - c["qsl"][:-1])
+    out = paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], c["q"].shape[-1] ** -0.5, causal=causal,
+                          window=window, max_seqlen_q=int(new.max()), max_seqlen_k=int(c["seq_lens"].max()), **kw)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    close(out, ref, c["q"].dtype)
+
+
+def test_kernels_run_interpreted():
+    from triton.runtime.interpreter import InterpretedFunction
+    spec = PagedAttentionSpec(24, 4, 2, 4, "float16", "float16")
+    assert isinstance(load(spec).paged_attention_prefill_kernel, InterpretedFunction)
+
+
+# --------------------------------------------------------------------------------------------- rope + write
+
+def rope_case(dtype, cache_dtype, seed):
+    Hq, Hkv, D, BS = 4, 2, 24, 4
+    c = make_case([6, 1, 11], [3, 1, 4], Hq, Hkv, D, BS, dtype, seed)
+    T = c["q"].shape[0]
+    qkv = torch.randn(T, Hq + 2 * Hkv, D).to(dtype)  # a fused QKV projection: strided views
+    q, k, v = qkv.split([Hq, Hkv, Hkv], dim=1)
+    pos = torch.randint(0, 50, (T,)).float()
+    inv = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)
+    ang = torch.cat([pos[:, None] * inv] * 2, dim=-1)  # [T, D]
+    slots = c["slots"].clone()
+    slots[1] = -1  # skipped write
+    return q, k, v, ang.cos().to(dtype), ang.sin().to(dtype), c["cache"].to(cache_dtype), slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_rope_kv_write(dtype):
+    q, k, v, cos, sin, cache, slots = rope_case(dtype, dtype, seed=1)
+    ref_cache = cache.clone()
+    q_ref = _rope_ref((q, cos[:, None], sin[:, None]), {}, None)
+    k_ref = _rope_ref((k, cos[:, None], sin[:, None]), {}, None)
+    _write(ref_cache, None, 0, k_ref, slots)
+    _write(ref_cache, None, 1, v, slots)
+    out = rope_kv_write(q, k, v, cos, sin, cache, slots)
+    close(out, q_ref, dtype)
+    close(cache, ref_cache, dtype)  # includes the untouched slots and the skipped token's
+
+
+def test_rope_kv_write_int8():
+    """Quantized caches: the kernel ropes k, the host writes with the reference per-block scale."""
+    dtype = torch.float16
+    q, k, v, cos, sin, cache, slots = rope_case(dtype, torch.int8, seed=2)
+    NB, Hkv = cache.shape[1], cache.shape[3]
+    scale = torch.rand(2, NB, Hkv) * 0.02 + 0.01
+    ref_cache, ref_scale = cache.clone(), scale.clone()
+    k_ref = _rope_ref((k, cos[:, None], sin[:, None]), {}, None)
+    _write(ref_cache, ref_scale, 0, k_ref, slots)
+    _write(ref_cache, ref_scale, 1, v, slots)
+    out = rope_kv_write(q, k, v, cos, sin, cache, slots, kv_scale=scale)
+    close(out, _rope_ref((q, cos[:, None], sin[:, None]), {}, None), dtype)
+    torch.testing.assert_close(scale, ref_scale, rtol=1e-2, atol=1e-5)
+    deq = lambda c, s: c.float() * s[:, :, None, :, None]  # noqa: E731
+    torch.testing.assert_close(deq(cache, scale), deq(ref_cache, ref_scale), rtol=0, atol=3 * float(scale.max()))
+
+
+# --------------------------------------------------------------------------------------------- prefill
+
+PREFILL = {
+    # prefix hits (9 cached + 3 new), a lone token in a context of 1, a full prefill; block 4; D=24
+    "mixed": dict(ctx=[12, 1, 17], new=[3, 1, 17], Hq=4, Hkv=2, D=24, BS=4),
+    # GQA with a non-power-of-two group (3), sliding window, block 16, chunked prefill
+    "window_gqa": dict(ctx=[21, 9], new=[8, 9], Hq=6, Hkv=2, D=32, BS=16, window=5),
+    # D=80, no GQA, bidirectional (non-causal), small key tile to cross several blocks of 4
+    "noncausal_d80": dict(ctx=[7, 19], new=[7, 5], Hq=2, Hkv=2, D=80, BS=4, causal=False),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("case", list(PREFILL))
+def test_prefill(case, dtype):
+    p = dict(PREFILL[case])
+    causal, window = p.pop("causal", True), p.pop("window", 0)
+    c = make_case(p.pop("ctx"), p.pop("new"), **p, dtype=dtype, seed=10)
+    run_attention(c, causal=causal, window=window, block_m=16, block_n=16)
+
+
+def test_prefill_default_tiles():
+    """The spec's own tile choice (64 x 64) on a case where one tile covers several sequences' rows."""
+    c = make_case([5, 40], [2, 33], 4, 1, 16, 8, torch.float16, seed=11)
+    run_attention(c)
+
+
+# --------------------------------------------------------------------------------------------- decode
+
+DECODE = {
+    # 4 heads on 1 kv head; 70 keys in splits of 16 (5 splits), a context of 1, block 4, D=24
+    "splits": dict(ctx=[70, 1, 33], Hq=4, Hkv=1, D=24, BS=4, partition=16),
+    # sliding window 20 over 50 / 64 keys: the early splits are empty and must weigh zero
+    "window": dict(ctx=[50, 64], Hq=4, Hkv=2, D=32, BS=16, partition=16, window=20),
+    # one split (direct output, no reduce kernel), D=80
+    "direct_d80": dict(ctx=[23, 5], Hq=2, Hkv=1, D=80, BS=4, partition=None),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("case", list(DECODE))
+def test_decode(case, dtype):
+    p = dict(DECODE[case])
+    window, partition = p.pop("window", 0), p.pop("partition")
+    ctx = p.pop("ctx")
+    c = make_case(ctx, [1] * len(ctx), **p, dtype=dtype, seed=20)
+    run_attention(c, window=window, block_n=16, partition_size=partition)
+
+
+def test_decode_partition_heuristic():
+    assert decode_partition(64, 8, 4096, 32) >= 4096  # 512 programs already: one split
+    p = decode_partition(1, 8, 4096, 32)
+    assert p % 32 == 0 and 256 <= p < 4096  # a lone long sequence is split
+    assert decode_partition(1, 1, 10, 16) == 16
+
+
+# --------------------------------------------------------------------------------------------- int8 cache
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=dtype_name)
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_quantized_cache(mode, kv_dtype):
+    """int8 / fp8 K/V dequantized in the kernels with the per-(block, head) scale the reference wrote."""
+    dtype = torch.float16
+    ctx = [13, 1, 30]
+    new = [5, 1, 30] if mode == "prefill" else [1, 1, 1]
+    c = make_case(ctx, new, 4, 2, 24, 4, dtype, seed=30)
+    NB, Hkv = c["cache"].shape[1], c["cache"].shape[3]
+    scale = torch.rand(2, NB, Hkv) * 0.02 + 0.01
+    cache = _to_q(c["cache"].float() / scale[:, :, None, :, None], kv_dtype, QMAX[kv_dtype])
+    ref = reference(c, cache, scale)  # writes the new K/V, growing and requantizing blocks
+    out = paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], 24 ** -0.5, kv_scale=scale,
+                          block_m=16, block_n=16, partition_size=16)
+    close(out, ref, dtype)
+
+
+def test_rejects_bad_specs():
+    with pytest.raises(ValueError):
+        PagedAttentionSpec(24, 6, 4, 4)  # 6 q heads on 4 kv heads
+    with pytest.raises(ValueError):
+        PagedAttentionSpec(24, 4, 2, 6)  # block size not a power of two
+    with pytest.raises(ValueError):
+        RopeKVWriteSpec(23, 4, 2)  # odd head dim

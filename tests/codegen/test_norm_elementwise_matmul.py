@@ -1,0 +1,318 @@
+"""rms_norm, fused elementwise, matmul+epilogue and argmax kernels against the IR's reference ops.
+
+On CPU the kernels run under the Triton interpreter (tests/codegen/conftest.py sets TRITON_INTERPRET
+before triton is imported); with `TRITON_INTERPRET=0` on a GPU machine they run compiled on CUDA.
+bfloat16 runs under the interpreter too: it holds bf16 as raw uint16 bits, so our kernels do no
+arithmetic in bf16 (they widen to fp32 first, and feed tl.dot fp32 there), and its fp32 -> bf16
+cast truncates, so the kernels round to nearest even in integer arithmetic first (`_rne_bf16`).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmc.codegen import autotune
+from llmc.codegen.autotune import Tuner, m_bucket
+from llmc.codegen.elementwise import (ElementwiseSpec, broadcast_kind, fused_elementwise, interpreting,
+                                      spec_from_ops)
+from llmc.codegen.kernels import render
+from llmc.codegen.matmul import MatmulSpec, candidates, matmul, reference
+from llmc.codegen.norm import RmsNormSpec, rms_norm
+from llmc.codegen.sampling import argmax
+from llmc.errors import CompileError
+from llmc.ir.ops import get_op
+
+
+def _library_interpreted() -> bool:
+    if not interpreting():
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(tl.zeros, InterpretedFunction)
+
+
+INTERPRETED = _library_interpreted()
+DEVICE = "cpu" if INTERPRETED else "cuda"
+pytestmark = pytest.mark.skipif(
+    not INTERPRETED and (interpreting() or not torch.cuda.is_available()),
+    reason="triton was imported (compiled) before tests/codegen/conftest.py could set TRITON_INTERPRET=1 "
+           "and there is no GPU: run `TRITON_INTERPRET=1 pytest tests/codegen/test_norm_elementwise_matmul.py`")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cache_dir(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLMC_CACHE_DIR", str(tmp_path_factory.mktemp("llmc_cache")))
+        yield
+
+
+def rand(*shape, dtype=torch.float32, gen=None):
+    return torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+
+
+def close(out, ref, dtype, scale=1.0):
+    tol = TOL[dtype]
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale)
+
+
+def ref_op(op, args, **attrs):
+    opdef = get_op(op)
+    return opdef.ref(list(args), opdef.complete_attrs(attrs), None)
+
+
+# ----------------------------------------------------------------------------------------- rms_norm
+
+NORM_SHAPES = [(1, 64), (7, 96), (2, 3, 128), (5, 1)]  # one row; non-power-of-two; leading dims; H = 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(dtype, shape, residual):
+    g = torch.Generator().manual_seed(hash((str(dtype), shape, residual)) % 2**31)
+    H = shape[-1]
+    # x is a strided view (rows of a wider buffer) to check the row stride is honoured
+    x = rand(*shape[:-1], H + 5, dtype=dtype, gen=g)[..., 2:H + 2]
+    w = (1 + 0.1 * rand(H, gen=g)).to(dtype)
+    r = rand(*shape, dtype=dtype, gen=g) if residual else None
+    for wfc in (True, False):
+        got = rms_norm(x, w, 1e-6, residual=r, weight_first_cast=wfc)
+        h = x + r if residual else x
+        ref = ref_op("rms_norm", [h, w], eps=1e-6, weight_first_cast=wfc)
+        if residual:
+            got, got_h = got
+            assert torch.equal(got_h, h), "h = x + r must be exactly torch's add in the input dtype"
+        close(got, ref, dtype)
+
+
+def test_rms_norm_f32_weight_promotes():
+    x, w = rand(3, 40, dtype=torch.bfloat16), rand(40)
+    close(rms_norm(x, w), ref_op("rms_norm", [x, w]), torch.float32)  # bf16 x, f32 w: an f32 result (Llama)
+
+
+def test_rms_norm_source_counts_bytes():
+    src = render(RmsNormSpec(4096, "bf16", residual=True))
+    assert "def rms_norm_kernel(" in src and "bytes per row" in src and "h_ptr" in src
+
+
+# ------------------------------------------------------------------------------------- elementwise
+
+def region_ref(spec: ElementwiseSpec, tensors):
+    """The region run op by op with the registry's reference implementations (torch's numerics)."""
+    env = {n: t for (n, _, _), t in zip(spec.inputs, tensors)}
+    for out, op, args, attrs in spec.body:
+        env[out] = ref_op(op, [env[a] for a in args], **dict(attrs))
+        if op == "constant":
+            env[out] = env[out].to(DEVICE)
+    return [env[n] for n, _ in spec.outputs]
+
+
+UNARY = [("neg", {}), ("silu", {}), ("gelu", {}), ("gelu", {"approximate": "tanh"}), ("relu", {}), ("sigmoid", {}),
+         ("tanh", {}), ("exp", {}), ("log", {}), ("sqrt", {}), ("rsqrt", {}), ("reciprocal", {}), ("abs", {}),
+         ("cos", {}), ("sin", {})]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op,attrs", UNARY, ids=[f"{o}{'_' + a['approximate'] if a else ''}" for o, a in UNARY])
+def test_unary(op, attrs, dtype):
+    g = torch.Generator().manual_seed(hash((op, str(attrs), str(dtype))) % 2**31)
+    x = rand(3, 37, dtype=dtype, gen=g) * 2
+    if op in ("log", "sqrt", "rsqrt", "reciprocal"):
+        x = x.abs() + 0.25
+    if op == "tanh":  # both branches of _tanh: the series near 0 and the exp form
+        x[0, :8] = torch.tensor([1e-4, -3e-3, 0.03, -0.06, 0.07, -0.5, 4.0, -20.0]).to(dtype)
+    spec = spec_from_ops([("x", torch_name(dtype), "full")], [(op, ["x"], attrs)])
+    (y,) = fused_elementwise(spec, [x])
+    close(y, region_ref(spec, [x])[0], dtype)
+
+
+def torch_name(dtype):
+    return {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+
+
+BINARY = ["add", "sub", "mul", "div", "pow", "maximum", "minimum", "silu_mul"]
+KIND_SHAPE = {"full": (4, 6, 9), "row": (4, 6, 1), "col": (9,), "scalar": ()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", BINARY)
+def test_binary_broadcast(op, dtype):
+    g = torch.Generator().manual_seed(hash((op, str(dtype))) % 2**31)
+    for kind, shape in KIND_SHAPE.items():
+        x, y = rand(4, 6, 9, dtype=dtype, gen=g), rand(*shape, dtype=dtype, gen=g)
+        if op == "pow":  # a negative base with integer exponents, a positive one with any
+            y = y.round() if kind in ("row", "scalar") else y
+            x = x if kind in ("row", "scalar") else x.abs() + 0.5
+        if op == "div":
+            y = y.sign() * (y.abs() + 0.5)
+        spec = spec_from_ops([("x", torch_name(dtype), "full"), ("y", torch_name(dtype), kind)], [(op, ["x", "y"], {})])
+        (out,) = fused_elementwise(spec, [x, y])
+        close(out, region_ref(spec, [x, y])[0], dtype, scale=4.0)
+
+
+REGION_SHAPES = [(1, 1), (5, 33), (2, 3, 64)]  # a single element; non-power-of-two; leading dims
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", REGION_SHAPES)
+def test_region_dag(dtype, shape):
+    """A DAG with shared values, every broadcast kind, literals, an explicit cast and two outputs."""
+    g = torch.Generator().manual_seed(hash((str(dtype), shape)) % 2**31)
+    dt = torch_name(dtype)
+    C = shape[-1]
+    x = rand(*shape, dtype=dtype, gen=g)[..., :C]
+    gate = rand(*shape, dtype=dtype, gen=g)
+    scale = rand(*shape[:-1], 1, dtype=dtype, gen=g)
+    bias = rand(C, gen=g)  # an f32 column vector promotes the region to f32
+    s = rand(dtype=dtype, gen=g)
+    inputs = [("x", dt, "full"), ("gate", dt, "full"), ("scale", dt, "row"), ("bias", "f32", "col"),
+              ("s", dt, "scalar")]
+    ops = [("mul", ["x", "scale"], {}, "xs"),
+           ("silu_mul", ["gate", "xs"], {}, "act"),
+           ("add", ["act", "bias"], {}, "biased"),          # f32 from here
+           ("cast", ["biased"], {"dtype": dt}, "low"),      # back to the input dtype: a real rounding
+           ("mul", ["low", 0.5], {}, "half"),
+           ("gelu", ["half"], {"approximate": "tanh"}, "y1"),
+           ("sub", ["y1", "s"], {}, "y2"),
+           ("maximum", ["y2", "xs"], {}, "y3")]
+    spec = spec_from_ops(inputs, ops, outputs=["y3", "biased"])
+    assert [d for _, d in spec.outputs] == [dt, "f32"]
+    tensors = [x, gate, scale, bias, s]
+    got = fused_elementwise(spec, tensors)
+    for out, ref in zip(got, region_ref(spec, tensors)):
+        close(out, ref, dtype, scale=4.0)
+
+
+def test_region_integer_and_dict_inputs():
+    spec = spec_from_ops([("pos", "i64", "full"), ("f", "f32", "scalar")],
+                         [("mul", ["pos", 3], None), ("add", ["t0", 1], None), ("mul", ["t1", "f"], None)],
+                         outputs=["t1", "t2"])
+    assert [d for _, d in spec.outputs] == ["i64", "f32"]
+    pos = torch.arange(-5, 12, device=DEVICE).reshape(1, 17)
+    f = torch.tensor(0.25, device=DEVICE)
+    a, b = fused_elementwise(spec, {"pos": pos, "f": f})
+    assert torch.equal(a, pos * 3 + 1) and torch.equal(b, (pos * 3 + 1) * f)
+
+
+def test_spec_from_ops_format_and_errors():
+    spec = spec_from_ops([("g", "bf16", "full"), ("u", "bf16", "full")],
+                         [("silu", ["g"], {}), ("mul", ["t0", "u"], {}), ("mul", ["t1", 0.5], None)])
+    assert [o for o, *_ in spec.body] == ["t0", "t1", "t2_c1", "t2"] and spec.outputs == (("t2", "bf16"),)
+    assert spec == spec_from_ops([("g", "bf16", "full"), ("u", "bf16", "full")],
+                                 [("silu", ["g"], {}), ("mul", ["t0", "u"], {}), ("mul", ["t1", 0.5], {})])
+    src = render(spec)
+    assert "def fused_elementwise_kernel(" in src and "fused:" in src and "one kernel per op" in src
+    with pytest.raises(CompileError, match="undefined"):
+        spec_from_ops([("x", "f32", "full")], [("add", ["x", "nope"], {})])
+    with pytest.raises(CompileError, match="cannot be fused"):
+        spec_from_ops([("x", "f32", "full")], [("softmax", ["x"], {})])
+    with pytest.raises(CompileError, match="integer"):
+        render(spec_from_ops([("x", "i64", "full")], [("exp", ["x"], {})]))
+    with pytest.raises(CompileError, match="broadcast kind"):
+        ElementwiseSpec((("x", "f32", "diagonal"),), (("y", "neg", ("x",), ()),), (("y", "f32"),))
+
+
+def test_broadcast_kind():
+    assert broadcast_kind((3, 5), (3, 5)) == "full"
+    assert broadcast_kind((3, 1), (3, 5)) == "row"
+    assert broadcast_kind((5,), (2, 3, 5)) == "col"
+    assert broadcast_kind((1, 1, 5), (2, 3, 5)) == "col"
+    assert broadcast_kind((), (3, 5)) == "scalar"
+    with pytest.raises(CompileError):
+        broadcast_kind((3, 1, 5), (3, 4, 5))
+
+
+# ------------------------------------------------------------------------------------------ matmul
+
+MM_SHAPES = [(1, 40, 100), (5, 96, 257), (33, 70, 64)]  # M = 1; non-power-of-two N, K; a second M bucket
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mnk", MM_SHAPES)
+def test_matmul(dtype, mnk):
+    M, N, K = mnk
+    g = torch.Generator().manual_seed(hash((str(dtype), mnk)) % 2**31)
+    x = rand(M, K, dtype=dtype, gen=g)
+    w = (rand(N, K, gen=g) / K ** 0.5).to(dtype)
+    b = rand(N, dtype=dtype, gen=g)
+    close(matmul(x, w), reference(x, w), dtype)
+    close(matmul(x, w, b, ("silu",)), reference(x, w, b, ("silu",)), dtype)
+    split = dict(candidates("1")[6], BLOCK_K=32)  # split-K = 4: partials + the reduce/epilogue kernel
+    epi = (("gelu", {"approximate": "tanh"}),)
+    close(matmul(x, w, b, epi, config=split), reference(x, w, b, epi), dtype)
+
+
+def test_matmul_leading_dims_and_strided_rows():
+    x = rand(2, 3, 48)[:, :, :40]  # rows with a stride > K
+    w, b = rand(24, 40) / 40 ** 0.5, rand(24)
+    close(matmul(x, w, b, ("relu",)), reference(x, w, b, ("relu",)), torch.float32)
+    with pytest.raises(CompileError, match="epilogue"):
+        MatmulSpec("f32", False, ("add",))
+
+
+# ------------------------------------------------------------------------------------------ argmax
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nv", [(1, 1), (3, 1000), (4, 5003)])  # V = 1; non-power-of-two; V > one block
+def test_argmax(dtype, nv):
+    N, V = nv
+    g = torch.Generator().manual_seed(hash((str(dtype), nv)) % 2**31)
+    logits = (rand(N, V + 3, gen=g) * 4).round().to(dtype)[:, :V]  # rounded: many ties; strided rows
+    if N > 2:
+        logits[1] = float("-inf")
+        logits[2, V // 2] = float("nan")
+        logits[2, V - 1] = float("nan")
+    assert torch.equal(argmax(logits), logits.argmax(-1))
+    assert torch.equal(argmax(logits[0]), logits[0].argmax())
+
+
+# ---------------------------------------------------------------------------------------- autotune
+
+def test_m_bucket():
+    assert [m_bucket(m) for m in (1, 2, 3, 4, 5, 16, 17, 64, 65, 128, 4096)] == \
+        ["1", "2", "4", "4", "8", "16", "32", "64", "128+", "128+", "128+"]
+
+
+def test_tuner_untimed_without_gpu():
+    calls = []
+    cfg = Tuner().choose("k", "1", [{"A": 1}, {"A": 2}], bench=calls.append)
+    if not autotune.can_time():
+        assert cfg == {"A": 1} and calls == []
+
+
+def test_tuner_records_persist_and_are_reused(tmp_path, monkeypatch):
+    """Timing is faked (no GPU here): the record is made once, saved, loaded, and never retuned."""
+    tuned = []
+
+    def fake_tune(cands, bench, baseline, margin=0.97):
+        tuned.append(len(cands))
+        return autotune.TuneRecord(dict(cands[1]), triton_ms=0.010, cublas_ms=0.008, prefer_cublas=True)
+
+    monkeypatch.setattr(autotune, "can_time", lambda: True)
+    monkeypatch.setattr(Tuner, "tune", staticmethod(fake_tune))
+    t = Tuner(device="test-gpu")
+    key = MatmulSpec("bf16", True, ("silu",)).key(4096, 4096)
+    assert t.choose(key, "4", [{"A": 1}, {"A": 2}], bench=None) == {"A": 2}
+    assert t.choose(key, "4", [{"A": 1}, {"A": 2}], bench=None) == {"A": 2} and tuned == [2]
+    t.save(tmp_path / "tuning.json")
+    data = (tmp_path / "tuning.json").read_text()
+    assert '"prefer_cublas": true' in data and '"cublas_ms": 0.008' in data
+    monkeypatch.setattr(autotune, "_device_name", lambda: "test-gpu")
+    t2 = Tuner.load(tmp_path / "tuning.json")
+    assert t2.choose(key, "4", [{"A": 1}], bench=None) == {"A": 2} and tuned == [2]
+    assert t2.lookup(key, "4").prefer_cublas
+    monkeypatch.setattr(autotune, "_device_name", lambda: "another-gpu")
+    assert Tuner.load(tmp_path / "tuning.json").records == {}  # measured elsewhere: tuned afresh
+
+
+def test_kernels_ran_in_the_expected_mode():
+    from llmc.codegen.cache import _device_tag
+    from llmc.codegen.kernels import load
+    from triton.runtime.interpreter import InterpretedFunction
+    assert (_device_tag() == "interp") == INTERPRETED
+    kernel = load(RmsNormSpec(64, "f32", residual=False)).rms_norm_kernel
+    assert isinstance(kernel, InterpretedFunction) == INTERPRETED
