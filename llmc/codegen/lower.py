@@ -171,14 +171,18 @@ class Plan:
                                                  attrs, h), "triton:paged_attention")
 
     def _op_paged_attention(self, n):
-        from llmc.ir.paged_attention import write_kv
+        from llmc.codegen.attention import rope_kv_write
         attrs = n.attrs
 
         def fn(x, h):
+            # the unfused form: the write kernel with an identity rotation (cos 1, sin 0) puts k and v
+            # into the cache with no host sync (capturable), then the attention kernel reads it
+            q, k, v = (t[0].transpose(0, 1) for t in x[:3])
             scale = x[8] if len(x) > 8 else None
-            write_kv(x[3], scale, x[1][0].transpose(0, 1), x[2][0].transpose(0, 1), x[7])
+            ones = torch.ones(k.shape[0], k.shape[2], dtype=k.dtype, device=k.device)
+            rope_kv_write(k, k, v, ones, torch.zeros_like(ones), x[3], x[7], scale)
             return self._attend(x[0], x[3], x[4], x[5], x[6], scale, attrs, h)
-        return Step(n, fn, "torch:kv_write+triton:paged_attention")
+        return Step(n, fn, "triton:kv_write+triton:paged_attention")
 
     def _op_silu_mul(self, n):
         return self._elementwise(n, [(n.outputs[0].name, "silu_mul", ["in0", "in1"], {})], [n.outputs[0].name])
