@@ -117,8 +117,18 @@ def dim_eval(d: Dim, env: dict[str, int]) -> int:
     """The concrete value of a dim given the base symbols' values."""
     if isinstance(d, int):
         return d
-    return int(sympy.sympify(d.name, locals=_SYMPY_LOCALS(d.name)).subs(
-        {sympy.Symbol(k, positive=True, integer=True): v for k, v in env.items()}))
+    if d.name in env:  # a base symbol: the common case on the hot path
+        return env[d.name]
+    fn, names = _compiled(d.name)
+    return int(fn(*[env[n] for n in names]))
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled(expr: str):
+    """An expression over symbols as a plain Python function (sympy parses once per expression)."""
+    e = sympy.sympify(expr, locals=_SYMPY_LOCALS(expr))
+    syms = sorted(e.free_symbols, key=str)
+    return sympy.lambdify(syms, e, modules="math"), [str(s) for s in syms]
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence as Seq
@@ -110,6 +111,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.num_steps = 0
+        self.timings: dict[str, float] = {}  # seconds per phase, summed over steps
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, prompt: str | Seq[int]) -> list[int]:
@@ -153,7 +155,9 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule ▸ run ▸ postprocess. Returns outputs of requests that progressed."""
+        t = time.perf_counter()
         out = self.scheduler.schedule()
+        self.timings["schedule"] = self.timings.get("schedule", 0.0) + time.perf_counter() - t
         self.num_preemptions += len(out.preempted)
         if not out.is_empty:
             self._run(out)
@@ -174,13 +178,23 @@ class LLMEngine:
             c = e.seq.num_computed_tokens
             batch.append(StepInput(e.seq.token_ids[c:c + e.num_new_tokens], c, e.seq.block_table,
                                    1 if e.sample else 0))
+        t0 = time.perf_counter()
         logits = self.runner.execute(batch)  # [rows, V]
+        t1 = time.perf_counter()
         if out.sampled_seqs:
-            rows = logits.repeat_interleave(torch.tensor(out.logits_repeats, device=logits.device), dim=0)
+            repeats = out.logits_repeats
+            rows = logits if all(r == 1 for r in repeats) else \
+                logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
             res = self.sampler(rows, out.sampled_seqs)
+            t2 = time.perf_counter()
             self.scheduler.update_after_step(out, res.token_ids, res.logprobs, self.stop)
         else:
+            t2 = time.perf_counter()
             self.scheduler.update_after_step(out, [], None, self.stop)
+        t3 = time.perf_counter()
+        # where a step's host time goes (the sampler's figure includes waiting for the GPU)
+        for k, dt in (("execute", t1 - t0), ("sample", t2 - t1), ("update", t3 - t2)):
+            self.timings[k] = self.timings.get(k, 0.0) + dt
 
     def _output(self, request_id: str) -> RequestOutput:
         group, prompt = self.groups[request_id]
@@ -200,6 +214,7 @@ class LLMEngine:
             "kv_cache_bytes": self.runner.kv_bytes,
             "cow_copies": bm.stats.cow_copies,
             "steps": self.num_steps,
+            **{f"ms_per_step_{k}": round(v * 1e3 / max(1, self.num_steps), 4) for k, v in self.timings.items()},
         }
 
 

@@ -42,6 +42,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits: [N, V], one row per entry of seqs
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
+        if all(_plain_greedy(s.params) for s in seqs):
+            # the decode hot path: no filter or penalty can change an argmax, so skip the
+            # vocabulary-wide passes; logprobs only when asked for
+            tokens = logits.argmax(dim=-1)  # [N]; first maximum = lowest id on ties
+            if any(s.params.logprobs for s in seqs):
+                chosen = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+                return SamplerOutput(tokens.tolist(), chosen.tolist())
+            ids = tokens.tolist()
+            return SamplerOutput(ids, [0.0] * len(ids))
         logits = self.process(logits, seqs)
         logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
         tokens = self._draw(logits, seqs)  # [N]
@@ -83,6 +92,10 @@ class Sampler:
             if not seq.params.greedy:
                 tokens[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
         return tokens
+
+
+def _plain_greedy(p) -> bool:
+    return p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
