@@ -26,6 +26,9 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except BrokenPipeError:  # output piped into `head` and the like
+            sys.stderr.close()
+            sys.exit(0)
         except Exception as e:  # a bug in llmc: still no traceback by default, but say how to get one
             if ctx.obj and ctx.obj.get("debug"):
                 raise
@@ -88,13 +91,26 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
 @main.command()
 @click.argument("artifact", type=click.Path())
 @click.option("--ir", is_flag=True, help="Print the IR text.")
+@click.option("--kernels", "kernels", is_flag=True,
+              help="List what each node runs on the kernel backends, with the kernel specs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def inspect(artifact, ir, as_json):
+def inspect(artifact, ir, kernels, as_json):
     """Show what ARTIFACT holds: manifest, passes applied, op counts, parameter bytes."""
     import llmc
     art = llmc.load(artifact)
     if ir:
         click.echo(str(art.graph), nl=False)
+        return
+    if kernels:
+        rows = [r for r in art.manifest.get("kernels", []) if r["kernel"] not in ("view", "constant")]
+        if not rows:
+            click.echo("this artifact has no kernel plan (compiled without the paged_kv pass)")
+        for r in rows:
+            click.echo(f"{r['node']:>14s}  {r['op']:16s} {r['kernel']:32s} {r.get('spec', '')}")
+            for src in r.get("sources", []):
+                click.echo(f"{'':>16s}{src}")
+        views = sum(1 for r in art.manifest.get("kernels", []) if r["kernel"] == "view")
+        click.echo(f"{len(rows)} launches per step, {views} views; sources in {art.path / 'kernels'}")
         return
     s = art.summary()
     if as_json:

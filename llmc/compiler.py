@@ -86,9 +86,27 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         out = Path(output) if output is not None else Path(tempfile.mkdtemp(prefix="llmc-")) / "model.llmc"
         bar.step(f"writing {out}")
         opts = {"dtype": dtype, **{k: v for k, v in options.items() if isinstance(v, (str, int, float, bool))}}
-        art = save_artifact(graph, out, source, opts, tok_files)
+        kernels, sources = _kernel_listing(graph)
+        art = save_artifact(graph, out, source, opts, tok_files, kernels=sources, kernel_list=kernels)
         art.compile_log = ctx  # fusion explanations and pass notes, for `llmc compile --explain-fusion`
         return art
+
+
+def _kernel_listing(graph: Graph) -> tuple[list[dict], dict[str, str]]:
+    """What each node of a paged graph lowers to on the kernel backends, and the rendered sources
+    (for reading: the runtime re-renders from its own templates and never loads these)."""
+    if not graph.meta.get("paged"):
+        return [], {}
+    from llmc.codegen.kernels import render
+    from llmc.codegen.lower import Plan, _digest
+    plan = Plan(graph, "meta")
+    listing = plan.kernels()
+    by_node = {}
+    for st, sp in plan.specs():
+        by_node.setdefault(id(st.node), []).append(f"{sp.name}_{_digest(render(sp))}.py: {sp.describe()}")
+    for row, st in zip(listing, plan.steps):
+        row["sources"] = by_node.get(id(st.node), [])
+    return listing, plan.sources()
 
 
 class _Progress:

@@ -42,8 +42,9 @@ class KernelSpec:
         return self.template.removesuffix(".py.jinja")
 
     def describe(self) -> str:
-        return f"{self.name}(" + ", ".join(f"{k}={v}" for k, v in self.context().items()
-                                           if not isinstance(v, (list, dict, tuple))) + ")"
+        """`name(field=value, ...)` over the spec's own fields (what selects the rendered source)."""
+        return f"{self.name}(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                                           if not isinstance(getattr(self, f.name), (list, dict, tuple))) + ")"
 
 
 def render(spec: KernelSpec) -> str:

@@ -84,15 +84,20 @@ class Plan:
         return [{"node": ", ".join("%" + v.name for v in s.node.outputs), "op": s.node.op, "kernel": s.kernel,
                  "spec": s.spec} for s in self.steps]
 
-    def sources(self) -> dict[str, str]:
-        """Rendered sources of the generated kernels that the plan's specs determine statically."""
-        from llmc.codegen.kernels import render
-        out = {}
-        for s in self.steps:
-            spec = getattr(s.fn, "spec", None)
-            if spec is not None:
-                out[f"{spec.name}_{abs(hash(spec)) % 10**8:08d}.py"] = render(spec)
+    def specs(self, block_size: int = 16) -> list[tuple[Step, Any]]:
+        """(step, KernelSpec) for every generated kernel; attention specs as rendered for `block_size`."""
+        out = []
+        for st in self.steps:
+            spec = getattr(st.fn, "spec", None) or _static_spec(st.node, block_size)
+            for sp in (spec if isinstance(spec, list) else [spec]):
+                if sp is not None:
+                    out.append((st, sp))
         return out
+
+    def sources(self, block_size: int = 16) -> dict[str, str]:
+        """Rendered sources of the plan's generated kernels, by file name (for the artifact's kernels/)."""
+        from llmc.codegen.kernels import render
+        return {f"{sp.name}_{_digest(render(sp))}.py": render(sp) for _, sp in self.specs(block_size)}
 
     # -- lowering rules ---------------------------------------------------------------------------
     def _lower(self, n: Node) -> Step:
@@ -248,6 +253,36 @@ class Plan:
     def _op_slice(self, n):
         ref, attrs = get_op("slice").ref, n.attrs
         return Step(n, lambda x, h: ref(x, attrs, None), "view")
+
+
+def _digest(text: str) -> str:
+    import hashlib
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def _tname(dtype: str) -> str:
+    return str(torch_dtype(dtype)).removeprefix("torch.")
+
+
+def _static_spec(n: Node, block_size: int):
+    """The KernelSpec a node will launch, where the IR types determine it (block size assumed)."""
+    from llmc.codegen.attention import PagedAttentionSpec, RopeKVWriteSpec
+    from llmc.codegen.norm import RmsNormSpec
+    t = n.inputs[0].type if n.inputs else None
+    if n.op in ("rms_norm", "add_rms_norm"):
+        w = n.inputs[-1].type
+        return RmsNormSpec(int(t.shape[-1]), t.dtype, n.op == "add_rms_norm", n.attrs["weight_first_cast"], w.dtype)
+    if n.op == "rope_kv_write":
+        q, k, cache = n.inputs[0].type, n.inputs[1].type, n.inputs[5].type
+        return RopeKVWriteSpec(int(q.shape[3]), int(q.shape[1]), int(k.shape[1]), _tname(q.dtype), _tname(cache.dtype),
+                               block_size, cache.dtype not in ("i8", "f8e4m3"))
+    if n.op in ("attend_paged", "paged_attention"):
+        q = n.inputs[0].type
+        cache = n.inputs[1 if n.op == "attend_paged" else 3].type
+        return [PagedAttentionSpec(int(q.shape[3]), int(q.shape[1]), int(cache.shape[3]), block_size, _tname(q.dtype),
+                                   _tname(cache.dtype), mode, n.attrs["causal"], bool(n.attrs["window"]))
+                for mode in ("prefill", "decode")]
+    return None
 
 
 def kernels_per_layer(plan: Plan) -> dict[str, int]:

@@ -84,7 +84,7 @@ class Artifact:
 
 def save_artifact(graph: Graph, out: str | Path, source: str, options: dict[str, Any],
                   tokenizer_files: list[Path] | None = None, tuning: dict | None = None,
-                  kernels: dict[str, str] | None = None) -> Artifact:
+                  kernels: dict[str, str] | None = None, kernel_list: list[dict] | None = None) -> Artifact:
     """Write `graph` and its weights as an artifact directory (replacing an existing artifact there)."""
     from safetensors.torch import save_file
     from llmc import __version__
@@ -116,6 +116,7 @@ def save_artifact(graph: Graph, out: str | Path, source: str, options: dict[str,
         "options": options,
         "passes": graph.meta.get("passes", []),
         "model": {k: v for k, v in graph.meta.items() if k != "passes"},
+        "kernels": kernel_list or [],
         "files": files,
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

@@ -36,3 +36,14 @@ def test_hot_ops_lower_to_generated_kernels(llama_artifact):
     assert kinds["silu_mul"] == "triton:fused_elementwise"
     assert kinds["linear"] == "triton:matmul"
     assert kernels_per_layer(plan)["layers"] == 2
+
+
+def test_inspect_kernels_lists_specs_and_sources(llama_artifact):
+    res = CliRunner().invoke(main, ["inspect", str(llama_artifact.path), "--kernels"])
+    assert res.exit_code == 0, res.output
+    assert "triton:rope_kv_write" in res.output and "rope_kv_write(head_dim=16, num_q_heads=4" in res.output
+    assert "paged_attention_decode(" in res.output and "rms_norm(hidden=64" in res.output
+    files = sorted(p.name for p in (llama_artifact.path / "kernels").iterdir())
+    assert any(f.startswith("paged_attention_prefill_") for f in files)
+    src = (llama_artifact.path / "kernels" / next(f for f in files if f.startswith("rms_norm_"))).read_text()
+    assert "@triton.jit" in src
