@@ -21,9 +21,10 @@ from llmc.codegen.cache import load_source
 TEMPLATES = Path(__file__).parent / "templates"
 
 
-@lru_cache(maxsize=1)
-def _env() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+@lru_cache(maxsize=None)
+def _env(template_dir: str | None = None) -> jinja2.Environment:
+    dirs = [template_dir, str(TEMPLATES)] if template_dir else [str(TEMPLATES)]
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(dirs), undefined=jinja2.StrictUndefined,
                               trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
 
 
@@ -32,6 +33,7 @@ class KernelSpec:
     """Base of all kernel specs. Subclasses set `template` and add fields (the Jinja variables)."""
 
     template: ClassVar[str] = ""
+    template_dir: ClassVar[str | None] = None  # a user's own template folder, searched before llmc's
 
     def context(self) -> dict[str, Any]:
         """Variables for the template; override to add derived values (computed here, not in Jinja)."""
@@ -48,7 +50,8 @@ class KernelSpec:
 
 
 def render(spec: KernelSpec) -> str:
-    return _env().get_template(spec.template).render(**spec.context())
+    d = str(Path(spec.template_dir).resolve()) if spec.template_dir else None
+    return _env(d).get_template(spec.template).render(**spec.context())
 
 
 def load(spec: KernelSpec) -> ModuleType:

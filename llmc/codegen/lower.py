@@ -24,6 +24,24 @@ ACT_EPILOGUE = {"silu": ("silu",), "relu": ("relu",), "gelu": ("gelu",),
                 "gelu_tanh": (("gelu", {"approximate": "tanh"}),)}
 
 
+# user lowerings: op name -> fn(node) returning run(inputs, hints) -> output(s)
+LOWERINGS: dict[str, Callable[[Node], Callable[[list, dict], Any]]] = {}
+
+
+def register_lowering(op: str):
+    """Decorator: run `op` on the kernel backends with a user's kernel.
+
+    Example:
+        >>> @register_lowering("my_swiglu")                    # doctest: +SKIP
+        ... def lower(node):
+        ...     return lambda inputs, hints: my_kernel(*inputs)
+    """
+    def deco(fn):
+        LOWERINGS[op] = fn
+        return fn
+    return deco
+
+
 @dataclass
 class Step:
     node: Node
@@ -101,6 +119,9 @@ class Plan:
 
     # -- lowering rules ---------------------------------------------------------------------------
     def _lower(self, n: Node) -> Step:
+        if n.op in LOWERINGS:
+            run = LOWERINGS[n.op](n)
+            return Step(n, run, f"user:{LOWERINGS[n.op].__name__}", getattr(run, "spec", ""))
         rule = getattr(self, f"_op_{n.op}", None)
         if rule is not None:
             step = rule(n)
