@@ -55,7 +55,7 @@ def capture(model: Any, example_inputs: Sequence[torch.Tensor] | None = None, dt
 def compile(model: Any, output: str | Path | None = None, *, example_inputs=None, dtype: str = "float32",
             passes: Sequence[Pass] | None = None, before: str | None = None, after: str | None = None,
             dynamic: dict | None = None, verify: bool = False, dump_ir: str | Path | None = None,
-            progress: bool = False, **options) -> Artifact:
+            progress: bool = False, tune: bool = True, **options) -> Artifact:
     """Compile a model into an artifact.
 
     Args:
@@ -66,6 +66,8 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         dynamic: for an nn.Module: {input name: {dim index: (symbol, min, max)}}.
         verify: verify the graph after every pass (tests turn this on).
         dump_ir: a directory to write the IR after every pass.
+        tune: on a GPU, time the matmul tile candidates of every linear per token bucket against
+            cuBLAS and save the choices in tuning.json (reused at load, never retuned).
     Returns:
         The written Artifact.
 
@@ -87,9 +89,35 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         bar.step(f"writing {out}")
         opts = {"dtype": dtype, **{k: v for k, v in options.items() if isinstance(v, (str, int, float, bool))}}
         kernels, sources = _kernel_listing(graph)
-        art = save_artifact(graph, out, source, opts, tok_files, kernels=sources, kernel_list=kernels)
+        tuning = _autotune(graph, bar) if tune and torch.cuda.is_available() else {}
+        art = save_artifact(graph, out, source, opts, tok_files, tuning=tuning, kernels=sources, kernel_list=kernels)
         art.compile_log = ctx  # fusion explanations and pass notes, for `llmc compile --explain-fusion`
         return art
+
+
+def _autotune(graph: Graph, bar) -> dict:
+    """Tune each distinct linear shape for decode-sized token counts (1..64) on this GPU."""
+    from llmc.codegen import matmul as mm
+    from llmc.codegen.autotune import M_BUCKETS, Tuner
+    from llmc.codegen.lower import ACT_EPILOGUE
+    if not graph.meta.get("paged"):
+        return {}
+    tuner, seen = Tuner(), set()
+    for n in graph.nodes:
+        if n.op not in ("linear", "linear_act"):
+            continue
+        w = graph.weights[n.inputs[1].name]
+        b = graph.weights[n.inputs[2].name].cuda() if len(n.inputs) > 2 else None
+        epi = ACT_EPILOGUE[n.attrs["act"]] if n.op == "linear_act" else ()
+        key = (tuple(w.shape), w.dtype, b is not None, epi)
+        if key in seen:
+            continue
+        seen.add(key)
+        bar.step(f"tuning linear {list(w.shape)}")
+        wc = w.cuda()
+        for m in M_BUCKETS[:-1]:
+            mm.linear(torch.randn(m, w.shape[1], dtype=w.dtype, device="cuda"), wc, b, epi, tuner=tuner)
+    return tuner.to_json()
 
 
 def _kernel_listing(graph: Graph) -> tuple[list[dict], dict[str, str]]:
