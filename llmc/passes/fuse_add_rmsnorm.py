@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from llmc.passes.manager import Pass, PassResult, register_pass
-from llmc.passes.pattern import P, RewriteRule, apply_rewrites
+from llmc.passes.manager import Pass, register_pass
+from llmc.passes.pattern import P, RewritePass, RewriteRule
 
 
 def _rule(ctx) -> RewriteRule:
@@ -29,9 +29,8 @@ def _rule(ctx) -> RewriteRule:
 
 @register_pass
 @dataclass
-class FuseAddRmsNorm(Pass):
+class FuseAddRmsNorm(RewritePass, Pass):
     name: ClassVar[str] = "fuse_add_rmsnorm"
 
-    def run(self, g, ctx):
-        stats = apply_rewrites(g, [_rule(ctx)])
-        return PassResult(g, any(stats.values()), stats)
+    def rules(self, ctx):
+        return [_rule(ctx)]

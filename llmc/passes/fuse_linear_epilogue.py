@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from llmc.passes.manager import Pass, PassResult, register_pass
-from llmc.passes.pattern import P, RewriteRule, apply_rewrites
+from llmc.passes.manager import Pass, register_pass
+from llmc.passes.pattern import P, RewritePass, RewriteRule
 
 _ACTS = {("silu", None): "silu", ("relu", None): "relu", ("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh"}
 
@@ -31,9 +31,8 @@ def _rule(ctx) -> RewriteRule:
 
 @register_pass
 @dataclass
-class FuseLinearEpilogue(Pass):
+class FuseLinearEpilogue(RewritePass, Pass):
     name: ClassVar[str] = "fuse_linear_epilogue"
 
-    def run(self, g, ctx):
-        stats = apply_rewrites(g, [_rule(ctx)])
-        return PassResult(g, any(stats.values()), stats)
+    def rules(self, ctx):
+        return [_rule(ctx)]

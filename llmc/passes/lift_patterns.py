@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from llmc.passes.manager import Pass, PassResult, register_pass
-from llmc.passes.pattern import P, RewriteRule, apply_rewrites
+from llmc.passes.manager import Pass, register_pass
+from llmc.passes.pattern import P, RewritePass, RewriteRule
 
 
 def _last_dim(v_rank):
@@ -67,7 +67,7 @@ def silu_mul_rule() -> RewriteRule:
 
 @register_pass
 @dataclass
-class LiftPatterns(Pass):
+class LiftPatterns(RewritePass, Pass):
     """Recognise the LLM building blocks so that later passes and codegen see one op for each."""
 
     name: ClassVar[str] = "lift_patterns"
@@ -75,8 +75,6 @@ class LiftPatterns(Pass):
     rope: bool = True
     silu_mul: bool = True
 
-    def run(self, graph, ctx):
-        rules = [r for flag, r in ((self.rms_norm, rms_norm_rule), (self.rope, rope_rule),
-                                   (self.silu_mul, silu_mul_rule)) if flag]
-        stats = apply_rewrites(graph, [r() for r in rules])
-        return PassResult(graph, any(stats.values()), stats)
+    def rules(self, ctx):
+        return [r() for flag, r in ((self.rms_norm, rms_norm_rule), (self.rope, rope_rule),
+                                    (self.silu_mul, silu_mul_rule)) if flag]

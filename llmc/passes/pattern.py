@@ -293,3 +293,24 @@ def apply_rewrites(graph: Graph, rules: Iterable[RewriteRule], max_iterations: i
         dead_code(graph)
     raise CompileError(f"rewrite rules {[r.name for r in rules]} did not settle after {max_iterations} "
                        "iterations: a rule's replacement matches again (a rewrite loop)")
+
+
+class RewritePass:
+    """Mixin for a Pass that is a set of rewrite rules: define `rules(ctx)`, get `run` for free.
+
+    Example:
+        >>> @dataclass
+        ... class NoSilu(RewritePass, Pass):
+        ...     name: ClassVar[str] = "no_silu"
+        ...     def rules(self, ctx):
+        ...         return [RewriteRule("silu", P.op("silu")(P.any("x")),
+        ...                             lambda b, m: b.call("mul", m["x"], b.call("sigmoid", m["x"])))]
+    """
+
+    def rules(self, ctx) -> list[RewriteRule]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def run(self, graph, ctx):
+        from llmc.passes.manager import PassResult
+        stats = apply_rewrites(graph, self.rules(ctx))
+        return PassResult(graph, any(stats.values()), stats)
