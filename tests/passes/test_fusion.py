@@ -131,3 +131,44 @@ def test_whole_model_fused_equals_unfused(llama_dir):
     a = LLM(fused, num_blocks=32, block_size=4).generate(prompts, p)
     b = LLM(plain, num_blocks=32, block_size=4).generate(prompts, p)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+ROPE_ATTN = """graph t(%q: f32[1,4,T,8], %k: f32[1,2,T,8], %v: f32[1,2,T,8], %cos: f32[1,1,T,8], %sin: f32[1,1,T,8], %kv_cache.0: f32[2,NB,BS,2,8], %query_start_loc: i32[N + 1], %seq_lens: i32[N], %block_tables: i32[N,M], %slot_mapping: i64[T]) {
+  dims T[1..64], N[1..], M[1..], NB[1..], BS[1..]
+  %qr: f32[1,4,T,8] = rope(%q, %cos, %sin)
+  %kr: f32[1,2,T,8] = rope(%k, %cos, %sin)
+  %o: f32[1,4,T,8] = paged_attention(%qr, %kr, %v, %kv_cache.0, %query_start_loc, %seq_lens, %block_tables, %slot_mapping) {scale=0.35, causal=true, window=0}
+  return %o
+}
+"""
+ROPE_ATTN_AFTER = """graph t(%q: f32[1,4,T,8], %k: f32[1,2,T,8], %v: f32[1,2,T,8], %cos: f32[1,1,T,8], %sin: f32[1,1,T,8], %kv_cache.0: f32[2,NB,BS,2,8], %query_start_loc: i32[N + 1], %seq_lens: i32[N], %block_tables: i32[N,M], %slot_mapping: i64[T]) {
+  dims T[1..64], N[1..], M[1..], NB[1..], BS[1..]
+  %0: f32[1,4,T,8] = rope_kv_write(%q, %k, %v, %cos, %sin, %kv_cache.0, %slot_mapping)
+  %1: f32[1,4,T,8] = attend_paged(%0, %kv_cache.0, %query_start_loc, %seq_lens, %block_tables) {scale=0.35, causal=true, window=0}
+  return %1
+}
+"""
+
+
+def test_rope_kv_write_before_after_and_same_cache():
+    from llmc.passes.fuse_rope_kv_write import FuseRopeKVWrite
+    g = parse_graph(ROPE_ATTN)
+    torch.manual_seed(0)
+    T = 7  # two sequences: 4 new tokens after 2 cached, and 3 new tokens
+    pos = torch.tensor([2, 3, 4, 5, 0, 1, 2])
+    ang = pos[:, None].float() * torch.rand(8)[None]
+    inputs = {"q": torch.randn(1, 4, T, 8), "k": torch.randn(1, 2, T, 8), "v": torch.randn(1, 2, T, 8),
+              "cos": ang.cos()[None, None], "sin": ang.sin()[None, None],
+              "query_start_loc": torch.tensor([0, 4, 7], dtype=torch.int32),
+              "seq_lens": torch.tensor([6, 3], dtype=torch.int32),
+              "block_tables": torch.tensor([[0, 1], [2, 0]], dtype=torch.int32),
+              "slot_mapping": torch.tensor([2, 3, 4, 5, 8, 9, 10])}
+    cache = torch.randn(2, 3, 4, 2, 8)
+    ref_cache = cache.clone()
+    (ref,) = run_graph(g, {**inputs, "kv_cache.0": ref_cache})
+    out = PassManager([FuseRopeKVWrite()], verify=True).run(g, PassContext())
+    assert str(out) == ROPE_ATTN_AFTER
+    got_cache = cache.clone()
+    (got,) = run_graph(out, {**inputs, "kv_cache.0": got_cache})
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(got_cache, ref_cache)
