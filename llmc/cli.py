@@ -189,6 +189,13 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
               device=device)
     base = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                 repetition_penalty=repetition_penalty, seed=seed, stop=list(stop))
+    from dataclasses import fields
+    from llmc.errors import RequestError
+    known = {f.name for f in fields(SamplingParams)}
+    for i, it in enumerate(items, 1):
+        unknown = set(it) - known - {"prompt"}
+        if unknown:
+            raise RequestError(f"prompt {i}: unknown sampling field(s) {sorted(unknown)}; known: {sorted(known)}")
     params = [SamplingParams(**{**base, **{k: v for k, v in it.items() if k != "prompt"}}) for it in items]
     outs = llm.generate([it["prompt"] for it in items], params, progress=not as_json and sys.stderr.isatty())
     for it, o in zip(items, outs):

@@ -143,3 +143,16 @@ def test_custom_pass_shows_in_inspect_and_ir(llama_dir, tmp_path):
     assert code == 0, res
     assert_clean_error(*cli("compile", llama_dir, "-o", out, "--pass", f"{f}:UnfuseSwiGLU{{bogus=1}}"), "bogus")
     assert_clean_error(*cli("compile", llama_dir, "-o", out, "--pass", f"{f}:Nope"), "Nope")
+
+
+def test_prompts_jsonl_batch_and_errors(llama_artifact, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('"def add(a, b):"\n{"prompt": "class Point:", "max_tokens": 3}\n')
+    code, out = cli("run", llama_artifact.path, "--prompts", f, "--max-tokens", 5, "--json")
+    assert code == 0, out
+    rows = [json.loads(line) for line in out.strip().splitlines()]
+    assert [len(r["token_ids"]) for r in rows] == [5, 3] and rows[1]["prompt"] == "class Point:"
+    f.write_text('{"prompt": "x", "tempature": 1}\n')
+    assert_clean_error(*cli("run", llama_artifact.path, "--prompts", f), "tempature")
+    f.write_text('{"text": "x"}\n')
+    assert_clean_error(*cli("run", llama_artifact.path, "--prompts", f), "p.jsonl:1")
