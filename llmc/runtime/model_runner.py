@@ -36,7 +36,7 @@ BACKENDS = ("auto", "cuda", "triton-interpret", "reference")
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def select_backend(backend: str) -> str:
+def select_backend(backend: str, device: str | torch.device | None = None) -> str:
     """auto: cuda when a GPU is present, else reference. triton-interpret runs the generated kernels
     on the CPU, which needs TRITON_INTERPRET=1 before triton is first imported."""
     import os
@@ -44,7 +44,8 @@ def select_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise LLMCError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "cuda" if torch.cuda.is_available() else "reference"
+        on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+        return "cuda" if on_gpu else "reference"
     if backend == "cuda" and not torch.cuda.is_available():
         raise LLMCError("the cuda backend needs an NVIDIA GPU, and torch sees none; use --backend reference "
                         "or triton-interpret")
@@ -73,7 +74,7 @@ class ModelRunner:
         if not graph.meta.get("paged"):
             raise ArtifactError("this artifact was compiled without the paged_kv pass; recompile it with the "
                                 "default pipeline to run it")
-        self.backend = select_backend(backend)
+        self.backend = select_backend(backend, device)
         if self.backend == "cuda":
             device = "cuda" if torch.device(device).type != "cuda" else device
         elif self.backend == "triton-interpret":
