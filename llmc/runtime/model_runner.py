@@ -15,6 +15,7 @@ from llmc.ir.graph import Graph
 from llmc.ir.interpreter import Interpreter
 from llmc.ir.types import torch_dtype
 from llmc.passes.paged_kv import kv_cache_inputs, set_kv_cache_dtype
+from llmc.runtime.block_manager import slot_for
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
 
@@ -128,8 +129,7 @@ class ModelRunner:
                 raise LLMCError(f"sequence {i}: {end} tokens need more blocks than its table has")
             ids += s.token_ids
             pos += range(s.start_pos, end)
-            slots += [s.block_table[p // self.block_size] * self.block_size + p % self.block_size
-                      for p in range(s.start_pos, end)]
+            slots += [slot_for(s.block_table, p, self.block_size) for p in range(s.start_pos, end)]
             logit_rows += range(qsl[-1] + n - s.num_logits, qsl[-1] + n)
             qsl.append(qsl[-1] + n)
             lens.append(end)
@@ -205,7 +205,7 @@ class ModelRunner:
         for i, s in enumerate(batch):
             p = s.start_pos
             ids[i], pos[i], lens[i] = s.token_ids[0], p, p + 1
-            slots[i] = s.block_table[p // self.block_size] * self.block_size + p % self.block_size
+            slots[i] = slot_for(s.block_table, p, self.block_size)
             tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
         for name, t in (("input_ids", ids), ("positions", pos), ("seq_lens", lens), ("slot_mapping", slots),
                         ("block_tables", tables)):
