@@ -9,4 +9,6 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi
 "$PY" -m pip install --quiet -e ".[dev]"
+# pyenv exposes new console scripts through shims that only a rehash creates
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi
 "$PY" -c "import llmc, torch, triton, transformers; print('llmc', llmc.__version__, '| torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
