@@ -61,6 +61,9 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
     ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile 32 engine decode steps with torch.profiler: a table of the top host and "
+                         "device ops, and a chrome trace (engine_trace.json) under --out")
     a = ap.parse_args()
     import llmc
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -104,6 +107,14 @@ def main():
     e2e = time.perf_counter() - t
     res["engine_tok_s"] = a.new / e2e  # prefill of the prompt included, as the peers' figures
     res["engine_ms_per_step"] = {k: v for k, v in llm.stats().items() if k.startswith("ms_per_step")}
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+        with profile(activities=acts) as prof:
+            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+            sync()
+        prof.export_chrome_trace(str(Path(a.out, "engine_trace.json")))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
     # the prompt's prefill alone (one token generated), to separate it from the decode rate
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate([prompt], one)
