@@ -125,16 +125,15 @@ def _kernel_listing(graph: Graph) -> tuple[list[dict], dict[str, str]]:
     (for reading: the runtime re-renders from its own templates and never loads these)."""
     if not graph.meta.get("paged"):
         return [], {}
-    from llmc.codegen.kernels import render
-    from llmc.codegen.lower import Plan, _digest
+    from llmc.codegen.lower import Plan
     plan = Plan(graph, "meta")
-    listing = plan.kernels()
-    by_node = {}
-    for st, sp in plan.specs():
-        by_node.setdefault(id(st.node), []).append(f"{sp.name}_{_digest(render(sp))}.py: {sp.describe()}")
+    listing, sources, by_node = plan.kernels(), {}, {}
+    for st, label, src in plan.sources():
+        by_node.setdefault(id(st.node), []).append(label)
+        sources[label.split(":", 1)[0]] = src
     for row, st in zip(listing, plan.steps):
         row["sources"] = by_node.get(id(st.node), [])
-    return listing, plan.sources()
+    return listing, sources
 
 
 class _Progress:

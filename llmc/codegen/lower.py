@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import sympy
 import torch
 import torch.nn.functional as F
 
 from llmc.errors import LLMCError
 from llmc.ir.graph import Graph, Node
 from llmc.ir.ops import RefEnv, get_op, is_elementwise
-from llmc.ir.types import SymDim, _SYMPY_LOCALS, torch_dtype
+from llmc.ir.interpreter import bind_dims
+from llmc.ir.types import dim_eval, make_dim, torch_dtype
 
 ACT_EPILOGUE = {"silu": ("silu",), "relu": ("relu",), "gelu": ("gelu",),
                 "gelu_tanh": (("gelu", {"approximate": "tanh"}),)}
@@ -64,7 +64,6 @@ class Plan:
     def __init__(self, graph: Graph, device: torch.device, tuner=None, triton_matmul: bool = False):
         self.graph, self.device, self.tuner, self.triton_matmul = graph, torch.device(device), tuner, triton_matmul
         self.params = {p.name: graph.weights[p.name].to(self.device) for p in graph.params}
-        self.symbols = sorted({d.name for v in graph.inputs for d in v.type.shape if isinstance(d, SymDim)})
         self.steps = [self._lower(n) for n in graph.nodes]
         last = {}
         for i, n in enumerate(graph.nodes):
@@ -76,15 +75,10 @@ class Plan:
 
     # -- execution --------------------------------------------------------------------------------
     def run(self, inputs: dict[str, torch.Tensor], hints: dict | None = None) -> list[torch.Tensor]:
-        hints = dict(hints or {})
         g = self.graph
+        hints = {**bind_dims(g, inputs), **(hints or {})}
         vals = dict(self.params)
-        for v in g.inputs:
-            t = inputs[v.name]
-            vals[v.name] = t
-            for d, n in zip(v.type.shape, t.shape):
-                if isinstance(d, SymDim) and d.name.isidentifier():
-                    hints.setdefault(d.name, n)
+        vals.update({v.name: inputs[v.name] for v in g.inputs})
         for i, st in enumerate(self.steps):
             n = st.node
             out = st.fn([vals[v.name] for v in n.inputs], hints)
@@ -112,10 +106,14 @@ class Plan:
                     out.append((st, sp))
         return out
 
-    def sources(self, block_size: int = 16) -> dict[str, str]:
-        """Rendered sources of the plan's generated kernels, by file name (for the artifact's kernels/)."""
+    def sources(self, block_size: int = 16) -> list[tuple[Step, str, str]]:
+        """(step, file name, rendered source) of each generated kernel (for the artifact's kernels/)."""
         from llmc.codegen.kernels import render
-        return {f"{sp.name}_{_digest(render(sp))}.py": render(sp) for _, sp in self.specs(block_size)}
+        out = []
+        for st, sp in self.specs(block_size):
+            src = render(sp)
+            out.append((st, f"{sp.name}_{_digest(src)}.py: {sp.describe()}", src))
+        return out
 
     # -- lowering rules ---------------------------------------------------------------------------
     def _lower(self, n: Node) -> Step:
@@ -127,7 +125,7 @@ class Plan:
             step = rule(n)
             if step is not None:
                 return step
-        if is_elementwise(n.op) and n.op != "cast" or n.op == "cast":
+        if is_elementwise(n.op):
             step = self._elementwise(n, [(n.outputs[0].name, n.op, [f"in{i}" for i in range(len(n.inputs))],
                                           dict(n.attrs))], [n.outputs[0].name])
             if step is not None:
@@ -236,16 +234,10 @@ class Plan:
         return Step(n, fn, "triton:fused_elementwise", spec.summary())
 
     # movement: views (a copy only where torch needs one)
-    def _shape(self, shape):
-        fns = []
-        for d in shape:
-            if isinstance(d, int):
-                fns.append(d)
-            else:
-                expr = sympy.sympify(d, locals=_SYMPY_LOCALS(d))
-                syms = sorted(expr.free_symbols, key=str)
-                fns.append((sympy.lambdify(syms, expr), [str(s) for s in syms]))
-        return lambda h: [f if isinstance(f, int) else int(f[0](*[h[s] for s in f[1]])) for f in fns]
+    @staticmethod
+    def _shape(shape):
+        dims = [d if isinstance(d, int) else make_dim(d) for d in shape]
+        return lambda h: [dim_eval(d, h) for d in dims]
 
     def _op_reshape(self, n):
         shape = self._shape(n.attrs["shape"])

@@ -191,3 +191,14 @@ def dim_subs(d: Dim, mapping: dict[str, int | str]) -> Dim:
     subs = {sympy.Symbol(k, positive=True, integer=True):
             (v if isinstance(v, int) else sympy.Symbol(v, positive=True, integer=True)) for k, v in mapping.items()}
     return make_dim(str(expr.subs(subs)))
+
+
+def subs_dim_attr(value, mapping: dict[str, int | str]):
+    """A list attribute (a reshape/expand shape) with its symbolic entries substituted; other values as they are."""
+    if not isinstance(value, list) or not any(isinstance(x, str) for x in value):
+        return value
+    out = []
+    for x in value:
+        d = dim_subs(make_dim(x), mapping) if isinstance(x, str) else x
+        out.append(d if isinstance(d, int) else d.name)
+    return out

@@ -23,7 +23,7 @@ import torch
 
 from llmc.errors import CompileError
 from llmc.ir.graph import Graph, Value
-from llmc.ir.types import dim_subs
+from llmc.ir.types import subs_dim_attr
 from llmc.passes.manager import Pass, PassResult, register_pass
 from llmc.passes.pattern import (Builder, Capture, Match, OpPattern, P, Pattern, RewriteRule, Wildcard,
                                  apply_rewrites)
@@ -92,20 +92,10 @@ def inline_graph(b: Builder, g: Graph, bindings: dict[str, Value]) -> Value:
     for p in g.params:
         env[p] = bindings[p.name] if p.name in bindings else b.param(f"example.{p.name}", g.weights[p.name])
     for n in g.nodes:
-        attrs = {k: ([x if not isinstance(x, str) else _dim_str(dim_subs(_mk(x), dims)) for x in a]
-                     if isinstance(a, list) else a) for k, a in n.attrs.items()}
+        attrs = {k: subs_dim_attr(a, dims) for k, a in n.attrs.items()}
         node = b.node(n.op, [env[x] for x in n.inputs], attrs)
         env.update(zip(n.outputs, node.outputs))
     return env[g.outputs[0]]
-
-
-def _mk(x):
-    from llmc.ir.types import make_dim
-    return make_dim(x)
-
-
-def _dim_str(d):
-    return d if isinstance(d, int) else d.name
 
 
 def rule_from_example(pattern: Callable, replacement: Callable, example_inputs: Sequence[torch.Tensor],

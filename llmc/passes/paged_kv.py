@@ -17,7 +17,7 @@ from typing import ClassVar
 
 from llmc.errors import CompileError
 from llmc.ir.graph import Graph, Value
-from llmc.ir.types import TensorType, dim_subs
+from llmc.ir.types import TensorType, dim_subs, subs_dim_attr
 from llmc.passes.manager import Pass, PassResult, register_pass
 from llmc.passes.pattern import dead_code
 
@@ -29,20 +29,9 @@ def _substitute_dims(g: Graph, mapping: dict[str, int | str]) -> None:
     for v in list(g.inputs) + [o for n in g.nodes for o in n.outputs]:
         v.type = v.type.with_shape(dim_subs(d, mapping) for d in v.type.shape)
     for n in g.nodes:
-        for k, val in n.attrs.items():
-            if isinstance(val, list) and any(isinstance(x, str) for x in val):
-                n.attrs[k] = [x if not isinstance(x, str) else _dim_attr(dim_subs(_dim(x), mapping)) for x in val]
+        n.attrs = {k: subs_dim_attr(val, mapping) for k, val in n.attrs.items()}
     for name in mapping:
         g.dims.pop(name, None)
-
-
-def _dim(x: str):
-    from llmc.ir.types import make_dim
-    return make_dim(x)
-
-
-def _dim_attr(d):
-    return d if isinstance(d, int) else d.name
 
 
 def kv_cache_inputs(g: Graph) -> list[Value]:

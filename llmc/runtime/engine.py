@@ -135,13 +135,16 @@ class LLMEngine:
         """Validate and queue a request; a bad one raises RequestError and changes nothing."""
         params = params or SamplingParams()
         params.validate()
-        ids = self.encode(prompt)
+        return self._add(self.encode(prompt), params, request_id, prompt if isinstance(prompt, str) else None)
+
+    def _add(self, ids: list[int], params: SamplingParams, request_id: str | None, text: str | None) -> str:
+        """Queue an already validated and tokenized request."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.groups:
             raise RequestError(f"request id {request_id!r} is already in use")
         group = SequenceGroup(request_id, ids, params)
         self.scheduler.add(group)
-        self.groups[request_id] = (group, prompt if isinstance(prompt, str) else None)
+        self.groups[request_id] = (group, text)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -255,9 +258,9 @@ class LLM:
             raise RequestError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         for p in plist:
             p.validate()
-        for pr in prompts:
-            self.engine.encode(pr)
-        ids = [self.engine.add_request(pr, p) for pr, p in zip(prompts, plist)]
+        encoded = [self.engine.encode(pr) for pr in prompts]  # all checked before any is queued
+        ids = [self.engine._add(e, p, None, pr if isinstance(pr, str) else None)
+               for e, p, pr in zip(encoded, plist, prompts)]
         final: dict[str, RequestOutput] = {}
         bar = _bar(progress, len(ids))
         while self.engine.has_unfinished():
