@@ -98,6 +98,7 @@ def main():
     prompt = torch.randint(0, cfg.vocab_size, (a.prompt,)).tolist()
     params = SamplingParams(temperature=0, max_tokens=a.new, ignore_eos=True)
     llm.generate([prompt], params)  # warm-up: compiles kernels, captures the batch-1 graph
+    llm.generate([prompt], params)  # again: a prefix-cache hit leaves a short prefill, compiled here
     llm.engine.timings.clear()
     llm.engine.num_steps = 0
     sync()
@@ -107,6 +108,19 @@ def main():
     e2e = time.perf_counter() - t
     res["engine_tok_s"] = a.new / e2e  # prefill of the prompt included, as the peers' figures
     res["engine_ms_per_step"] = {k: v for k, v in llm.stats().items() if k.startswith("ms_per_step")}
+    # per-step wall times of the engine's decode steps (the median is the steady state)
+    eng = llm.engine
+    eng.add_request(prompt, params)
+    times = []
+    while eng.has_unfinished():
+        t0 = time.perf_counter()
+        eng.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    dec = sorted(times[1:])
+    res["engine_step_ms"] = {"median": dec[len(dec) // 2] * 1e3, "min": dec[0] * 1e3, "max": dec[-1] * 1e3,
+                             "first (prefill)": times[0] * 1e3}
+    res["engine_decode_tok_s_median"] = 1e3 / res["engine_step_ms"]["median"]
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
@@ -156,6 +170,29 @@ def main():
     sync()
     res["step_ms_unfused"] = (time.perf_counter() - t) / n * 1e3
     del r2, plain
+    # static buffer plan: arena bytes against one buffer per intermediate, and the peak memory
+    # of a 2048-token prefill with and without the plan
+    bp = Plan(art.graph, "meta").buffers
+    res["buffer_plan"] = {f"T={T}": bp.stats({"T": T, "N": 1, "L": 1}) for T in (1, 2048)}
+    if CUDA:
+        from llmc.runtime.model_runner import ModelRunner
+        peak = {}
+        for planned in (True, False):
+            r3 = ModelRunner(art.graph, "cuda", num_blocks=256, backend="cuda", use_cuda_graphs=False)
+            r3.plan = Plan(art.graph, "cuda", static_buffers=planned)
+            batch = [StepInput(torch.randint(0, cfg.vocab_size, (2048,)).tolist(), 0, list(range(128)))]
+            r3.execute(batch)
+            sync()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            t = time.perf_counter()
+            r3.execute(batch)
+            sync()
+            peak[planned] = ((torch.cuda.max_memory_allocated() - base) / 2 ** 20, (time.perf_counter() - t) * 1e3)
+            del r3
+            torch.cuda.empty_cache()
+        res["prefill2048_peak_MiB_planned"], res["prefill2048_ms_planned"] = peak[True]
+        res["prefill2048_peak_MiB_allocator"], res["prefill2048_ms_allocator"] = peak[False]
     llm = LLM(art, backend=a.backend, num_blocks=2048, max_num_seqs=8)
     # batch 8 decode through the engine (continuous batching), useful tokens per second
     prompts = [torch.randint(0, cfg.vocab_size, (a.prompt,)).tolist() for _ in range(8)]
@@ -167,12 +204,15 @@ def main():
     res["engine_batch8_tok_s"] = 8 * a.new / (time.perf_counter() - t)
     Path(a.out, "decode_bench.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
-    print("engine host time per step (ms):", res["engine_ms_per_step"])
+    print("engine host time per step (ms):", res["engine_ms_per_step"], "\nengine step wall (ms):", res["engine_step_ms"],
+          "\nbuffer plan:", res["buffer_plan"])
     print(f"\n{'metric':34s} value")
     for k in ("bw_TBps", "roofline_tok_s", "step_ms", "runner_tok_s", "engine_tok_s", "prefill_ms",
-              "engine_decode_tok_s", "engine_batch8_tok_s",
+              "engine_decode_tok_s", "engine_decode_tok_s_median", "engine_batch8_tok_s",
+              "prefill2048_peak_MiB_planned", "prefill2048_peak_MiB_allocator",
               "roofline_fraction_runner", "step_ms_unfused", "kernels_per_step_unfused", "kernels_per_step_fused"):
-        print(f"{k:34s} {res[k]:.3f}" if isinstance(res[k], float) else f"{k:34s} {res[k]}")
+        if k in res:
+            print(f"{k:34s} {res[k]:.3f}" if isinstance(res[k], float) else f"{k:34s} {res[k]}")
 
 
 if __name__ == "__main__":

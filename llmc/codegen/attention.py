@@ -92,7 +92,7 @@ class RopeKVWriteSpec(KernelSpec):
 
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  kv_scale: torch.Tensor | None = None, q_out: torch.Tensor | None = None) -> torch.Tensor:
     """Apply rotate-half rope to q and k, write k and v into the paged cache, return the roped q.
 
     Args:
@@ -103,6 +103,7 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         kv_scale: [2, NB, Hkv] f32, required for int8 / fp8 caches. For those the kernel ropes k only
             and the write goes through the reference `_write` (per-(block, head) scale that grows
             and requantizes the block), so the cache contents match the golden model exactly.
+        q_out: a contiguous [T, Hq, D] tensor for the result; allocated when None.
 
     Returns:
         [T, Hq, D] roped q (contiguous, q's dtype).
@@ -120,7 +121,8 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     assert (kv_scale is not None) == quant, "kv_scale is required exactly for int8 / fp8 caches"
     spec = RopeKVWriteSpec(D, Hq, Hkv, dtype_name(q.dtype), dtype_name(kv_cache.dtype), kv_cache.shape[2],
                            write_cache=not quant)
-    q_out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    if q_out is None:
+        q_out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     k_out = torch.empty((T, Hkv, D), dtype=k.dtype, device=k.device) if quant else q_out  # unused unless quant
     if T == 0:
         return q_out
@@ -228,7 +230,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, causal: bool = True,
                     window: int = 0, kv_scale: torch.Tensor | None = None, max_seqlen_q: int | None = None,
                     max_seqlen_k: int | None = None, *, block_m: int = 0, block_n: int = 0,
-                    partition_size: int | None = None) -> torch.Tensor:
+                    partition_size: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the new tokens over their sequences' whole context, read from the paged cache.
 
     The cache must already hold the new K/V (`rope_kv_write` ran first). The new tokens of
@@ -248,6 +250,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         max_seqlen_k: largest seq_len; sizes the decode splits. Computed (a host sync) if None.
         block_m, block_n: tile overrides (0 = the spec's choice); partition_size: decode keys per
             split override (a multiple of the key tile; keep it fixed under CUDA graphs).
+        out: a contiguous [T, Hq, D] tensor for the result; allocated when None.
 
     Returns:
         [T, Hq, D] attention output in q's dtype.
@@ -266,7 +269,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     quant = kv_cache.dtype in QMAX
     assert (kv_scale is not None) == quant, "kv_scale is required exactly for int8 / fp8 caches"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
-    out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     if T == 0 or N == 0:
         return out
     if max_seqlen_q is None:

@@ -351,12 +351,14 @@ def _rows_view(t: torch.Tensor, cols: int) -> torch.Tensor:
         return t.reshape(-1, cols).contiguous()
 
 
-def fused_elementwise(spec: ElementwiseSpec, tensors: Sequence[torch.Tensor] | dict) -> tuple[torch.Tensor, ...]:
+def fused_elementwise(spec: ElementwiseSpec, tensors: Sequence[torch.Tensor] | dict,
+                      outs: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """Run a fused elementwise region.
 
     Args:
         spec: the region (see `spec_from_ops`).
         tensors: the inputs in `spec.inputs` order (or a dict by name), on one device, of the spec's dtypes.
+        outs: contiguous tensors of the broadcast shape to write the outputs into; allocated when None.
 
     Returns:
         A tuple with one tensor per `spec.outputs`, each of the broadcast shape of the inputs.
@@ -377,7 +379,9 @@ def fused_elementwise(spec: ElementwiseSpec, tensors: Sequence[torch.Tensor] | d
     numel = math.prod(out_shape)
     rows = numel // cols if cols else 0
     device = tensors[0].device if tensors else torch.device("cpu")
-    outs = [torch.empty(out_shape, dtype=torch_dtype(d), device=device) for _, d in spec.outputs]
+    if outs is None:
+        outs = [torch.empty(out_shape, dtype=torch_dtype(d), device=device) for _, d in spec.outputs]
+    outs = list(outs)
     if numel == 0:
         return tuple(outs)
     args, strides = [], []

@@ -4,7 +4,9 @@ Each node maps to one step: a generated Triton kernel (norms, rope + KV write, p
 elementwise regions, small-M matmuls where tuning.json says they beat cuBLAS), cuBLAS through
 torch for the other GEMMs, a view for movement ops, and the op's torch reference for the rare
 rest (named "torch:<op>" in `llmc inspect --kernels`). Intermediates are released after their last
-use, so the caching allocator (and a CUDA graph's private pool) reuses them by lifetime.
+use. The intermediates that a kernel writes go into one arena laid out by the static buffer plan
+(llmc/codegen/buffers.py): slots shared by lifetime, sizes symbolic in the dims, so the layout is
+made once at load; a CUDA graph captures its own arena, the eager path keeps one that grows.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from llmc.codegen.buffers import BufferPlan
 from llmc.errors import LLMCError
 from llmc.ir.graph import Graph, Node
 from llmc.ir.ops import RefEnv, get_op, is_elementwise
@@ -48,6 +51,9 @@ class Step:
     fn: Callable[[list, dict], Any]
     kernel: str  # what runs: "triton:rms_norm", "cublas", "view", "torch:gather", ...
     spec: str = ""
+    # the same computation writing into given byte buffers, one per output (the static buffer
+    # plan's); None where the kernel allocates its own result
+    into: Callable[[list, dict, list], Any] | None = None
 
 
 class Plan:
@@ -59,12 +65,24 @@ class Plan:
         tuner: tuning choices from the artifact (matmul tiles, cuBLAS preference); never retunes.
         triton_matmul: use the generated matmul for every linear (the triton-interpret backend
             does, to test it); otherwise only where the tuner recorded that it wins.
+        static_buffers: lay intermediates out in one arena by the static buffer plan; otherwise
+            every kernel allocates its result from the caching allocator.
     """
 
-    def __init__(self, graph: Graph, device: torch.device, tuner=None, triton_matmul: bool = False):
+    def __init__(self, graph: Graph, device: torch.device, tuner=None, triton_matmul: bool = False,
+                 static_buffers: bool = True):
         self.graph, self.device, self.tuner, self.triton_matmul = graph, torch.device(device), tuner, triton_matmul
         self.params = {p.name: graph.weights[p.name].to(self.device) for p in graph.params}
         self.steps = [self._lower(n) for n in graph.nodes]
+        self.buffers = None
+        self.planned: list[list[str] | None] = [None] * len(self.steps)
+        self._arena: torch.Tensor | None = None
+        if static_buffers:
+            into = {id(st.node) for st in self.steps if st.into is not None}
+            self.buffers = BufferPlan.build(graph, lambda n: id(n) in into)
+            self.planned = [[v.name for v in st.node.outputs] if all(v.name in self.buffers.buffers
+                                                                      for v in st.node.outputs) else None
+                            for st in self.steps]
         last = {}
         for i, n in enumerate(graph.nodes):
             for v in n.inputs:
@@ -74,14 +92,31 @@ class Plan:
                             and v.name not in keep] for i, n in enumerate(graph.nodes)]
 
     # -- execution --------------------------------------------------------------------------------
-    def run(self, inputs: dict[str, torch.Tensor], hints: dict | None = None) -> list[torch.Tensor]:
+    def run(self, inputs: dict[str, torch.Tensor], hints: dict | None = None,
+            arena: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Run every step. `arena`: the bytes for the planned intermediates (see `new_arena`); by
+        default the plan's own, grown as needed. A CUDA graph must be given one that outlives it."""
         g = self.graph
         hints = {**bind_dims(g, inputs), **(hints or {})}
         vals = dict(self.params)
         vals.update({v.name: inputs[v.name] for v in g.inputs})
+        lay = None
+        if self.buffers is not None and self.buffers.buffers:
+            lay = self.buffers.layout(hints)
+            if arena is None:
+                if self._arena is None or self._arena.numel() < lay.total_bytes:
+                    self._arena = None  # release the old arena before allocating the larger one
+                    self._arena = torch.empty(lay.total_bytes, dtype=torch.uint8, device=self.device)
+                arena = self._arena
+            assert arena.numel() >= lay.total_bytes, "arena smaller than the buffer plan needs"
         for i, st in enumerate(self.steps):
             n = st.node
-            out = st.fn([vals[v.name] for v in n.inputs], hints)
+            xs = [vals[v.name] for v in n.inputs]
+            names = self.planned[i]
+            if lay is not None and names is not None:
+                out = st.into(xs, hints, [arena[lay.offsets[m]: lay.offsets[m] + lay.sizes[m]] for m in names])
+            else:
+                out = st.fn(xs, hints)
             if len(n.outputs) == 1:
                 vals[n.outputs[0].name] = out
             else:
@@ -90,6 +125,13 @@ class Plan:
             for name in self.free_after[i]:
                 vals.pop(name, None)
         return [vals[v.name] for v in g.outputs]
+
+    def new_arena(self, inputs: dict[str, torch.Tensor], hints: dict | None = None) -> torch.Tensor | None:
+        """A fresh arena sized for these inputs (a CUDA graph keeps its own for its lifetime)."""
+        if self.buffers is None or not self.buffers.buffers:
+            return None
+        lay = self.buffers.layout({**bind_dims(self.graph, inputs), **(hints or {})})
+        return torch.empty(lay.total_bytes, dtype=torch.uint8, device=self.device)
 
     def kernels(self) -> list[dict]:
         """What each node runs, for `llmc inspect --kernels`."""
@@ -138,21 +180,29 @@ class Plan:
         return Step(n, lambda x, h: t, "constant")
 
     def _op_embedding(self, n):
-        return Step(n, lambda x, h: F.embedding(x[1], x[0]), "torch:embedding")
+        shape = self._out_view(n)
+
+        def into(x, h, bufs):
+            out = shape(bufs[0], h)
+            torch.index_select(x[0], 0, x[1].reshape(-1), out=out.view(-1, x[0].shape[1]))
+            return out
+        return Step(n, lambda x, h: F.embedding(x[1], x[0]), "torch:embedding", into=into)
 
     def _linear(self, n, epilogue):
         from llmc.codegen import matmul as mm
         tuner, use_triton = self.tuner, self.triton_matmul
 
-        def fn(x, h):
+        shape = self._out_view(n)
+
+        def fn(x, h, out=None):
             b = x[2] if len(x) > 2 else None
             if use_triton:
-                return mm.matmul(x[0], x[1], b, epilogue, tuner=tuner)
+                return mm.matmul(x[0], x[1], b, epilogue, tuner=tuner, out=out)
             if tuner is not None:
-                return mm.linear(x[0], x[1], b, epilogue, tuner=tuner)
-            return mm.reference(x[0], x[1], b, epilogue)
+                return mm.linear(x[0], x[1], b, epilogue, tuner=tuner, out=out)
+            return mm.reference(x[0], x[1], b, epilogue, out)
         return Step(n, fn, "triton:matmul" if use_triton else "cublas" + ("+epilogue" if epilogue else ""),
-                    f"epilogue={epilogue}")
+                    f"epilogue={epilogue}", into=lambda x, h, bufs: fn(x, h, shape(bufs[0], h)))
 
     def _op_linear(self, n):
         return self._linear(n, ())
@@ -163,50 +213,62 @@ class Plan:
     def _op_rms_norm(self, n):
         from llmc.codegen.norm import rms_norm
         eps, wfc = n.attrs["eps"], n.attrs["weight_first_cast"]
-        return Step(n, lambda x, h: rms_norm(x[0], x[1], eps, weight_first_cast=wfc), "triton:rms_norm")
+        shape = self._out_view(n)
+        return Step(n, lambda x, h: rms_norm(x[0], x[1], eps, weight_first_cast=wfc), "triton:rms_norm",
+                    into=lambda x, h, b: rms_norm(x[0], x[1], eps, weight_first_cast=wfc, out=shape(b[0], h)))
 
     def _op_add_rms_norm(self, n):
         from llmc.codegen.norm import rms_norm
         eps, wfc = n.attrs["eps"], n.attrs["weight_first_cast"]
+        out_shape, h_shape = self._out_view(n, 0), self._out_view(n, 1)
         return Step(n, lambda x, h: rms_norm(x[0], x[2], eps, residual=x[1], weight_first_cast=wfc),
-                    "triton:rms_norm+residual")
+                    "triton:rms_norm+residual",
+                    into=lambda x, h, b: rms_norm(x[0], x[2], eps, residual=x[1], weight_first_cast=wfc,
+                                                  out=out_shape(b[0], h), h_out=h_shape(b[1], h)))
 
     def _op_rope_kv_write(self, n):
         from llmc.codegen.attention import rope_kv_write
 
-        def fn(x, h):
+        def fn(x, h, bufs=None):
             q, k, v, cos, sin, cache, slots = x[:7]  # q/k/v: [1, H, T, D], cos/sin: [1, 1, T, D]
-            T, D = q.shape[2], q.shape[3]
+            T, H, D = q.shape[2], q.shape[1], q.shape[3]
+            q_out = bufs[0].view(q.dtype).view(T, H, D) if bufs else None
             qr = rope_kv_write(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                               cos.reshape(T, D), sin.reshape(T, D), cache, slots, x[7] if len(x) > 7 else None)
+                               cos.reshape(T, D), sin.reshape(T, D), cache, slots, x[7] if len(x) > 7 else None,
+                               q_out=q_out)
             return qr.transpose(0, 1).unsqueeze(0)
-        return Step(n, fn, "triton:rope_kv_write")
+        return Step(n, fn, "triton:rope_kv_write", into=fn)
 
-    def _attend(self, q, cache, qsl, lens, tables, kv_scale, attrs, h):
+    def _attend(self, q, cache, qsl, lens, tables, kv_scale, attrs, h, buf=None):
         from llmc.codegen.attention import paged_attention
+        _, H, T, D = q.shape
         out = paged_attention(q[0].transpose(0, 1), cache, qsl, lens, tables, attrs["scale"], attrs["causal"],
                               attrs["window"], kv_scale, max_seqlen_q=h.get("max_seqlen_q"),
-                              max_seqlen_k=h.get("max_seqlen_k"), partition_size=h.get("partition_size"))
+                              max_seqlen_k=h.get("max_seqlen_k"), partition_size=h.get("partition_size"),
+                              out=None if buf is None else buf.view(q.dtype).view(T, H, D))
         return out.transpose(0, 1).unsqueeze(0)
 
     def _op_attend_paged(self, n):
         attrs = n.attrs
-        return Step(n, lambda x, h: self._attend(x[0], x[1], x[2], x[3], x[4], x[5] if len(x) > 5 else None,
-                                                 attrs, h), "triton:paged_attention")
+
+        def fn(x, h, bufs=None):
+            return self._attend(x[0], x[1], x[2], x[3], x[4], x[5] if len(x) > 5 else None, attrs, h,
+                                bufs[0] if bufs else None)
+        return Step(n, fn, "triton:paged_attention", into=fn)
 
     def _op_paged_attention(self, n):
         from llmc.codegen.attention import rope_kv_write
         attrs = n.attrs
 
-        def fn(x, h):
+        def fn(x, h, bufs=None):
             # the unfused form: the write kernel with an identity rotation (cos 1, sin 0) puts k and v
             # into the cache with no host sync (capturable), then the attention kernel reads it
             q, k, v = (t[0].transpose(0, 1) for t in x[:3])
             scale = x[8] if len(x) > 8 else None
             ones = torch.ones(k.shape[0], k.shape[2], dtype=k.dtype, device=k.device)
             rope_kv_write(k, k, v, ones, torch.zeros_like(ones), x[3], x[7], scale)
-            return self._attend(x[0], x[3], x[4], x[5], x[6], scale, attrs, h)
-        return Step(n, fn, "triton:kv_write+triton:paged_attention")
+            return self._attend(x[0], x[3], x[4], x[5], x[6], scale, attrs, h, bufs[0] if bufs else None)
+        return Step(n, fn, "triton:kv_write+triton:paged_attention", into=fn)
 
     def _op_silu_mul(self, n):
         return self._elementwise(n, [(n.outputs[0].name, "silu_mul", ["in0", "in1"], {})], [n.outputs[0].name])
@@ -227,11 +289,19 @@ class Plan:
         if not inputs:
             return None
 
-        def fn(x, h):
-            outs = fused_elementwise(spec, x)
+        views = [self._out_view(n, i) for i in range(len(n.outputs))]
+        same_shape = all(v.type.shape == out_shape for v in n.outputs)
+
+        def fn(x, h, bufs=None):
+            outs = fused_elementwise(spec, x, [view(b, h) for view, b in zip(views, bufs)] if bufs else None)
             return outs[0] if len(outs) == 1 else outs
         fn.spec = spec
-        return Step(n, fn, "triton:fused_elementwise", spec.summary())
+        return Step(n, fn, "triton:fused_elementwise", spec.summary(), into=fn if same_shape else None)
+
+    def _out_view(self, n: Node, i: int = 0):
+        """(byte buffer, hints) -> the buffer as output i of n: contiguous, of its dtype and shape."""
+        shape, dtype = self._shape(n.outputs[i].type.shape), torch_dtype(n.outputs[i].type.dtype)
+        return lambda buf, h: buf.view(dtype).view(shape(h))
 
     # movement: views (a copy only where torch needs one)
     @staticmethod

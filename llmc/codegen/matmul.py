@@ -98,13 +98,22 @@ def candidates(bucket: str) -> list[dict]:
             _cfg(64, 64, 64, 1, 4, 4), _cfg(128, 256, 64, 1, 8, 3), _cfg(64, 256, 64, 1, 8, 3)]
 
 
-def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = ()) -> torch.Tensor:
-    """The same computation with torch (cuBLAS on the GPU) and the IR ops' reference implementations."""
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = (),
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """The same computation with torch (cuBLAS on the GPU) and the IR ops' reference implementations.
+    `out`: a contiguous [..., N] tensor to write y into."""
+    if out is not None and not epilogue and x.is_contiguous():
+        x2, y2 = x.view(-1, x.shape[-1]), out.view(-1, w.shape[0])
+        if b is None:
+            torch.mm(x2, w.t(), out=y2)
+        else:
+            torch.addmm(b, x2, w.t(), out=y2)
+        return out
     y = F.linear(x, w, b)
     for op, at in _norm_epilogue(epilogue):
         opdef = get_op(op)
         y = opdef.ref([y], opdef.complete_attrs(dict(at)), None)
-    return y
+    return y if out is None else out.copy_(y)
 
 
 def _launch(spec: MatmulSpec, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y2: torch.Tensor,
@@ -126,7 +135,7 @@ def _launch(spec: MatmulSpec, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = (), *,
-           tuner: Tuner | None = None, config: dict | None = None) -> torch.Tensor:
+           tuner: Tuner | None = None, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """y = epilogue(x @ w.T + b) with a generated Triton kernel.
 
     Args:
@@ -138,6 +147,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
         tuner: chooses (on a GPU: times once, records, then reuses) the tiles for this shape's M bucket;
             None: the bucket's default tiles, untimed.
         config: a fixed config instead (a dict as in `candidates`).
+        out: a contiguous [..., N] tensor to write y into; allocated when None.
 
     Returns:
         y [..., N] of x's dtype.
@@ -155,7 +165,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
     w = w if w.stride(-1) == 1 else w.contiguous()
     b = b.contiguous() if b is not None else None
     M = x2.shape[0]
-    y = torch.empty(x.shape[:-1] + (N,), dtype=x.dtype, device=x.device)
+    y = out if out is not None else torch.empty(x.shape[:-1] + (N,), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     y2 = y.view(-1, N)
@@ -173,15 +183,15 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = (), *,
-           tuner: Tuner | None = None) -> torch.Tensor:
+           tuner: Tuner | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`matmul`, or cuBLAS (torch) where the tuner recorded that cuBLAS is faster for this shape bucket."""
     if tuner is not None:
         spec = MatmulSpec(dtype_name(x.dtype), b is not None, tuple(epilogue))
         M = x.numel() // max(1, x.shape[-1])
         rec = tuner.lookup(spec.key(w.shape[0], w.shape[1]), m_bucket(M))
         if rec is not None and rec.prefer_cublas:
-            return reference(x, w, b, epilogue)
-    return matmul(x, w, b, epilogue, tuner=tuner)
+            return reference(x, w, b, epilogue, out)
+    return matmul(x, w, b, epilogue, tuner=tuner, out=out)
 
 
 def triton_cdiv(a: int, b: int) -> int:

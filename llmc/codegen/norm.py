@@ -73,7 +73,8 @@ def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None,
-             weight_first_cast: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             weight_first_cast: bool = True, out: torch.Tensor | None = None,
+             h_out: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of the last dim of `x`, optionally after adding `residual`.
 
     Args:
@@ -82,6 +83,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6, residual: torc
         eps: added to the mean square.
         residual: [..., H] of x's dtype and shape; when given, h = x + residual is normalized.
         weight_first_cast: Llama's order (round, then multiply by w), as the IR op's attribute.
+        out, h_out: contiguous tensors to write the results into (the static buffer plan's);
+            allocated when None.
 
     Returns:
         out [..., H], or (out, h) with a residual: h is the new residual stream.
@@ -97,9 +100,12 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6, residual: torc
     assert w.device == x.device and (residual is None or residual.device == x.device), "rms_norm: mixed devices"
     spec = RmsNormSpec(H, dtype_name(x.dtype), residual is not None, weight_first_cast, dtype_name(w.dtype))
     x2 = _rows(x, H)
-    out = torch.empty(x.shape, dtype=torch_dtype(spec.out_dtype), device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch_dtype(spec.out_dtype), device=x.device)
     out2 = out.view(-1, H)
-    h = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    h = None
+    if residual is not None:
+        h = h_out if h_out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if x2.shape[0] == 0:
         return (out, h) if residual is not None else out
     kernel = compiled(spec).rms_norm_kernel

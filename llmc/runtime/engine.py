@@ -13,7 +13,7 @@ from llmc.errors import RequestError
 from llmc.runtime.artifact import Artifact, load_artifact
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.model_runner import ModelRunner, StepInput
-from llmc.runtime.sampler import Sampler
+from llmc.runtime.sampler import Sampler, SamplerOutput, plain_greedy
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig
 from llmc.runtime.sequence import SequenceGroup
@@ -181,21 +181,30 @@ class LLMEngine:
             c = e.seq.num_computed_tokens
             batch.append(StepInput(e.seq.token_ids[c:c + e.num_new_tokens], c, e.seq.block_table,
                                    1 if e.sample else 0))
+        repeats = out.logits_repeats
+        # plain greedy rows without logprobs need only the argmax, which the runner computes on
+        # the device (inside the decode graph) and reads back instead of the logits
+        greedy = bool(out.sampled_seqs) and all(r == 1 for r in repeats) and \
+            all(plain_greedy(s.params) and not s.params.logprobs for s in out.sampled_seqs)
         t0 = time.perf_counter()
-        logits = self.runner.execute(batch)  # [rows, V]
+        result = self.runner.execute(batch, greedy=greedy)  # tokens [rows] or logits [rows, V]
         t1 = time.perf_counter()
         if out.sampled_seqs:
-            repeats = out.logits_repeats
-            rows = logits if all(r == 1 for r in repeats) else \
-                logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
-            res = self.sampler(rows, out.sampled_seqs)
+            if greedy:
+                ids = result.tolist()
+                res = SamplerOutput(ids, [0.0] * len(ids))
+            else:
+                rows = result if all(r == 1 for r in repeats) else \
+                    result.repeat_interleave(torch.tensor(repeats, device=result.device), dim=0)
+                res = self.sampler(rows, out.sampled_seqs)
             t2 = time.perf_counter()
             self.scheduler.update_after_step(out, res.token_ids, res.logprobs, self.stop)
         else:
             t2 = time.perf_counter()
             self.scheduler.update_after_step(out, [], None, self.stop)
         t3 = time.perf_counter()
-        # where a step's host time goes (the sampler's figure includes waiting for the GPU)
+        # where a step's host time goes (waiting for the GPU falls in execute on the greedy path,
+        # in sample otherwise)
         for k, dt in (("execute", t1 - t0), ("sample", t2 - t1), ("update", t3 - t2)):
             self.timings[k] = self.timings.get(k, 0.0) + dt
 

@@ -107,7 +107,7 @@ class ModelRunner:
                         for k, t in self.kv.items()} if num_cpu_blocks else {}
         self.kv_bytes = per_block * self.num_blocks
         self.max_model_len = int(graph.meta.get("max_position_embeddings") or 4096)
-        self.graphs: dict[int, tuple] = {}  # decode batch bucket -> (CUDAGraph, static inputs, output)
+        self.graphs: dict[tuple[int, bool], _DecodeGraph] = {}  # (decode batch bucket, greedy) -> graph
         self.use_cuda_graphs = self.backend == "cuda" and use_cuda_graphs
         if self.backend == "reference":
             self.plan = Interpreter(graph, self.device)
@@ -147,71 +147,65 @@ class ModelRunner:
         }
 
     @torch.inference_mode()
-    def execute(self, batch: list[StepInput]) -> torch.Tensor:
-        """Run one step; returns float32 logits [sum(num_logits), V] in batch order."""
+    def execute(self, batch: list[StepInput], greedy: bool = False) -> torch.Tensor:
+        """Run one step.
+
+        Returns float32 logits [sum(num_logits), V] in batch order or, with `greedy`, the argmax
+        token of each of those rows as a host int64 tensor (ties to the lowest id): a decode step
+        then reads back a few bytes instead of the vocabulary-wide logits.
+        """
         if not batch:
-            return torch.empty(0)
+            return torch.empty(0, dtype=torch.int64 if greedy else torch.float32)
         decode = all(len(s.token_ids) == 1 and s.num_logits == 1 for s in batch)
         if self.use_cuda_graphs and decode and len(batch) <= DECODE_BUCKETS[-1]:
-            return self._replay(batch)
+            return self._replay(batch, greedy)
         inputs = self.build_inputs(batch)
         if self.backend == "reference":
-            return self.plan.run(inputs)[0].float()
-        hints = {"max_seqlen_q": max(len(s.token_ids) for s in batch),
-                 "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in batch)}
-        return self.plan.run(inputs, hints)[0].float()
+            logits = self.plan.run(inputs)[0]
+        else:
+            hints = {"max_seqlen_q": max(len(s.token_ids) for s in batch),
+                     "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in batch)}
+            logits = self.plan.run(inputs, hints)[0]
+        return logits.argmax(dim=-1).cpu() if greedy else logits.float()
 
     # -- CUDA graphs: one per decode batch bucket, so that a decode step is one replay --------------
-    def _static_inputs(self, B: int) -> dict[str, torch.Tensor]:
-        dev, M = self.device, (self.max_model_len + self.block_size - 1) // self.block_size
-        return {
-            "input_ids": torch.zeros(B, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(B, dtype=torch.int64, device=dev),
-            "query_start_loc": torch.arange(B + 1, dtype=torch.int32, device=dev),
-            "seq_lens": torch.ones(B, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros((B, M), dtype=torch.int32, device=dev),
-            "slot_mapping": torch.full((B,), -1, dtype=torch.int64, device=dev),
-            "logits_indices": torch.arange(B, dtype=torch.int64, device=dev),
-        }
-
-    def _capture(self, B: int):
-        static = self._static_inputs(B)
+    def _capture(self, B: int, greedy: bool) -> "_DecodeGraph":
+        dg = _DecodeGraph(B, (self.max_model_len + self.block_size - 1) // self.block_size, self.device)
         # fixed for the capture: keys per split follow the longest context the model allows
         hints = {"max_seqlen_q": 1, "max_seqlen_k": self.max_model_len}
-        inputs = {**static, **self.kv}
+        inputs = {**dg.inputs, **self.kv}
+
+        dg.arena = self.plan.new_arena(inputs, hints)  # the graph's own intermediates, for its lifetime
+
+        def step():
+            logits = self.plan.run(inputs, hints, arena=dg.arena)[0]
+            if greedy:
+                from llmc.codegen.sampling import argmax
+                return argmax(logits)
+            return logits
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile and warm every kernel outside the capture
-                self.plan.run(inputs, hints)
+                step()
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=getattr(self, "_pool", None)):
-            out = self.plan.run(inputs, hints)[0]
-        self._pool = graph.pool()
-        return graph, static, out
+        dg.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(dg.graph, pool=getattr(self, "_pool", None)):
+            dg.out = step()
+        self._pool = dg.graph.pool()
+        return dg
 
-    def _replay(self, batch: list[StepInput]) -> torch.Tensor:
+    def _replay(self, batch: list[StepInput], greedy: bool) -> torch.Tensor:
         n = len(batch)
         B = next(b for b in DECODE_BUCKETS if b >= n)
-        if B not in self.graphs:
-            self.graphs[B] = self._capture(B)
-        graph, st, out = self.graphs[B]
-        ids = torch.zeros(B, dtype=torch.int64)
-        pos = torch.zeros(B, dtype=torch.int64)
-        lens = torch.ones(B, dtype=torch.int32)
-        slots = torch.full((B,), -1, dtype=torch.int64)
-        tables = torch.zeros(st["block_tables"].shape, dtype=torch.int32)
-        for i, s in enumerate(batch):
-            p = s.start_pos
-            ids[i], pos[i], lens[i] = s.token_ids[0], p, p + 1
-            slots[i] = slot_for(s.block_table, p, self.block_size)
-            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        for name, t in (("input_ids", ids), ("positions", pos), ("seq_lens", lens), ("slot_mapping", slots),
-                        ("block_tables", tables)):
-            st[name].copy_(t, non_blocking=True)
-        graph.replay()
-        return out[:n].float()
+        dg = self.graphs.get((B, greedy))
+        if dg is None:
+            dg = self.graphs[(B, greedy)] = self._capture(B, greedy)
+        dg.load(batch, self.block_size)
+        dg.graph.replay()
+        if greedy:
+            return dg.read_tokens(n)
+        return dg.out[:n].float()
 
     # -- block movement ---------------------------------------------------------------------------
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -244,3 +238,69 @@ class ModelRunner:
                 h[:, host_idx] = t[:, dev_idx.to(t.device)].cpu()
             else:
                 t[:, dev_idx.to(t.device)] = h[:, host_idx].to(t.device)
+
+
+class _DecodeGraph:
+    """A decode step captured for a batch bucket of B rows.
+
+    The step's inputs live in one device buffer, filled from one pinned host buffer by a single
+    asynchronous copy per step; the host side is written through numpy views, so preparing a step
+    costs a few microseconds and no device work. Rows past the batch are padding: position 0,
+    no KV write (slot -1), a context of one token.
+    """
+
+    def __init__(self, B: int, max_blocks: int, device: torch.device):
+        import numpy as np
+        layout = [("input_ids", torch.int64, (B,)), ("positions", torch.int64, (B,)),
+                  ("slot_mapping", torch.int64, (B,)), ("logits_indices", torch.int64, (B,)),
+                  ("query_start_loc", torch.int32, (B + 1,)), ("seq_lens", torch.int32, (B,)),
+                  ("block_tables", torch.int32, (B, max_blocks))]
+        offsets, nbytes = [], 0
+        for _, dtype, shape in layout:
+            nbytes = -(-nbytes // 8) * 8
+            offsets.append(nbytes)
+            nbytes += dtype.itemsize * int(np.prod(shape))
+        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        host_np = self.host.numpy()
+        self.inputs, self.np = {}, {}
+        for (name, dtype, shape), off in zip(layout, offsets):
+            size = dtype.itemsize * int(np.prod(shape))
+            self.inputs[name] = self.dev[off:off + size].view(dtype).view(shape)
+            self.np[name] = host_np[off:off + size].view(np.dtype(str(dtype).removeprefix("torch."))).reshape(shape)
+        self.np["query_start_loc"][:] = np.arange(B + 1)
+        self.np["logits_indices"][:] = np.arange(B)
+        self.np["slot_mapping"][:] = -1
+        self.np["seq_lens"][:] = 1
+        self.dev.copy_(self.host)
+        self.copied = torch.cuda.Event()
+        self.tokens_host = torch.zeros(B, dtype=torch.int64, pin_memory=True)
+        self.read = torch.cuda.Event()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        self.arena: torch.Tensor | None = None
+        self.rows = B  # rows holding a sequence in the last step (the rest are padding)
+
+    def load(self, batch: list[StepInput], block_size: int) -> None:
+        """Write the batch into the pinned buffer and start its copy to the device."""
+        self.copied.synchronize()  # the previous step's copy has left the host buffer
+        ids, pos, slots = self.np["input_ids"], self.np["positions"], self.np["slot_mapping"]
+        lens, tables = self.np["seq_lens"], self.np["block_tables"]
+        for i, s in enumerate(batch):
+            p = s.start_pos
+            ids[i], pos[i], lens[i] = s.token_ids[0], p, p + 1
+            slots[i] = slot_for(s.block_table, p, block_size)
+            tables[i, : len(s.block_table)] = s.block_table
+        n = len(batch)
+        if n < self.rows:  # rows that held sequences last step become padding again
+            ids[n:], pos[n:], slots[n:], lens[n:] = 0, 0, -1, 1
+        self.rows = n
+        self.dev.copy_(self.host, non_blocking=True)
+        self.copied.record()
+
+    def read_tokens(self, n: int) -> torch.Tensor:
+        """The argmax tokens of the first n rows, on the host."""
+        self.tokens_host.copy_(self.out, non_blocking=True)
+        self.read.record()
+        self.read.synchronize()
+        return self.tokens_host[:n].clone()

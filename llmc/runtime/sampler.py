@@ -42,7 +42,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits: [N, V], one row per entry of seqs
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
-        if all(_plain_greedy(s.params) for s in seqs):
+        if all(plain_greedy(s.params) for s in seqs):
             # the decode hot path: no filter or penalty can change an argmax, so skip the
             # vocabulary-wide passes; logprobs only when asked for
             tokens = logits.argmax(dim=-1)  # [N]; first maximum = lowest id on ties
@@ -94,7 +94,7 @@ class Sampler:
         return tokens
 
 
-def _plain_greedy(p) -> bool:
+def plain_greedy(p) -> bool:
     return p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
 
 

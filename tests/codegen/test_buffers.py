@@ -1,0 +1,88 @@
+"""Static buffer planning: slots shared only by values whose lifetimes are disjoint, a layout that
+fits its arena, far less memory than one buffer per value, and the same results as allocating."""
+import os
+
+import pytest
+import torch
+
+from llmc.codegen.buffers import ALIAS_OPS, BufferPlan
+from llmc.codegen.lower import Plan
+from llmc.runtime.model_runner import ModelRunner, StepInput
+
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="needs TRITON_INTERPRET=1 (see tests/codegen/conftest.py)")
+
+
+def _lifetimes_disjoint(bp: BufferPlan) -> None:
+    for members in bp.slots:
+        spans = sorted((bp.buffers[m].first, bp.buffers[m].last) for m in members)
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            assert end < start, f"overlapping lifetimes in one slot: {spans}"
+
+
+def test_plan_shares_slots_by_lifetime(llama_artifact):
+    g = llama_artifact.graph
+    plan = Plan(g, "meta")
+    bp = plan.buffers
+    _lifetimes_disjoint(bp)
+    # a value's lifetime covers every read of it and of its views
+    readers: dict[str, int] = {}
+    root = {}
+    for i, n in enumerate(g.nodes):
+        if n.op in ALIAS_OPS and n.inputs[0].kind == "node":
+            root[n.outputs[0].name] = root.get(n.inputs[0].name, n.inputs[0].name)
+        for v in n.inputs:
+            r = root.get(v.name, v.name)
+            readers[r] = max(readers.get(r, -1), i)
+    for name, b in bp.buffers.items():
+        assert b.last >= readers.get(name, b.first)
+    outputs = {root.get(v.name, v.name) for v in g.outputs}
+    assert not outputs & set(bp.buffers), "graph outputs must not live in the arena"
+    for T in (1, 7, 300):
+        lay = bp.layout({"T": T, "N": 2, "L": 2})
+        for m, off in lay.offsets.items():
+            assert off % 256 == 0 and off + lay.sizes[m] <= lay.total_bytes
+        stats = bp.stats({"T": T, "N": 2, "L": 2})
+        assert stats["arena_bytes"] * 3 < stats["unshared_bytes"], stats
+    assert len(bp.slots) < len(bp.buffers) / 4
+
+
+@needs_interpreter
+def test_planned_run_matches_allocating_run(llama_artifact):
+    """The arena path gives bit-identical logits to the allocating path, across token counts that
+    grow and shrink the arena (torch matmuls, generated kernels for the rest)."""
+    g = llama_artifact.graph
+    runners = [ModelRunner(g, "cpu", block_size=4, num_blocks=64, backend="reference") for _ in range(2)]
+    planned, plain = Plan(g, "cpu"), Plan(g, "cpu", static_buffers=False)
+    assert planned.buffers is not None and plain.buffers is None
+    torch.manual_seed(0)
+    starts = {0: 0, 1: 0}
+    for step, n_new in enumerate([9, 1, 1, 23, 2]):
+        batch = []
+        for seq in range(2):
+            ids = torch.randint(0, 200, (n_new,)).tolist()
+            table = list(range(seq * 32, seq * 32 + 32))
+            batch.append(StepInput(ids, starts[seq], table))
+            starts[seq] += n_new
+        outs = []
+        for runner, plan in zip(runners, (planned, plain)):
+            inputs = runner.build_inputs(batch)
+            hints = {"max_seqlen_q": n_new, "max_seqlen_k": max(s.start_pos + n_new for s in batch)}
+            outs.append(plan.run(inputs, hints)[0])
+        assert torch.equal(outs[0], outs[1]), f"step {step}"
+
+
+@needs_interpreter
+def test_planned_kernels_write_into_the_arena(llama_artifact):
+    """Under the generated kernels too, the plan's outputs equal the allocating plan's."""
+    g = llama_artifact.graph
+    runner = ModelRunner(g, "cpu", block_size=4, num_blocks=32, backend="reference")
+    batch = [StepInput([5, 9, 2, 7, 1], 0, list(range(8)))]
+    inputs = runner.build_inputs(batch)
+    hints = {"max_seqlen_q": 5, "max_seqlen_k": 5}
+    kv0 = {k: v.clone() for k, v in runner.kv.items()}
+    a = Plan(g, "cpu", triton_matmul=True).run(inputs, hints)[0]
+    runner.kv.update({k: v.clone() for k, v in kv0.items()})
+    inputs = runner.build_inputs(batch)
+    b = Plan(g, "cpu", triton_matmul=True, static_buffers=False).run(inputs, hints)[0]
+    assert torch.equal(a, b)
