@@ -1,16 +1,20 @@
 """Static buffer planning: the intermediates of a lowered plan packed into one arena by lifetime.
 
-Every value that a kernel writes (and that is not a graph output) gets a *slot*; values whose
-lifetimes do not overlap share a slot. A value's lifetime runs from the step that defines it to
-the last step that reads it or any view of it (reshape, transpose, slice, ... alias their source).
-Sizes are symbolic in the graph's dims (T tokens, N sequences, ...), so the assignment is made
-once, at load, and serves every step: per binding of the dims only the slot sizes (the largest
-member of each slot) and their offsets are evaluated, a few microseconds, cached per binding.
+Every value that a kernel writes (and that is not a graph output) is planned. A value's lifetime
+runs from the step that defines it to the last step that reads it or any view of it (reshape,
+transpose, slice, ... alias their source). Two values may share bytes only if their lifetimes are
+disjoint.
 
-Slot choice (greedy, in definition order): a free slot whose members have the same size
-expression (the repeated decoder layers hit this case), else the smallest free slot that is large
-enough at the reference binding, else the largest free slot (it grows), else a new slot. The
-reference binding takes every dim at `reference_size` (the scale at which memory matters).
+Placement is greedy by size (as in TFLite's planner): values are taken largest first and each goes
+to the lowest offset where it overlaps no already placed value that is alive at the same time.
+The result is usually within a few percent of the lower bound, the most bytes alive at any one
+step, and it beats a caching allocator's peak because the whole schedule is known in advance.
+
+Sizes are symbolic in the graph's dims (T tokens, N sequences, ...). Lifetimes are found once, at
+load; the placement is made per *bucket* of the dims (exact up to 64, then 8 buckets per
+doubling, so at most 12.5% over the exact sizes) at a few milliseconds each and cached, so an
+engine sees each bucket once. A placement is valid for every binding in its bucket because sizes
+only grow with the dims. The exact sizes and offsets of one binding are cached too.
 
 Example:
     >>> bp = BufferPlan.build(graph, planned=lambda node: True)       # doctest: +SKIP
@@ -35,12 +39,12 @@ class Buffer:
     nbytes: object  # a Dim (int or SymDim) in bytes
     first: int  # index of the defining step
     last: int  # index of the last step that reads the value or a view of it
-    slot: int = -1
 
 
 @dataclass
 class Layout:
-    """Byte offsets of every planned value in an arena of `total_bytes`, for one binding of the dims."""
+    """Byte offsets and exact sizes of every planned value in an arena of `total_bytes`, for one
+    binding of the dims."""
     offsets: dict[str, int]
     sizes: dict[str, int]
     total_bytes: int
@@ -49,16 +53,15 @@ class Layout:
 @dataclass
 class BufferPlan:
     buffers: dict[str, Buffer]
-    slots: list[list[str]]  # members of each slot, in definition order
     symbols: tuple[str, ...]  # the dims that the sizes depend on
-    _cache: dict[tuple, Layout] = field(default_factory=dict, repr=False)
+    _placements: dict[tuple, tuple[dict[str, int], int]] = field(default_factory=dict, repr=False)
+    _layouts: dict[tuple, Layout] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, graph: Graph, planned: Callable[[Node], bool], reference_size: int = 4096) -> "BufferPlan":
+    def build(cls, graph: Graph, planned: Callable[[Node], bool]) -> "BufferPlan":
         """Plan the outputs of every node for which `planned(node)` holds (its kernel can write into
         a given buffer); graph outputs, and values that a graph output is a view of, stay unplanned."""
         nodes = graph.nodes
-        producer = {v.name: i for i, n in enumerate(nodes) for v in n.outputs}
         root: dict[str, str] = {}  # view -> the value whose storage it shares
         for n in nodes:
             if n.op in ALIAS_OPS and n.inputs and n.inputs[0].kind == "node":
@@ -82,54 +85,60 @@ class BufferPlan:
                 if not isinstance(nbytes, int):
                     symbols |= _free_symbols(nbytes)
                 buffers[v.name] = Buffer(v.name, nbytes, i, max(last.get(v.name, i), i))
-        ref_env = {s: reference_size for s in symbols}
-        slots: list[list[str]] = []
-        slot_last: list[int] = []
-        slot_size: list[int] = []  # at the reference binding
-        for b in sorted(buffers.values(), key=lambda b: b.first):
-            size = _eval(b.nbytes, ref_env)
-            free = [s for s in range(len(slots)) if slot_last[s] < b.first]
-            same = [s for s in free if any(buffers[m].nbytes == b.nbytes for m in slots[s])]
-            fits = sorted((slot_size[s], s) for s in free if slot_size[s] >= size)
-            if same:
-                s = same[0]
-            elif fits:
-                s = fits[0][1]
-            elif free:
-                s = max(free, key=lambda s: slot_size[s])
-            else:
-                slots.append([])
-                slot_last.append(-1)
-                slot_size.append(0)
-                s = len(slots) - 1
-            slots[s].append(b.value)
-            slot_last[s] = b.last
-            slot_size[s] = max(slot_size[s], size)
-            b.slot = s
-        return cls(buffers, slots, tuple(sorted(symbols)))
+        return cls(buffers, tuple(sorted(symbols)))
 
     def layout(self, env: dict[str, int]) -> Layout:
-        """Offsets for the dims in `env` (extra keys are ignored)."""
+        """Offsets and sizes for the dims in `env` (extra keys are ignored)."""
         key = tuple(env[s] for s in self.symbols)
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        sizes = {name: _eval(b.nbytes, env) for name, b in self.buffers.items()}
-        offsets, total = {}, 0
-        for members in self.slots:
-            for m in members:
-                offsets[m] = total
-            total += -(-max(sizes[m] for m in members) // ALIGN) * ALIGN
-        if len(self._cache) > 256:
-            self._cache.clear()
-        lay = self._cache[key] = Layout(offsets, sizes, total)
+        lay = self._layouts.get(key)
+        if lay is not None:
+            return lay
+        bucket = tuple(_bucket(v) for v in key)
+        placed = self._placements.get(bucket)
+        if placed is None:
+            benv = dict(zip(self.symbols, bucket))
+            placed = self._placements[bucket] = self._place({n: _eval(b.nbytes, benv) for n, b in self.buffers.items()})
+        if len(self._layouts) > 1024:
+            self._layouts.clear()
+        sizes = {n: _eval(b.nbytes, env) for n, b in self.buffers.items()}
+        lay = self._layouts[key] = Layout(placed[0], sizes, placed[1])
         return lay
 
+    def _place(self, sizes: dict[str, int]) -> tuple[dict[str, int], int]:
+        """Greedy by size: largest first, each at the lowest offset clear of the live placed values."""
+        placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
+        offsets, total = {}, 0
+        for b in sorted(self.buffers.values(), key=lambda b: (-sizes[b.value], b.first)):
+            size = -(-sizes[b.value] // ALIGN) * ALIGN
+            off = 0
+            for o, e in sorted((o, e) for o, e, f, l in placed if f <= b.last and b.first <= l):
+                if o - off >= size:
+                    break
+                off = max(off, e)
+            placed.append((off, off + size, b.first, b.last))
+            offsets[b.value] = off
+            total = max(total, off + size)
+        return offsets, total
+
     def stats(self, env: dict[str, int]) -> dict[str, int]:
-        """Arena bytes against the bytes of every planned value held at once (no reuse)."""
+        """Arena bytes against the lower bound (the most bytes alive at one step) and against one
+        buffer per value (no reuse)."""
         lay = self.layout(env)
-        return {"values": len(self.buffers), "slots": len(self.slots), "arena_bytes": lay.total_bytes,
-                "unshared_bytes": sum(lay.sizes.values())}
+        steps = max((b.last for b in self.buffers.values()), default=-1) + 1
+        alive = [0] * steps
+        for n, b in self.buffers.items():
+            for i in range(b.first, b.last + 1):
+                alive[i] += lay.sizes[n]
+        return {"values": len(self.buffers), "arena_bytes": lay.total_bytes,
+                "peak_live_bytes": max(alive, default=0), "unshared_bytes": sum(lay.sizes.values())}
+
+
+def _bucket(v: int) -> int:
+    """v rounded up to one of 8 steps per doubling (exact up to 64)."""
+    if v <= 64:
+        return v
+    step = 1 << (v.bit_length() - 4)
+    return -(-v // step) * step
 
 
 def _eval(nbytes, env: dict[str, int]) -> int:
