@@ -260,7 +260,8 @@ class _DecodeGraph:
             nbytes = -(-nbytes // 8) * 8
             offsets.append(nbytes)
             nbytes += dtype.itemsize * int(np.prod(shape))
-        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+        cuda = torch.device(device).type == "cuda"
+        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
         self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         host_np = self.host.numpy()
         self.inputs, self.np = {}, {}
@@ -273,9 +274,9 @@ class _DecodeGraph:
         self.np["slot_mapping"][:] = -1
         self.np["seq_lens"][:] = 1
         self.dev.copy_(self.host)
-        self.copied = torch.cuda.Event()
-        self.tokens_host = torch.zeros(B, dtype=torch.int64, pin_memory=True)
-        self.read = torch.cuda.Event()
+        self.copied = torch.cuda.Event() if cuda else None
+        self.tokens_host = torch.zeros(B, dtype=torch.int64, pin_memory=cuda)
+        self.read = torch.cuda.Event() if cuda else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self.arena: torch.Tensor | None = None
@@ -283,24 +284,28 @@ class _DecodeGraph:
 
     def load(self, batch: list[StepInput], block_size: int) -> None:
         """Write the batch into the pinned buffer and start its copy to the device."""
-        self.copied.synchronize()  # the previous step's copy has left the host buffer
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy has left the host buffer
         ids, pos, slots = self.np["input_ids"], self.np["positions"], self.np["slot_mapping"]
         lens, tables = self.np["seq_lens"], self.np["block_tables"]
         for i, s in enumerate(batch):
             p = s.start_pos
             ids[i], pos[i], lens[i] = s.token_ids[0], p, p + 1
             slots[i] = slot_for(s.block_table, p, block_size)
-            tables[i, : len(s.block_table)] = s.block_table
+            used = p // block_size + 1  # the blocks the context covers; a longer table's tail is unused
+            tables[i, :used] = s.block_table[:used]
         n = len(batch)
         if n < self.rows:  # rows that held sequences last step become padding again
             ids[n:], pos[n:], slots[n:], lens[n:] = 0, 0, -1, 1
         self.rows = n
         self.dev.copy_(self.host, non_blocking=True)
-        self.copied.record()
+        if self.copied is not None:
+            self.copied.record()
 
     def read_tokens(self, n: int) -> torch.Tensor:
         """The argmax tokens of the first n rows, on the host."""
         self.tokens_host.copy_(self.out, non_blocking=True)
-        self.read.record()
-        self.read.synchronize()
+        if self.read is not None:
+            self.read.record()
+            self.read.synchronize()
         return self.tokens_host[:n].clone()

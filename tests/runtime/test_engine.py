@@ -165,3 +165,23 @@ def test_bad_requests_rejected_without_disturbing_others(llama_artifact, tok, al
             if o.finished:
                 done[o.request_id] = o.token_ids
     assert [done[i] for i in ids] == alone[:3]
+
+
+def test_decode_graph_inputs_match_build_inputs(llama_artifact):
+    """The decode graphs' packed inputs (one pinned buffer, one copy) hold what build_inputs makes for
+    the same batch, and rows left by a shrinking batch become padding (no KV write, one-token context)."""
+    from llmc.runtime.model_runner import ModelRunner, StepInput, _DecodeGraph
+    runner = ModelRunner(llama_artifact.graph, "cpu", block_size=4, num_blocks=64, backend="reference")
+    dg = _DecodeGraph(4, 16, torch.device("cpu"))
+    batch = [StepInput([7], 9, [3, 5, 8, 60, 61]), StepInput([2], 0, [11]), StepInput([5], 4, [1, 2])]
+    dg.load(batch, 4)
+    ref = runner.build_inputs(batch)
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "logits_indices"):
+        assert dg.inputs[name][:3].tolist() == ref[name].tolist(), name
+    assert dg.inputs["query_start_loc"][:4].tolist() == ref["query_start_loc"].tolist()
+    for i, s in enumerate(batch):  # the blocks each context covers
+        used = s.start_pos // 4 + 1
+        assert dg.inputs["block_tables"][i, :used].tolist() == s.block_table[:used]
+    dg.load(batch[:1], 4)
+    assert dg.inputs["slot_mapping"][1:].tolist() == [-1, -1, -1]
+    assert dg.inputs["seq_lens"][1:].tolist() == [1, 1, 1] and dg.inputs["input_ids"][1:].tolist() == [0, 0, 0]
