@@ -67,15 +67,19 @@ def main(ctx, debug):
 @click.option("--verify/--no-verify", default=True, show_default=True, help="Verify the IR after every pass.")
 @click.option("--explain-fusion", is_flag=True, help="Say why each fusion candidate was declined.")
 @click.option("--no-fuse", is_flag=True, help="Skip the fusion passes (phase 3).")
+@click.option("--tune/--no-tune", default=True, show_default=True,
+              help="On a GPU, time generated matmul tiles against cuBLAS per token bucket and keep the winners "
+                   "(tuning.json). --no-tune: cuBLAS for every GEMM, as torch runs them (the tuned tiles "
+                   "change with the number of tokens in a step, and with them the fp32 summation order).")
 def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_after, dump_ir, verify, explain_fusion,
-            no_fuse):
+            no_fuse, tune):
     """Compile MODEL (a local Hugging Face directory or builtin:NAME) into an artifact."""
     import llmc
     from llmc.passes.manager import parse_pass_spec
     extra = [parse_pass_spec(s) for s in passes]
     art = llmc.compile(model, output, dtype=dtype, kv_cache_dtype=kv_cache_dtype, passes=extra,
                        before=pass_before, after=pass_after, dump_ir=dump_ir, verify=verify,
-                       progress=sys.stderr.isatty(), fuse=not no_fuse)
+                       progress=sys.stderr.isatty(), fuse=not no_fuse, tune=tune)
     s = art.summary()
     if explain_fusion:
         reasons = art.compile_log.explain if art.compile_log else []

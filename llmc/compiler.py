@@ -88,8 +88,8 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         out = Path(output) if output is not None else Path(tempfile.mkdtemp(prefix="llmc-")) / "model.llmc"
         bar.step(f"writing {out}")
         opts = {"dtype": dtype, **{k: v for k, v in options.items() if isinstance(v, (str, int, float, bool))}}
-        kernels, sources = _kernel_listing(graph)
         tuning = _autotune(graph, bar) if tune and torch.cuda.is_available() else {}
+        kernels, sources = _kernel_listing(graph, tuning)
         art = save_artifact(graph, out, source, opts, tok_files, tuning=tuning, kernels=sources, kernel_list=kernels)
         art.compile_log = ctx  # fusion explanations and pass notes, for `llmc compile --explain-fusion`
         return art
@@ -120,13 +120,15 @@ def _autotune(graph: Graph, bar) -> dict:
     return tuner.to_json()
 
 
-def _kernel_listing(graph: Graph) -> tuple[list[dict], dict[str, str]]:
+def _kernel_listing(graph: Graph, tuning: dict | None = None) -> tuple[list[dict], dict[str, str]]:
     """What each node of a paged graph lowers to on the kernel backends, and the rendered sources
     (for reading: the runtime re-renders from its own templates and never loads these)."""
     if not graph.meta.get("paged"):
         return [], {}
     from llmc.codegen.lower import Plan
-    plan = Plan(graph, "meta")
+    from llmc.codegen.autotune import Tuner
+    tuner = Tuner.from_json(tuning) if tuning and tuning.get("kernels") else None
+    plan = Plan(graph, "meta", tuner)
     listing, sources, by_node = plan.kernels(), {}, {}
     for st, label, src in plan.sources():
         by_node.setdefault(id(st.node), []).append(label)

@@ -201,8 +201,28 @@ class Plan:
             if tuner is not None:
                 return mm.linear(x[0], x[1], b, epilogue, tuner=tuner, out=out)
             return mm.reference(x[0], x[1], b, epilogue, out)
-        return Step(n, fn, "triton:matmul" if use_triton else "cublas" + ("+epilogue" if epilogue else ""),
-                    f"epilogue={epilogue}", into=lambda x, h, bufs: fn(x, h, shape(bufs[0], h)))
+        kernel, spec = "triton:matmul" if use_triton else "cublas" + ("+epilogue" if epilogue else ""), f"epilogue={epilogue}"
+        tuned = self._tuned_buckets(n, epilogue) if not use_triton else None
+        if tuned:
+            kernel, spec = "triton:matmul|cublas", f"epilogue={epilogue} triton for M<={tuned}, cublas above"
+        return Step(n, fn, kernel, spec, into=lambda x, h, bufs: fn(x, h, shape(bufs[0], h)))
+
+    def _tuned_buckets(self, n, epilogue) -> str | None:
+        """The largest token bucket below which tuning.json prefers the generated matmul (None: never)."""
+        from llmc.codegen import matmul as mm
+        from llmc.codegen.autotune import M_BUCKETS
+        if self.tuner is None:
+            return None
+        w = n.inputs[1].type
+        spec = mm.MatmulSpec(w.dtype, len(n.inputs) > 2, tuple(epilogue))
+        key = spec.key(int(w.shape[0]), int(w.shape[1]))
+        best = None
+        for b in M_BUCKETS[:-1]:
+            rec = self.tuner.lookup(key, str(b))
+            if rec is None or rec.prefer_cublas:
+                break
+            best = b
+        return None if best is None else str(best)
 
     def _op_linear(self, n):
         return self._linear(n, ())

@@ -174,7 +174,6 @@ class ModelRunner:
         # fixed for the capture: keys per split follow the longest context the model allows
         hints = {"max_seqlen_q": 1, "max_seqlen_k": self.max_model_len}
         inputs = {**dg.inputs, **self.kv}
-
         dg.arena = self.plan.new_arena(inputs, hints)  # the graph's own intermediates, for its lifetime
 
         def step():
@@ -205,7 +204,7 @@ class ModelRunner:
         dg.graph.replay()
         if greedy:
             return dg.read_tokens(n)
-        return dg.out[:n].float()
+        return dg.out[:n].float()  # fp32 logits alias the graph's output: read before the next step
 
     # -- block movement ---------------------------------------------------------------------------
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

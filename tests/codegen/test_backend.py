@@ -47,3 +47,20 @@ def test_inspect_kernels_lists_specs_and_sources(llama_artifact):
     assert any(f.startswith("paged_attention_prefill_") for f in files)
     src = (llama_artifact.path / "kernels" / next(f for f in files if f.startswith("rms_norm_"))).read_text()
     assert "@triton.jit" in src
+
+
+def test_kernel_listing_follows_tuning(llama_artifact):
+    """With tuning records, `inspect --kernels` says which token buckets run the generated matmul."""
+    from llmc.codegen.autotune import Tuner
+    from llmc.codegen.lower import Plan
+    from llmc.codegen.matmul import MatmulSpec
+    g = llama_artifact.graph
+    lin = next(n for n in g.nodes if n.op == "linear")
+    w = lin.inputs[1].type
+    key = MatmulSpec(w.dtype, len(lin.inputs) > 2, ()).key(int(w.shape[0]), int(w.shape[1]))
+    rec = lambda cublas: {"config": {}, "triton_ms": 1.0, "cublas_ms": 2.0, "prefer_cublas": cublas}  # noqa: E731
+    tuner = Tuner({key: {"1": rec(False), "2": rec(False), "4": rec(True)}}, None)
+    rows = {r["node"]: r for r in Plan(g, "meta", tuner).kernels()}
+    row = rows["%" + lin.outputs[0].name]
+    assert row["kernel"] == "triton:matmul|cublas" and "triton for M<=2, cublas above" in row["spec"]
+    assert rows["%" + lin.outputs[0].name] and Plan(g, "meta").kernels()[g.nodes.index(lin)]["kernel"] == "cublas"
