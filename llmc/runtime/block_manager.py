@@ -114,11 +114,13 @@ class BlockManager:
         return [slot_for(seq.block_table, p, self.block_size) for p in range(start, end)]
 
     # ---- prefix hashing ------------------------------------------------------------------
-    def _block_keys(self, seq: Sequence, num_full: int) -> list[_BlockKey]:
-        """Keys of the first `num_full` full blocks; chain hashes are memoised on the seq."""
-        bs, keys, parent = self.block_size, [], -1
+    def _block_keys(self, seq: Sequence, num_full: int, start: int = 0) -> list[_BlockKey]:
+        """Keys of full blocks [start, num_full); chain hashes are memoised on the seq."""
+        start = min(start, len(seq.block_hashes))
+        bs, keys = self.block_size, []
+        parent = seq.block_hashes[start - 1] if start else -1
         tokens = seq.token_ids
-        for i in range(num_full):
+        for i in range(start, num_full):
             key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
             if i == len(seq.block_hashes):
                 seq.block_hashes.append(hash(key))
@@ -188,7 +190,7 @@ class BlockManager:
         for b in hits:
             self._share(b)
         fresh = [self._take() for _ in range(self.blocks_for(seq.num_tokens) - len(hits))]
-        seq.block_table = hits + fresh
+        seq.block_table, seq.num_marked_blocks = hits + fresh, len(hits)
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
 
     def _blocks_to_write(self, seq: Sequence, num_new_tokens: int) -> tuple[range, int]:
@@ -227,15 +229,24 @@ class BlockManager:
         return copies
 
     def mark_computed(self, seq: Sequence) -> None:
-        """Register the seq's full, computed blocks in the prefix cache (engine calls per step)."""
+        """Register the seq's full, computed blocks in the prefix cache (engine calls per step).
+
+        Each block is offered once, when it fills: the work per step does not grow with the
+        sequence. (A block not registered then, because another block held its content, is not
+        offered again if that one is evicted later: a missed hit, never a wrong one.)
+        """
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        for i, key in enumerate(self._block_keys(seq, num_full)):
-            block = self._cached.get(key)
-            if block is None and self._key[seq.block_table[i]] is None:
-                self._cached[key] = seq.block_table[i]
-                self._key[seq.block_table[i]] = key
+        if num_full <= seq.num_marked_blocks:
+            return
+        start = min(seq.num_marked_blocks, len(seq.block_hashes))
+        for i, key in enumerate(self._block_keys(seq, num_full, start), start):
+            block = seq.block_table[i]
+            if key not in self._cached and self._key[block] is None:
+                self._cached[key] = block
+                self._key[block] = key
+        seq.num_marked_blocks = num_full
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let `child` share every block of `parent` (n>1 samples of one prompt)."""
@@ -244,6 +255,7 @@ class BlockManager:
             self._share(b)
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
+        child.num_marked_blocks = parent.num_marked_blocks
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
@@ -251,7 +263,7 @@ class BlockManager:
         so that, in the LRU, they are evicted before the more widely shared head blocks."""
         for b in reversed(seq.block_table):
             self._release(b)
-        seq.block_table = []
+        seq.block_table, seq.num_marked_blocks = [], 0
         self._cpu_free.extend(self._swapped.pop(seq.seq_id, []))
 
     # ---- swapping ------------------------------------------------------------------------
@@ -270,7 +282,7 @@ class BlockManager:
             mapping[b] = self._cpu_free.popleft()
             self._release(b)
         self._swapped[seq.seq_id] = list(mapping.values())
-        seq.block_table = []
+        seq.block_table, seq.num_marked_blocks = [], 0
         self.stats.swapped_out_blocks += len(mapping)
         return mapping
 
@@ -284,7 +296,7 @@ class BlockManager:
         """Bring a swapped seq back; returns {host_block: device_block} to copy."""
         host = self._swapped.pop(seq.seq_id)
         mapping = {h: self._take() for h in host}
-        seq.block_table = list(mapping.values())
+        seq.block_table, seq.num_marked_blocks = list(mapping.values()), 0
         self._cpu_free.extend(host)
         self.stats.swapped_in_blocks += len(mapping)
         return mapping

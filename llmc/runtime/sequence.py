@@ -78,6 +78,8 @@ class Sequence:
         self.num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of full blocks; BlockManager's cache
+        self.num_marked_blocks: int = 0  # leading full blocks already offered to the prefix cache
+        self._tokens: list[int] = list(self.prompt_token_ids)  # prompt + output, appended in place
         self.output_logprobs: list[float] = []
         # Incremental detokenization state (see stop.py): text of the output, and the token
         # window offsets that let a tokenizer's multi-token characters settle before we emit them.
@@ -91,7 +93,8 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt and output tokens: one list kept up to date (read it, never modify it)."""
+        return self._tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -131,6 +134,7 @@ class Sequence:
 
     def append_token(self, token_id: int, logprob: float | None = None) -> None:
         self.output_token_ids.append(int(token_id))
+        self._tokens.append(int(token_id))
         if logprob is not None:
             self.output_logprobs.append(float(logprob))
 

@@ -246,3 +246,26 @@ def test_free_of_swapped_sequence_releases_host_blocks():
 def test_invalid_sizes():
     with pytest.raises(ValueError):
         BlockManager(num_blocks=0)
+
+
+def test_blocks_filled_by_decoding_are_registered_once_each():
+    """Decode steps fill blocks one token at a time: each block joins the prefix cache when it fills
+    (a later request sharing prompt + output hits it), and is offered once, not at every step."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = make_seq([9, 8, 7, 6, 5])
+    bm.allocate(a)
+    computed(bm, a)
+    offered = []
+    real = bm._block_keys
+    bm._block_keys = lambda seq, n, start=0: offered.extend(range(start, n)) or real(seq, n, start)
+    for t in range(10):  # decode 10 tokens
+        a.append_token(100 + t)
+        bm.append_slots(a, 1)
+        computed(bm, a)
+    assert a.num_marked_blocks == 3 and sorted(offered) == [1, 2]  # block 0 was offered at prefill
+    b = make_seq(a.token_ids[:12] + [1])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 12 and b.block_table[:3] == a.block_table[:3]
+    bm.free(a)
+    assert a.num_marked_blocks == 0
+    check(bm, [b])
