@@ -374,7 +374,12 @@ def fused_elementwise(spec: ElementwiseSpec, tensors: Sequence[torch.Tensor] | d
     for t, (n, d, _) in zip(tensors, spec.inputs):
         assert dtype_name(t.dtype) == d, f"input {n}: dtype {t.dtype} but the spec says {d}"
         assert t.device == tensors[0].device, "all inputs must be on one device"
-    out_shape = torch.broadcast_shapes(*[t.shape for t in tensors]) if tensors else torch.Size([])
+    full = next((t for t, (_, _, k) in zip(tensors, spec.inputs) if k == "full"), None)
+    # a full input has the broadcast shape already (checked below); torch's general rule is slow
+    if full is not None and all(t.dim() <= full.dim() for t in tensors):
+        out_shape = full.shape
+    else:
+        out_shape = torch.broadcast_shapes(*[t.shape for t in tensors]) if tensors else torch.Size([])
     cols = out_shape[-1] if len(out_shape) else 1
     numel = math.prod(out_shape)
     rows = numel // cols if cols else 0

@@ -51,8 +51,9 @@ class Step:
     fn: Callable[[list, dict], Any]
     kernel: str  # what runs: "triton:rms_norm", "cublas", "view", "torch:gather", ...
     spec: str = ""
-    # the same computation writing into given byte buffers, one per output (the static buffer
-    # plan's); None where the kernel allocates its own result
+    # the same computation writing into given tensors, one per output, contiguous and of the
+    # output's dtype and shape (views of the static buffer plan's arena); None where the kernel
+    # allocates its own result
     into: Callable[[list, dict, list], Any] | None = None
 
 
@@ -77,6 +78,9 @@ class Plan:
         self.buffers = None
         self.planned: list[list[str] | None] = [None] * len(self.steps)
         self._arena: torch.Tensor | None = None
+        self._views: dict[tuple, list] = {}  # (dims, arena) -> each step's output views
+        self._ins = [tuple(v.name for v in st.node.inputs) for st in self.steps]
+        self._outs = [tuple(v.name for v in st.node.outputs) for st in self.steps]
         if static_buffers:
             into = {id(st.node) for st in self.steps if st.into is not None}
             self.buffers = BufferPlan.build(graph, lambda n: id(n) in into)
@@ -100,31 +104,45 @@ class Plan:
         hints = {**bind_dims(g, inputs), **(hints or {})}
         vals = dict(self.params)
         vals.update({v.name: inputs[v.name] for v in g.inputs})
-        lay = None
+        views = None
         if self.buffers is not None and self.buffers.buffers:
-            lay = self.buffers.layout(hints)
-            if arena is None:
-                if self._arena is None or self._arena.numel() < lay.total_bytes:
-                    self._arena = None  # release the old arena before allocating the larger one
-                    self._arena = torch.empty(lay.total_bytes, dtype=torch.uint8, device=self.device)
-                arena = self._arena
-            assert arena.numel() >= lay.total_bytes, "arena smaller than the buffer plan needs"
+            views = self._output_views(hints, arena)
+        free_after, ins, outs = self.free_after, self._ins, self._outs
         for i, st in enumerate(self.steps):
-            n = st.node
-            xs = [vals[v.name] for v in n.inputs]
-            names = self.planned[i]
-            if lay is not None and names is not None:
-                out = st.into(xs, hints, [arena[lay.offsets[m]: lay.offsets[m] + lay.sizes[m]] for m in names])
+            xs = [vals[name] for name in ins[i]]
+            planned = views[i] if views is not None else None
+            out = st.fn(xs, hints) if planned is None else st.into(xs, hints, planned)
+            names = outs[i]
+            if len(names) == 1:
+                vals[names[0]] = out
             else:
-                out = st.fn(xs, hints)
-            if len(n.outputs) == 1:
-                vals[n.outputs[0].name] = out
-            else:
-                for v, t in zip(n.outputs, out):
-                    vals[v.name] = t
-            for name in self.free_after[i]:
+                for name, t in zip(names, out):
+                    vals[name] = t
+            for name in free_after[i]:
                 vals.pop(name, None)
         return [vals[v.name] for v in g.outputs]
+
+    def _output_views(self, hints: dict, arena: torch.Tensor | None) -> list[list[torch.Tensor] | None]:
+        """Each planned step's outputs as views of the arena, for these dims (cached per dims and arena)."""
+        lay = self.buffers.layout(hints)
+        if arena is None:
+            if self._arena is None or self._arena.numel() < lay.total_bytes:
+                self._views.clear()  # the cached views would keep the old arena alive
+                self._arena = None  # release the old arena before allocating the larger one
+                self._arena = torch.empty(lay.total_bytes, dtype=torch.uint8, device=self.device)
+            arena = self._arena
+        assert arena.numel() >= lay.total_bytes, "arena smaller than the buffer plan needs"
+        key = (tuple(hints[s] for s in self.buffers.symbols), arena.data_ptr(), arena.numel())
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 16:
+                self._views.clear()
+            views = self._views[key] = [
+                None if names is None else
+                [arena[lay.offsets[v.name]: lay.offsets[v.name] + lay.sizes[v.name]]
+                 .view(torch_dtype(v.type.dtype)).view(self._shape(v.type.shape)(hints)) for v in st.node.outputs]
+                for st, names in zip(self.steps, self.planned)]
+        return views
 
     def new_arena(self, inputs: dict[str, torch.Tensor], hints: dict | None = None) -> torch.Tensor | None:
         """A fresh arena sized for these inputs (a CUDA graph keeps its own for its lifetime)."""
@@ -180,19 +198,14 @@ class Plan:
         return Step(n, lambda x, h: t, "constant")
 
     def _op_embedding(self, n):
-        shape = self._out_view(n)
-
-        def into(x, h, bufs):
-            out = shape(bufs[0], h)
-            torch.index_select(x[0], 0, x[1].reshape(-1), out=out.view(-1, x[0].shape[1]))
-            return out
+        def into(x, h, outs):
+            torch.index_select(x[0], 0, x[1].reshape(-1), out=outs[0].view(-1, x[0].shape[1]))
+            return outs[0]
         return Step(n, lambda x, h: F.embedding(x[1], x[0]), "torch:embedding", into=into)
 
     def _linear(self, n, epilogue):
         from llmc.codegen import matmul as mm
         tuner, use_triton = self.tuner, self.triton_matmul
-
-        shape = self._out_view(n)
 
         def fn(x, h, out=None):
             b = x[2] if len(x) > 2 else None
@@ -205,7 +218,7 @@ class Plan:
         tuned = self._tuned_buckets(n, epilogue) if not use_triton else None
         if tuned:
             kernel, spec = "triton:matmul|cublas", f"epilogue={epilogue} triton for M<={tuned}, cublas above"
-        return Step(n, fn, kernel, spec, into=lambda x, h, bufs: fn(x, h, shape(bufs[0], h)))
+        return Step(n, fn, kernel, spec, into=lambda x, h, outs: fn(x, h, outs[0]))
 
     def _tuned_buckets(self, n, epilogue) -> str | None:
         """The largest token bucket below which tuning.json prefers the generated matmul (None: never)."""
@@ -233,61 +246,59 @@ class Plan:
     def _op_rms_norm(self, n):
         from llmc.codegen.norm import rms_norm
         eps, wfc = n.attrs["eps"], n.attrs["weight_first_cast"]
-        shape = self._out_view(n)
         return Step(n, lambda x, h: rms_norm(x[0], x[1], eps, weight_first_cast=wfc), "triton:rms_norm",
-                    into=lambda x, h, b: rms_norm(x[0], x[1], eps, weight_first_cast=wfc, out=shape(b[0], h)))
+                    into=lambda x, h, o: rms_norm(x[0], x[1], eps, weight_first_cast=wfc, out=o[0]))
 
     def _op_add_rms_norm(self, n):
         from llmc.codegen.norm import rms_norm
         eps, wfc = n.attrs["eps"], n.attrs["weight_first_cast"]
-        out_shape, h_shape = self._out_view(n, 0), self._out_view(n, 1)
         return Step(n, lambda x, h: rms_norm(x[0], x[2], eps, residual=x[1], weight_first_cast=wfc),
                     "triton:rms_norm+residual",
-                    into=lambda x, h, b: rms_norm(x[0], x[2], eps, residual=x[1], weight_first_cast=wfc,
-                                                  out=out_shape(b[0], h), h_out=h_shape(b[1], h)))
+                    into=lambda x, h, o: rms_norm(x[0], x[2], eps, residual=x[1], weight_first_cast=wfc,
+                                                  out=o[0], h_out=o[1]))
 
     def _op_rope_kv_write(self, n):
         from llmc.codegen.attention import rope_kv_write
 
-        def fn(x, h, bufs=None):
+        def fn(x, h, outs=None):
             q, k, v, cos, sin, cache, slots = x[:7]  # q/k/v: [1, H, T, D], cos/sin: [1, 1, T, D]
             T, H, D = q.shape[2], q.shape[1], q.shape[3]
-            q_out = bufs[0].view(q.dtype).view(T, H, D) if bufs else None
+            q_out = outs[0].view(T, H, D) if outs else None  # the kernel's [T, H, D] layout in its memory
             qr = rope_kv_write(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
                                cos.reshape(T, D), sin.reshape(T, D), cache, slots, x[7] if len(x) > 7 else None,
                                q_out=q_out)
             return qr.transpose(0, 1).unsqueeze(0)
         return Step(n, fn, "triton:rope_kv_write", into=fn)
 
-    def _attend(self, q, cache, qsl, lens, tables, kv_scale, attrs, h, buf=None):
+    def _attend(self, q, cache, qsl, lens, tables, kv_scale, attrs, h, out=None):
         from llmc.codegen.attention import paged_attention
         _, H, T, D = q.shape
         out = paged_attention(q[0].transpose(0, 1), cache, qsl, lens, tables, attrs["scale"], attrs["causal"],
                               attrs["window"], kv_scale, max_seqlen_q=h.get("max_seqlen_q"),
                               max_seqlen_k=h.get("max_seqlen_k"), partition_size=h.get("partition_size"),
-                              out=None if buf is None else buf.view(q.dtype).view(T, H, D))
+                              out=None if out is None else out.view(T, H, D))
         return out.transpose(0, 1).unsqueeze(0)
 
     def _op_attend_paged(self, n):
         attrs = n.attrs
 
-        def fn(x, h, bufs=None):
+        def fn(x, h, outs=None):
             return self._attend(x[0], x[1], x[2], x[3], x[4], x[5] if len(x) > 5 else None, attrs, h,
-                                bufs[0] if bufs else None)
+                                outs[0] if outs else None)
         return Step(n, fn, "triton:paged_attention", into=fn)
 
     def _op_paged_attention(self, n):
         from llmc.codegen.attention import rope_kv_write
         attrs = n.attrs
 
-        def fn(x, h, bufs=None):
+        def fn(x, h, outs=None):
             # the unfused form: the write kernel with an identity rotation (cos 1, sin 0) puts k and v
             # into the cache with no host sync (capturable), then the attention kernel reads it
             q, k, v = (t[0].transpose(0, 1) for t in x[:3])
             scale = x[8] if len(x) > 8 else None
             ones = torch.ones(k.shape[0], k.shape[2], dtype=k.dtype, device=k.device)
             rope_kv_write(k, k, v, ones, torch.zeros_like(ones), x[3], x[7], scale)
-            return self._attend(x[0], x[3], x[4], x[5], x[6], scale, attrs, h, bufs[0] if bufs else None)
+            return self._attend(x[0], x[3], x[4], x[5], x[6], scale, attrs, h, outs[0] if outs else None)
         return Step(n, fn, "triton:kv_write+triton:paged_attention", into=fn)
 
     def _op_silu_mul(self, n):
@@ -309,19 +320,13 @@ class Plan:
         if not inputs:
             return None
 
-        views = [self._out_view(n, i) for i in range(len(n.outputs))]
         same_shape = all(v.type.shape == out_shape for v in n.outputs)
 
-        def fn(x, h, bufs=None):
-            outs = fused_elementwise(spec, x, [view(b, h) for view, b in zip(views, bufs)] if bufs else None)
+        def fn(x, h, outs=None):
+            outs = fused_elementwise(spec, x, outs)
             return outs[0] if len(outs) == 1 else outs
         fn.spec = spec
         return Step(n, fn, "triton:fused_elementwise", spec.summary(), into=fn if same_shape else None)
-
-    def _out_view(self, n: Node, i: int = 0):
-        """(byte buffer, hints) -> the buffer as output i of n: contiguous, of its dtype and shape."""
-        shape, dtype = self._shape(n.outputs[i].type.shape), torch_dtype(n.outputs[i].type.dtype)
-        return lambda buf, h: buf.view(dtype).view(shape(h))
 
     # movement: views (a copy only where torch needs one)
     @staticmethod
