@@ -127,8 +127,7 @@ def _kernel_listing(graph: Graph, tuning: dict | None = None) -> tuple[list[dict
         return [], {}
     from llmc.codegen.lower import Plan
     from llmc.codegen.autotune import Tuner
-    tuner = Tuner.from_json(tuning) if tuning and tuning.get("kernels") else None
-    plan = Plan(graph, "meta", tuner)
+    plan = Plan(graph, "meta", Tuner.from_artifact(tuning))
     listing, sources, by_node = plan.kernels(), {}, {}
     for st, label, src in plan.sources():
         by_node.setdefault(id(st.node), []).append(label)

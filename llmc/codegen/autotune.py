@@ -162,6 +162,11 @@ class Tuner:
         os.replace(tmp, path)
 
     @classmethod
+    def from_artifact(cls, tuning: dict | None) -> "Tuner | None":
+        """The tuner of an artifact's tuning.json contents; None when it holds no records."""
+        return cls.from_json(tuning) if tuning and tuning.get("kernels") else None
+
+    @classmethod
     def from_json(cls, data: dict) -> "Tuner":
         if data.get("format") != FORMAT:
             raise ArtifactError(f"tuning.json has format {data.get('format')!r}; this llmc reads format {FORMAT}: "

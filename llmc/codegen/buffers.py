@@ -1,9 +1,9 @@
 """Static buffer planning: the intermediates of a lowered plan packed into one arena by lifetime.
 
 Every value that a kernel writes (and that is not a graph output) is planned. A value's lifetime
-runs from the step that defines it to the last step that reads it or any view of it (reshape,
-transpose, slice, ... alias their source). Two values may share bytes only if their lifetimes are
-disjoint.
+runs from the step that defines it to the last step that reads it or any view of it (the lowered
+plan says which steps are views: reshape, transpose, slice, ... alias their source). Two values
+may share bytes only if their lifetimes are disjoint.
 
 Placement is greedy by size (as in TFLite's planner): values are taken largest first and each goes
 to the lowest offset where it overlaps no already placed value that is alive at the same time.
@@ -17,7 +17,7 @@ engine sees each bucket once. A placement is valid for every binding in its buck
 only grow with the dims. The exact sizes and offsets of one binding are cached too.
 
 Example:
-    >>> bp = BufferPlan.build(graph, planned=lambda node: True)       # doctest: +SKIP
+    >>> bp = BufferPlan.build(graph, planned=lambda n: True, aliases=lambda n: n.op == "reshape")  # doctest: +SKIP
     >>> layout = bp.layout({"T": 128, "N": 4})                        # doctest: +SKIP
     >>> layout.total_bytes, layout.offsets["h3"]                      # doctest: +SKIP
 """
@@ -29,7 +29,6 @@ from typing import Callable
 from llmc.ir.graph import Graph, Node
 from llmc.ir.types import dim_eval, dim_mul, make_dim, torch_dtype
 
-ALIAS_OPS = frozenset({"reshape", "expand", "transpose", "permute", "unsqueeze", "squeeze", "slice"})
 ALIGN = 256  # bytes: every buffer starts on a boundary the kernels' vector loads like
 
 
@@ -58,13 +57,14 @@ class BufferPlan:
     _layouts: dict[tuple, Layout] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, graph: Graph, planned: Callable[[Node], bool]) -> "BufferPlan":
+    def build(cls, graph: Graph, planned: Callable[[Node], bool], aliases: Callable[[Node], bool]) -> "BufferPlan":
         """Plan the outputs of every node for which `planned(node)` holds (its kernel can write into
-        a given buffer); graph outputs, and values that a graph output is a view of, stay unplanned."""
+        a given buffer); `aliases(node)`: the node's output is a view of its first input. Graph
+        outputs, and values that a graph output is a view of, stay unplanned."""
         nodes = graph.nodes
         root: dict[str, str] = {}  # view -> the value whose storage it shares
         for n in nodes:
-            if n.op in ALIAS_OPS and n.inputs and n.inputs[0].kind == "node":
+            if aliases(n) and n.inputs and n.inputs[0].kind == "node":
                 src = n.inputs[0].name
                 root[n.outputs[0].name] = root.get(src, src)
         last: dict[str, int] = {}

@@ -5,8 +5,9 @@ elementwise regions, small-M matmuls where tuning.json says they beat cuBLAS), c
 torch for the other GEMMs, a view for movement ops, and the op's torch reference for the rare
 rest (named "torch:<op>" in `llmc inspect --kernels`). Intermediates are released after their last
 use. The intermediates that a kernel writes go into one arena laid out by the static buffer plan
-(llmc/codegen/buffers.py): slots shared by lifetime, sizes symbolic in the dims, so the layout is
-made once at load; a CUDA graph captures its own arena, the eager path keeps one that grows.
+(llmc/codegen/buffers.py): values alive at different times share bytes, sizes are symbolic in the
+dims, and a placement is made once per bucket of the dims; a CUDA graph captures its own arena,
+the eager path keeps one that grows.
 """
 from __future__ import annotations
 
@@ -76,17 +77,16 @@ class Plan:
         self.params = {p.name: graph.weights[p.name].to(self.device) for p in graph.params}
         self.steps = [self._lower(n) for n in graph.nodes]
         self.buffers = None
-        self.planned: list[list[str] | None] = [None] * len(self.steps)
+        self.planned = [False] * len(self.steps)  # whether a step's outputs live in the arena
         self._arena: torch.Tensor | None = None
         self._views: dict[tuple, list] = {}  # (dims, arena) -> each step's output views
         self._ins = [tuple(v.name for v in st.node.inputs) for st in self.steps]
         self._outs = [tuple(v.name for v in st.node.outputs) for st in self.steps]
         if static_buffers:
-            into = {id(st.node) for st in self.steps if st.into is not None}
-            self.buffers = BufferPlan.build(graph, lambda n: id(n) in into)
-            self.planned = [[v.name for v in st.node.outputs] if all(v.name in self.buffers.buffers
-                                                                      for v in st.node.outputs) else None
-                            for st in self.steps]
+            kind = {id(st.node): st for st in self.steps}
+            self.buffers = BufferPlan.build(graph, lambda n: kind[id(n)].into is not None,
+                                            lambda n: kind[id(n)].kernel == "view")
+            self.planned = [all(v.name in self.buffers.buffers for v in st.node.outputs) for st in self.steps]
         last = {}
         for i, n in enumerate(graph.nodes):
             for v in n.inputs:
@@ -138,10 +138,10 @@ class Plan:
             if len(self._views) >= 16:
                 self._views.clear()
             views = self._views[key] = [
-                None if names is None else
                 [arena[lay.offsets[v.name]: lay.offsets[v.name] + lay.sizes[v.name]]
                  .view(torch_dtype(v.type.dtype)).view(self._shape(v.type.shape)(hints)) for v in st.node.outputs]
-                for st, names in zip(self.steps, self.planned)]
+                if planned else None
+                for st, planned in zip(self.steps, self.planned)]
         return views
 
     def new_arena(self, inputs: dict[str, torch.Tensor], hints: dict | None = None) -> torch.Tensor | None:

@@ -115,8 +115,8 @@ class BlockManager:
 
     # ---- prefix hashing ------------------------------------------------------------------
     def _block_keys(self, seq: Sequence, num_full: int, start: int = 0) -> list[_BlockKey]:
-        """Keys of full blocks [start, num_full); chain hashes are memoised on the seq."""
-        start = min(start, len(seq.block_hashes))
+        """Keys of full blocks [start, num_full); chain hashes are memoised on the seq (those of
+        the blocks before `start` must be there already)."""
         bs, keys = self.block_size, []
         parent = seq.block_hashes[start - 1] if start else -1
         tokens = seq.token_ids

@@ -13,7 +13,7 @@ from llmc.errors import RequestError
 from llmc.runtime.artifact import Artifact, load_artifact
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.model_runner import ModelRunner, StepInput
-from llmc.runtime.sampler import Sampler, SamplerOutput, plain_greedy
+from llmc.runtime.sampler import Sampler, SamplerOutput
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig
 from llmc.runtime.sequence import SequenceGroup
@@ -184,10 +184,10 @@ class LLMEngine:
             batch.append(StepInput(e.seq.token_ids[c:c + e.num_new_tokens], c, e.seq.block_table,
                                    1 if e.sample else 0))
         repeats = out.logits_repeats
-        # plain greedy rows without logprobs need only the argmax, which the runner computes on
-        # the device (inside the decode graph) and reads back instead of the logits
-        greedy = bool(out.sampled_seqs) and all(r == 1 for r in repeats) and \
-            all(plain_greedy(s.params) and not s.params.logprobs for s in out.sampled_seqs)
+        one_row_each = all(r == 1 for r in repeats)
+        # rows that need only their argmax get it from the runner (inside the decode graph), which
+        # reads back the tokens instead of the logits
+        greedy = bool(out.sampled_seqs) and one_row_each and Sampler.argmax_only(out.sampled_seqs)
         t0 = time.perf_counter()
         result = self.runner.execute(batch, greedy=greedy)  # tokens [rows] or logits [rows, V]
         t1 = time.perf_counter()
@@ -196,7 +196,7 @@ class LLMEngine:
                 ids = result.tolist()
                 res = SamplerOutput(ids, [0.0] * len(ids))
             else:
-                rows = result if all(r == 1 for r in repeats) else \
+                rows = result if one_row_each else \
                     result.repeat_interleave(torch.tensor(repeats, device=result.device), dim=0)
                 res = self.sampler(rows, out.sampled_seqs)
             t2 = time.perf_counter()

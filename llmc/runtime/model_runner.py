@@ -114,7 +114,7 @@ class ModelRunner:
         else:
             from llmc.codegen.autotune import Tuner
             from llmc.codegen.lower import Plan
-            tuner = Tuner.from_json(tuning) if tuning and tuning.get("kernels") else None
+            tuner = Tuner.from_artifact(tuning)
             self.plan = Plan(graph, self.device, tuner, triton_matmul=self.backend == "triton-interpret")
 
     # -- steps ------------------------------------------------------------------------------------

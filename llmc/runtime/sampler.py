@@ -57,6 +57,12 @@ class Sampler:
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [N]
         return SamplerOutput(tokens.tolist(), chosen.tolist())
 
+    @staticmethod
+    def argmax_only(seqs: list[Sequence]) -> bool:
+        """Whether each row's token is just its argmax, with no logprob asked: then the logits need
+        not leave the device (the runner reduces them where they are)."""
+        return all(plain_greedy(s.params) and not s.params.logprobs for s in seqs)
+
     def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Apply penalties, temperature and filters; returns new float32 logits [N, V]."""
         logits = logits.to(torch.float32, copy=True)

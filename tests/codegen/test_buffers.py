@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from llmc.codegen.buffers import ALIAS_OPS, BufferPlan
+from llmc.codegen.buffers import BufferPlan
 from llmc.codegen.lower import Plan
 from llmc.runtime.model_runner import ModelRunner, StepInput
 
@@ -29,12 +29,13 @@ def _check_layout(bp: BufferPlan, env: dict) -> dict:
 
 def test_plan_packs_values_by_lifetime(llama_artifact):
     g = llama_artifact.graph
-    bp = Plan(g, "meta").buffers
+    plan = Plan(g, "meta")
+    bp = plan.buffers
     # a value's lifetime covers every read of it and of its views
     readers: dict[str, int] = {}
     root = {}
-    for i, n in enumerate(g.nodes):
-        if n.op in ALIAS_OPS and n.inputs[0].kind == "node":
+    for i, (n, st) in enumerate(zip(g.nodes, plan.steps)):
+        if st.kernel == "view" and n.inputs[0].kind == "node":
             root[n.outputs[0].name] = root.get(n.inputs[0].name, n.inputs[0].name)
         for v in n.inputs:
             r = root.get(v.name, v.name)
