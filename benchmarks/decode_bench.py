@@ -54,6 +54,32 @@ def bandwidth() -> float:
     return 2 * n * 10 / (s.elapsed_time(e) / 1e3)
 
 
+def kernel_profile(runner, start, table, res, steps=50) -> dict:
+    """GPU time per kernel name in one replayed decode step (CUPTI sees the kernels of a graph)."""
+    from torch.profiler import ProfilerActivity, profile
+    from llmc.runtime.model_runner import StepInput
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            runner.execute([StepInput([1], start + i, table)])
+        sync()
+    per = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if us > 0:
+            per[e.key] = (us / steps, e.count / steps)
+    busy = sum(us for us, _ in per.values())
+    step_us = res["step_ms"] * 1e3
+    rows = sorted(per.items(), key=lambda kv: -kv[1][0])
+    print(f"\nGPU time per decode step by kernel ({steps} replays): busy {busy:.1f} us of a {step_us:.1f} us step "
+          f"(roofline {1e6 / res['roofline_tok_s']:.1f} us)")
+    print(f"{'us/step':>8s} {'calls':>6s} {'share':>6s}  kernel")
+    for k, (us, n) in rows[:30]:
+        print(f"{us:8.1f} {n:6.1f} {us / step_us:6.1%}  {k[:110]}")
+    return {"busy_us": busy, "step_us": step_us, "kernels": {k: {"us": us, "calls": n} for k, (us, n) in rows}}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--new", type=int, default=256)
@@ -64,6 +90,9 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="also profile 32 engine decode steps with torch.profiler: a table of the top host and "
                          "device ops, and a chrome trace (engine_trace.json) under --out")
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="also profile 50 graph replays of the batch-1 decode step: GPU time per kernel per step, "
+                         "its share of the step and of the roofline (kernel_profile.json under --out)")
     a = ap.parse_args()
     import llmc
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -154,6 +183,8 @@ def main():
     res["runner_tok_s"] = 1e3 / res["step_ms"]
     res["roofline_fraction_runner"] = res["runner_tok_s"] / res["roofline_tok_s"]
     res["roofline_fraction_engine"] = res["engine_tok_s"] / res["roofline_tok_s"]
+    if a.kernel_profile and CUDA:
+        res["kernel_profile"] = kernel_profile(runner, a.prompt, bt, res)
     # the same decode step without the fusion passes (graph replay too): what fusion buys
     del llm, runner
     torch.cuda.empty_cache() if CUDA else None

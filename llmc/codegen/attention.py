@@ -7,8 +7,8 @@ Two kernel families, each a frozen spec naming its template (all decisions are m
 - `PagedAttentionSpec` (`paged_attention_{prefill,decode}.py.jinja`): attention of the new tokens
   over each sequence's whole context, read from the cache through the block table
   (`paged_attention`). Prefill is a flash-attention loop over key tiles; decode is split-K
-  "flash decoding" (a partition kernel plus a reduce kernel) so that a few long sequences still
-  fill the GPU.
+  "flash decoding" (partitions of a fixed number of keys, combined by the split that finishes
+  last, in one launch) so that a few long sequences still fill the GPU.
 
 Layouts are the token-flattened ones of `llmc/ir/paged_attention.py` (the golden model): q, k, v
 [T, H, D]; kv_cache [2, NB, BS, Hkv, D]; kv_scale [2, NB, Hkv]. The kernels run on CUDA, or on
@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from llmc.codegen.kernels import KernelSpec, load
+from llmc.codegen.kernels import KernelSpec, load, tile_counters
 from llmc.ir.paged_attention import QMAX, _write
 
 LOG2E = 1.4426950408889634
@@ -164,7 +164,7 @@ class PagedAttentionSpec(KernelSpec):
     sliding_window: bool = False
     block_m: int = 0  # rows of a query tile (query tokens x packed heads); 0 = pick from head_dim
     block_n: int = 0  # keys per inner-loop tile; 0 = pick from head_dim
-    num_splits_p2: int = 1  # decode only: power of two >= the number of context partitions
+    split: bool = False  # decode only: contexts may span several partitions (else one covers them all)
 
     def __post_init__(self):
         if self.mode not in ("prefill", "decode"):
@@ -198,7 +198,7 @@ class PagedAttentionSpec(KernelSpec):
 
     def context(self) -> dict[str, Any]:
         ctx = super().context()
-        ctx.update(quantized=self.kv_dtype in QUANTIZED, direct_output=self.num_splits_p2 == 1,
+        ctx.update(quantized=self.kv_dtype in QUANTIZED, direct_output=not self.split,
                    # fp32 must not drop to tf32 on the GPU; the argument means nothing for 16-bit inputs
                    dot_args=', input_precision="ieee"' if self.dtype == "float32" else "")
         return ctx
@@ -213,17 +213,18 @@ class PagedAttentionSpec(KernelSpec):
         return c
 
 
-def decode_partition(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, block_n: int,
-                     target_programs: int = 264, min_partition: int = 256) -> int:
-    """Keys per split of split-K decode, chosen from the context length.
+def decode_partition(max_seqlen_k: int, block_n: int, min_partition: int = 256, max_splits: int = 128) -> int:
+    """Keys per split of split-K decode: `min_partition` keys, more only past `max_splits` splits.
 
-    Aim at ~2 programs per SM of an H200 (132 SMs) over (sequence, kv head, split); no split
-    shorter than `min_partition` keys, below which the reduce pass and the partial-result traffic
-    cost more than the extra parallelism wins. A multiple of `block_n`.
+    The partition does not depend on how many sequences share the step, so neither does a
+    sequence's summation order (a sequence's tokens are the same alone or in a batch). Under CUDA
+    graphs `max_seqlen_k` is the model's context limit, so every decode step of contexts up to
+    min_partition x max_splits keys (32 Ki by default) splits them the same way. A sequence uses only
+    the splits its own length needs: a short context is one program per kv head with no partials.
+    A multiple of `block_n`.
     """
-    base = max(1, num_seqs * num_kv_heads)
-    splits = max(1, min(_cdiv(target_programs, base), _cdiv(max_seqlen_k, min_partition)))
-    return max(block_n, _cdiv(_cdiv(max_seqlen_k, splits), block_n) * block_n)
+    per = max(min_partition, _cdiv(max(max_seqlen_k, 1), max_splits))
+    return _cdiv(per, block_n) * block_n
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
@@ -295,22 +296,18 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     if max_seqlen_k is None:
         max_seqlen_k = int(seq_lens.max())
     tile_n = PagedAttentionSpec(**base, mode="decode").tiles()[1]
-    partition = partition_size or decode_partition(N, Hkv, max_seqlen_k, tile_n)
+    partition = partition_size or decode_partition(max_seqlen_k, tile_n)
     assert partition % tile_n == 0, f"partition_size {partition} must be a multiple of the key tile {tile_n}"
     splits = _cdiv(max(max_seqlen_k, 1), partition)
-    spec = PagedAttentionSpec(**base, mode="decode", num_splits_p2=_pow2(splits))
+    spec = PagedAttentionSpec(**base, mode="decode", split=splits > 1)
     mod, c = _module(spec), spec.constexprs()
     # partials: [N, Hq, splits] running max / sum and [N, Hq, splits, BLOCK_D] unnormalized output, fp32
     m_part = torch.empty((N, Hq, splits), dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
     o_part = torch.empty((N, Hq, splits, c["BLOCK_D"]), dtype=torch.float32, device=q.device)
+    counts = tile_counters(q.device, N * Hkv) if splits > 1 else m_part
     mod.paged_attention_decode_kernel[(N, Hkv, splits)](
-        out, m_part, l_part, o_part, *tensors, *strides, *m_part.stride(), *o_part.stride(),
+        out, m_part, l_part, o_part, counts, *tensors, *strides, *m_part.stride(), *o_part.stride(),
         qk_scale, window, partition,
         **c, num_warps=4, num_stages=2)
-    if splits > 1:
-        mod.paged_attention_reduce_kernel[(N, Hq)](
-            out, m_part, l_part, o_part, query_start_loc, seq_lens,
-            *out.stride(), *m_part.stride(), *o_part.stride(), partition,
-            HEAD_DIM=D, BLOCK_D=c["BLOCK_D"], SPLITS_P2=spec.num_splits_p2, num_warps=4)
     return out

@@ -8,7 +8,8 @@ Choices live in `tuning.json` beside the artifact's graph and are reused at load
 
 `kernel_key` names the kernel and the static part of its shape (for a linear: dtype, bias,
 epilogue, N and K); `bucket` the dynamic part (the token count M, rounded up to a power of two, 128+
-for prefill). Timing needs a GPU: on CPU and under the interpreter the first (default) candidate is
+for prefill). The buckets of 1 to 16 tokens share one choice (`JOINT_BUCKETS`), so that decode is
+batch-invariant: a sequence gets the same logits alone or among up to 15 others. Timing needs a GPU: on CPU and under the interpreter the first (default) candidate is
 returned untimed and nothing is recorded, so a CPU compile never writes choices it did not measure.
 The cuBLAS time is kept beside the best Triton time so the lowering can keep cuBLAS where it wins.
 """
@@ -29,6 +30,9 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# decode steps of up to 16 sequences: one choice for all of them (chosen on their summed time), so
+# a sequence's GEMMs sum in the same order whatever the batch it shares a step with
+JOINT_BUCKETS = ("1", "2", "4", "8", "16")
 
 
 def m_bucket(m: int) -> str:
@@ -105,14 +109,17 @@ class Tuner:
         rec = self.records.get(key, {}).get(bucket)
         return TuneRecord(**rec) if rec is not None else None
 
-    def choose(self, key: str, bucket: str, candidates: Sequence[dict], bench: Callable[[dict], Any],
-               baseline: Callable[[], Any] | None = None, margin: float = 0.97) -> dict:
-        """The config for `key` at `bucket`: recorded, else timed now (GPU), else the first candidate.
+    def choose(self, key: str, buckets: str | Sequence[str], candidates: Sequence[dict],
+               bench: Callable[[dict], Any], baseline: Callable[[], Any] | None = None,
+               margin: float = 0.97) -> dict:
+        """The config for `key` at `buckets`: recorded, else timed now (GPU), else the first candidate.
 
         Args:
-            key, bucket: where the choice is recorded.
+            key: the kernel and static shape the choice is recorded under.
+            buckets: one bucket, or several that must share one choice (`bench` and `baseline` then
+                run every one of them, so the time compared is their sum); recorded under each.
             candidates: configs (plain JSON dicts), the default first.
-            bench: runs the kernel once with a config (timed with do_bench; a config that fails is skipped).
+            bench: runs the kernel once with a config (timed as a CUDA graph; a config that fails is skipped).
             baseline: runs the cuBLAS/torch equivalent once; its time is recorded beside the best.
             margin: cuBLAS is preferred unless Triton is faster than `margin` times its time.
 
@@ -122,13 +129,15 @@ class Tuner:
         assert candidates, "no candidate configs"
         if not can_time():
             return dict(candidates[0])
-        rec = self.lookup(key, bucket)
+        buckets = (buckets,) if isinstance(buckets, str) else tuple(buckets)
+        rec = self.lookup(key, buckets[0])
         if rec is not None:
             return rec.config
         rec = self.tune(candidates, bench, baseline, margin)
-        self.records.setdefault(key, {})[bucket] = asdict(rec)
-        log.info("autotune %s [%s]: %s in %.4f ms (cuBLAS %s ms)", key, bucket, rec.config, rec.triton_ms or -1,
-                 rec.cublas_ms)
+        for b in buckets:
+            self.records.setdefault(key, {})[b] = asdict(rec)
+        log.info("autotune %s [%s]: %s in %.4f ms (cuBLAS %s ms)", key, ",".join(buckets), rec.config,
+                 rec.triton_ms or -1, rec.cublas_ms)
         return rec.config
 
     @staticmethod

@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 import jinja2
+import torch
 
 from llmc.codegen.cache import load_source
 
@@ -57,3 +58,32 @@ def render(spec: KernelSpec) -> str:
 def load(spec: KernelSpec) -> ModuleType:
     """The rendered, imported module of `spec` (cached by content hash)."""
     return load_source(render(spec), spec.name)
+
+
+_COUNTERS: dict[str, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # replaced counter buffers: captured graphs may still point at them
+
+
+def tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n int32 arrival counters on `device`, zero between launches.
+
+    For kernels whose programs split one output (split-K matmul, split-context decode attention):
+    each split counts itself in, the last one combines the partials and resets its counter. One
+    buffer per device, shared by every such launch: launches on one stream run one after another,
+    so no two use it at once. Made by a first, eager launch (64 Ki counters cover every decode
+    shape), never inside a CUDA graph capture, where its zero fill would not run; a larger request
+    replaces it for later launches and keeps the old one alive for the graphs that hold it.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split kernels need their counters before a CUDA graph captures them: "
+                               "run the step once eagerly first")
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return buf

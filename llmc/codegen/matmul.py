@@ -3,7 +3,8 @@
 At decode M is 1..64 tokens and a linear is a weight stream (memory-bound): what matters is
 reading w once with enough programs in flight to saturate HBM. A plain tiled kernel covers M >= 32;
 below that the N tiles alone are too few programs for 132 SMs, so split-K spreads K over more
-programs (fp32 partials, summed by a small second kernel that applies the epilogue). The epilogue
+programs (fp32 partials; the split that finishes a tile last sums them in split order and applies
+the epilogue, so split-K is still one launch and its result does not depend on timing). The epilogue
 (bias, silu, gelu, ...) runs on the fp32 accumulator, so y is written once and never read back.
 Tiles come from `autotune.Tuner` per M bucket; `prefer_cublas` records where cuBLAS wins.
 """
@@ -15,10 +16,10 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from llmc.codegen.autotune import Tuner, bucket_size, m_bucket
+from llmc.codegen.autotune import JOINT_BUCKETS, Tuner, bucket_size, m_bucket
 from llmc.codegen.elementwise import (HELPERS, UNARY_OPS, _freeze_attrs, cast_expr, cast_helpers, compiled,
                                       interpreting, op_expr)
-from llmc.codegen.kernels import KernelSpec
+from llmc.codegen.kernels import KernelSpec, tile_counters
 from llmc.errors import CompileError
 from llmc.ir.ops import get_op
 from llmc.ir.types import dtype_name, torch_dtype
@@ -122,16 +123,13 @@ def _launch(spec: MatmulSpec, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor
     M, K = x2.shape
     N = w.shape[0]
     split_k = cfg["SPLIT_K"]
-    ws = torch.empty((split_k, M, N) if split_k > 1 else (1,), dtype=torch.float32, device=x2.device)
-    bias = (b,) if spec.has_bias else ()
     grid = (triton_cdiv(M, cfg["BLOCK_M"]), triton_cdiv(N, cfg["BLOCK_N"]), split_k)
-    mod.matmul_kernel[grid](x2, w, *bias, y2, ws, x2.stride(0), w.stride(0), y2.stride(0), M, N, K,
+    ws = torch.empty((split_k, M, N) if split_k > 1 else (1,), dtype=torch.float32, device=x2.device)
+    counts = tile_counters(x2.device, grid[0] * grid[1]) if split_k > 1 else ws
+    bias = (b,) if spec.has_bias else ()
+    mod.matmul_kernel[grid](x2, w, *bias, y2, ws, counts, x2.stride(0), w.stride(0), y2.stride(0), M, N, K,
                             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split_k,
                             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if split_k > 1:
-        block_n = min(1024, 1 << max(0, (N - 1).bit_length()))
-        mod.splitk_reduce_kernel[(M, triton_cdiv(N, block_n))](ws, *bias, y2, y2.stride(0), M, N,
-                                                               SPLIT_K=split_k, BLOCK_N=block_n, num_warps=4)
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = (), *,
@@ -175,9 +173,17 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
         config = candidates(m_bucket(M))[0]
     elif config is None:
         bucket = m_bucket(M)
-        config = tuner.choose(spec.key(N, K), bucket, candidates(bucket),
-                              bench=lambda cfg: _launch(spec, x2, w, b, y2, cfg),
-                              baseline=lambda: reference(x2, w, b, spec.epilogue))
+        group = JOINT_BUCKETS if bucket in JOINT_BUCKETS else (bucket,)
+        made: list = []
+
+        def io():  # inputs for every bucket of the group, made only if the choice is timed now
+            if not made:
+                made.extend((torch.randn(bucket_size(g), K, dtype=x2.dtype, device=x2.device),
+                             torch.empty(bucket_size(g), N, dtype=x2.dtype, device=x2.device)) for g in group)
+            return made
+        config = tuner.choose(spec.key(N, K), group, candidates(bucket),
+                              bench=lambda cfg: [_launch(spec, xi, w, b, yi, cfg) for xi, yi in io()],
+                              baseline=lambda: [reference(xi, w, b, spec.epilogue) for xi, _ in io()])
     _launch(spec, x2, w, b, y2, config)
     return y
 

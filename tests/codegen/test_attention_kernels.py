@@ -255,11 +255,22 @@ def test_decode(case, dtype):
     run_attention(c, window=window, block_n=16, partition_size=partition)
 
 
-def test_decode_partition_heuristic():
-    assert decode_partition(64, 8, 4096, 32) >= 4096  # 512 programs already: one split
-    p = decode_partition(1, 8, 4096, 32)
-    assert p % 32 == 0 and 256 <= p < 4096  # a lone long sequence is split
-    assert decode_partition(1, 1, 10, 16) == 16
+def test_decode_partition_does_not_depend_on_the_batch():
+    assert decode_partition(4096, 32) == 256  # a long context is split into 16 partitions
+    assert decode_partition(10, 16) == 256  # a short one uses only the first: one program per kv head
+    assert decode_partition(1 << 20, 64) == (1 << 20) // 128  # past 128 splits the partitions grow
+    assert decode_partition(100, 48) % 48 == 0
+
+
+def test_decode_sequence_alone_equals_in_batch():
+    """A sequence's decode output is bitwise the same alone and among others (fixed partitions)."""
+    c = make_case([70, 9, 33, 50], [1, 1, 1, 1], 4, 2, 24, 4, torch.float16, seed=21)
+    kw = dict(block_m=16, block_n=16, max_seqlen_q=1, max_seqlen_k=128, partition_size=16)  # 1-5 splits each
+    both = paged_attention(c["q"], c["cache"], c["qsl"], c["seq_lens"], c["bt"], 24 ** -0.5, **kw)
+    for i in (0, 3):
+        alone = paged_attention(c["q"][i:i + 1], c["cache"], torch.tensor([0, 1], dtype=torch.int32),
+                                c["seq_lens"][i:i + 1], c["bt"][i:i + 1], 24 ** -0.5, **kw)
+        assert torch.equal(alone[0], both[i])
 
 
 # --------------------------------------------------------------------------------------------- int8 cache

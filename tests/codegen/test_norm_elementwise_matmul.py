@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from llmc.codegen import autotune
+from llmc.codegen import matmul as mm
 from llmc.codegen.autotune import Tuner, m_bucket
 from llmc.codegen.elementwise import (ElementwiseSpec, broadcast_kind, fused_elementwise, interpreting,
                                       spec_from_ops)
@@ -241,9 +242,26 @@ def test_matmul(dtype, mnk):
     b = rand(N, dtype=dtype, gen=g)
     close(matmul(x, w), reference(x, w), dtype)
     close(matmul(x, w, b, ("silu",)), reference(x, w, b, ("silu",)), dtype)
-    split = dict(candidates("1")[6], BLOCK_K=32)  # split-K = 4: partials + the reduce/epilogue kernel
+    split = dict(candidates("1")[6], BLOCK_K=32)  # split-K = 4: partials summed by the last split of a tile
     epi = (("gelu", {"approximate": "tanh"}),)
     close(matmul(x, w, b, epi, config=split), reference(x, w, b, epi), dtype)
+
+
+def test_split_k_sums_in_split_order_and_leaves_counters_at_zero():
+    from llmc.codegen.matmul import tile_counters
+    g = torch.Generator().manual_seed(3)
+    M, N, K = 5, 70, 200
+    x, w, b = rand(M, K, gen=g), rand(N, K, gen=g) / K ** 0.5, rand(N, gen=g)
+    cfg = dict(candidates("1")[6], BLOCK_K=32)  # 4 splits of 64 keys (the last one short)
+    first = matmul(x, w, b, ("silu",), config=cfg)
+    # the same sum, written out: partials of 64 keys each, added in split order, then the epilogue
+    parts = [x[:, k:k + 64] @ w[:, k:k + 64].T for k in range(0, K, 64)]
+    acc = parts[0]
+    for p in parts[1:]:
+        acc = acc + p
+    close(first, torch.nn.functional.silu(acc + b), torch.float32)
+    assert int(tile_counters(x.device, 1).abs().sum()) == 0  # every tile's counter reset by its last split
+    assert torch.equal(matmul(x, w, b, ("silu",), config=cfg), first)  # a second launch: the same bits
 
 
 def test_matmul_leading_dims_and_strided_rows():
@@ -307,6 +325,36 @@ def test_tuner_records_persist_and_are_reused(tmp_path, monkeypatch):
     assert t2.lookup(key, "4").prefer_cublas
     monkeypatch.setattr(autotune, "_device_name", lambda: "another-gpu")
     assert Tuner.load(tmp_path / "tuning.json").records == {}  # measured elsewhere: tuned afresh
+
+
+def test_decode_buckets_share_one_choice_timed_on_their_sum(monkeypatch):
+    """Buckets 1..16 get one config, the one fastest summed over all five (so a sequence's GEMMs do
+    not change with its batch); 32 is chosen alone. Timing is faked: a config's "time" is the sum of
+    per-bucket costs its bench reports, so the winner at M=1 alone (A=1) loses on the sum (A=2)."""
+    cost = {1: {1: 1.0, 2: 2.0, 4: 2.0, 8: 2.0, 16: 2.0}, 2: {1: 1.5, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0}}
+    seen = []
+
+    def fake_launch(spec, x2, w, b, y2, cfg):
+        seen.append((x2.shape[0], cfg["A"]))
+        return cost[cfg["A"]].get(x2.shape[0], 9.0)
+
+    monkeypatch.setattr(autotune, "can_time", lambda: True)
+    monkeypatch.setattr(autotune, "gpu_time_ms", lambda fn: sum(fn()))
+    monkeypatch.setattr(mm, "_launch", fake_launch)
+    monkeypatch.setattr(mm, "candidates", lambda bucket: [{"A": 1}, {"A": 2}])
+    monkeypatch.setattr(mm, "reference", lambda *a, **k: 100.0)
+    t = Tuner(device="test-gpu")
+    x, w = rand(3, 32), rand(16, 32)
+    mm.matmul(x, w, tuner=t)  # M=3: bucket "4", tuned with the whole group
+    key = MatmulSpec("f32", False).key(16, 32)
+    assert {b: r["config"]["A"] for b, r in t.records[key].items()} == {b: 2 for b in autotune.JOINT_BUCKETS}
+    assert {m for m, _ in seen} == {1, 2, 3, 4, 8, 16}  # bucket sizes timed, then x's own 3 rows launched
+    assert not t.lookup(key, "4").prefer_cublas
+    seen.clear()
+    mm.matmul(rand(1, 32), w, tuner=t)
+    assert seen == [(1, 2)]  # recorded: not retimed
+    mm.matmul(rand(20, 32), w, tuner=t)
+    assert set(t.records[key]) == {*autotune.JOINT_BUCKETS, "32"}
 
 
 def test_kernels_ran_in_the_expected_mode():
