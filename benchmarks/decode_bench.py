@@ -168,6 +168,31 @@ def main():
     sync()
     res["prefill_ms"] = (time.perf_counter() - t) / 5 * 1e3
     res["engine_decode_tok_s"] = (a.new - 1) / (e2e - res["prefill_ms"] / 1e3)
+    # time to first token of a fresh prompt (no prefix-cache hit): the whole prompt's prefill
+    fresh = [torch.randint(0, cfg.vocab_size, (a.prompt,)).tolist() for _ in range(11)]
+    llm.generate([fresh[0]], one)  # first use of this token bucket: kernels compiled, graph captured
+    sync()
+    t = time.perf_counter()
+    for p in fresh[1:6]:
+        llm.generate([p], one)
+    sync()
+    res["prefill_fresh_ms"] = (time.perf_counter() - t) / 5 * 1e3
+    llm.engine.runner.use_cuda_graphs = False  # other fresh prompts' prefill eager, side by side
+    t = time.perf_counter()
+    for p in fresh[6:]:
+        llm.generate([p], one)
+    sync()
+    res["prefill_fresh_eager_ms"] = (time.perf_counter() - t) / 5 * 1e3
+    llm.engine.runner.use_cuda_graphs = a.backend == "cuda"
+    # the prefill graph's logits against the eager plan's, same prompt and blocks (100 tokens: padded to 128)
+    r = llm.engine.runner
+    probe = [StepInput(fresh[0][:100], 0, list(range(1000, 1007)))]
+    g_logits = r.execute(probe)
+    r.use_cuda_graphs = False
+    e_logits = r.execute(probe)
+    r.use_cuda_graphs = a.backend == "cuda"
+    res["prefill_graph_vs_eager"] = {"max_rel_err": ((g_logits - e_logits).abs().max() / e_logits.abs().max()).item(),
+                                     "same_argmax": bool(g_logits.argmax() == e_logits.argmax())}
     # the runner alone: graph replays of one decode step
     runner = llm.engine.runner
     bt = list(range(32))
@@ -240,7 +265,8 @@ def main():
     print("engine host time per step (ms):", res["engine_ms_per_step"], "\nengine step wall (ms):", res["engine_step_ms"],
           "\nbuffer plan:", res["buffer_plan"])
     print(f"\n{'metric':34s} value")
-    for k in ("bw_TBps", "roofline_tok_s", "step_ms", "runner_tok_s", "engine_tok_s", "prefill_ms",
+    for k in ("bw_TBps", "roofline_tok_s", "step_ms", "runner_tok_s", "engine_tok_s", "prefill_ms", "prefill_fresh_ms",
+              "prefill_fresh_eager_ms",
               "engine_decode_tok_s", "engine_decode_tok_s_median", "engine_batch8_tok_s",
               "prefill2048_peak_MiB_planned", "prefill2048_peak_MiB_allocator",
               "roofline_fraction_runner", "step_ms_unfused", "kernels_per_step_unfused", "kernels_per_step_fused"):

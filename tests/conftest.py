@@ -121,3 +121,19 @@ def tiny_py_artifact(tmp_path_factory):
     except (ValueError, FileNotFoundError) as e:
         pytest.fail(f"the shipped model is missing: {e}")
     return llmc.compile("builtin:tiny-py", tmp_path_factory.mktemp("tiny") / "tiny-py.llmc")
+
+
+def prefill_graph_matches_eager(artifact, backend):
+    """A prefill graph's padded inputs (tokens past the sequence: no KV write, in no sequence) give
+    the eager step's logits: a fresh prompt, then a shorter prefix-hit chunk in the same buffer."""
+    from llmc.runtime.model_runner import ModelRunner, StepInput, _StepGraph
+    runner = ModelRunner(artifact.graph, "cpu", block_size=4, num_blocks=64, backend=backend)
+    dg = _StepGraph(16, 1, 8, torch.device("cpu"))
+    run = (lambda inp: runner.plan.run(inp)[0]) if backend == "reference" else \
+        (lambda inp: runner.plan.run(inp, {"max_seqlen_q": 16, "max_seqlen_k": 64})[0])
+    for s in (StepInput(list(range(3, 14)), 0, [5, 9, 2]), StepInput([40, 41, 42], 8, [5, 9, 2, 7])):
+        want = runner.execute([s])
+        dg.load_prefill(s, 4)
+        assert dg.inputs["slot_mapping"][len(s.token_ids):].eq(-1).all()
+        got = run({**dg.inputs, **runner.kv}).float()
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5)

@@ -35,6 +35,9 @@ class StepInput:
 
 BACKENDS = ("auto", "cuda", "triton-interpret", "reference")
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# one sequence's prefill (or chunk) of up to 512 new tokens replays a graph of the next bucket up:
+# eager, its few hundred launches cost more host time than the GPU spends on them
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
 def select_backend(backend: str, device: str | torch.device | None = None) -> str:
@@ -107,7 +110,9 @@ class ModelRunner:
                         for k, t in self.kv.items()} if num_cpu_blocks else {}
         self.kv_bytes = per_block * self.num_blocks
         self.max_model_len = int(graph.meta.get("max_position_embeddings") or 4096)
-        self.graphs: dict[tuple[int, bool], _DecodeGraph] = {}  # (decode batch bucket, greedy) -> graph
+        # (kind, bucket, greedy) -> graph; kind "decode": B sequences of one token, "prefill": one
+        # sequence of up to `bucket` tokens
+        self.graphs: dict[tuple[str, int, bool], _StepGraph] = {}
         self.use_cuda_graphs = self.backend == "cuda" and use_cuda_graphs
         if self.backend == "reference":
             self.plan = Interpreter(graph, self.device)
@@ -156,9 +161,12 @@ class ModelRunner:
         """
         if not batch:
             return torch.empty(0, dtype=torch.int64 if greedy else torch.float32)
-        decode = all(len(s.token_ids) == 1 and s.num_logits == 1 for s in batch)
-        if self.use_cuda_graphs and decode and len(batch) <= DECODE_BUCKETS[-1]:
-            return self._replay(batch, greedy)
+        if self.use_cuda_graphs:
+            if all(len(s.token_ids) == 1 and s.num_logits == 1 for s in batch):
+                if len(batch) <= DECODE_BUCKETS[-1]:
+                    return self._replay("decode", batch, greedy)
+            elif len(batch) == 1 and batch[0].num_logits == 1 and len(batch[0].token_ids) <= PREFILL_BUCKETS[-1]:
+                return self._replay("prefill", batch, greedy)
         inputs = self.build_inputs(batch)
         if self.backend == "reference":
             logits = self.plan.run(inputs)[0]
@@ -168,11 +176,12 @@ class ModelRunner:
             logits = self.plan.run(inputs, hints)[0]
         return logits.argmax(dim=-1).cpu() if greedy else logits.float()
 
-    # -- CUDA graphs: one per decode batch bucket, so that a decode step is one replay --------------
-    def _capture(self, B: int, greedy: bool) -> "_DecodeGraph":
-        dg = _DecodeGraph(B, (self.max_model_len + self.block_size - 1) // self.block_size, self.device)
+    # -- CUDA graphs: one per decode batch bucket and per prefill token bucket ----------------------
+    def _capture(self, kind: str, size: int, greedy: bool) -> "_StepGraph":
+        max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
+        dg = _StepGraph(size, size if kind == "decode" else 1, max_blocks, self.device)
         # fixed for the capture: keys per split follow the longest context the model allows
-        hints = {"max_seqlen_q": 1, "max_seqlen_k": self.max_model_len}
+        hints = {"max_seqlen_q": 1 if kind == "decode" else size, "max_seqlen_k": self.max_model_len}
         inputs = {**dg.inputs, **self.kv}
         dg.arena = self.plan.new_arena(inputs, hints)  # the graph's own intermediates, for its lifetime
 
@@ -194,17 +203,21 @@ class ModelRunner:
         self._pool = dg.graph.pool()
         return dg
 
-    def _replay(self, batch: list[StepInput], greedy: bool) -> torch.Tensor:
-        n = len(batch)
-        B = next(b for b in DECODE_BUCKETS if b >= n)
-        dg = self.graphs.get((B, greedy))
+    def _replay(self, kind: str, batch: list[StepInput], greedy: bool) -> torch.Tensor:
+        n = len(batch) if kind == "decode" else len(batch[0].token_ids)
+        size = next(b for b in (DECODE_BUCKETS if kind == "decode" else PREFILL_BUCKETS) if b >= n)
+        dg = self.graphs.get((kind, size, greedy))
         if dg is None:
-            dg = self.graphs[(B, greedy)] = self._capture(B, greedy)
-        dg.load(batch, self.block_size)
+            dg = self.graphs[(kind, size, greedy)] = self._capture(kind, size, greedy)
+        if kind == "decode":
+            dg.load(batch, self.block_size)
+        else:
+            dg.load_prefill(batch[0], self.block_size)
         dg.graph.replay()
+        rows = len(batch)
         if greedy:
-            return dg.read_tokens(n)
-        return dg.out[:n].float()  # fp32 logits alias the graph's output: read before the next step
+            return dg.read_tokens(rows)
+        return dg.out[:rows].float()  # fp32 logits alias the graph's output: read before the next step
 
     # -- block movement ---------------------------------------------------------------------------
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -239,21 +252,23 @@ class ModelRunner:
                 t[:, dev_idx.to(t.device)] = h[:, host_idx].to(t.device)
 
 
-class _DecodeGraph:
-    """A decode step captured for a batch bucket of B rows.
+class _StepGraph:
+    """A step captured for T token rows of N sequences: decode (N = T sequences of one token each)
+    or one sequence's prefill (N = 1, up to T new tokens).
 
     The step's inputs live in one device buffer, filled from one pinned host buffer by a single
     asynchronous copy per step; the host side is written through numpy views, so preparing a step
-    costs a few microseconds and no device work. Rows past the batch are padding: position 0,
-    no KV write (slot -1), a context of one token.
+    costs a few microseconds and no device work. Token rows past the step's tokens are padding:
+    token 0 at position 0, no KV write (slot -1), in no sequence (past query_start_loc's end), or, for
+    decode, a sequence of its own with a one-token context.
     """
 
-    def __init__(self, B: int, max_blocks: int, device: torch.device):
+    def __init__(self, T: int, N: int, max_blocks: int, device: torch.device):
         import numpy as np
-        layout = [("input_ids", torch.int64, (B,)), ("positions", torch.int64, (B,)),
-                  ("slot_mapping", torch.int64, (B,)), ("logits_indices", torch.int64, (B,)),
-                  ("query_start_loc", torch.int32, (B + 1,)), ("seq_lens", torch.int32, (B,)),
-                  ("block_tables", torch.int32, (B, max_blocks))]
+        layout = [("input_ids", torch.int64, (T,)), ("positions", torch.int64, (T,)),
+                  ("slot_mapping", torch.int64, (T,)), ("logits_indices", torch.int64, (N,)),
+                  ("query_start_loc", torch.int32, (N + 1,)), ("seq_lens", torch.int32, (N,)),
+                  ("block_tables", torch.int32, (N, max_blocks))]
         offsets, nbytes = [], 0
         for _, dtype, shape in layout:
             nbytes = -(-nbytes // 8) * 8
@@ -268,18 +283,18 @@ class _DecodeGraph:
             size = dtype.itemsize * int(np.prod(shape))
             self.inputs[name] = self.dev[off:off + size].view(dtype).view(shape)
             self.np[name] = host_np[off:off + size].view(np.dtype(str(dtype).removeprefix("torch."))).reshape(shape)
-        self.np["query_start_loc"][:] = np.arange(B + 1)
-        self.np["logits_indices"][:] = np.arange(B)
+        self.np["query_start_loc"][:] = np.arange(N + 1)
+        self.np["logits_indices"][:] = np.arange(N)
         self.np["slot_mapping"][:] = -1
         self.np["seq_lens"][:] = 1
         self.dev.copy_(self.host)
         self.copied = torch.cuda.Event() if cuda else None
-        self.tokens_host = torch.zeros(B, dtype=torch.int64, pin_memory=cuda)
+        self.tokens_host = torch.zeros(N, dtype=torch.int64, pin_memory=cuda)
         self.read = torch.cuda.Event() if cuda else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self.arena: torch.Tensor | None = None
-        self.rows = B  # rows holding a sequence in the last step (the rest are padding)
+        self.rows = T  # token rows holding a token in the last step (the rest are padding)
 
     def load(self, batch: list[StepInput], block_size: int) -> None:
         """Write the batch into the pinned buffer and start its copy to the device."""
@@ -297,6 +312,30 @@ class _DecodeGraph:
         if n < self.rows:  # rows that held sequences last step become padding again
             ids[n:], pos[n:], slots[n:], lens[n:] = 0, 0, -1, 1
         self.rows = n
+        self.dev.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    def load_prefill(self, s: StepInput, block_size: int) -> None:
+        """Write one sequence's new tokens (at most T, the logits of the last one) and start the copy."""
+        import numpy as np
+        if self.copied is not None:
+            self.copied.synchronize()
+        n, p0 = len(s.token_ids), s.start_pos
+        end = p0 + n
+        used = (end + block_size - 1) // block_size
+        table = np.asarray(s.block_table[:used], dtype=np.int64)
+        pos = np.arange(p0, end)
+        self.np["input_ids"][:n] = s.token_ids
+        self.np["positions"][:n] = pos
+        self.np["slot_mapping"][:n] = table[pos // block_size] * block_size + pos % block_size
+        if n < self.rows:
+            self.np["input_ids"][n:], self.np["positions"][n:], self.np["slot_mapping"][n:] = 0, 0, -1
+        self.rows = n
+        self.np["query_start_loc"][1] = n
+        self.np["seq_lens"][0] = end
+        self.np["logits_indices"][0] = n - 1
+        self.np["block_tables"][0, :used] = table
         self.dev.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()

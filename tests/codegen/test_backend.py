@@ -26,6 +26,11 @@ def test_triton_interpret_backend_matches_reference(llama_artifact):
     assert got["token_ids"] == ref["token_ids"] and len(ref["token_ids"]) == 12
 
 
+def test_prefill_graph_padding_with_generated_kernels(llama_artifact):
+    from tests.conftest import prefill_graph_matches_eager
+    prefill_graph_matches_eager(llama_artifact, "triton-interpret")
+
+
 def test_hot_ops_lower_to_generated_kernels(llama_artifact):
     from llmc.codegen.lower import Plan, kernels_per_layer
     plan = Plan(llama_artifact.graph, "cpu", triton_matmul=True)

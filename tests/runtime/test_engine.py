@@ -6,7 +6,7 @@ import torch
 
 from llmc.errors import RequestError
 from llmc.runtime.engine import LLM, SamplingParams
-from tests.conftest import hf_greedy, hf_model
+from tests.conftest import hf_greedy, hf_model, prefill_graph_matches_eager
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -175,12 +175,16 @@ def test_bad_requests_rejected_without_disturbing_others(llama_artifact, tok, al
     assert [done[i] for i in ids] == alone[:3]
 
 
+def test_prefill_graph_inputs_pad_without_changing_logits(llama_artifact):
+    prefill_graph_matches_eager(llama_artifact, "reference")
+
+
 def test_decode_graph_inputs_match_build_inputs(llama_artifact):
     """The decode graphs' packed inputs (one pinned buffer, one copy) hold what build_inputs makes for
     the same batch, and rows left by a shrinking batch become padding (no KV write, one-token context)."""
-    from llmc.runtime.model_runner import ModelRunner, StepInput, _DecodeGraph
+    from llmc.runtime.model_runner import ModelRunner, StepInput, _StepGraph
     runner = ModelRunner(llama_artifact.graph, "cpu", block_size=4, num_blocks=64, backend="reference")
-    dg = _DecodeGraph(4, 16, torch.device("cpu"))
+    dg = _StepGraph(4, 4, 16, torch.device("cpu"))
     batch = [StepInput([7], 9, [3, 5, 8, 60, 61]), StepInput([2], 0, [11]), StepInput([5], 4, [1, 2])]
     dg.load(batch, 4)
     ref = runner.build_inputs(batch)
