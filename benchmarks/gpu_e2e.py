@@ -114,12 +114,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--only", default="", help="run only the rows whose 'model:dtype' contains this, e.g. tiny-py:bfloat16")
     a = ap.parse_args()
     from llmc.models import builtin_dir
     work = Path(tempfile.mkdtemp())
     rows = []
-    for d, dt, tunes in ((tiny_llama(work), "float32", (True,)), (builtin_dir("tiny-py"), "float32", (True,)),
-                         (tiny_llama(work), "bfloat16", (True, False)), (builtin_dir("tiny-py"), "bfloat16", (True, False))):
+    for d, dt, tunes in ((tiny_llama, "float32", (True,)), (lambda w: builtin_dir("tiny-py"), "float32", (True,)),
+                         (tiny_llama, "bfloat16", (True, False)), (lambda w: builtin_dir("tiny-py"), "bfloat16", (True, False))):
+        d = d(work)
+        if a.only not in f"{Path(d).name}:{dt}":
+            continue
         try:
             new = compare(Path(d), dt, a.tokens, work, tunes=tunes)
         except Exception as e:  # report and continue: one failure must not hide the other rows

@@ -8,8 +8,8 @@ Choices live in `tuning.json` beside the artifact's graph and are reused at load
 
 `kernel_key` names the kernel and the static part of its shape (for a linear: dtype, bias,
 epilogue, N and K); `bucket` the dynamic part (the token count M, rounded up to a power of two, 128+
-for prefill). The buckets of 1 to 16 tokens share one choice (`JOINT_BUCKETS`), so that decode is
-batch-invariant: a sequence gets the same logits alone or among up to 15 others. Timing needs a GPU: on CPU and under the interpreter the first (default) candidate is
+for prefill). The buckets of 1 to 64 tokens share one choice (`JOINT_BUCKETS`), so that steps of
+up to 64 tokens are batch-invariant: a sequence gets the same logits alone or among others. Timing needs a GPU: on CPU and under the interpreter the first (default) candidate is
 returned untimed and nothing is recorded, so a CPU compile never writes choices it did not measure.
 The cuBLAS time is kept beside the best Triton time so the lowering can keep cuBLAS where it wins.
 """
@@ -30,9 +30,9 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-# decode steps of up to 16 sequences: one choice for all of them (chosen on their summed time), so
-# a sequence's GEMMs sum in the same order whatever the batch it shares a step with
-JOINT_BUCKETS = ("1", "2", "4", "8", "16")
+# steps of up to 64 tokens (decode batches, short prefills): one choice for all of them (chosen on
+# their summed time), so a sequence's GEMMs sum in the same order whatever it shares a step with
+JOINT_BUCKETS = ("1", "2", "4", "8", "16", "32", "64")
 
 
 def m_bucket(m: int) -> str:

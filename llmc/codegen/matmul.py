@@ -1,8 +1,8 @@
 """Linear layers with a fused epilogue, tuned for decode: y = epilogue(x @ w.T + b), w [N, K].
 
 At decode M is 1..64 tokens and a linear is a weight stream (memory-bound): what matters is
-reading w once with enough programs in flight to saturate HBM. A plain tiled kernel covers M >= 32;
-below that the N tiles alone are too few programs for 132 SMs, so split-K spreads K over more
+reading w once with enough programs in flight to saturate HBM. The N tiles alone are too few
+programs for 132 SMs, so split-K spreads K over more
 programs (fp32 partials; the split that finishes a tile last sums them in split order and applies
 the epilogue, so split-K is still one launch and its result does not depend on timing). The epilogue
 (bias, silu, gelu, ...) runs on the fp32 accumulator, so y is written once and never read back.
@@ -84,17 +84,17 @@ def _cfg(bm, bn, bk, split_k, warps, stages) -> dict:
 
 
 def candidates(bucket: str) -> list[dict]:
-    """Configs to try for an M bucket, the default first (the default is what CPU and interpreter use)."""
+    """Configs to try for an M bucket, the default first (the default is what CPU and interpreter use).
+
+    Up to 64 tokens the tiles are 16 rows tall whatever M is: the buckets share one choice
+    (`JOINT_BUCKETS`), and a row's sum must not depend on how many rows share its tile grid.
+    """
     m = bucket_size(bucket)
-    if m <= 16:  # weight streaming: narrow N tiles and split-K for enough programs in flight
+    if m <= 64:  # weight streaming: narrow N tiles and split-K for enough programs in flight
         return [_cfg(16, 64, 128, 1, 4, 4), _cfg(16, 32, 128, 1, 4, 4), _cfg(16, 64, 256, 1, 4, 3),
                 _cfg(16, 128, 128, 1, 4, 3), _cfg(16, 64, 128, 2, 4, 4), _cfg(16, 32, 256, 2, 4, 3),
                 _cfg(16, 64, 128, 4, 4, 4), _cfg(16, 32, 128, 4, 4, 4), _cfg(16, 64, 256, 4, 4, 3),
                 _cfg(16, 32, 128, 8, 4, 4), _cfg(16, 64, 64, 8, 4, 4), _cfg(16, 128, 64, 1, 4, 4)]
-    if m <= 64:
-        return [_cfg(m, 64, 64, 1, 4, 4), _cfg(m, 128, 64, 1, 4, 4), _cfg(m, 64, 128, 1, 4, 3),
-                _cfg(m, 128, 128, 1, 8, 3), _cfg(m, 64, 64, 2, 4, 4), _cfg(m, 128, 64, 2, 4, 4),
-                _cfg(m, 64, 128, 4, 4, 3), _cfg(m, 32, 128, 2, 4, 4)]
     return [_cfg(64, 128, 64, 1, 4, 4), _cfg(128, 128, 64, 1, 8, 3), _cfg(128, 64, 64, 1, 4, 4),
             _cfg(64, 64, 64, 1, 4, 4), _cfg(128, 256, 64, 1, 8, 3), _cfg(64, 256, 64, 1, 8, 3)]
 

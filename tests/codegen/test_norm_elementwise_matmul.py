@@ -328,10 +328,11 @@ def test_tuner_records_persist_and_are_reused(tmp_path, monkeypatch):
 
 
 def test_decode_buckets_share_one_choice_timed_on_their_sum(monkeypatch):
-    """Buckets 1..16 get one config, the one fastest summed over all five (so a sequence's GEMMs do
-    not change with its batch); 32 is chosen alone. Timing is faked: a config's "time" is the sum of
+    """Buckets 1..64 get one config, the one fastest summed over all seven (so a sequence's GEMMs do
+    not change with its batch); 128+ is chosen alone. Timing is faked: a config's "time" is the sum of
     per-bucket costs its bench reports, so the winner at M=1 alone (A=1) loses on the sum (A=2)."""
-    cost = {1: {1: 1.0, 2: 2.0, 4: 2.0, 8: 2.0, 16: 2.0}, 2: {1: 1.5, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0}}
+    cost = {1: {1: 1.0, 2: 2.0, 4: 2.0, 8: 2.0, 16: 2.0, 32: 2.0, 64: 2.0},
+            2: {1: 1.5, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0, 64: 1.0}}
     seen = []
 
     def fake_launch(spec, x2, w, b, y2, cfg):
@@ -348,13 +349,13 @@ def test_decode_buckets_share_one_choice_timed_on_their_sum(monkeypatch):
     mm.matmul(x, w, tuner=t)  # M=3: bucket "4", tuned with the whole group
     key = MatmulSpec("f32", False).key(16, 32)
     assert {b: r["config"]["A"] for b, r in t.records[key].items()} == {b: 2 for b in autotune.JOINT_BUCKETS}
-    assert {m for m, _ in seen} == {1, 2, 3, 4, 8, 16}  # bucket sizes timed, then x's own 3 rows launched
+    assert {m for m, _ in seen} == {1, 2, 3, 4, 8, 16, 32, 64}  # bucket sizes timed, then x's own 3 rows
     assert not t.lookup(key, "4").prefer_cublas
     seen.clear()
     mm.matmul(rand(1, 32), w, tuner=t)
     assert seen == [(1, 2)]  # recorded: not retimed
-    mm.matmul(rand(20, 32), w, tuner=t)
-    assert set(t.records[key]) == {*autotune.JOINT_BUCKETS, "32"}
+    mm.matmul(rand(130, 32), w, tuner=t)
+    assert set(t.records[key]) == {*autotune.JOINT_BUCKETS, "128+"}
 
 
 def test_kernels_ran_in_the_expected_mode():
