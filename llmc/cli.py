@@ -69,17 +69,20 @@ def main(ctx, debug):
 @click.option("--no-fuse", is_flag=True, help="Skip the fusion passes (phase 3).")
 @click.option("--tune/--no-tune", default=True, show_default=True,
               help="On a GPU, time generated matmul tiles against cuBLAS per token bucket and keep the winners "
-                   "(tuning.json). --no-tune: cuBLAS for every GEMM, as torch runs them (the tuned tiles "
-                   "change with the number of tokens in a step, and with them the fp32 summation order).")
+                   "(tuning.json). --no-tune: cuBLAS for every GEMM, as torch runs them.")
+@click.option("--batch-invariant/--no-batch-invariant", default=True, show_default=True,
+              help="Tune every step of up to 64 tokens to one GEMM choice, so a sequence's tokens do not depend "
+                   "on the requests it shares steps with. --no-batch-invariant: only decode batches of up to 16 "
+                   "share one; steps of 17-64 tokens get faster tiles of their own.")
 def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_after, dump_ir, verify, explain_fusion,
-            no_fuse, tune):
+            no_fuse, tune, batch_invariant):
     """Compile MODEL (a local Hugging Face directory or builtin:NAME) into an artifact."""
     import llmc
     from llmc.passes.manager import parse_pass_spec
     extra = [parse_pass_spec(s) for s in passes]
     art = llmc.compile(model, output, dtype=dtype, kv_cache_dtype=kv_cache_dtype, passes=extra,
                        before=pass_before, after=pass_after, dump_ir=dump_ir, verify=verify,
-                       progress=sys.stderr.isatty(), fuse=not no_fuse, tune=tune)
+                       progress=sys.stderr.isatty(), fuse=not no_fuse, tune=tune, batch_invariant=batch_invariant)
     s = art.summary()
     if explain_fusion:
         reasons = art.compile_log.explain if art.compile_log else []

@@ -55,7 +55,7 @@ def capture(model: Any, example_inputs: Sequence[torch.Tensor] | None = None, dt
 def compile(model: Any, output: str | Path | None = None, *, example_inputs=None, dtype: str = "float32",
             passes: Sequence[Pass] | None = None, before: str | None = None, after: str | None = None,
             dynamic: dict | None = None, verify: bool = False, dump_ir: str | Path | None = None,
-            progress: bool = False, tune: bool = True, **options) -> Artifact:
+            progress: bool = False, tune: bool = True, batch_invariant: bool = True, **options) -> Artifact:
     """Compile a model into an artifact.
 
     Args:
@@ -68,6 +68,9 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         dump_ir: a directory to write the IR after every pass.
         tune: on a GPU, time the matmul tile candidates of every linear per token bucket against
             cuBLAS and save the choices in tuning.json (reused at load, never retuned).
+        batch_invariant: tune every step of up to 64 tokens to one GEMM choice, so that a
+            sequence's tokens do not depend on what shares its steps (False: decode batches of up to
+            16 only; faster at 32-64 tokens per step).
     Returns:
         The written Artifact.
 
@@ -88,21 +91,21 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         out = Path(output) if output is not None else Path(tempfile.mkdtemp(prefix="llmc-")) / "model.llmc"
         bar.step(f"writing {out}")
         opts = {"dtype": dtype, **{k: v for k, v in options.items() if isinstance(v, (str, int, float, bool))}}
-        tuning = _autotune(graph, bar) if tune and torch.cuda.is_available() else {}
+        tuning = _autotune(graph, bar, batch_invariant) if tune and torch.cuda.is_available() else {}
         kernels, sources = _kernel_listing(graph, tuning)
         art = save_artifact(graph, out, source, opts, tok_files, tuning=tuning, kernels=sources, kernel_list=kernels)
         art.compile_log = ctx  # fusion explanations and pass notes, for `llmc compile --explain-fusion`
         return art
 
 
-def _autotune(graph: Graph, bar) -> dict:
+def _autotune(graph: Graph, bar, batch_invariant: bool = True) -> dict:
     """Tune each distinct linear shape for decode-sized token counts (1..64) on this GPU."""
     from llmc.codegen import matmul as mm
-    from llmc.codegen.autotune import M_BUCKETS, Tuner
+    from llmc.codegen.autotune import DECODE_JOINT_BUCKETS, JOINT_BUCKETS, M_BUCKETS, Tuner
     from llmc.codegen.lower import ACT_EPILOGUE
     if not graph.meta.get("paged"):
         return {}
-    tuner, seen = Tuner(), set()
+    tuner, seen = Tuner(joint=JOINT_BUCKETS if batch_invariant else DECODE_JOINT_BUCKETS), set()
     for n in graph.nodes:
         if n.op not in ("linear", "linear_act"):
             continue

@@ -158,18 +158,20 @@ def test_prompts_jsonl_batch_and_errors(llama_artifact, tmp_path):
     assert_clean_error(*cli("run", llama_artifact.path, "--prompts", f), "p.jsonl:1")
 
 
-def test_compile_no_tune_reaches_the_compiler(llama_dir, tmp_path, monkeypatch):
-    """--no-tune is passed through (tuning itself only runs on a GPU); --tune is the default."""
+def test_compile_tuning_flags_reach_the_compiler(llama_dir, tmp_path, monkeypatch):
+    """--no-tune and --no-batch-invariant are passed through (tuning itself only runs on a GPU);
+    --tune and --batch-invariant are the defaults."""
     import llmc
     seen = []
     real = llmc.compile
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get("tune"))
+        seen.append((kwargs.get("tune"), kwargs.get("batch_invariant")))
         return real(*args, **kwargs)
     monkeypatch.setattr(llmc, "compile", spy)
-    for flag, want in (("--no-tune", False), (None, True)):
-        args = ["compile", llama_dir, "-o", tmp_path / f"{want}.llmc"] + ([flag] if flag else [])
+    for i, (flag, want) in enumerate((("--no-tune", (False, True)), ("--no-batch-invariant", (True, False)),
+                                      (None, (True, True)))):
+        args = ["compile", llama_dir, "-o", tmp_path / f"{i}.llmc"] + ([flag] if flag else [])
         code, text = cli(*args)
         assert code == 0, text
-        assert seen[-1] is want
+        assert seen[-1] == want

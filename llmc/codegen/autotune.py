@@ -1,6 +1,7 @@
 """Compile-time autotuning: time candidate configs once per kernel and shape bucket, keep the fastest.
 
-Choices live in `tuning.json` beside the artifact's graph and are reused at load without retuning:
+Choices live in `tuning.json` beside the artifact's graph and are reused at load without retuning
+(a linear at a bucket that was not tuned, e.g. a prefill of 128 tokens or more, runs cuBLAS):
 
     {"format": 1, "device": "NVIDIA H200", "triton": "3.6.0",
      "kernels": {kernel_key: {bucket: {"config": {...}, "triton_ms": 0.011,
@@ -9,7 +10,8 @@ Choices live in `tuning.json` beside the artifact's graph and are reused at load
 `kernel_key` names the kernel and the static part of its shape (for a linear: dtype, bias,
 epilogue, N and K); `bucket` the dynamic part (the token count M, rounded up to a power of two, 128+
 for prefill). The buckets of 1 to 64 tokens share one choice (`JOINT_BUCKETS`), so that steps of
-up to 64 tokens are batch-invariant: a sequence gets the same logits alone or among others. Timing needs a GPU: on CPU and under the interpreter the first (default) candidate is
+up to 64 tokens are batch-invariant: a sequence gets the same logits alone or among others
+(`llmc compile --no-batch-invariant`: only 1 to 16, `DECODE_JOINT_BUCKETS`). Timing needs a GPU: on CPU and under the interpreter the first (default) candidate is
 returned untimed and nothing is recorded, so a CPU compile never writes choices it did not measure.
 The cuBLAS time is kept beside the best Triton time so the lowering can keep cuBLAS where it wins.
 """
@@ -30,9 +32,12 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-# steps of up to 64 tokens (decode batches, short prefills): one choice for all of them (chosen on
-# their summed time), so a sequence's GEMMs sum in the same order whatever it shares a step with
+# buckets that share one choice (timed on their summed time), so that a sequence's GEMMs sum in
+# the same order whatever it shares a step with. Batch-invariant (the default): every step of up
+# to 64 tokens, decode batches and short prefills alike. Otherwise only decode batches of up to 16
+# share; 32 and 64 get taller tiles of their own (faster at those sizes, not invariant).
 JOINT_BUCKETS = ("1", "2", "4", "8", "16", "32", "64")
+DECODE_JOINT_BUCKETS = ("1", "2", "4", "8", "16")
 
 
 def m_bucket(m: int) -> str:
@@ -101,9 +106,12 @@ class Tuner:
         {'BLOCK': 64}
     """
 
-    def __init__(self, records: dict[str, dict[str, dict]] | None = None, device: str | None = None):
+    def __init__(self, records: dict[str, dict[str, dict]] | None = None, device: str | None = None,
+                 frozen: bool = False, joint: Sequence[str] = JOINT_BUCKETS):
         self.records: dict[str, dict[str, dict]] = records or {}
         self.device = device or _device_name()
+        self.frozen = frozen  # an artifact's choices: looked up, never timed at run time
+        self.joint = tuple(joint)  # the buckets that share one choice
 
     def lookup(self, key: str, bucket: str) -> TuneRecord | None:
         rec = self.records.get(key, {}).get(bucket)
@@ -133,6 +141,8 @@ class Tuner:
         rec = self.lookup(key, buckets[0])
         if rec is not None:
             return rec.config
+        if self.frozen:
+            return dict(candidates[0])
         rec = self.tune(candidates, bench, baseline, margin)
         for b in buckets:
             self.records.setdefault(key, {})[b] = asdict(rec)
@@ -160,7 +170,8 @@ class Tuner:
 
     def to_json(self) -> dict:
         import triton
-        return {"format": FORMAT, "device": self.device, "triton": triton.__version__, "kernels": self.records}
+        return {"format": FORMAT, "device": self.device, "triton": triton.__version__,
+                "joint_buckets": list(self.joint), "kernels": self.records}
 
     def save(self, path: str | Path) -> None:
         """Write tuning.json atomically (plain JSON, sorted keys for stable diffs)."""
@@ -172,8 +183,13 @@ class Tuner:
 
     @classmethod
     def from_artifact(cls, tuning: dict | None) -> "Tuner | None":
-        """The tuner of an artifact's tuning.json contents; None when it holds no records."""
-        return cls.from_json(tuning) if tuning and tuning.get("kernels") else None
+        """The frozen tuner of an artifact's tuning.json contents (it never times anything: a shape
+        or bucket with no record runs cuBLAS); None when it holds no records."""
+        if not (tuning and tuning.get("kernels")):
+            return None
+        t = cls.from_json(tuning)
+        t.frozen = True
+        return t
 
     @classmethod
     def from_json(cls, data: dict) -> "Tuner":
@@ -182,9 +198,10 @@ class Tuner:
                                 f"recompile the artifact, or delete tuning.json to use default tiles")
         here = _device_name()
         if here is not None and data.get("device") not in (None, here):
-            log.warning("tuning.json was measured on %s, this is %s: tuning afresh", data.get("device"), here)
+            log.warning("tuning.json was measured on %s, this is %s: its choices are not used (recompile to "
+                        "tune here)", data.get("device"), here)
             return cls()
-        return cls(data.get("kernels", {}), data.get("device"))
+        return cls(data.get("kernels", {}), data.get("device"), joint=data.get("joint_buckets", JOINT_BUCKETS))
 
     @classmethod
     def load(cls, path: str | Path) -> "Tuner":

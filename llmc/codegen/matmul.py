@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from llmc.codegen.autotune import JOINT_BUCKETS, Tuner, bucket_size, m_bucket
+from llmc.codegen.autotune import Tuner, bucket_size, m_bucket
 from llmc.codegen.elementwise import (HELPERS, UNARY_OPS, _freeze_attrs, cast_expr, cast_helpers, compiled,
                                       interpreting, op_expr)
 from llmc.codegen.kernels import KernelSpec, tile_counters
@@ -83,18 +83,23 @@ def _cfg(bm, bn, bk, split_k, warps, stages) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "num_warps": warps, "num_stages": stages}
 
 
-def candidates(bucket: str) -> list[dict]:
+def candidates(bucket: str, shared: bool = True) -> list[dict]:
     """Configs to try for an M bucket, the default first (the default is what CPU and interpreter use).
 
-    Up to 64 tokens the tiles are 16 rows tall whatever M is: the buckets share one choice
-    (`JOINT_BUCKETS`), and a row's sum must not depend on how many rows share its tile grid.
+    Up to 16 tokens, and up to 64 when the bucket shares its choice with smaller ones (`shared`,
+    see `JOINT_BUCKETS`), the tiles are 16 rows tall whatever M is: a row's sum then does not
+    depend on how many rows share its tile grid.
     """
     m = bucket_size(bucket)
-    if m <= 64:  # weight streaming: narrow N tiles and split-K for enough programs in flight
+    if m <= 16 or m <= 64 and shared:  # weight streaming: narrow N tiles and split-K for enough programs
         return [_cfg(16, 64, 128, 1, 4, 4), _cfg(16, 32, 128, 1, 4, 4), _cfg(16, 64, 256, 1, 4, 3),
                 _cfg(16, 128, 128, 1, 4, 3), _cfg(16, 64, 128, 2, 4, 4), _cfg(16, 32, 256, 2, 4, 3),
                 _cfg(16, 64, 128, 4, 4, 4), _cfg(16, 32, 128, 4, 4, 4), _cfg(16, 64, 256, 4, 4, 3),
                 _cfg(16, 32, 128, 8, 4, 4), _cfg(16, 64, 64, 8, 4, 4), _cfg(16, 128, 64, 1, 4, 4)]
+    if m <= 64:
+        return [_cfg(m, 64, 64, 1, 4, 4), _cfg(m, 128, 64, 1, 4, 4), _cfg(m, 64, 128, 1, 4, 3),
+                _cfg(m, 128, 128, 1, 8, 3), _cfg(m, 64, 64, 2, 4, 4), _cfg(m, 128, 64, 2, 4, 4),
+                _cfg(m, 64, 128, 4, 4, 3), _cfg(m, 32, 128, 2, 4, 4)]
     return [_cfg(64, 128, 64, 1, 4, 4), _cfg(128, 128, 64, 1, 8, 3), _cfg(128, 64, 64, 1, 4, 4),
             _cfg(64, 64, 64, 1, 4, 4), _cfg(128, 256, 64, 1, 8, 3), _cfg(64, 256, 64, 1, 8, 3)]
 
@@ -173,7 +178,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
         config = candidates(m_bucket(M))[0]
     elif config is None:
         bucket = m_bucket(M)
-        group = JOINT_BUCKETS if bucket in JOINT_BUCKETS else (bucket,)
+        group = tuner.joint if bucket in tuner.joint else (bucket,)
         made: list = []
 
         def io():  # inputs for every bucket of the group, made only if the choice is timed now
@@ -181,7 +186,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
                 made.extend((torch.randn(bucket_size(g), K, dtype=x2.dtype, device=x2.device),
                              torch.empty(bucket_size(g), N, dtype=x2.dtype, device=x2.device)) for g in group)
             return made
-        config = tuner.choose(spec.key(N, K), group, candidates(bucket),
+        config = tuner.choose(spec.key(N, K), group, candidates(bucket, len(group) > 1),
                               bench=lambda cfg: [_launch(spec, xi, w, b, yi, cfg) for xi, yi in io()],
                               baseline=lambda: [reference(xi, w, b, spec.epilogue) for xi, _ in io()])
     _launch(spec, x2, w, b, y2, config)
@@ -190,12 +195,13 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = (), *,
            tuner: Tuner | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`matmul`, or cuBLAS (torch) where the tuner recorded that cuBLAS is faster for this shape bucket."""
+    """`matmul`, or cuBLAS (torch) where the tuner recorded that cuBLAS is faster for this shape bucket,
+    or where a frozen tuner (an artifact's) has no record for it."""
     if tuner is not None:
         spec = MatmulSpec(dtype_name(x.dtype), b is not None, tuple(epilogue))
         M = x.numel() // max(1, x.shape[-1])
         rec = tuner.lookup(spec.key(w.shape[0], w.shape[1]), m_bucket(M))
-        if rec is not None and rec.prefer_cublas:
+        if rec.prefer_cublas if rec is not None else tuner.frozen:
             return reference(x, w, b, epilogue, out)
     return matmul(x, w, b, epilogue, tuner=tuner, out=out)
 

@@ -342,7 +342,7 @@ def test_decode_buckets_share_one_choice_timed_on_their_sum(monkeypatch):
     monkeypatch.setattr(autotune, "can_time", lambda: True)
     monkeypatch.setattr(autotune, "gpu_time_ms", lambda fn: sum(fn()))
     monkeypatch.setattr(mm, "_launch", fake_launch)
-    monkeypatch.setattr(mm, "candidates", lambda bucket: [{"A": 1}, {"A": 2}])
+    monkeypatch.setattr(mm, "candidates", lambda bucket, shared=True: [{"A": 1}, {"A": 2}])
     monkeypatch.setattr(mm, "reference", lambda *a, **k: 100.0)
     t = Tuner(device="test-gpu")
     x, w = rand(3, 32), rand(16, 32)
@@ -356,6 +356,31 @@ def test_decode_buckets_share_one_choice_timed_on_their_sum(monkeypatch):
     assert seen == [(1, 2)]  # recorded: not retimed
     mm.matmul(rand(130, 32), w, tuner=t)
     assert set(t.records[key]) == {*autotune.JOINT_BUCKETS, "128+"}
+    t2 = Tuner(device="test-gpu", joint=autotune.DECODE_JOINT_BUCKETS)  # --no-batch-invariant
+    mm.matmul(rand(20, 32), w, tuner=t2)
+    assert set(t2.records[key]) == {"32"}
+    monkeypatch.undo()
+    assert candidates("32")[0]["BLOCK_M"] == 16 and candidates("32", shared=False)[0]["BLOCK_M"] == 32
+
+
+def test_artifact_tuner_never_times_and_runs_cublas_where_untuned(monkeypatch):
+    """An artifact's tuner is frozen: a bucket with a record uses it, one without (a 128+ prefill)
+    runs cuBLAS, and nothing is timed at run time even on a GPU."""
+    monkeypatch.setattr(autotune, "can_time", lambda: True)
+    monkeypatch.setattr(autotune, "gpu_time_ms", lambda fn: pytest.fail("timed at run time"))
+    used = []
+    monkeypatch.setattr(mm, "_launch", lambda spec, x2, w, b, y2, cfg: used.append(("triton", x2.shape[0])))
+    monkeypatch.setattr(mm, "reference", lambda x, *a, **k: used.append(("cublas", x.shape[0])))
+    key = MatmulSpec("f32", False).key(16, 32)
+    rec = {"config": dict(candidates("1")[0]), "triton_ms": 1.0, "cublas_ms": 2.0, "prefer_cublas": False}
+    t = Tuner.from_artifact({"format": autotune.FORMAT, "device": None, "kernels": {key: {"1": rec}}})
+    assert t.frozen
+    w = rand(16, 32)
+    mm.linear(rand(1, 32), w, tuner=t)
+    mm.linear(rand(130, 32), w, tuner=t)
+    assert used == [("triton", 1), ("cublas", 130)]
+    assert mm.matmul(rand(130, 32), w, tuner=t) is not None and used[-1] == ("triton", 130)  # default tiles
+    assert "128+" not in t.records[key]
 
 
 def test_kernels_ran_in_the_expected_mode():
