@@ -11,8 +11,9 @@ Choices live in `tuning.json` beside the artifact's graph and are reused at load
 epilogue, N and K); `bucket` the dynamic part (the token count M, rounded up to a power of two, 128+
 for prefill). The buckets of 1 to 64 tokens share one choice (`JOINT_BUCKETS`), so that steps of
 up to 64 tokens are batch-invariant: a sequence gets the same logits alone or among others
-(`llmc compile --no-batch-invariant`: only 1 to 16, `DECODE_JOINT_BUCKETS`). Timing needs a GPU: on CPU and under the interpreter the first (default) candidate is
-returned untimed and nothing is recorded, so a CPU compile never writes choices it did not measure.
+(`llmc compile --no-batch-invariant`: only 1 to 16, `DECODE_JOINT_BUCKETS`). Timing needs a GPU:
+on CPU and under the interpreter the first (default) candidate is returned untimed and nothing is
+recorded, so a CPU compile never writes choices it did not measure.
 The cuBLAS time is kept beside the best Triton time so the lowering can keep cuBLAS where it wins.
 """
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 At decode M is 1..64 tokens and a linear is a weight stream (memory-bound): what matters is
 reading w once with enough programs in flight to saturate HBM. The N tiles alone are too few
-programs for 132 SMs, so split-K spreads K over more
-programs (fp32 partials; the split that finishes a tile last sums them in split order and applies
-the epilogue, so split-K is still one launch and its result does not depend on timing). The epilogue
-(bias, silu, gelu, ...) runs on the fp32 accumulator, so y is written once and never read back.
-Tiles come from `autotune.Tuner` per M bucket; `prefer_cublas` records where cuBLAS wins.
+programs for 132 SMs, so split-K spreads K over more programs (fp32 partials; the split that
+finishes a tile last sums them in split order and applies the epilogue, so split-K is still one
+launch and its result does not depend on timing). The epilogue (bias, silu, gelu, ...) runs on
+the fp32 accumulator, so y is written once and never read back. Tiles come from `autotune.Tuner`
+per M bucket; `prefer_cublas` records where cuBLAS wins.
 """
 from __future__ import annotations
 

@@ -324,6 +324,8 @@ class _StepGraph:
         n, p0 = len(s.token_ids), s.start_pos
         end = p0 + n
         used = (end + block_size - 1) // block_size
+        if used > len(s.block_table):
+            raise LLMCError(f"sequence 0: {end} tokens need more blocks than its table has")
         table = np.asarray(s.block_table[:used], dtype=np.int64)
         pos = np.arange(p0, end)
         self.np["input_ids"][:n] = s.token_ids
