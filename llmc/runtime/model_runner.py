@@ -271,7 +271,9 @@ class _StepGraph:
                   ("block_tables", torch.int32, (N, max_blocks))]
         offsets, nbytes = [], 0
         for _, dtype, shape in layout:
-            nbytes = -(-nbytes // 8) * 8
+            # 16-byte aligned like any fresh tensor: Triton specializes kernels on pointer alignment,
+            # so eager steps and graphs then share compiled variants
+            nbytes = -(-nbytes // 16) * 16
             offsets.append(nbytes)
             nbytes += dtype.itemsize * int(np.prod(shape))
         cuda = torch.device(device).type == "cuda"
