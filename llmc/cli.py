@@ -71,8 +71,9 @@ def main(ctx, debug):
               help="On a GPU, time generated matmul tiles against cuBLAS per token bucket and keep the winners "
                    "(tuning.json). --no-tune: cuBLAS for every GEMM, as torch runs them.")
 @click.option("--batch-invariant/--no-batch-invariant", default=True, show_default=True,
-              help="Tune every step of up to 64 tokens to one GEMM choice, so a sequence's tokens do not depend "
-                   "on the requests it shares steps with. --no-batch-invariant: only decode batches of up to 16 "
+              help="Tune every step of up to 64 tokens to one GEMM choice: where that is the generated kernel, a "
+                   "sequence's sums do not depend on the requests it shares steps with (where cuBLAS wins, it picks "
+                   "its kernels per size, as under torch). --no-batch-invariant: only decode batches of up to 16 "
                    "share one; steps of 17-64 tokens get faster tiles of their own.")
 def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_after, dump_ir, verify, explain_fusion,
             no_fuse, tune, batch_invariant):

@@ -68,9 +68,9 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         dump_ir: a directory to write the IR after every pass.
         tune: on a GPU, time the matmul tile candidates of every linear per token bucket against
             cuBLAS and save the choices in tuning.json (reused at load, never retuned).
-        batch_invariant: tune every step of up to 64 tokens to one GEMM choice, so that a
-            sequence's tokens do not depend on what shares its steps (False: decode batches of up to
-            16 only; faster at 32-64 tokens per step).
+        batch_invariant: tune every step of up to 64 tokens to one GEMM choice, so that where the
+            generated kernel wins a sequence's sums do not depend on what shares its steps (False:
+            decode batches of up to 16 only; faster at 32-64 tokens per step).
     Returns:
         The written Artifact.
 

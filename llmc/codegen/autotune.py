@@ -9,9 +9,11 @@ Choices live in `tuning.json` beside the artifact's graph and are reused at load
 
 `kernel_key` names the kernel and the static part of its shape (for a linear: dtype, bias,
 epilogue, N and K); `bucket` the dynamic part (the token count M, rounded up to a power of two, 128+
-for prefill). The buckets of 1 to 64 tokens share one choice (`JOINT_BUCKETS`), so that steps of
-up to 64 tokens are batch-invariant: a sequence gets the same logits alone or among others
-(`llmc compile --no-batch-invariant`: only 1 to 16, `DECODE_JOINT_BUCKETS`). Timing needs a GPU:
+for prefill). The buckets of 1 to 64 tokens share one choice (`JOINT_BUCKETS`): where that is the
+generated kernel, every step of up to 64 tokens runs the same 16-row tiles, so a sequence's sums are
+bitwise the same alone or among others; where cuBLAS wins for the group, cuBLAS picks its own
+kernels per size, as under torch (`llmc compile --no-batch-invariant`: only 1 to 16 share,
+`DECODE_JOINT_BUCKETS`). Timing needs a GPU:
 on CPU and under the interpreter the first (default) candidate is returned untimed and nothing is
 recorded, so a CPU compile never writes choices it did not measure.
 The cuBLAS time is kept beside the best Triton time so the lowering can keep cuBLAS where it wins.
@@ -33,10 +35,11 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-# buckets that share one choice (timed on their summed time), so that a sequence's GEMMs sum in
-# the same order whatever it shares a step with. Batch-invariant (the default): every step of up
-# to 64 tokens, decode batches and short prefills alike. Otherwise only decode batches of up to 16
-# share; 32 and 64 get taller tiles of their own (faster at those sizes, not invariant).
+# buckets that share one choice (timed on their summed time), so that where the generated kernel
+# is chosen a sequence's GEMMs sum in the same order whatever it shares a step with. Batch-invariant
+# (the default): every step of up to 64 tokens, decode batches and short prefills alike. Otherwise
+# only decode batches of up to 16 share; 32 and 64 get taller tiles of their own (faster at those
+# sizes, not invariant).
 JOINT_BUCKETS = ("1", "2", "4", "8", "16", "32", "64")
 DECODE_JOINT_BUCKETS = ("1", "2", "4", "8", "16")
 
