@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from llmc.ir.graph import Graph, Node
-from llmc.ir.types import dim_eval, dim_mul, make_dim, torch_dtype
+from llmc.ir.types import dim_eval, dim_mul, dim_symbols, make_dim, torch_dtype
 
 ALIGN = 256  # bytes: every buffer starts on a boundary the kernels' vector loads like
 
@@ -82,8 +82,7 @@ class BufferPlan:
                 if v.name in escaping or v.name in root:
                     continue
                 nbytes = dim_mul(*[make_dim(d) for d in v.type.shape], torch_dtype(v.type.dtype).itemsize)
-                if not isinstance(nbytes, int):
-                    symbols |= _free_symbols(nbytes)
+                symbols |= dim_symbols(nbytes)
                 buffers[v.name] = Buffer(v.name, nbytes, i, max(last.get(v.name, i), i))
         return cls(buffers, tuple(sorted(symbols)))
 
@@ -143,8 +142,3 @@ def _bucket(v: int) -> int:
 
 def _eval(nbytes, env: dict[str, int]) -> int:
     return nbytes if isinstance(nbytes, int) else dim_eval(nbytes, env)
-
-
-def _free_symbols(d) -> set[str]:
-    from llmc.ir.types import _compiled
-    return set(_compiled(d.name)[1])

@@ -123,6 +123,11 @@ def dim_eval(d: Dim, env: dict[str, int]) -> int:
     return int(fn(*[env[n] for n in names]))
 
 
+def dim_symbols(d: Dim) -> set[str]:
+    """The symbols a dim depends on (none for an int)."""
+    return set() if isinstance(d, int) else set(_compiled(d.name)[1])
+
+
 @functools.lru_cache(maxsize=1024)
 def _compiled(expr: str):
     """An expression over symbols as a plain Python function (sympy parses once per expression)."""

@@ -40,6 +40,15 @@ DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
+def blocks_covering(i: int, s: StepInput, block_size: int) -> int:
+    """How many blocks sequence i's context covers after this step; an error if its table is shorter."""
+    end = s.start_pos + len(s.token_ids)
+    used = (end + block_size - 1) // block_size
+    if used > len(s.block_table):
+        raise LLMCError(f"sequence {i}: {end} tokens need more blocks than its table has")
+    return used
+
+
 def select_backend(backend: str, device: str | torch.device | None = None) -> str:
     """auto: cuda when a GPU is present, else reference. triton-interpret runs the generated kernels
     on the CPU, which needs TRITON_INTERPRET=1 before triton is first imported."""
@@ -130,8 +139,7 @@ class ModelRunner:
         for i, s in enumerate(batch):
             n = len(s.token_ids)
             end = s.start_pos + n
-            if (end + self.block_size - 1) // self.block_size > len(s.block_table):
-                raise LLMCError(f"sequence {i}: {end} tokens need more blocks than its table has")
+            blocks_covering(i, s, self.block_size)
             ids += s.token_ids
             pos += range(s.start_pos, end)
             slots += [slot_for(s.block_table, p, self.block_size) for p in range(s.start_pos, end)]
@@ -298,10 +306,20 @@ class _StepGraph:
         self.arena: torch.Tensor | None = None
         self.rows = T  # token rows holding a token in the last step (the rest are padding)
 
+    def _host_free(self) -> None:
+        """Wait until the previous step's copy has left the pinned buffer."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
+    def _send(self) -> None:
+        """Start the one asynchronous copy of the step's inputs to the device."""
+        self.dev.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
     def load(self, batch: list[StepInput], block_size: int) -> None:
         """Write the batch into the pinned buffer and start its copy to the device."""
-        if self.copied is not None:
-            self.copied.synchronize()  # the previous step's copy has left the host buffer
+        self._host_free()
         ids, pos, slots = self.np["input_ids"], self.np["positions"], self.np["slot_mapping"]
         lens, tables = self.np["seq_lens"], self.np["block_tables"]
         for i, s in enumerate(batch):
@@ -314,20 +332,15 @@ class _StepGraph:
         if n < self.rows:  # rows that held sequences last step become padding again
             ids[n:], pos[n:], slots[n:], lens[n:] = 0, 0, -1, 1
         self.rows = n
-        self.dev.copy_(self.host, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+        self._send()
 
     def load_prefill(self, s: StepInput, block_size: int) -> None:
         """Write one sequence's new tokens (at most T, the logits of the last one) and start the copy."""
         import numpy as np
-        if self.copied is not None:
-            self.copied.synchronize()
+        self._host_free()
         n, p0 = len(s.token_ids), s.start_pos
         end = p0 + n
-        used = (end + block_size - 1) // block_size
-        if used > len(s.block_table):
-            raise LLMCError(f"sequence 0: {end} tokens need more blocks than its table has")
+        used = blocks_covering(0, s, block_size)
         table = np.asarray(s.block_table[:used], dtype=np.int64)
         pos = np.arange(p0, end)
         self.np["input_ids"][:n] = s.token_ids
@@ -340,9 +353,7 @@ class _StepGraph:
         self.np["seq_lens"][0] = end
         self.np["logits_indices"][0] = n - 1
         self.np["block_tables"][0, :used] = table
-        self.dev.copy_(self.host, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+        self._send()
 
     def read_tokens(self, n: int) -> torch.Tensor:
         """The argmax tokens of the first n rows, on the host."""
