@@ -58,7 +58,7 @@ def main(ctx, debug):
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
               help="Precision of weights and activations.")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default="auto", show_default=True,
-              help="KV cache storage: the model dtype, or int8/fp8 with a scale per block and head.")
+              help="KV cache storage: the model dtype, or int8/fp8: each entry relative to its block's first, with a scale per token and head.")
 @click.option("--pass", "passes", multiple=True, metavar="SPEC",
               help="Add a pass: NAME, NAME{opt=value}, FILE.py:Class or module:Class. Repeatable.")
 @click.option("--pass-before", default=None, metavar="NAME", help="Insert --pass passes before this pass.")

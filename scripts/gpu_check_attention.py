@@ -20,7 +20,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llmc.codegen.attention import paged_attention, rope_kv_write  # noqa: E402
 from llmc.ir.ops import _rope_ref  # noqa: E402
-from llmc.ir.paged_attention import QMAX, _to_q, _write, paged_attention_ref  # noqa: E402
+from llmc.ir.paged_attention import QMAX, _to_q, _write, paged_attention_ref, scale_width  # noqa: E402
 
 DEV = "cuda"
 
@@ -110,9 +110,11 @@ def golden_case(name, ctx, new, Hq, Hkv, D, BS, dtype, kv_dtype, window=0):
     slots = torch.cat([b["bt"][i, torch.arange(L - n, L, device=DEV) // BS].long() * BS
                        + torch.arange(L - n, L, device=DEV) % BS for i, (L, n) in enumerate(zip(ctx, new))])
     quant = kv_dtype in QMAX
-    scale_t = torch.rand(2, b["cache"].shape[1], Hkv, device=DEV) * 0.02 + 0.01 if quant else None
-    cache0 = (_to_q(b["cache"].float() / scale_t[:, :, None, :, None], kv_dtype, QMAX[kv_dtype])
-              if quant else b["cache"])
+    scale_t = None
+    if quant:  # an earlier state: random centres, positive per-token scales, garbage codes
+        scale_t = torch.randn(b["cache"].shape[1], Hkv, scale_width(D, BS), device=DEV)
+        scale_t[..., 2 * D:] = scale_t[..., 2 * D:].abs() * 0.02 + 0.01
+    cache0 = _to_q(b["cache"].float() / 0.02, kv_dtype, QMAX[kv_dtype]) if quant else b["cache"]
     ref_cache, ref_scale = cache0.clone(), scale_t.clone() if quant else None
     # rope in fp32 like the kernel: in bf16 the reference's own three roundings dominate the comparison
     rope = lambda x: _rope_ref((x.float(), cos[:, None].float(), sin[:, None].float()), {}, None).to(dtype)  # noqa: E731

@@ -11,7 +11,7 @@ Two kernel families, each a frozen spec naming its template (all decisions are m
   last, in one launch) so that a few long sequences still fill the GPU.
 
 Layouts are the token-flattened ones of `llmc/ir/paged_attention.py` (the golden model): q, k, v
-[T, H, D]; kv_cache [2, NB, BS, Hkv, D]; kv_scale [2, NB, Hkv]. The kernels run on CUDA, or on
+[T, H, D]; kv_cache [2, NB, BS, Hkv, D]; kv_scale [NB, Hkv, 2D + 2BS]. The kernels run on CUDA, or on
 CPU under `TRITON_INTERPRET=1` (set before the first `load` of a spec: `triton.jit` reads it when
 the rendered module is imported).
 """
@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from llmc.codegen.kernels import KernelSpec, load, tile_counters
-from llmc.ir.paged_attention import QMAX, _write
+from llmc.ir.paged_attention import QMAX, scale_width
 
 LOG2E = 1.4426950408889634
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -65,8 +65,9 @@ def _load_memo(spec: KernelSpec, interpret: str) -> ModuleType:
 class RopeKVWriteSpec(KernelSpec):
     """Rope q and k of the new tokens and write k, v into the paged cache, in one kernel.
 
-    One program per token handles all its heads, so cos/sin are read once per token. With
-    `write_cache=False` (quantized caches) the kernel returns the roped k instead of writing it.
+    One program per token handles all its heads, so cos/sin are read once per token. Quantized
+    caches (int8 / fp8) are written as the golden model writes them: each entry relative to its
+    block's first entry, with a scale per token and head (`llmc/ir/paged_attention.py`).
     """
 
     template: ClassVar[str] = "rope_kv_write.py.jinja"
@@ -76,7 +77,6 @@ class RopeKVWriteSpec(KernelSpec):
     dtype: str = "float16"
     cache_dtype: str = "float16"
     block_size: int = 16
-    write_cache: bool = True
 
     def __post_init__(self):
         if self.head_dim % 2:
@@ -84,10 +84,20 @@ class RopeKVWriteSpec(KernelSpec):
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"cache block_size must be a power of two, got {self.block_size}")
 
+    @property
+    def quantized(self) -> bool:
+        return self.cache_dtype in QUANTIZED
+
+    def context(self) -> dict[str, Any]:
+        return {**super().context(), "quantized": self.quantized}
+
     def constexprs(self) -> dict[str, Any]:
-        return dict(NUM_Q_HEADS=self.num_q_heads, NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim,
-                    HALF=self.head_dim // 2, BLOCK_HQ=_pow2(self.num_q_heads),
-                    BLOCK_HKV=_pow2(self.num_kv_heads), BLOCK_D=_pow2(self.head_dim), BLOCK_SIZE=self.block_size)
+        c = dict(NUM_Q_HEADS=self.num_q_heads, NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim,
+                 HALF=self.head_dim // 2, BLOCK_HQ=_pow2(self.num_q_heads),
+                 BLOCK_HKV=_pow2(self.num_kv_heads), BLOCK_D=_pow2(self.head_dim), BLOCK_SIZE=self.block_size)
+        if self.quantized:
+            c["QMAX"] = QMAX[DTYPES[self.cache_dtype]]
+        return c
 
 
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -100,9 +110,8 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         cos, sin: [T, D] rope tables of each token's position.
         kv_cache: [2, NB, BS, Hkv, D]; written in place at `slot_mapping`.
         slot_mapping: [T] int flat slot (block * BS + offset) per token; -1 skips the token.
-        kv_scale: [2, NB, Hkv] f32, required for int8 / fp8 caches. For those the kernel ropes k only
-            and the write goes through the reference `_write` (per-(block, head) scale that grows
-            and requantizes the block), so the cache contents match the golden model exactly.
+        kv_scale: [NB, Hkv, 2D + 2BS] f32, required for int8 / fp8 caches (the blocks' centres and
+            per-token scales, `scale_layout` in llmc/ir/paged_attention.py); written in place.
         q_out: a contiguous [T, Hq, D] tensor for the result; allocated when None.
 
     Returns:
@@ -119,23 +128,18 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     assert slot_mapping.shape == (T,), slot_mapping.shape
     quant = kv_cache.dtype in QMAX
     assert (kv_scale is not None) == quant, "kv_scale is required exactly for int8 / fp8 caches"
-    spec = RopeKVWriteSpec(D, Hq, Hkv, dtype_name(q.dtype), dtype_name(kv_cache.dtype), kv_cache.shape[2],
-                           write_cache=not quant)
+    if quant:
+        assert kv_scale.shape == (kv_cache.shape[1], Hkv, scale_width(D, kv_cache.shape[2])), kv_scale.shape
+    spec = RopeKVWriteSpec(D, Hq, Hkv, dtype_name(q.dtype), dtype_name(kv_cache.dtype), kv_cache.shape[2])
     if q_out is None:
         q_out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((T, Hkv, D), dtype=k.dtype, device=k.device) if quant else q_out  # unused unless quant
     if T == 0:
         return q_out
-    mod = _module(spec)
-    mod.rope_kv_write_kernel[(T,)](
-        q, k, v, cos, sin, slot_mapping, q_out, kv_cache, k_out,
+    _module(spec).rope_kv_write_kernel[(T,)](
+        q, k, v, cos, sin, slot_mapping, q_out, kv_cache, *((kv_scale,) if quant else ()),
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *q_out.stride(),
-        *kv_cache.stride(), *k_out.stride(),
+        *kv_cache.stride(), *(kv_scale.stride() if quant else ()),
         **spec.constexprs(), num_warps=4 if Hq * _pow2(D) >= 2048 else 1)
-    if quant:
-        slots = slot_mapping.long()
-        _write(kv_cache, kv_scale, 0, k_out, slots)
-        _write(kv_cache, kv_scale, 1, v, slots)
     return q_out
 
 
@@ -246,7 +250,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         scale: softmax scale (usually D ** -0.5).
         causal: mask keys after each query's position.
         window: > 0 limits each query to its last `window` keys (sliding window).
-        kv_scale: [2, NB, Hkv] f32 per-(block, head) dequantization scale, for int8 / fp8 caches.
+        kv_scale: [NB, Hkv, 2D + 2BS] f32 for int8 / fp8 caches: the blocks' centres and per-token scales.
         max_seqlen_q: largest n_i; 1 selects the split-K decode kernels. Computed (a host sync) if None.
         max_seqlen_k: largest seq_len; sizes the decode splits. Computed (a host sync) if None.
         block_m, block_n: tile overrides (0 = the spec's choice); partition_size: decode keys per

@@ -383,7 +383,7 @@ def _static_spec(n: Node, block_size: int):
     if n.op == "rope_kv_write":
         q, k, cache = n.inputs[0].type, n.inputs[1].type, n.inputs[5].type
         return RopeKVWriteSpec(int(q.shape[3]), int(q.shape[1]), int(k.shape[1]), _tname(q.dtype), _tname(cache.dtype),
-                               block_size, cache.dtype not in ("i8", "f8e4m3"))
+                               block_size)
     if n.op in ("attend_paged", "paged_attention"):
         q = n.inputs[0].type
         cache = n.inputs[1 if n.op == "attend_paged" else 3].type

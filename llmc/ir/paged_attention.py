@@ -3,7 +3,8 @@
 This is the golden model for the Triton kernels. Layouts:
     q: [1, Hq, T, D]   k, v: [1, Hkv, T, D]   (T = all new tokens of all sequences in this step)
     kv_cache: [2, NB, BS, Hkv, D]  (K and V; NB blocks of BS slots)
-    kv_scale: [2, NB, Hkv] f32     (only for int8 / fp8 caches: one scale per block and head)
+    kv_scale: [NB, Hkv, 2D + 2BS] f32  (only for int8 / fp8 caches: the scales of each block and head,
+                                        see `scale_layout`)
     query_start_loc: [N+1] start of each sequence's new tokens in T
     seq_lens: [N] context length of each sequence after this step (cached + new tokens)
     block_tables: [N, M] the blocks of each sequence, in order
@@ -16,52 +17,81 @@ from __future__ import annotations
 import torch
 
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+TINY = 1e-12  # the smallest scale: an all-zero group still divides cleanly
 
 
 def quantized(cache: torch.Tensor) -> bool:
     return cache.dtype in QMAX
 
 
+def scale_width(head_dim, block_size):
+    """Floats of kv_scale per (block, kv head), see `scale_layout`; symbolic while the block size is."""
+    if isinstance(head_dim, int) and isinstance(block_size, int):
+        return 2 * head_dim + 2 * block_size
+    from llmc.ir.types import make_dim
+    return make_dim(f"2*({head_dim}) + 2*({block_size})")
+
+
+def scale_layout(head_dim: int, block_size: int) -> dict[str, slice]:
+    """Where each part of a quantized cache's kv_scale [NB, Hkv, 2D + 2BS] lives, per (block, kv head).
+
+    v_zero, k_zero [D]: the block's first V and K vectors, exact (fp32), which every entry of the
+        block is stored relative to;
+    k_token, v_token [BS]: each slot's scale (symmetric, per token and head) of its difference from
+        the block's first vector.
+    Centring on the first entry takes out what K and V vectors near each other in a sequence share
+    (K's large per-channel offsets above all), so the 8 bits resolve what differs. Every scale is
+    fixed when its entry is written: nothing is ever requantized, so nothing is rounded twice, and
+    a block's first entry is stored exactly.
+    """
+    D, BS = head_dim, block_size
+    return {"v_zero": slice(0, D), "k_zero": slice(D, 2 * D), "k_token": slice(2 * D, 2 * D + BS),
+            "v_token": slice(2 * D + BS, 2 * D + 2 * BS)}
+
+
+def _to_q(x: torch.Tensor, dtype: torch.dtype, qmax: float) -> torch.Tensor:
+    """Round half up (as the kernels do) and saturate; fp8 rounds in the cast."""
+    x = x.clamp(-qmax, qmax)
+    return torch.floor(x + 0.5).to(dtype) if dtype == torch.int8 else x.to(dtype)
+
+
 def _write(cache: torch.Tensor, scale: torch.Tensor | None, which: int, new: torch.Tensor,
            slots: torch.Tensor) -> None:
-    """Write new [T, Hkv, D] vectors into cache[which] at `slots`, requantizing blocks whose scale grows."""
-    NB, BS = cache.shape[1], cache.shape[2]
+    """Write new [T, Hkv, D] vectors into cache[which] at `slots` (-1 skips a token).
+
+    Quantized caches: a write at a block's offset 0 sets the block's centre (`scale_layout`); each
+    vector is stored as its difference from the centre, with its own scale.
+    """
+    NB, BS, H, D = cache.shape[1:]
     keep = slots >= 0
     slots, new = slots[keep], new[keep]
     if slots.numel() == 0:
         return
-    flat = cache[which].view(NB * BS, *cache.shape[3:])  # [NB*BS, Hkv, D]
+    flat = cache[which].view(NB * BS, H, D)
     if not quantized(cache):
         flat[slots] = new.to(cache.dtype)
         return
-    qmax = QMAX[cache.dtype]
-    blocks = slots // BS
-    amax = new.float().abs().amax(dim=-1)  # [t, Hkv]
-    need = torch.zeros(NB, new.shape[1], device=new.device).scatter_reduce_(
-        0, blocks[:, None].expand_as(amax), amax / qmax, "amax")  # [NB, Hkv]: the scale each block needs
-    old = scale[which]  # [NB, Hkv]
-    old[blocks[slots % BS == 0]] = 0.0  # a write at offset 0 starts a block afresh: forget a reused block's scale
-    grown = need > old
-    if grown.any():
-        # rescale the blocks' existing entries to the larger scale so that one scale covers them all
-        ratio = torch.where(grown, old / need.clamp_min(1e-12), torch.ones_like(old))  # [NB, Hkv]
-        view = cache[which]  # [NB, BS, Hkv, D]
-        rescaled = view.float() * ratio[:, None, :, None]
-        view.copy_(_to_q(rescaled, cache.dtype, qmax))
-        old.copy_(torch.maximum(old, need))
-    s = old[blocks].clamp_min(1e-12)  # [t, Hkv]
-    flat[slots] = _to_q(new.float() / s[..., None], cache.dtype, qmax)
-
-
-def _to_q(x: torch.Tensor, dtype: torch.dtype, qmax: float) -> torch.Tensor:
-    x = x.clamp(-qmax, qmax)
-    return x.round().to(dtype) if dtype == torch.int8 else x.to(dtype)
+    qmax, lay = QMAX[cache.dtype], scale_layout(D, BS)
+    x = new.float()
+    blocks, offs = slots // BS, slots % BS
+    centre = lay["v_zero" if which else "k_zero"]
+    rows = scale[blocks[offs == 0]]
+    rows[..., centre] = x[offs == 0]
+    scale[blocks[offs == 0]] = rows
+    x = x - scale[blocks][..., centre]
+    s = (x.abs().amax(dim=-1) / qmax).clamp_min(TINY)  # [t, H]
+    flat[slots] = _to_q(x / s[..., None], cache.dtype, qmax)
+    col = lay["v_token" if which else "k_token"].start + offs
+    scale[blocks[:, None], torch.arange(H, device=x.device)[None, :], col[:, None]] = s
 
 
 def _read(cache, scale, which, blocks, L, dtype):
     kv = cache[which, blocks]  # [nb, BS, Hkv, D]
     if quantized(cache):
-        kv = kv.float() * scale[which, blocks][:, None, :, None]
+        lay = scale_layout(cache.shape[4], cache.shape[2])
+        rows = scale[blocks]  # [nb, Hkv, W]
+        tok = rows[..., lay["v_token" if which else "k_token"]].transpose(1, 2)[..., None]  # [nb, BS, Hkv, 1]
+        kv = kv.float() * tok + rows[:, None, :, lay["v_zero" if which else "k_zero"]]
     return kv.reshape(-1, *cache.shape[3:])[:L].to(dtype)  # [L, Hkv, D]
 
 

@@ -13,6 +13,7 @@ import torch
 from llmc.errors import ArtifactError, LLMCError
 from llmc.ir.graph import Graph
 from llmc.ir.interpreter import Interpreter
+from llmc.ir.paged_attention import scale_width
 from llmc.ir.types import torch_dtype
 from llmc.passes.paged_kv import kv_cache_inputs, set_kv_cache_dtype
 from llmc.runtime.block_manager import slot_for
@@ -99,8 +100,12 @@ class ModelRunner:
             raise LLMCError("an fp8 KV cache needs a GPU with fp8 support (compute capability 8.9+); use int8")
         self.graph, self.block_size = graph, block_size
         self.caches = kv_cache_inputs(graph)
-        per_block = sum(2 * block_size * c.type.shape[3] * c.type.shape[4] * torch_dtype(c.type.dtype).itemsize
-                        for c in self.caches)
+        # quantized caches: kv_scale [NB, Hkv, 2D + 2BS] f32 each
+        scales = {v.name: (v.type.shape[1], scale_width(c.type.shape[4], block_size))
+                  for v in graph.inputs if v.name.startswith("kv_scale.")
+                  for c in self.caches if c.name.split(".", 1)[1] == v.name.split(".", 1)[1]}
+        per_block = (sum(2 * block_size * c.type.shape[3] * c.type.shape[4] * torch_dtype(c.type.dtype).itemsize
+                         for c in self.caches) + sum(4 * h * w for h, w in scales.values()))
         if num_blocks is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
@@ -111,11 +116,10 @@ class ModelRunner:
         self.num_blocks = int(num_blocks)
         self.kv = {c.name: torch.zeros((2, self.num_blocks, block_size, c.type.shape[3], c.type.shape[4]),
                                        dtype=torch_dtype(c.type.dtype), device=self.device) for c in self.caches}
-        for v in graph.inputs:
-            if v.name.startswith("kv_scale."):
-                self.kv[v.name] = torch.zeros((2, self.num_blocks, v.type.shape[2]), dtype=torch.float32,
-                                              device=self.device)
-        self.host_kv = {k: torch.zeros((t.shape[0], num_cpu_blocks, *t.shape[2:]), dtype=t.dtype)
+        for name, shape in scales.items():
+            self.kv[name] = torch.zeros((self.num_blocks, *shape), dtype=torch.float32, device=self.device)
+        self.host_kv = {k: torch.zeros((num_cpu_blocks, *t.shape[1:]) if t.dim() == 3 else
+                                       (t.shape[0], num_cpu_blocks, *t.shape[2:]), dtype=t.dtype)
                         for k, t in self.kv.items()} if num_cpu_blocks else {}
         self.kv_bytes = per_block * self.num_blocks
         self.max_model_len = int(graph.meta.get("max_position_embeddings") or 4096)
@@ -234,7 +238,7 @@ class ModelRunner:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for t in self.kv.values():
+        for t in map(_by_block, self.kv.values()):
             t[:, dst] = t[:, src]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
@@ -253,11 +257,16 @@ class ModelRunner:
         dev_idx = torch.tensor([p[0] for p in pairs])
         host_idx = torch.tensor([p[1] for p in pairs])
         for k, t in self.kv.items():
-            h = self.host_kv[k]
+            t, h = _by_block(t), _by_block(self.host_kv[k])
             if to_host:
                 h[:, host_idx] = t[:, dev_idx.to(t.device)].cpu()
             else:
                 t[:, dev_idx.to(t.device)] = h[:, host_idx].to(t.device)
+
+
+def _by_block(t: torch.Tensor) -> torch.Tensor:
+    """A view with blocks on dim 1: caches [2, NB, ...] as they are, scales [NB, ...] as [1, NB, ...]."""
+    return t if t.dim() == 5 else t.unsqueeze(0)
 
 
 class _StepGraph:

@@ -91,9 +91,10 @@ CODE_PROMPTS = ["def fibonacci(n):", "import os\n\n", "class Stack:\n    def __i
 def test_int8_kv_cache_agrees_with_unquantized(tiny_py_artifact, capsys):
     """On the shipped trained model, 8 prompts x 64 greedy tokens.
 
-    Teacher-forced agreement (each step's argmax on the unquantized run's own sequence) measures the
-    int8 cache itself and must be >= 98%. Free-running agreement compounds: one flipped near-tie
-    changes every later token of that prompt; it is reported, not asserted (see the issue note)."""
+    The issue's criterion: free-running greedy tokens equal to the unquantized cache's on >= 95% of
+    positions. Free-running agreement compounds (one flipped near-tie changes every later token of
+    that prompt), so teacher-forced agreement (each step's argmax on the unquantized run's own
+    sequence), which measures the int8 cache itself, is checked as well (>= 99%)."""
     from llmc.runtime.model_runner import ModelRunner, StepInput
     tok = tiny_py_artifact.tokenizer()
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -122,13 +123,14 @@ def test_int8_kv_cache_agrees_with_unquantized(tiny_py_artifact, capsys):
     with capsys.disabled():
         print(f"\n[int8 KV, tiny-py] teacher-forced agreement {forced:.4f}, free-running agreement {free:.4f} "
               f"over 8 prompts x 64 tokens (a bf16 cache, free-running: {free_bf16:.4f})")
-    assert forced >= 0.98
-    assert free > 0.5  # compounding divergences, but not a broken cache
+    assert forced >= 0.99
+    assert free >= 0.95
 
 
 def test_int8_paged_attention_logit_error(llama_artifact):
     from llmc.ir.interpreter import Interpreter
-    from llmc.passes.paged_kv import set_kv_cache_dtype
+    from llmc.ir.paged_attention import scale_width
+    from llmc.passes.paged_kv import kv_cache_inputs, set_kv_cache_dtype
     torch.manual_seed(0)
     ids = torch.randint(1, 300, (20,))
     errs = []
@@ -140,7 +142,7 @@ def test_int8_paged_attention_logit_error(llama_artifact):
                 kv[v.name] = torch.zeros(2, 8, 4, v.type.shape[3], v.type.shape[4],
                                          dtype=torch.int8 if dt == "int8" else torch.float32)
             if v.name.startswith("kv_scale."):
-                kv[v.name] = torch.zeros(2, 8, v.type.shape[2])
+                kv[v.name] = torch.zeros(8, v.type.shape[1], scale_width(kv_cache_inputs(g)[0].type.shape[4], 4))
         (out,) = Interpreter(g).run(input_ids=ids, positions=torch.arange(20), query_start_loc=torch.tensor([0, 20], dtype=torch.int32),
                                     seq_lens=torch.tensor([20], dtype=torch.int32), block_tables=torch.arange(5, dtype=torch.int32)[None],
                                     slot_mapping=torch.arange(20), logits_indices=torch.arange(20), **kv)
