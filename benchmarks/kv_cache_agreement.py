@@ -1,27 +1,31 @@
 """How far a quantized or narrower KV cache moves greedy decoding of the shipped model, on many prompts.
 
 Each prompt is the opening of a held-out file (`llmc/models/data/heldout.txt`, never trained on).
-The model runs in fp32 on the reference backend; only the KV cache storage changes: int8 (as
-shipped: each entry stored relative to its block's first entry, with a scale per token and head),
-or K/V merely stored in bf16 or fp16. Against the fp32 cache it reports
+The model runs in fp32 (--dtype) on the reference backend (--backend cuda: the generated
+kernels); only the KV cache storage changes: int8 or fp8 (as shipped: each entry stored
+relative to its block's first entry, with a scale per token and head), or K/V merely stored in
+bf16 or fp16. Against the unquantized cache it reports
   - free-running agreement: positions where the greedy tokens are equal (a flipped near-tie
     changes the rest of that prompt, so this compounds);
   - prompts whose tokens are all equal, and the mean first divergence;
-  - teacher-forced agreement (int8 only, --forced): the argmax at every position of the fp32
-    cache's own sequence, which measures the cache without compounding.
+  - with --forced, teacher-forced agreement: the argmax at every position of the unquantized
+    cache's own sequence, which measures the cache without compounding; and the KL divergence of
+    the next-token distribution from the unquantized cache's there (mean and max over
+    positions), which does not hinge on near-ties at all.
 
 With --schemes it also emulates other 8-bit schemes (fake quantization in an fp32 cache: each
-write requantizes the touched blocks from their exact values, so there is no double rounding
-either): scales per block and head (the int8 layout shipped before the centred one, minus its
-requantization), per token and head, per block, head and channel for K, asymmetric (a zero
-point), after a Hadamard rotation of head_dim, with a block kept exact until it fills, or with
-the stored entries requantized as a block's range grows; and each of K or V quantized alone.
+write requantizes the touched blocks from their exact values, so nothing is rounded twice unless
+the scheme says "requantized"): scales per block and head (the int8 layout shipped before the
+centred one), per token and head, per block, head and channel, asymmetric (a zero point), after
+a Hadamard rotation of head_dim, with the block being filled kept exact; and K or V alone.
 
-    python benchmarks/kv_cache_agreement.py --prompts 64 --tokens 64 [--forced] [--schemes] [--out DIR]
+    python benchmarks/kv_cache_agreement.py --prompts 64 --tokens 64 [--forced] [--schemes [--only "A;B"]]
+        [--backend cuda] [--dtype bfloat16] [--code-prompts] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -144,73 +148,96 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--forced", action="store_true", help="also teacher-forced agreement of the int8 cache")
+    ap.add_argument("--forced", action="store_true", help="also teacher-forced agreement and KL divergence")
     ap.add_argument("--schemes", action="store_true", help="also emulate other 8-bit schemes (see above)")
-    ap.add_argument("--only", default=None, help="with --schemes: emulate only the schemes whose names contain one of these (comma-separated)")
+    ap.add_argument("--only", default=None, help="with --schemes: emulate only these schemes (names separated by ;)")
     ap.add_argument("--backend", default="reference", help="reference (CPU) or cuda (the generated kernels)")
+    ap.add_argument("--dtype", default="float32", help="the model's dtype (float32, bfloat16, float16)")
     ap.add_argument("--code-prompts", action="store_true", help="the int8 test's 8 prompts instead of held-out files")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 cache (it needs compute capability 8.9+)")
     ap.add_argument("--skip-shipped", action="store_true", help="skip the int8 / bf16 / fp16 runs")
     ap.add_argument("--out", default=None, help="write kv_cache_agreement.json here")
     a = ap.parse_args()
+    import torch
+
     import llmc
     from llmc.runtime.engine import LLM, SamplingParams
     from llmc.runtime.model_runner import ModelRunner, StepInput
     prompts = CODE_PROMPTS if a.code_prompts else heldout_prompts(a.prompts)
-    art = llmc.compile("builtin:tiny-py", Path(tempfile.mkdtemp()) / "tiny-py.llmc")
+    art = llmc.compile("builtin:tiny-py", Path(tempfile.mkdtemp()) / "tiny-py.llmc", dtype=a.dtype)
     params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
     blocks = (a.tokens + 64) // 16 * len(prompts) + 64
 
-    def run(artifact, **kw):
+    from llmc.ir import paged_attention as pa
+
+    @contextlib.contextmanager
+    def emulating(granularity):
+        """The reference cache write replaced by an emulated scheme's (None: as it is)."""
+        if granularity is None:
+            yield
+            return
+        real, pa._write = pa._write, fake_quant_writes(granularity)
+        try:
+            yield
+        finally:
+            pa._write = real
+
+    def run(artifact, kv_dtype=None, granularity=None):
         t = time.time()
-        outs = LLM(artifact, num_blocks=blocks, max_num_seqs=16, backend=a.backend, **kw).generate(prompts, params)
+        kw = {"kv_cache_dtype": kv_dtype} if kv_dtype else {}
+        with emulating(granularity):
+            outs = LLM(artifact, num_blocks=blocks, max_num_seqs=16, backend=a.backend, **kw).generate(prompts, params)
         print(f"  generated in {time.time() - t:.0f}s", flush=True)
         return [o.token_ids for o in outs]
 
-    print(f"{len(prompts)} held-out prompts x {a.tokens} tokens; fp32 cache", flush=True)
-    ref = run(art)
-    rows = {}
-    runs = [("int8", lambda: run(art, kv_cache_dtype="int8")), ("bf16 storage", lambda: run(retyped(art, "bf16"))),
-            ("fp16 storage", lambda: run(retyped(art, "f16")))]
-    if a.schemes:
-        from llmc.ir import paged_attention as pa
+    def forced(artifact, kv_dtype=None, granularity=None):
+        """Log-probabilities at every position of the unquantized cache's sequences, one token a step."""
+        tok, per, out = art.tokenizer(), (a.tokens + 64) // 16, []
+        with emulating(granularity):
+            r = ModelRunner(artifact.graph, num_blocks=blocks, kv_cache_dtype=kv_dtype or "auto", backend=a.backend)
+            for i, (p, gen) in enumerate(zip(prompts, ref)):
+                ids = tok.encode(p, add_special_tokens=False)
+                seq, bt = ids + gen, list(range(per * i, per * i + per))
+                rows_ = [r.execute([StepInput(ids, 0, bt)])[0]]
+                rows_ += [r.execute([StepInput([seq[j]], j, bt)])[0] for j in range(len(ids), len(seq) - 1)]
+                out.append(torch.log_softmax(torch.stack(rows_).float().cpu(), dim=-1))
+        return out
 
-        def emulated(granularity):
-            real, pa._write = pa._write, fake_quant_writes(granularity)
-            try:
-                return run(art)
-            finally:
-                pa._write = real
-        runs += [(f"emulated: {name}", lambda g=g: emulated(g)) for name, g in SCHEMES.items()
-                 if a.only is None or any(w in name for w in a.only.split(","))]
+    print(f"{len(prompts)} prompts x {a.tokens} tokens; {a.dtype} model, against its unquantized cache", flush=True)
+    ref = run(art)
+    ref_lp = forced(art) if a.forced else None
+    rows = {}
+    runs = [("int8", art, "int8", None), ("fp8", art, "fp8", None)]
+    if a.backend == "reference":  # the kernels take a float cache only in the model's dtype
+        runs += [("bf16 storage", retyped(art, "bf16"), None, None), ("fp16 storage", retyped(art, "f16"), None, None)]
+    if a.schemes:
+        runs += [(f"emulated: {name}", art, None, g) for name, g in SCHEMES.items()
+                 if a.only is None or name in a.only.split(";")]
     if a.skip_shipped:
         runs = [r for r in runs if r[0].startswith("emulated")]
-    for name, make in runs:
+    if a.no_fp8:
+        runs = [r for r in runs if r[0] != "fp8"]
+    for name, artifact, kv_dtype, granularity in runs:
         print(name, flush=True)
-        got = make()
+        got = run(artifact, kv_dtype, granularity)
         same = sum(x == y for r, g in zip(ref, got) for x, y in zip(r, g))
         first = [next((j for j, (x, y) in enumerate(zip(r, g)) if x != y), len(r)) for r, g in zip(ref, got)]
         rows[name] = {"free_running": same / (len(prompts) * a.tokens),
                       "prompts_identical": sum(f == a.tokens for f in first),
                       "mean_first_divergence": sum(first) / len(first)}
-    if a.forced and "int8" in rows:
-        tok = art.tokenizer()
-        r8 = ModelRunner(art.graph, num_blocks=blocks, kv_cache_dtype="int8", backend=a.backend)
-        same = 0
-        per = (a.tokens + 64) // 16
-        for i, (p, out) in enumerate(zip(prompts, ref)):
-            ids = tok.encode(p, add_special_tokens=False)
-            seq, bt = ids + out, list(range(per * i, per * i + per))
-            preds = [int(r8.execute([StepInput(ids, 0, bt)])[0].argmax())]
-            for j in range(len(ids), len(seq) - 1):
-                preds.append(int(r8.execute([StepInput([seq[j]], j, bt)])[0].argmax()))
-            same += sum(x == y for x, y in zip(preds, out))
-        rows["int8"]["teacher_forced"] = same / (len(prompts) * a.tokens)
-    print(f"\n{'KV cache':40s} {'free-running':>12s} {'identical prompts':>18s} {'mean 1st divergence':>20s} "
-          f"{'teacher-forced':>15s}")
+        if a.forced:
+            lp = forced(artifact, kv_dtype, granularity)
+            hits = sum(int((x.argmax(-1) == torch.tensor(g)).sum()) for x, g in zip(lp, ref))
+            kl = torch.cat([(r_.exp() * (r_ - x)).sum(-1) for r_, x in zip(ref_lp, lp)])
+            rows[name].update(teacher_forced=hits / (len(prompts) * a.tokens), mean_kl=float(kl.mean()),
+                              max_kl=float(kl.max()))
+    print(f"\n{'KV cache':56s} {'free-running':>12s} {'identical prompts':>18s} {'mean 1st div.':>13s} "
+          f"{'teacher-forced':>15s} {'mean KL':>9s} {'max KL':>9s}")
     for name, r in rows.items():
-        tf = f"{r['teacher_forced']:.4f}" if "teacher_forced" in r else "-"
-        print(f"{name:40s} {r['free_running']:12.4f} {r['prompts_identical']:>10d} / {len(prompts):<5d} "
-              f"{r['mean_first_divergence']:20.1f} {tf:>15s}")
+        tf = (f"{r['teacher_forced']:15.4f} {r['mean_kl']:9.2e} {r['max_kl']:9.2e}" if "teacher_forced" in r
+              else f"{'-':>15s} {'-':>9s} {'-':>9s}")
+        print(f"{name:56s} {r['free_running']:12.4f} {r['prompts_identical']:>10d} / {len(prompts):<5d} "
+              f"{r['mean_first_divergence']:13.1f} {tf}")
     if a.out:
         Path(a.out, "kv_cache_agreement.json").write_text(json.dumps(
             {"prompts": len(prompts), "tokens": a.tokens, "rows": rows}, indent=1))

@@ -114,6 +114,7 @@ def golden_case(name, ctx, new, Hq, Hkv, D, BS, dtype, kv_dtype, window=0):
     if quant:  # an earlier state: random centres, positive per-token scales, garbage codes
         scale_t = torch.randn(b["cache"].shape[1], Hkv, scale_width(D, BS), device=DEV)
         scale_t[..., 2 * D:] = scale_t[..., 2 * D:].abs() * 0.02 + 0.01
+        scale_t = scale_t.to(dtype)  # kv_scale holds the model's dtype
     cache0 = _to_q(b["cache"].float() / 0.02, kv_dtype, QMAX[kv_dtype]) if quant else b["cache"]
     ref_cache, ref_scale = cache0.clone(), scale_t.clone() if quant else None
     # rope in fp32 like the kernel: in bf16 the reference's own three roundings dominate the comparison

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from llmc.codegen.kernels import KernelSpec, load, tile_counters
-from llmc.ir.paged_attention import QMAX, scale_width
+from llmc.ir.paged_attention import QMAX, scale_width, tiny
 
 LOG2E = 1.4426950408889634
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -95,8 +95,8 @@ class RopeKVWriteSpec(KernelSpec):
         c = dict(NUM_Q_HEADS=self.num_q_heads, NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim,
                  HALF=self.head_dim // 2, BLOCK_HQ=_pow2(self.num_q_heads),
                  BLOCK_HKV=_pow2(self.num_kv_heads), BLOCK_D=_pow2(self.head_dim), BLOCK_SIZE=self.block_size)
-        if self.quantized:
-            c["QMAX"] = QMAX[DTYPES[self.cache_dtype]]
+        if self.quantized:  # kv_scale holds the model's dtype
+            c.update(QMAX=QMAX[DTYPES[self.cache_dtype]], TINY=tiny(DTYPES[self.dtype]))
         return c
 
 
@@ -110,7 +110,7 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         cos, sin: [T, D] rope tables of each token's position.
         kv_cache: [2, NB, BS, Hkv, D]; written in place at `slot_mapping`.
         slot_mapping: [T] int flat slot (block * BS + offset) per token; -1 skips the token.
-        kv_scale: [NB, Hkv, 2D + 2BS] f32, required for int8 / fp8 caches (the blocks' centres and
+        kv_scale: [NB, Hkv, 2D + 2BS] in q's dtype, required for int8 / fp8 caches (the blocks' centres and
             per-token scales, `scale_layout` in llmc/ir/paged_attention.py); written in place.
         q_out: a contiguous [T, Hq, D] tensor for the result; allocated when None.
 
@@ -130,6 +130,7 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     assert (kv_scale is not None) == quant, "kv_scale is required exactly for int8 / fp8 caches"
     if quant:
         assert kv_scale.shape == (kv_cache.shape[1], Hkv, scale_width(D, kv_cache.shape[2])), kv_scale.shape
+        assert kv_scale.dtype == q.dtype, "kv_scale holds the model's dtype (q's)"
     spec = RopeKVWriteSpec(D, Hq, Hkv, dtype_name(q.dtype), dtype_name(kv_cache.dtype), kv_cache.shape[2])
     if q_out is None:
         q_out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
@@ -250,7 +251,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         scale: softmax scale (usually D ** -0.5).
         causal: mask keys after each query's position.
         window: > 0 limits each query to its last `window` keys (sliding window).
-        kv_scale: [NB, Hkv, 2D + 2BS] f32 for int8 / fp8 caches: the blocks' centres and per-token scales.
+        kv_scale: [NB, Hkv, 2D + 2BS] for int8 / fp8 caches: the blocks' centres and per-token scales.
         max_seqlen_q: largest n_i; 1 selects the split-K decode kernels. Computed (a host sync) if None.
         max_seqlen_k: largest seq_len; sizes the decode splits. Computed (a host sync) if None.
         block_m, block_n: tile overrides (0 = the spec's choice); partition_size: decode keys per

@@ -3,8 +3,8 @@
 This is the golden model for the Triton kernels. Layouts:
     q: [1, Hq, T, D]   k, v: [1, Hkv, T, D]   (T = all new tokens of all sequences in this step)
     kv_cache: [2, NB, BS, Hkv, D]  (K and V; NB blocks of BS slots)
-    kv_scale: [NB, Hkv, 2D + 2BS] f32  (only for int8 / fp8 caches: the scales of each block and head,
-                                        see `scale_layout`)
+    kv_scale: [NB, Hkv, 2D + 2BS]  (only for int8 / fp8 caches, in the model dtype: the centres and
+                                    scales of each block and head, see `scale_layout`)
     query_start_loc: [N+1] start of each sequence's new tokens in T
     seq_lens: [N] context length of each sequence after this step (cached + new tokens)
     block_tables: [N, M] the blocks of each sequence, in order
@@ -17,11 +17,15 @@ from __future__ import annotations
 import torch
 
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
-TINY = 1e-12  # the smallest scale: an all-zero group still divides cleanly
 
 
 def quantized(cache: torch.Tensor) -> bool:
     return cache.dtype in QMAX
+
+
+def tiny(dtype: torch.dtype) -> float:
+    """The smallest scale stored: an all-zero difference still divides cleanly."""
+    return torch.finfo(dtype).tiny
 
 
 def scale_width(head_dim, block_size):
@@ -35,10 +39,10 @@ def scale_width(head_dim, block_size):
 def scale_layout(head_dim: int, block_size: int) -> dict[str, slice]:
     """Where each part of a quantized cache's kv_scale [NB, Hkv, 2D + 2BS] lives, per (block, kv head).
 
-    v_zero, k_zero [D]: the block's first V and K vectors, exact (fp32), which every entry of the
-        block is stored relative to;
+    v_zero, k_zero [D]: the block's first V and K vectors, exact (kv_scale has the model's dtype),
+        which every entry of the block is stored relative to;
     k_token, v_token [BS]: each slot's scale (symmetric, per token and head) of its difference from
-        the block's first vector.
+        the block's first vector, rounded to that dtype before it is used.
     Centring on the first entry takes out what K and V vectors near each other in a sequence share
     (K's large per-channel offsets above all), so the 8 bits resolve what differs. Every scale is
     fixed when its entry is written: nothing is ever requantized, so nothing is rounded twice, and
@@ -76,11 +80,11 @@ def _write(cache: torch.Tensor, scale: torch.Tensor | None, which: int, new: tor
     blocks, offs = slots // BS, slots % BS
     centre = lay["v_zero" if which else "k_zero"]
     rows = scale[blocks[offs == 0]]
-    rows[..., centre] = x[offs == 0]
+    rows[..., centre] = x[offs == 0].to(scale.dtype)
     scale[blocks[offs == 0]] = rows
-    x = x - scale[blocks][..., centre]
-    s = (x.abs().amax(dim=-1) / qmax).clamp_min(TINY)  # [t, H]
-    flat[slots] = _to_q(x / s[..., None], cache.dtype, qmax)
+    x = x - scale[blocks][..., centre].float()
+    s = (x.abs().amax(dim=-1) / qmax).clamp_min(tiny(scale.dtype)).to(scale.dtype)  # [t, H]
+    flat[slots] = _to_q(x / s[..., None].float(), cache.dtype, qmax)
     col = lay["v_token" if which else "k_token"].start + offs
     scale[blocks[:, None], torch.arange(H, device=x.device)[None, :], col[:, None]] = s
 
@@ -89,7 +93,7 @@ def _read(cache, scale, which, blocks, L, dtype):
     kv = cache[which, blocks]  # [nb, BS, Hkv, D]
     if quantized(cache):
         lay = scale_layout(cache.shape[4], cache.shape[2])
-        rows = scale[blocks]  # [nb, Hkv, W]
+        rows = scale[blocks].float()  # [nb, Hkv, W]
         tok = rows[..., lay["v_token" if which else "k_token"]].transpose(1, 2)[..., None]  # [nb, BS, Hkv, 1]
         kv = kv.float() * tok + rows[:, None, :, lay["v_zero" if which else "k_zero"]]
     return kv.reshape(-1, *cache.shape[3:])[:L].to(dtype)  # [L, Hkv, D]

@@ -7,7 +7,7 @@ layer's KV cache (a graph input the runtime owns), and the LM head runs only on 
 
 Inputs of the result:
     input_ids[T], positions[T], query_start_loc[N+1], seq_lens[N], block_tables[N,M],
-    slot_mapping[T], logits_indices[L], kv_cache.<i>[2,NB,BS,Hkv,D] (+ kv_scale.<i>[NB,Hkv,2D+2BS])
+    slot_mapping[T], logits_indices[L], kv_cache.<i>[2,NB,BS,Hkv,D] (+ kv_scale.<i>[NB,Hkv,2D+2BS] in the model dtype)
 Output: logits[L, V].
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def set_kv_cache_dtype(g: Graph, kv_cache_dtype: str) -> Graph:
         scale = next((v for v in g.inputs if v.name == scale_name), None)
         if quant and scale is None:
             s = cache.type.shape
-            scale = g.add_input(scale_name, TensorType((s[1], s[3], scale_width(s[4], s[2])), "f32"))
+            scale = g.add_input(scale_name, TensorType((s[1], s[3], scale_width(s[4], s[2])), model_dtype))
         for n in nodes:
             at = get_op(n.op).operands.index("kv_scale?")
             n.inputs = n.inputs[:at] + ([scale] if quant else [])

@@ -100,12 +100,12 @@ class ModelRunner:
             raise LLMCError("an fp8 KV cache needs a GPU with fp8 support (compute capability 8.9+); use int8")
         self.graph, self.block_size = graph, block_size
         self.caches = kv_cache_inputs(graph)
-        # quantized caches: kv_scale [NB, Hkv, 2D + 2BS] f32 each
-        scales = {v.name: (v.type.shape[1], scale_width(c.type.shape[4], block_size))
+        # quantized caches: kv_scale [NB, Hkv, 2D + 2BS] each, in the model dtype
+        scales = {v.name: ((v.type.shape[1], scale_width(c.type.shape[4], block_size)), torch_dtype(v.type.dtype))
                   for v in graph.inputs if v.name.startswith("kv_scale.")
                   for c in self.caches if c.name.split(".", 1)[1] == v.name.split(".", 1)[1]}
         per_block = (sum(2 * block_size * c.type.shape[3] * c.type.shape[4] * torch_dtype(c.type.dtype).itemsize
-                         for c in self.caches) + sum(4 * h * w for h, w in scales.values()))
+                         for c in self.caches) + sum(h * w * dt.itemsize for (h, w), dt in scales.values()))
         if num_blocks is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
@@ -116,8 +116,8 @@ class ModelRunner:
         self.num_blocks = int(num_blocks)
         self.kv = {c.name: torch.zeros((2, self.num_blocks, block_size, c.type.shape[3], c.type.shape[4]),
                                        dtype=torch_dtype(c.type.dtype), device=self.device) for c in self.caches}
-        for name, shape in scales.items():
-            self.kv[name] = torch.zeros((self.num_blocks, *shape), dtype=torch.float32, device=self.device)
+        for name, (shape, dt) in scales.items():
+            self.kv[name] = torch.zeros((self.num_blocks, *shape), dtype=dt, device=self.device)
         self.host_kv = {k: torch.zeros((num_cpu_blocks, *t.shape[1:]) if t.dim() == 3 else
                                        (t.shape[0], num_cpu_blocks, *t.shape[2:]), dtype=t.dtype)
                         for k, t in self.kv.items()} if num_cpu_blocks else {}

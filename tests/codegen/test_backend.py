@@ -13,9 +13,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                        "(tests/codegen/conftest.py does it when this folder is collected first)")
 
 
-def run_json(art, backend, prompt="def add(a, b):", n=12):
+def run_json(art, backend, prompt="def add(a, b):", n=12, *extra):
     res = CliRunner().invoke(main, ["run", str(art), "--prompt", prompt, "--max-tokens", str(n), "--json",
-                                    "--backend", backend, "--num-blocks", "32", "--block-size", "4"])
+                                    "--backend", backend, "--num-blocks", "32", "--block-size", "4", *extra])
     assert res.exit_code == 0, res.output
     return json.loads(res.output)
 
@@ -23,6 +23,14 @@ def run_json(art, backend, prompt="def add(a, b):", n=12):
 def test_triton_interpret_backend_matches_reference(llama_artifact):
     ref = run_json(llama_artifact.path, "reference")
     got = run_json(llama_artifact.path, "triton-interpret")
+    assert got["token_ids"] == ref["token_ids"] and len(ref["token_ids"]) == 12
+
+
+def test_int8_cache_kernels_match_reference(llama_artifact):
+    """The int8 cache written and read by the kernels (block size 4: blocks start inside the prompt's
+    prefill and during decode) gives the golden model's tokens."""
+    ref = run_json(llama_artifact.path, "reference", "def add(a, b):", 12, "--kv-cache-dtype", "int8")
+    got = run_json(llama_artifact.path, "triton-interpret", "def add(a, b):", 12, "--kv-cache-dtype", "int8")
     assert got["token_ids"] == ref["token_ids"] and len(ref["token_ids"]) == 12
 
 

@@ -130,6 +130,7 @@ def test_int8_kv_cache_agrees_with_unquantized(tiny_py_artifact, capsys):
 def test_int8_paged_attention_logit_error(llama_artifact):
     from llmc.ir.interpreter import Interpreter
     from llmc.ir.paged_attention import scale_width
+    from llmc.ir.types import torch_dtype
     from llmc.passes.paged_kv import kv_cache_inputs, set_kv_cache_dtype
     torch.manual_seed(0)
     ids = torch.randint(1, 300, (20,))
@@ -142,7 +143,8 @@ def test_int8_paged_attention_logit_error(llama_artifact):
                 kv[v.name] = torch.zeros(2, 8, 4, v.type.shape[3], v.type.shape[4],
                                          dtype=torch.int8 if dt == "int8" else torch.float32)
             if v.name.startswith("kv_scale."):
-                kv[v.name] = torch.zeros(8, v.type.shape[1], scale_width(kv_cache_inputs(g)[0].type.shape[4], 4))
+                kv[v.name] = torch.zeros(8, v.type.shape[1], scale_width(kv_cache_inputs(g)[0].type.shape[4], 4),
+                                         dtype=torch_dtype(v.type.dtype))
         (out,) = Interpreter(g).run(input_ids=ids, positions=torch.arange(20), query_start_loc=torch.tensor([0, 20], dtype=torch.int32),
                                     seq_lens=torch.tensor([20], dtype=torch.int32), block_tables=torch.arange(5, dtype=torch.int32)[None],
                                     slot_mapping=torch.arange(20), logits_indices=torch.arange(20), **kv)
