@@ -198,8 +198,9 @@ def main():
             for i, (p, gen) in enumerate(zip(prompts, ref)):
                 ids = tok.encode(p, add_special_tokens=False)
                 seq, bt = ids + gen, list(range(per * i, per * i + per))
-                rows_ = [r.execute([StepInput(ids, 0, bt)])[0]]
-                rows_ += [r.execute([StepInput([seq[j]], j, bt)])[0] for j in range(len(ids), len(seq) - 1)]
+                # copies: a step's fp32 logits may alias the step graph's output buffer
+                rows_ = [r.execute([StepInput(ids, 0, bt)])[0].clone()]
+                rows_ += [r.execute([StepInput([seq[j]], j, bt)])[0].clone() for j in range(len(ids), len(seq) - 1)]
                 out.append(torch.log_softmax(torch.stack(rows_).float().cpu(), dim=-1))
         return out
 
