@@ -211,6 +211,8 @@ def main():
     runs = [("int8", art, "int8", None), ("fp8", art, "fp8", None)]
     if a.backend == "reference":  # the kernels take a float cache only in the model's dtype
         runs += [("bf16 storage", retyped(art, "bf16"), None, None), ("fp16 storage", retyped(art, "f16"), None, None)]
+        if a.dtype != "float32":  # how far a cache finer than the model's own dtype moves it
+            runs.append(("fp32 storage", retyped(art, "f32"), None, None))
     if a.schemes:
         runs += [(f"emulated: {name}", art, None, g) for name, g in SCHEMES.items()
                  if a.only is None or name in a.only.split(";")]
