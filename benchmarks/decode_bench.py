@@ -4,6 +4,7 @@ against the memory-bandwidth roofline measured in the same run.
 Reports: copy bandwidth, bytes read per step, roofline tok/s; the graph-replay decode step time
 (the runner alone) and the end-to-end engine tok/s (scheduler + sampler included); kernels per
 decoder layer before and after fusion. Usage: python benchmarks/decode_bench.py [--new 256] [--out DIR]
+[--kv-cache-dtype int8|fp8] (the same with a quantized KV cache)
 """
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
     ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
     ap.add_argument("--profile", action="store_true",
                     help="also profile 32 engine decode steps with torch.profiler: a table of the top host and "
                          "device ops, and a chrome trace (engine_trace.json) under --out")
@@ -123,7 +125,8 @@ def main():
     res["kernels_per_layer_fused"] = kernels_per_layer(Plan(art.graph, "meta"))["per_layer"]
     print(f"compiled in {res['compile_s']}s; kernels/layer {res['kernels_per_layer_fused']}", flush=True)
 
-    llm = LLM(art, backend=a.backend, num_blocks=2048, max_num_seqs=8)
+    res["kv_cache_dtype"] = a.kv_cache_dtype
+    llm = LLM(art, backend=a.backend, num_blocks=2048, max_num_seqs=8, kv_cache_dtype=a.kv_cache_dtype)
     prompt = torch.randint(0, cfg.vocab_size, (a.prompt,)).tolist()
     params = SamplingParams(temperature=0, max_tokens=a.new, ignore_eos=True)
     llm.generate([prompt], params)  # warm-up: compiles kernels, captures the batch-1 graph
@@ -253,7 +256,8 @@ def main():
             torch.cuda.empty_cache()
         res["prefill2048_peak_MiB_planned"], res["prefill2048_ms_planned"] = peak[True]
         res["prefill2048_peak_MiB_allocator"], res["prefill2048_ms_allocator"] = peak[False]
-    llm = LLM(art, backend=a.backend, num_blocks=2048, max_num_seqs=8)
+    res["kv_cache_dtype"] = a.kv_cache_dtype
+    llm = LLM(art, backend=a.backend, num_blocks=2048, max_num_seqs=8, kv_cache_dtype=a.kv_cache_dtype)
     # batch 8 decode through the engine (continuous batching), useful tokens per second
     prompts = [torch.randint(0, cfg.vocab_size, (a.prompt,)).tolist() for _ in range(8)]
     llm.generate(prompts, params)
