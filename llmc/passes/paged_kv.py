@@ -57,9 +57,12 @@ def set_kv_cache_dtype(g: Graph, kv_cache_dtype: str) -> Graph:
         quant = want in ("i8", "f8e4m3")
         scale_name = f"kv_scale.{cache.name.split('.', 1)[1]}"
         scale = next((v for v in g.inputs if v.name == scale_name), None)
-        if quant and scale is None:
+        if quant:  # the current layout, also over a scale input an older artifact declared
             s = cache.type.shape
-            scale = g.add_input(scale_name, TensorType((s[1], s[3], scale_width(s[4], s[2])), model_dtype))
+            scale_type = TensorType((s[1], s[3], scale_width(s[4], s[2])), model_dtype)
+            if scale is None:
+                scale = g.add_input(scale_name, scale_type)
+            scale.type = scale_type
         for n in nodes:
             at = get_op(n.op).operands.index("kv_scale?")
             n.inputs = n.inputs[:at] + ([scale] if quant else [])

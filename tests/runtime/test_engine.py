@@ -154,6 +154,23 @@ def test_int8_paged_attention_logit_error(llama_artifact):
     assert 0 < rel < 0.05  # quantization changes logits a little, never a lot
 
 
+def test_int8_graph_with_an_older_scale_layout_runs(llama_artifact):
+    """A graph compiled with an int8 cache declares its kv_scale inputs; one written with an older
+    layout ([2, NB, Hkv] f32) is retyped at load to the current one instead of failing mid-step."""
+    from llmc.ir.paged_attention import scale_width
+    from llmc.ir.types import TensorType
+    from llmc.passes.paged_kv import kv_cache_inputs, set_kv_cache_dtype
+    from llmc.runtime.model_runner import ModelRunner, StepInput
+    g = set_kv_cache_dtype(llama_artifact.graph.clone(), "int8")
+    for v in g.inputs:
+        if v.name.startswith("kv_scale."):
+            v.type = TensorType((2, "NB", v.type.shape[1]), "f32")
+    r = ModelRunner(g, num_blocks=8, block_size=4, kv_cache_dtype="int8")
+    D = kv_cache_inputs(g)[0].type.shape[4]
+    assert r.kv["kv_scale.0"].shape == (8, r.kv["kv_cache.0"].shape[3], scale_width(D, 4))
+    assert r.execute([StepInput([1, 2, 3, 4, 5], 0, [0, 1])]).shape[0] == 1
+
+
 def test_bad_requests_rejected_without_disturbing_others(llama_artifact, tok, alone):
     ps = prompts12(tok)[:3]
     llm = LLM(llama_artifact, num_blocks=64, block_size=4)
