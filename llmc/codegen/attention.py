@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from llmc.codegen.elementwise import interpreting
 from llmc.codegen.kernels import KernelSpec, load, tile_counters
 from llmc.ir.paged_attention import QMAX, scale_width, tiny
 
@@ -205,7 +206,10 @@ class PagedAttentionSpec(KernelSpec):
         ctx = super().context()
         ctx.update(quantized=self.kv_dtype in QUANTIZED, direct_output=not self.split,
                    # fp32 must not drop to tf32 on the GPU; the argument means nothing for 16-bit inputs
-                   dot_args=', input_precision="ieee"' if self.dtype == "float32" else "")
+                   dot_args=', input_precision="ieee"' if self.dtype == "float32" else "",
+                   # the interpreter's tl.dot multiplies bf16's raw uint16 bits: widen its operands
+                   # to fp32 there (exact, as the GPU's bf16 dot with an fp32 accumulator)
+                   widen=".to(tl.float32)" if self.dtype == "bfloat16" and interpreting() else "")
         return ctx
 
     def constexprs(self) -> dict[str, Any]:

@@ -18,11 +18,10 @@ Rendered modules are cached by a key that includes the interpret flag, so an alr
 module is never reused here; `test_kernels_run_interpreted` checks that.
 
 bfloat16: the triton 3.9 interpreter stores bf16 tensors as their uint16 bit patterns and its
-`InterpreterBuilder.create_dot` runs `np.matmul` on that storage directly (it converts only 8-bit
-floats), so any bf16 `tl.dot` returns garbage (~1e8) on CPU. Loads, stores, casts and elementwise
-bf16 are right. The fixture patches `create_dot` for the module to widen bf16 operands to fp32
-first (exact: bf16 is the top half of an fp32), so the bf16 kernels, unchanged, are tested here;
-on the GPU they are checked by scripts/gpu_check_attention.py.
+`tl.dot` runs `np.matmul` on that storage directly, so a bf16 `tl.dot` returns garbage (~1e8) on
+CPU. The attention specs render their dots with fp32 operands when interpreting bf16 (exact: bf16
+is the top half of an fp32); the tests here run those sources as the triton-interpret backend does,
+and `test_bf16_attention_renders_plain_dots_when_compiled` checks the GPU's sources keep bf16 dots.
 """
 from __future__ import annotations
 
@@ -30,7 +29,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -59,30 +57,13 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
-def _bf16_dot(builder, a, b, d, input_precision, max_num_imprecise_acc):
-    """`create_dot` that widens bf16 operands (uint16 bit patterns) to fp32 before the matmul."""
-    import triton.language as tl
-    from triton.runtime.interpreter import TensorHandle
-    if tl.bfloat16 not in (a.dtype.scalar, b.dtype.scalar):
-        return _ORIGINAL_DOT(builder, a, b, d, input_precision, max_num_imprecise_acc)
-    widen = lambda h: (h.data.astype(np.uint32) << 16).view(np.float32) if h.dtype.scalar == tl.bfloat16 else h.data  # noqa: E731
-    return TensorHandle(np.matmul(widen(a), widen(b), dtype=d.data.dtype) + d.data, d.dtype.scalar)
-
-
-_ORIGINAL_DOT = None
-
-
 @pytest.fixture(scope="module", autouse=True)
 def interpreted(tmp_path_factory):
-    global _ORIGINAL_DOT
     if not INTERPRETED:
         yield
         return
-    from triton.runtime.interpreter import InterpreterBuilder
-    _ORIGINAL_DOT = InterpreterBuilder.create_dot
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LLMC_CACHE_DIR", str(tmp_path_factory.mktemp("llmc_cache")))
-        mp.setattr(InterpreterBuilder, "create_dot", _bf16_dot)
         yield
 
 
@@ -158,6 +139,20 @@ def test_kernels_run_interpreted():
     from triton.runtime.interpreter import InterpretedFunction
     spec = PagedAttentionSpec(24, 4, 2, 4, "float16", "float16")
     assert isinstance(load(spec).paged_attention_prefill_kernel, InterpretedFunction)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_bf16_attention_renders_plain_dots_when_compiled(monkeypatch, mode):
+    """Interpreted, a bf16 kernel's dots take fp32 operands; compiled (the GPU), bf16 ones."""
+    import llmc.codegen.attention as attention
+    from llmc.codegen.kernels import render
+    spec = PagedAttentionSpec(64, 4, 2, 16, "bfloat16", "bfloat16", mode=mode)
+    widened = "tl.dot(q.to(tl.float32), k.to(tl.float32)"
+    assert widened in render(spec)
+    assert widened not in render(PagedAttentionSpec(64, 4, 2, 16, "float16", "float16", mode=mode))
+    monkeypatch.setattr(attention, "interpreting", lambda: False)
+    src = render(spec)
+    assert widened not in src and "tl.dot(q, k)" in src and "tl.dot(p.to(v.dtype), v)" in src
 
 
 # --------------------------------------------------------------------------------------------- rope + write
