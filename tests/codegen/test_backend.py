@@ -77,3 +77,44 @@ def test_kernel_listing_follows_tuning(llama_artifact):
     row = rows["%" + lin.outputs[0].name]
     assert row["kernel"] == "triton:matmul|cublas" and "triton for M<=2, cublas above" in row["spec"]
     assert rows["%" + lin.outputs[0].name] and Plan(g, "meta").kernels()[g.nodes.index(lin)]["kernel"] == "cublas"
+
+
+PROMPTS = ["def fibonacci(n):", "import os\n\n", "class Stack:\n    def __init__(self):", "for i in range(",
+           "with open(path) as f:", "    def __repr__(self):", "try:\n    import json", "return sorted("]
+
+
+@pytest.fixture(scope="module")
+def stable_bf16(model_root, tmp_path_factory):
+    """A random Llama whose greedy tokens bf16 rounding does not change, compiled in bf16, with its
+    prompts and HF eager bf16's greedy continuations of them."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import llmc
+    from tests.conftest import hf_greedy, make_stable_llama
+    d = make_stable_llama(model_root)
+    tok = AutoTokenizer.from_pretrained(str(d))
+    ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+    hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.bfloat16, attn_implementation="eager").eval()
+    art = llmc.compile(d, tmp_path_factory.mktemp("stable") / "stable-bf16.llmc", dtype="bfloat16")
+    return art, ids, [hf_greedy(hf, p, 64) for p in ids]
+
+
+def greedy(art, backend, ids, n):
+    from llmc.runtime.engine import LLM, SamplingParams
+    llm = LLM(art, backend=backend, num_blocks=128)
+    return [o.token_ids for o in llm.generate(ids, SamplingParams(temperature=0, max_tokens=n))]
+
+
+def test_bf16_reference_gives_hf_bf16_tokens(stable_bf16):
+    """The golden model in bf16: HF eager bf16's greedy tokens, 8 prompts x 64 (eos stops both)."""
+    art, ids, want = stable_bf16
+    assert sum(map(len, want)) >= 400  # long continuations: a real comparison
+    assert greedy(art, "reference", ids, 64) == want
+
+
+def test_bf16_generated_kernels_give_hf_bf16_tokens(stable_bf16):
+    """The generated kernels in bf16 under the interpreter (which needs their dots widened to fp32):
+    HF eager bf16's greedy tokens, 2 prompts x 12, through prefill and decode."""
+    art, ids, want = stable_bf16
+    assert greedy(art, "triton-interpret", ids[:2], 12) == [w[:12] for w in want[:2]]
