@@ -43,15 +43,16 @@ def check_matmul(repeat: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     for (N, K) in ((3072, 2048), (2048, 2048), (2048, 8192), (16384, 2048), (128256, 2048)):
         w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(torch.bfloat16)
-        for split in (2, 4, 8):
+        for split in (1, 2, 4, 8):
             cfg = _cfg(16, 64, 128, split, 4, 4)
-            x = torch.randn(16, K, device="cuda", generator=g).to(torch.bfloat16)
-            first = matmul(x, w, config=cfg)
+            x = torch.randn(64, K, device="cuda", generator=g).to(torch.bfloat16)
+            first = matmul(x, w, config=cfg)  # 4 row tiles in each program
             same = all(torch.equal(matmul(x, w, config=cfg), first) for _ in range(repeat))
             err = rel(first, reference(x, w))
-            alone = all(torch.equal(matmul(x[i:i + 1], w, config=cfg)[0], first[i]) for i in (0, 7, 15))
+            alone = all(torch.equal(matmul(x[i:i + 1], w, config=cfg)[0], first[i]) for i in (0, 7, 15, 40, 63))
             alone &= torch.equal(matmul(x[:8], w, config=cfg), first[:8])
-            record("matmul", f"N={N} K={K} M=16 split-K {split}", same, err, 1e-2, alone)
+            alone &= torch.equal(matmul(x[:20], w, config=cfg), first[:20])  # 2 row tiles
+            record("matmul", f"N={N} K={K} M=64 split-K {split}", same, err, 1e-2, alone)
 
 
 def make_decode(ctx, Hq, Hkv, D, BS, dtype, g):

@@ -4,7 +4,9 @@ At decode M is 1..64 tokens and a linear is a weight stream (memory-bound): what
 reading w once with enough programs in flight to saturate HBM. The N tiles alone are too few
 programs for 132 SMs, so split-K spreads K over more programs (fp32 partials; the split that
 finishes a tile last sums them in split order and applies the epilogue, so split-K is still one
-launch and its result does not depend on timing). The epilogue (bias, silu, gelu, ...) runs on
+launch and its result does not depend on timing). Up to 64 tokens a program covers all the step's
+16-row tiles, one dot per tile with each w tile it loads (`m_tiles`): w is read once whatever the
+batch, and a row's sums are the same 16-row dots alone or among others. The epilogue (bias, silu, gelu, ...) runs on
 the fp32 accumulator, so y is written once and never read back. Tiles come from `autotune.Tuner`
 per M bucket; `prefer_cublas` records where cuBLAS wins.
 """
@@ -25,6 +27,9 @@ from llmc.ir.ops import get_op
 from llmc.ir.types import dtype_name, torch_dtype
 
 EPILOGUE_OPS = tuple(op for op in UNARY_OPS if op != "cast")
+# a program covers up to this many row tiles, each w tile it loads feeding one dot per row tile:
+# at up to 64 tokens a step reads w once, with the 16-row tiles of batch 1 (see `m_tiles`)
+MAX_M_TILES = 4
 
 
 def _norm_epilogue(epilogue: Sequence) -> tuple:
@@ -74,8 +79,8 @@ class MatmulSpec(KernelSpec):
         summary = "x @ w.T" + (" + b" if self.has_bias else "")
         for op, _ in self.epilogue:
             summary = f"{op}({summary})"
-        return {"has_bias": self.has_bias, "epilogue_lines": lines, "dot": dot, "bytes_comment": bytes_comment,
-                "store_cast": cast_expr("acc", self.dtype), "summary": summary,
+        return {"has_bias": self.has_bias, "epilogue_lines": lines, "dot": dot, "max_m_tiles": MAX_M_TILES,
+                "bytes_comment": bytes_comment, "store_cast": cast_expr("acc", self.dtype), "summary": summary,
                 "helpers": [HELPERS[h] for h in sorted(helpers)] + cast_helpers([self.dtype])}
 
 
@@ -122,18 +127,28 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, e
     return y if out is None else out.copy_(y)
 
 
+def m_tiles(m: int, block_m: int) -> int:
+    """Row tiles per program: at up to 64 tokens (decode and short prefill steps) all of the step's
+    rows when they fit in MAX_M_TILES tiles, rounded up to a power of two so that a few compiled
+    variants serve every M; else one (prefill tiles are tall already)."""
+    tiles = triton_cdiv(m, block_m)
+    return 1 << (tiles - 1).bit_length() if m <= 64 and tiles <= MAX_M_TILES else 1
+
+
 def _launch(spec: MatmulSpec, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y2: torch.Tensor,
             cfg: dict) -> None:
     mod = compiled(spec)
     M, K = x2.shape
     N = w.shape[0]
     split_k = cfg["SPLIT_K"]
-    grid = (triton_cdiv(M, cfg["BLOCK_M"]), triton_cdiv(N, cfg["BLOCK_N"]), split_k)
+    mt = m_tiles(M, cfg["BLOCK_M"])
+    grid = (triton_cdiv(M, cfg["BLOCK_M"] * mt), triton_cdiv(N, cfg["BLOCK_N"]), split_k)
     ws = torch.empty((split_k, M, N) if split_k > 1 else (1,), dtype=torch.float32, device=x2.device)
     counts = tile_counters(x2.device, grid[0] * grid[1]) if split_k > 1 else ws
     bias = (b,) if spec.has_bias else ()
     mod.matmul_kernel[grid](x2, w, *bias, y2, ws, counts, x2.stride(0), w.stride(0), y2.stride(0), M, N, K,
                             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split_k,
+                            M_TILES=mt,
                             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

@@ -264,6 +264,31 @@ def test_split_k_sums_in_split_order_and_leaves_counters_at_zero():
     assert torch.equal(matmul(x, w, b, ("silu",), config=cfg), first)  # a second launch: the same bits
 
 
+def test_row_tiles_per_program():
+    from llmc.codegen.matmul import m_tiles
+    assert [m_tiles(m, 16) for m in (1, 16, 17, 33, 48, 64)] == [1, 1, 2, 4, 4, 4]
+    assert m_tiles(65, 16) == m_tiles(128, 64) == m_tiles(100, 64) == 1 and m_tiles(64, 64) == 1
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_matmul_row_tiles_of_one_program_equal_tiles_alone(split_k):
+    """Up to 64 rows, one program loops over the 16-row tiles with each w tile it loads: every tile
+    comes out bitwise as it does launched alone (bitwise row by row, whatever the row's place in its
+    tile, only on the GPU: the interpreter's dot is numpy's, whose sums depend on a row's place;
+    `scripts/gpu_check_split.py` checks that)."""
+    g = torch.Generator().manual_seed(11)
+    M, N, K = 64, 70, 200
+    x, w, b = rand(M, K, gen=g), rand(N, K, gen=g) / K ** 0.5, rand(N, gen=g)
+    cfg = dict(candidates("1")[0], BLOCK_K=32, SPLIT_K=split_k)
+    full = matmul(x, w, b, ("silu",), config=cfg)  # 4 tiles in each program
+    close(full, reference(x, w, b, ("silu",)), torch.float32)
+    for t in range(4):
+        assert torch.equal(matmul(x[16 * t:16 * t + 16], w, b, ("silu",), config=cfg), full[16 * t:16 * t + 16])
+    assert torch.equal(matmul(x[:20], w, b, ("silu",), config=cfg)[:16], full[:16])  # 2 tiles, the second short
+    for i in (17, 40, 63):
+        close(matmul(x[i:i + 1], w, b, ("silu",), config=cfg)[0], full[i], torch.float32)
+
+
 def test_matmul_leading_dims_and_strided_rows():
     x = rand(2, 3, 48)[:, :, :40]  # rows with a stride > K
     w, b = rand(24, 40) / 40 ** 0.5, rand(24)
