@@ -123,7 +123,7 @@ class Tuner:
 
     def choose(self, key: str, buckets: str | Sequence[str], candidates: Sequence[dict],
                bench: Callable[[dict], Any], baseline: Callable[[], Any] | None = None,
-               margin: float = 0.97, calls: int = 1) -> dict:
+               margin: float = 0.97) -> dict:
         """The config for `key` at `buckets`: recorded, else timed now (GPU), else the first candidate.
 
         Args:
@@ -134,8 +134,6 @@ class Tuner:
             bench: runs the kernel once with a config (timed as a CUDA graph; a config that fails is skipped).
             baseline: runs the cuBLAS/torch equivalent once; its time is recorded beside the best.
             margin: cuBLAS is preferred unless Triton is faster than `margin` times its time.
-            calls: how many times `bench` and `baseline` run the work (on as many copies of its
-                weights, so that none is read from L2); the times recorded are per call.
 
         Returns:
             The chosen config.
@@ -149,7 +147,7 @@ class Tuner:
             return rec.config
         if self.frozen:
             return dict(candidates[0])
-        rec = self.tune(candidates, bench, baseline, margin, calls)
+        rec = self.tune(candidates, bench, baseline, margin)
         for b in buckets:
             self.records.setdefault(key, {})[b] = asdict(rec)
         log.info("autotune %s [%s]: %s in %.4f ms (cuBLAS %s ms)", key, ",".join(buckets), rec.config,
@@ -158,11 +156,11 @@ class Tuner:
 
     @staticmethod
     def tune(candidates: Sequence[dict], bench: Callable[[dict], Any], baseline: Callable[[], Any] | None,
-             margin: float = 0.97, calls: int = 1) -> TuneRecord:
+             margin: float = 0.97) -> TuneRecord:
         best, best_ms = None, float("inf")
         for cfg in candidates:
             try:
-                ms = gpu_time_ms(lambda: bench(cfg)) / calls
+                ms = gpu_time_ms(lambda: bench(cfg))
             except Exception as e:  # out of shared memory or registers for this tile: not a candidate
                 log.debug("autotune: config %s failed: %s", cfg, e)
                 continue
@@ -170,7 +168,7 @@ class Tuner:
                 best, best_ms = dict(cfg), ms
         if best is None:
             raise RuntimeError(f"autotune: every candidate failed ({list(candidates)})")
-        cublas_ms = gpu_time_ms(baseline) / calls if baseline is not None else None
+        cublas_ms = gpu_time_ms(baseline) if baseline is not None else None
         prefer = cublas_ms is not None and best_ms > margin * cublas_ms
         return TuneRecord(best, float(best_ms), None if cublas_ms is None else float(cublas_ms), prefer)
 

@@ -195,7 +195,6 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
         bucket = m_bucket(M)
         group = tuner.joint if bucket in tuner.joint else (bucket,)
         made: list = []
-        copies = ColdCopies(w)
 
         def io():  # inputs for every bucket of the group, made only if the choice is timed now
             if not made:
@@ -203,37 +202,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
                              torch.empty(bucket_size(g), N, dtype=x2.dtype, device=x2.device)) for g in group)
             return made
         config = tuner.choose(spec.key(N, K), group, candidates(bucket, len(group) > 1),
-                              bench=lambda cfg: [_launch(spec, xi, wc, b, yi, cfg) for wc in copies()
-                                                 for xi, yi in io()],
-                              baseline=lambda: [reference(xi, wc, b, spec.epilogue) for wc in copies()
-                                                for xi, _ in io()],
-                              calls=copies.count)
+                              bench=lambda cfg: [_launch(spec, xi, w, b, yi, cfg) for xi, yi in io()],
+                              baseline=lambda: [reference(xi, w, b, spec.epilogue) for xi, _ in io()])
     _launch(spec, x2, w, b, y2, config)
     return y
-
-
-def _l2_bytes(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
-
-
-class ColdCopies:
-    """Copies of a weight for timing, enough that together they are three times the GPU's L2 cache.
-
-    A decode step streams each weight once, from HBM; timed alone, a weight smaller than the L2
-    (50 MB on an H200) would be read from it on every repeat after the first, and the timing would
-    favour a kernel for a regime the step never runs. Run on each copy in turn, every call reads
-    a weight evicted since its last use. Made on first use (only when a choice is timed)."""
-
-    def __init__(self, w: torch.Tensor):
-        self.w = w
-        l2 = _l2_bytes(w.device)
-        self.count = max(1, -(-3 * l2 // max(1, w.numel() * w.element_size())))
-        self.made: list[torch.Tensor] = []
-
-    def __call__(self) -> list[torch.Tensor]:
-        if not self.made:
-            self.made = [self.w] + [self.w.clone() for _ in range(self.count - 1)]
-        return self.made
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = (), *,

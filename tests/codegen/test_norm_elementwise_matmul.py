@@ -331,7 +331,7 @@ def test_tuner_records_persist_and_are_reused(tmp_path, monkeypatch):
     """Timing is faked (no GPU here): the record is made once, saved, loaded, and never retuned."""
     tuned = []
 
-    def fake_tune(cands, bench, baseline, margin=0.97, calls=1):
+    def fake_tune(cands, bench, baseline, margin=0.97):
         tuned.append(len(cands))
         return autotune.TuneRecord(dict(cands[1]), triton_ms=0.010, cublas_ms=0.008, prefer_cublas=True)
 
@@ -386,21 +386,6 @@ def test_decode_buckets_share_one_choice_timed_on_their_sum(monkeypatch):
     assert set(t2.records[key]) == {"32"}
     monkeypatch.undo()
     assert candidates("32")[0]["BLOCK_M"] == 16 and candidates("32", shared=False)[0]["BLOCK_M"] == 32
-
-
-def test_weights_timed_cold_and_times_recorded_per_call(monkeypatch):
-    """Tuning runs each candidate on enough copies of the weight to fill three L2 caches, so no call
-    reads its weight from L2 (a decode step never does); the times are recorded per call."""
-    monkeypatch.setattr(mm, "_l2_bytes", lambda device: 50 * 2**20)
-    w = rand(1024, 2048)  # 8 MiB
-    copies = mm.ColdCopies(w)
-    assert copies.count == 19 and not copies.made
-    made = copies()
-    assert len(made) == 19 and made[0] is w and all(torch.equal(c, w) and c is not w for c in made[1:])
-    assert mm.ColdCopies(rand(64, 2**20)).count == 1  # 256 MiB: larger than the L2 already
-    monkeypatch.setattr(autotune, "gpu_time_ms", lambda fn: fn())
-    rec = Tuner.tune([{"A": 1}, {"A": 2}], bench=lambda cfg: 4.0 * cfg["A"], baseline=lambda: 8.0, calls=4)
-    assert (rec.config, rec.triton_ms, rec.cublas_ms, rec.prefer_cublas) == ({"A": 1}, 1.0, 2.0, False)
 
 
 def test_artifact_tuner_never_times_and_runs_cublas_where_untuned(monkeypatch):
