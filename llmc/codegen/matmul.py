@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from llmc.codegen.autotune import Tuner, bucket_size, m_bucket
+from llmc.codegen.autotune import JOINT_MARGIN, Tuner, bucket_size, m_bucket
 from llmc.codegen.elementwise import (HELPERS, UNARY_OPS, _freeze_attrs, cast_expr, cast_helpers, compiled,
                                       interpreting, op_expr)
 from llmc.codegen.kernels import KernelSpec, tile_counters
@@ -203,7 +203,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
             return made
         config = tuner.choose(spec.key(N, K), group, candidates(bucket, len(group) > 1),
                               bench=lambda cfg: [_launch(spec, xi, w, b, yi, cfg) for xi, yi in io()],
-                              baseline=lambda: [reference(xi, w, b, spec.epilogue) for xi, _ in io()])
+                              baseline=lambda: [reference(xi, w, b, spec.epilogue) for xi, _ in io()],
+                              margin=JOINT_MARGIN if len(group) > 1 else 0.97)
     _launch(spec, x2, w, b, y2, config)
     return y
 

@@ -388,6 +388,27 @@ def test_decode_buckets_share_one_choice_timed_on_their_sum(monkeypatch):
     assert candidates("32")[0]["BLOCK_M"] == 16 and candidates("32", shared=False)[0]["BLOCK_M"] == 32
 
 
+def test_a_tie_goes_to_the_generated_kernel_for_a_joint_group_and_to_cublas_alone(monkeypatch):
+    """The generated kernel 2% slower than cuBLAS: kept for buckets 1..64 (only it keeps a row's sums
+    the same at every batch size), not for 128+ (a bucket of its own, where a tie keeps cuBLAS)."""
+    monkeypatch.setattr(autotune, "can_time", lambda: True)
+    monkeypatch.setattr(autotune, "gpu_time_ms", lambda fn: sum(fn()))
+    monkeypatch.setattr(mm, "_launch", lambda spec, x2, w, b, y2, cfg: 1.02)
+    monkeypatch.setattr(mm, "candidates", lambda bucket, shared=True: [{"A": 1}])
+    monkeypatch.setattr(mm, "reference", lambda *a, **k: 1.0)
+    t = Tuner(device="test-gpu")
+    w = rand(16, 32)
+    mm.matmul(rand(3, 32), w, tuner=t)
+    mm.matmul(rand(130, 32), w, tuner=t)
+    key = MatmulSpec("f32", False).key(16, 32)
+    assert not t.lookup(key, "1").prefer_cublas and not t.lookup(key, "64").prefer_cublas
+    assert t.lookup(key, "128+").prefer_cublas
+    monkeypatch.setattr(mm, "_launch", lambda spec, x2, w, b, y2, cfg: 1.04)  # 4% slower: cuBLAS
+    t2 = Tuner(device="test-gpu")
+    mm.matmul(rand(3, 32), w, tuner=t2)
+    assert t2.lookup(key, "1").prefer_cublas
+
+
 def test_artifact_tuner_never_times_and_runs_cublas_where_untuned(monkeypatch):
     """An artifact's tuner is frozen: a bucket with a record uses it, one without (a 128+ prefill)
     runs cuBLAS, and nothing is timed at run time even on a GPU."""
