@@ -12,10 +12,10 @@ epilogue, N and K); `bucket` the dynamic part (the token count M, rounded up to 
 for prefill). The buckets of 1 to 64 tokens share one choice (`JOINT_BUCKETS`): where that is the
 generated kernel, every step of up to 64 tokens runs the same 16-row tiles, so a sequence's sums are
 bitwise the same alone or among others; a tie goes to it (`JOINT_MARGIN`). Where cuBLAS wins for
-the group by more, cuBLAS picks its own kernels per size, as under torch (`llmc compile --no-batch-invariant`: only 1 to 16 share,
-`DECODE_JOINT_BUCKETS`). Timing needs a GPU:
-on CPU and under the interpreter the first (default) candidate is returned untimed and nothing is
-recorded, so a CPU compile never writes choices it did not measure.
+the group by more, cuBLAS picks its own kernels per size, as under torch (`llmc compile
+--no-batch-invariant`: only 1 to 16 share, `DECODE_JOINT_BUCKETS`). Timing needs a GPU: on CPU and
+under the interpreter the first (default) candidate is returned untimed and nothing is recorded,
+so a CPU compile never writes choices it did not measure.
 The cuBLAS time is kept beside the best Triton time so the lowering can keep cuBLAS where it wins.
 """
 from __future__ import annotations

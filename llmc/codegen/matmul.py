@@ -6,9 +6,9 @@ programs for 132 SMs, so split-K spreads K over more programs (fp32 partials; th
 finishes a tile last sums them in split order and applies the epilogue, so split-K is still one
 launch and its result does not depend on timing). Up to 64 tokens a program covers all the step's
 16-row tiles, one dot per tile with each w tile it loads (`m_tiles`): w is read once whatever the
-batch, and a row's sums are the same 16-row dots alone or among others. The epilogue (bias, silu, gelu, ...) runs on
-the fp32 accumulator, so y is written once and never read back. Tiles come from `autotune.Tuner`
-per M bucket; `prefer_cublas` records where cuBLAS wins.
+batch, and a row's sums are the same 16-row dots alone or among others. The epilogue (bias, silu,
+gelu, ...) runs on the fp32 accumulator, so y is written once and never read back. Tiles come from
+`autotune.Tuner` per M bucket; `prefer_cublas` records where cuBLAS wins.
 """
 from __future__ import annotations
 
@@ -148,8 +148,7 @@ def _launch(spec: MatmulSpec, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor
     bias = (b,) if spec.has_bias else ()
     mod.matmul_kernel[grid](x2, w, *bias, y2, ws, counts, x2.stride(0), w.stride(0), y2.stride(0), M, N, K,
                             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split_k,
-                            M_TILES=mt,
-                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                            M_TILES=mt, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = (), *,
