@@ -7,7 +7,7 @@ hot in L2 (as the tuner times it). Usage: PYTHONPATH=. python benchmarks/matmul_
 """
 import torch
 
-from llmc.codegen.autotune import JOINT_BUCKETS, bucket_size, gpu_time_ms
+from llmc.codegen.autotune import JOINT_BUCKETS, JOINT_MARGIN, bucket_size, gpu_time_ms
 from llmc.codegen.matmul import MatmulSpec, _launch, candidates, reference
 
 torch.manual_seed(0)
@@ -37,7 +37,7 @@ def main():
             print(f"  M={m:3d} cuBLAS {c:7.2f} us  best generated {per[best, m]:7.2f} us  {cands[best]}")
         total = {i: sum(per[i, bucket_size(b)] for b in JOINT_BUCKETS) for i in range(len(cands))}
         i = min(total, key=total.get)
-        verdict = "generated" if total[i] < 0.97 * cublas else "cuBLAS"
+        verdict = "cuBLAS" if total[i] > JOINT_MARGIN * cublas else "generated"  # as Tuner.tune decides
         print(f"  joint (sum over M): cuBLAS {cublas:.1f} us, best generated {total[i]:.1f} us "
               f"({per[i, 1]:.2f} us at M=1): {verdict}")
 
