@@ -26,8 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PROMPTS = ["def fibonacci(n):", "import os\n\n", "class Stack:\n    def __init__(self):", "for i in range(",
-           "with open(path) as f:", "    def __repr__(self):", "try:\n    import json", "return sorted("]
+from tests.conftest import CODE_PROMPTS as PROMPTS  # noqa: E402
 
 
 @torch.no_grad()
@@ -127,15 +126,17 @@ def sensitivity(model_dir: Path, n: int, backend: str = "cuda") -> dict:
 
 
 def stable_llama(root: Path) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from conftest import make_stable_llama
+    from tests.conftest import make_stable_llama
     return make_stable_llama(root)
 
 
 def tiny_llama(root: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from conftest import build_tokenizer
+
+    from tests.conftest import build_tokenizer
+    out = root / "tiny-llama"
+    if (out / "config.json").exists():
+        return out
     cfg = LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=0,
                       architectures=["LlamaForCausalLM"])
@@ -145,9 +146,6 @@ def tiny_llama(root: Path) -> Path:
         for p in m.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.2)
-    out = root / "tiny-llama"
-    if (out / "config.json").exists():
-        return out
     m.save_pretrained(str(out))
     build_tokenizer(out)
     return out

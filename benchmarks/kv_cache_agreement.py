@@ -34,9 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-CODE_PROMPTS = ["def fibonacci(n):", "import os\n\n", "class Stack:\n    def __init__(self):", "for i in range(",
-                "with open(path) as f:", "    def __repr__(self):", "try:\n    import json", "return sorted("]
+from tests.conftest import CODE_PROMPTS  # noqa: E402  (the int8 test's 8 prompts)
 
 
 def heldout_prompts(n: int, chars: int = 48) -> list[str]:

@@ -18,6 +18,9 @@ TOKENIZER_TEXT = [
     "The quick brown fox jumps over the lazy dog. Hello world!",
 ]
 VOCAB = 320
+# eight openings of Python code: the prompts of the end-to-end agreement checks and benchmarks
+CODE_PROMPTS = ["def fibonacci(n):", "import os\n\n", "class Stack:\n    def __init__(self):", "for i in range(",
+                "with open(path) as f:", "    def __repr__(self):", "try:\n    import json", "return sorted("]
 
 
 def build_tokenizer(out: Path, vocab_size: int = VOCAB) -> None:

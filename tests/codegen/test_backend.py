@@ -79,10 +79,6 @@ def test_kernel_listing_follows_tuning(llama_artifact):
     assert rows["%" + lin.outputs[0].name] and Plan(g, "meta").kernels()[g.nodes.index(lin)]["kernel"] == "cublas"
 
 
-PROMPTS = ["def fibonacci(n):", "import os\n\n", "class Stack:\n    def __init__(self):", "for i in range(",
-           "with open(path) as f:", "    def __repr__(self):", "try:\n    import json", "return sorted("]
-
-
 @pytest.fixture(scope="module")
 def stable_bf16(model_root, tmp_path_factory):
     """A random Llama whose greedy tokens bf16 rounding does not change, compiled in bf16, with its
@@ -91,10 +87,10 @@ def stable_bf16(model_root, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import llmc
-    from tests.conftest import hf_greedy, make_stable_llama
+    from tests.conftest import CODE_PROMPTS, hf_greedy, make_stable_llama
     d = make_stable_llama(model_root)
     tok = AutoTokenizer.from_pretrained(str(d))
-    ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+    ids = [tok.encode(p, add_special_tokens=False) for p in CODE_PROMPTS]
     hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.bfloat16, attn_implementation="eager").eval()
     art = llmc.compile(d, tmp_path_factory.mktemp("stable") / "stable-bf16.llmc", dtype="bfloat16")
     return art, ids, [hf_greedy(hf, p, 64) for p in ids]

@@ -6,7 +6,7 @@ import torch
 
 from llmc.errors import RequestError
 from llmc.runtime.engine import LLM, SamplingParams
-from tests.conftest import hf_greedy, hf_model, prefill_graph_matches_eager
+from tests.conftest import CODE_PROMPTS, hf_greedy, hf_model, prefill_graph_matches_eager
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -82,10 +82,6 @@ def test_n4_sampling_shares_prompt_blocks_and_repeats_with_seed(llama_artifact, 
     again = LLM(llama_artifact, num_blocks=64, block_size=4).generate([prompt], params)[0]
     assert [o.token_ids for o in again.outputs] == first
     assert len({tuple(t) for t in first}) > 1  # four real samples, not four copies
-
-
-CODE_PROMPTS = ["def fibonacci(n):", "import os\n\n", "class Stack:\n    def __init__(self):", "for i in range(",
-                "with open(path) as f:", "    def __repr__(self):", "try:\n    import json", "return sorted("]
 
 
 def test_int8_kv_cache_agrees_with_unquantized(tiny_py_artifact, capsys):
