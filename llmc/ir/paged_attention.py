@@ -79,9 +79,7 @@ def _write(cache: torch.Tensor, scale: torch.Tensor | None, which: int, new: tor
     x = new.float()
     blocks, offs = slots // BS, slots % BS
     centre = lay["v_zero" if which else "k_zero"]
-    rows = scale[blocks[offs == 0]]
-    rows[..., centre] = x[offs == 0].to(scale.dtype)
-    scale[blocks[offs == 0]] = rows
+    scale[blocks[offs == 0], :, centre] = x[offs == 0].to(scale.dtype)
     x = x - scale[blocks][..., centre].float()
     s = (x.abs().amax(dim=-1) / qmax).clamp_min(tiny(scale.dtype)).to(scale.dtype)  # [t, H]
     flat[slots] = _to_q(x / s[..., None].float(), cache.dtype, qmax)

@@ -94,8 +94,9 @@ class ModelRunner:
         elif self.backend == "triton-interpret":
             device = "cpu"
         self.device = torch.device(device)
-        if kv_cache_dtype != graph.meta.get("kv_cache_dtype", "auto") or kv_cache_dtype != "auto":
-            graph = set_kv_cache_dtype(graph.clone(), kv_cache_dtype)  # (quantized: the current scale layout)
+        if kv_cache_dtype != "auto" or graph.meta.get("kv_cache_dtype", "auto") != "auto":
+            # a quantized cache always gets the current scale layout, whatever the artifact declared
+            graph = set_kv_cache_dtype(graph.clone(), kv_cache_dtype)
         if kv_cache_dtype == "fp8" and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
             raise LLMCError("an fp8 KV cache needs a GPU with fp8 support (compute capability 8.9+); use int8")
         self.graph, self.block_size = graph, block_size
