@@ -8,8 +8,6 @@
 __version__ = "0.1.0"
 
 from llmc.errors import ArtifactError, CompileError, LLMCError, RequestError  # noqa: E402
-from llmc.ir.graph import Graph  # noqa: E402
-from llmc.passes.manager import Pass, PassResult, register_pass  # noqa: E402
 
 
 def compile(model, output=None, **options):
@@ -20,17 +18,24 @@ def compile(model, output=None, **options):
 
 def load(path, verify: bool = True):
     """Load an artifact directory (format version and file hashes checked)."""
-    from llmc.runtime.artifact import load_artifact
+    from llmc.artifact import load_artifact
     return load_artifact(path, verify=verify)
 
 
+# Imported on first use, each from its own side of the artifact: a process that only runs models
+# never imports the compiler, and one that only compiles never imports the runtime.
+_LAZY = {"LLM": "llmc.runtime.engine", "SamplingParams": "llmc.runtime.engine",
+         "RequestOutput": "llmc.runtime.engine", "AsyncLLM": "llmc.runtime.async_engine",
+         "Graph": "llmc.ir.graph", "Pass": "llmc.passes.manager", "PassResult": "llmc.passes.manager",
+         "register_pass": "llmc.passes.manager"}
+
+
 def __getattr__(name):
-    # the runtime pulls in more of torch; import it on first use
-    if name in ("LLM", "SamplingParams", "RequestOutput"):
-        from llmc.runtime import engine
-        return getattr(engine, name)
-    raise AttributeError(name)
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'llmc' has no attribute {name!r}")
 
 
-__all__ = ["compile", "load", "LLM", "SamplingParams", "RequestOutput", "Graph", "Pass", "PassResult",
-           "register_pass", "LLMCError", "CompileError", "ArtifactError", "RequestError"]
+__all__ = ["compile", "load", "LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "Graph", "Pass",
+           "PassResult", "register_pass", "LLMCError", "CompileError", "ArtifactError", "RequestError"]

@@ -4,6 +4,7 @@ Only local paths are read (config.json, *.safetensors, tokenizer files); nothing
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -54,18 +55,32 @@ class _Forward(torch.nn.Module):
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
     """Load a supported local HF causal LM in eval mode with llmc's attention implementation."""
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # llmc shows its own progress; keep stderr to one line per error
-    hf_logging.set_verbosity_error()
     path = Path(path)
     read_config(path)
     attn = register_hf_attention()
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn,
-                                                     local_files_only=True)
+        with _quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn,
+                                                         local_files_only=True)
     except Exception as e:
         raise CompileError(f"could not load the model in {path}: {str(e).splitlines()[0][:400]}") from e
     return model.eval()
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' progress bars and warnings off while llmc loads a model (llmc shows its own
+    progress; stderr stays one line per error), restored afterwards: the caller's settings are theirs."""
+    from transformers.utils import logging as hf_logging
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def capture_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> Graph:
@@ -86,6 +101,7 @@ def capture_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> Graph:
         "vocab_size": int(cfg["vocab_size"]),
         "max_position_embeddings": max_len,
         "num_hidden_layers": int(cfg["num_hidden_layers"]),
+        "num_attention_heads": int(cfg["num_attention_heads"]),
         "num_key_value_heads": int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
         "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
         "eos_token_id": cfg.get("eos_token_id"),

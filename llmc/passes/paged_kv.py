@@ -17,11 +17,11 @@ from typing import ClassVar
 
 from llmc.errors import CompileError
 from llmc.ir.graph import Graph, Value
+from llmc.ir.kv_layout import set_kv_cache_dtype
 from llmc.ir.types import TensorType, dim_subs, subs_dim_attr
 from llmc.passes.manager import Pass, PassResult, register_pass
 from llmc.passes.pattern import dead_code
 
-KV_DTYPES = {"auto": None, "int8": "i8", "fp8": "f8e4m3"}
 METADATA = ("query_start_loc", "seq_lens", "block_tables", "slot_mapping")
 
 
@@ -32,45 +32,6 @@ def _substitute_dims(g: Graph, mapping: dict[str, int | str]) -> None:
         n.attrs = {k: subs_dim_attr(val, mapping) for k, val in n.attrs.items()}
     for name in mapping:
         g.dims.pop(name, None)
-
-
-def kv_cache_inputs(g: Graph) -> list[Value]:
-    return [v for v in g.inputs if v.name.startswith("kv_cache.")]
-
-
-def set_kv_cache_dtype(g: Graph, kv_cache_dtype: str) -> Graph:
-    """Retype the KV caches of a paged graph (auto / int8 / fp8), adding or dropping the scale inputs.
-
-    Every op that reads or writes a cache (paged_attention, rope_kv_write, attend_paged) takes the
-    scale as its optional last operand `kv_scale`.
-    """
-    from llmc.ir.ops import get_op
-    from llmc.ir.paged_attention import scale_width
-    if kv_cache_dtype not in KV_DTYPES:
-        raise CompileError(f"kv cache dtype must be one of {', '.join(KV_DTYPES)}, not {kv_cache_dtype!r}")
-    users = g.users()
-    for cache in kv_cache_inputs(g):
-        nodes = users.get(cache, [])
-        model_dtype = next((n.inputs[0].type.dtype for n in nodes), cache.type.dtype)
-        want = KV_DTYPES[kv_cache_dtype] or model_dtype
-        cache.type = cache.type.with_dtype(want)
-        quant = want in ("i8", "f8e4m3")
-        scale_name = f"kv_scale.{cache.name.split('.', 1)[1]}"
-        scale = next((v for v in g.inputs if v.name == scale_name), None)
-        if quant:  # the current layout, also over a scale input an older artifact declared
-            s = cache.type.shape
-            scale_type = TensorType((s[1], s[3], scale_width(s[4], s[2])), model_dtype)
-            if scale is None:
-                scale = g.add_input(scale_name, scale_type)
-            scale.type = scale_type
-        for n in nodes:
-            at = get_op(n.op).operands.index("kv_scale?")
-            n.inputs = n.inputs[:at] + ([scale] if quant else [])
-        if not quant and scale is not None:
-            g.inputs.remove(scale)
-            g._names.discard(scale_name)
-    g.meta["kv_cache_dtype"] = kv_cache_dtype
-    return g
 
 
 @register_pass

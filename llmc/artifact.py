@@ -1,0 +1,298 @@
+"""The artifact: a directory holding the lowered graph, its weights, tuning choices and tokenizer.
+
+    NAME.llmc/
+      manifest.json      format version, llmc version, source model, options, sha256 of every file
+      graph.json         the lowered IR
+      weights.safetensors
+      tuning.json        autotune choices per kernel and device
+      tokenizer/         the tokenizer files
+      kernels/           rendered kernel sources, for reading only
+
+No pickle anywhere, and nothing in an artifact is ever imported or executed: the runtime re-renders
+kernels from the IR with its own templates.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmc.errors import ArtifactError, IRError
+from llmc.ir.graph import Graph, WeightStore
+from llmc.ir.serialize import graph_from_dict, graph_to_dict
+
+# Bumped on every change of the artifact layout: 2 added the typed model info.
+FORMAT_VERSION = 2
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the runtime needs to know of a compiled model, written by compile and read by run.
+
+    Every field is plain JSON data; `kv_cache_dtype` is the compiled default, which the runtime may
+    override at load (with block size and number of blocks, a parameter of the plan).
+    """
+
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    num_layers: int  # layers with a KV cache
+    num_heads: int | None
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # IR dtype of the KV cache entries before quantization (the model's activations)
+    kv_cache_dtype: str  # auto, int8 or fp8
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    chat_template: str | None = None
+
+    @classmethod
+    def from_graph(cls, graph: Graph, tokenizer_files: list[Path] | None = None) -> "ModelInfo":
+        """Read the model's shape off a paged graph (and the frontend's notes in `graph.meta`)."""
+        from llmc.ir.kv_layout import kv_cache_inputs
+        meta = graph.meta
+        caches = kv_cache_inputs(graph)
+        if not caches:
+            raise ArtifactError("the graph has no KV cache inputs: compile with the paged_kv pass (the default "
+                                "pipeline) to produce a runnable artifact")
+        _, _, _, kv_heads, head_dim = caches[0].type.shape
+        vocab = graph.outputs[0].type.shape[-1]
+        users = graph.users()
+        model_dtype = next((n.inputs[0].type.dtype for n in users.get(caches[0], [])), caches[0].type.dtype)
+        eos = meta.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
+        return cls(
+            architecture=str(meta.get("architecture") or meta.get("name") or "module"),
+            vocab_size=int(meta.get("vocab_size") or vocab),
+            max_model_len=int(meta.get("max_position_embeddings") or 2048),
+            num_layers=len(caches),
+            num_heads=meta.get("num_attention_heads"),
+            num_kv_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            dtype=str(model_dtype),
+            kv_cache_dtype=str(meta.get("kv_cache_dtype", "auto")),
+            eos_token_ids=eos_ids,
+            bos_token_id=meta.get("bos_token_id"),
+            chat_template=_chat_template(tokenizer_files or []),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ModelInfo":
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = names - set(d) - {"bos_token_id", "chat_template", "eos_token_ids", "num_heads"}
+        if missing:
+            raise ArtifactError(f"the manifest's model info lacks {sorted(missing)}; recompile the artifact")
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["eos_token_ids"] = tuple(kw.get("eos_token_ids") or ())
+        return cls(**kw)
+
+
+def _chat_template(files: list[Path]) -> str | None:
+    """The tokenizer's chat template: chat_template.jinja, else tokenizer_config.json's field."""
+    by_name = {f.name: f for f in files}
+    if "chat_template.jinja" in by_name:
+        return by_name["chat_template.jinja"].read_text()
+    if "tokenizer_config.json" in by_name:
+        try:
+            tpl = json.loads(by_name["tokenizer_config.json"].read_text()).get("chat_template")
+        except (json.JSONDecodeError, OSError):
+            return None
+        return tpl if isinstance(tpl, str) else None
+    return None
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class Artifact:
+    """A loaded (or just written) artifact: its path, manifest and graph with weights attached."""
+
+    path: Path
+    manifest: dict[str, Any]
+    graph: Graph
+    tuning: dict[str, Any] = field(default_factory=dict)
+    compile_log: Any = None
+
+    @property
+    def info(self) -> ModelInfo:
+        """The model's shape, vocabulary, context and tokens (only runnable, paged artifacts have it)."""
+        d = self.manifest.get("model_info")
+        if d is None:
+            raise ArtifactError(f"artifact {self.path} was compiled without the paged_kv pass, so it cannot run; "
+                                "recompile it with the default pipeline")
+        return ModelInfo.from_json(d)
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        """The copied tokenizer files, or None when the source model had no tokenizer."""
+        d = self.path / "tokenizer"
+        found = any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+        return d if found else None
+
+    def tokenizer(self):
+        """The artifact's tokenizer (transformers' AutoTokenizer over the copied files)."""
+        if self.tokenizer_dir is None:
+            raise ArtifactError(f"artifact {self.path} has no tokenizer; compile from a model directory "
+                                "that holds tokenizer files, or pass token ids")
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(str(self.tokenizer_dir), local_files_only=True)
+
+    @property
+    def passes(self) -> list[str]:
+        return [p["name"] for p in self.manifest.get("passes", [])]
+
+    def summary(self) -> dict[str, Any]:
+        g = self.graph
+        return {
+            "path": str(self.path),
+            "format_version": self.manifest["format_version"],
+            "llmc_version": self.manifest.get("llmc_version"),
+            "created": self.manifest.get("created"),
+            "source": self.manifest.get("source"),
+            "options": self.manifest.get("options", {}),
+            "passes": self.passes,
+            "op_counts": g.op_counts(),
+            "param_bytes_by_dtype": g.weights.bytes_by_dtype(),
+            "num_params": sum(t.numel() for t in g.weights.tensors.values()),
+        }
+
+
+def save_artifact(graph: Graph, out: str | Path, source: str, options: dict[str, Any],
+                  tokenizer_files: list[Path] | None = None, tuning: dict | None = None,
+                  kernels: dict[str, str] | None = None, kernel_list: list[dict] | None = None) -> Artifact:
+    """Write `graph` and its weights as an artifact directory (replacing an existing artifact there)."""
+    from safetensors.torch import save_file
+    from llmc import __version__
+    out = Path(out)
+    info = ModelInfo.from_graph(graph, tokenizer_files) if graph.meta.get("paged") else None
+    if out.exists():
+        if not (out / MANIFEST).exists() and any(out.iterdir()):
+            raise ArtifactError(f"{out} exists and is not an llmc artifact; choose another output path")
+        shutil.rmtree(out)
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    (tmp / "graph.json").write_text(json.dumps(graph_to_dict(graph), indent=1))
+    tensors = {p.name: graph.weights[p.name].contiguous() for p in graph.params}
+    save_file(tensors, str(tmp / "weights.safetensors"))
+    (tmp / "tuning.json").write_text(json.dumps(tuning or {}, indent=1))
+    (tmp / "tokenizer").mkdir()
+    for f in tokenizer_files or []:
+        shutil.copy2(f, tmp / "tokenizer" / f.name)
+    (tmp / "kernels").mkdir()
+    for name, src in (kernels or {}).items():
+        (tmp / "kernels" / name).write_text(src)
+    files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "llmc_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "source": source,
+        "options": options,
+        "passes": graph.meta.get("passes", []),
+        "model": {k: v for k, v in graph.meta.items() if k != "passes"},
+        "model_info": info.to_json() if info else None,
+        "kernels": kernel_list or [],
+        "files": files,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    tmp.rename(out)  # the artifact appears whole or not at all
+    return Artifact(out, manifest, graph, tuning or {})
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of the artifact at `path`, after checking that it is one of this format version."""
+    path = Path(path)
+    if not path.exists():
+        raise ArtifactError(f"{path} does not exist; compile a model into it first (`llmc compile MODEL -o {path}`)")
+    if not path.is_dir() or not (path / MANIFEST).is_file():
+        raise ArtifactError(f"{path} is not an llmc artifact (no {MANIFEST}); create one with `llmc compile`")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path / MANIFEST} is not valid JSON: {e}") from None
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        from llmc import __version__
+        made_by = manifest.get("llmc_version", "an unknown version")
+        raise ArtifactError(f"artifact {path} has format version {version!r} (written by llmc {made_by}); this llmc "
+                            f"{__version__} reads format version {FORMAT_VERSION}: recompile the model with llmc "
+                            f"{__version__} (`llmc compile MODEL -o {path}`)")
+    return manifest
+
+
+def verify_files(path: Path, manifest: dict[str, Any]) -> None:
+    """Check every file against its recorded sha256; raise naming the first that differs."""
+    for rel, digest in manifest.get("files", {}).items():
+        f = path / rel
+        if not f.is_file():
+            raise ArtifactError(f"artifact {path} is missing {rel}; recompile it")
+        if sha256_file(f) != digest:
+            raise ArtifactError(f"artifact file {rel} is corrupted (sha256 mismatch with the manifest); "
+                                "recompile the artifact or restore the file")
+
+
+def load_artifact(path: str | Path, verify: bool = True) -> Artifact:
+    """Load an artifact: check its format version and file hashes, read the graph and weights, and
+    check that every weight has the shape and dtype that graph.json declares for it.
+
+    An op that no loaded code registers (one a user's pass added) is an error naming the op: llmc
+    never imports code from an artifact, so the user imports the file that defines it first
+    (`--plugin FILE.py` on the command line).
+    """
+    from safetensors.torch import load_file
+    path = Path(path)
+    manifest = read_manifest(path)
+    if verify:
+        verify_files(path, manifest)
+    try:
+        graph = graph_from_dict(json.loads((path / "graph.json").read_text()))
+    except IRError as e:
+        raise ArtifactError(f"artifact {path}: {e}") from None
+    except (KeyError, TypeError, OSError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"artifact {path}: graph.json cannot be read ({type(e).__name__}: {e}); "
+                            "recompile the artifact") from None
+    try:
+        graph.weights = WeightStore(load_file(str(path / "weights.safetensors")))
+    except Exception as e:  # safetensors raises its own (Rust) error type, or OSError for a missing file
+        raise ArtifactError(f"artifact {path}: weights.safetensors cannot be read ({e}); recompile the "
+                            "artifact") from None
+    missing = [p.name for p in graph.params if p.name not in graph.weights]
+    if missing:
+        raise ArtifactError(f"artifact {path}: weights for {missing[:3]} are missing; recompile the artifact")
+    _check_param_types(path, graph)
+    tuning = json.loads((path / "tuning.json").read_text()) if (path / "tuning.json").exists() else {}
+    return Artifact(path, manifest, graph, tuning)
+
+
+def _check_param_types(path: Path, graph: Graph) -> None:
+    """Each weight against its declared type: a graph.json and weights.safetensors that do not belong
+    together (hand-edited, or copied from two compiles) would otherwise fail deep inside a kernel."""
+    from llmc.ir.types import DTYPE_NAMES, torch_dtype
+    for p in graph.params:
+        t, want = graph.weights[p.name], p.type
+        shape_ok = t.dim() == len(want.shape) and all(not isinstance(d, int) or d == n
+                                                       for d, n in zip(want.shape, t.shape))
+        if not shape_ok or torch_dtype(want.dtype) != t.dtype:
+            got = f"{DTYPE_NAMES.get(t.dtype, t.dtype)}[{','.join(map(str, t.shape))}]"
+            raise ArtifactError(f"artifact {path}: parameter {p.name} is declared {want} in graph.json but "
+                                f"weights.safetensors holds {got}; the files do not belong together: recompile "
+                                f"the artifact (`llmc compile MODEL -o {path}`)")
