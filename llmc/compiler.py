@@ -12,7 +12,7 @@ import torch
 from llmc.errors import CompileError
 from llmc.ir.graph import Graph
 from llmc.passes.manager import Pass, PassContext, PassManager
-from llmc.runtime.artifact import Artifact, save_artifact
+from llmc.artifact import MANIFEST, Artifact, save_artifact
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -79,6 +79,8 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         >>> art.summary()["op_counts"]["attention"]                  # doctest: +SKIP
     """
     from llmc.passes.pipeline import pipeline
+    if output is not None:
+        check_output(Path(output))
     bar = _Progress(progress)
     with bar:
         bar.step("capturing with torch.export")
@@ -96,6 +98,31 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         art = save_artifact(graph, out, source, opts, tok_files, tuning=tuning, kernels=sources, kernel_list=kernels)
         art.compile_log = ctx  # fusion explanations and pass notes, for `llmc compile --explain-fusion`
         return art
+
+
+def check_output(out: Path) -> None:
+    """Fail before capture (which takes minutes on a large model) when the artifact could not be
+    written: `out` is a file, a directory holding something other than an artifact (llmc replaces an
+    old artifact, never other files), or in a place this process cannot write."""
+    if out.exists() and not out.is_dir():
+        raise CompileError(f"the output {out} is an existing file, and an artifact is a directory; choose a new "
+                           "path (NAME.llmc)")
+    try:
+        if out.is_dir() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+            raise CompileError(f"the output {out} is a non-empty directory that is not an llmc artifact; choose "
+                               "a new path (NAME.llmc): llmc replaces an old artifact, never other files")
+    except PermissionError:
+        raise CompileError(f"the output {out} is a directory this process cannot read; choose another path") from None
+    # the artifact is written next to `out` and renamed into place: its nearest existing ancestor must
+    # take a new directory (tried for real: permission bits say nothing for root or read-only mounts)
+    where = next(p for p in (out.absolute().parent, *out.absolute().parents) if p.exists())
+    if not where.is_dir():
+        raise CompileError(f"cannot write the output {out}: {where} is a file, not a directory; choose another path")
+    try:
+        Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=where)).rmdir()
+    except OSError as e:
+        raise CompileError(f"cannot write the output {out}: {where} is not writable ({e.strerror}); choose "
+                           "another path") from None
 
 
 def _autotune(graph: Graph, bar, batch_invariant: bool = True) -> dict:

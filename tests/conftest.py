@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,21 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+# Generated kernels run on the CPU under Triton's interpreter: the triton-interpret backend and the
+# codegen tests need TRITON_INTERPRET=1 before the process's first `import triton`.
+#
+# How Triton reads it (triton 3.9: `triton/knobs.py`, `triton/runtime/jit.py`): from `os.environ`,
+# each time `triton.knobs.runtime.interpret` is read; `@triton.jit` reads it when it *decorates* a
+# function and fixes it there. Triton's own library (`tl.sum`, `tl.zeros`, ...) is decorated when
+# `triton` is first imported, so set later, an interpreted kernel calling `tl.sum` fails with "Cannot
+# call @triton.jit'd outside of the scope of a kernel". This root conftest is loaded before any test
+# module, so before any import of triton; if triton is already imported, the variable is left alone
+# and test modules check how the library was decorated (`isinstance(tl.zeros, InterpretedFunction)`),
+# running compiled on a GPU or skipping. `setdefault`: `TRITON_INTERPRET=0 pytest` on a GPU machine
+# runs the kernel tests compiled. llmc itself never writes the variable (no process-wide side effects).
+if "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TOKENIZER_TEXT = [
     "def add(a, b):\n    return a + b\n",
@@ -161,14 +177,15 @@ def tiny_py_artifact(tmp_path_factory):
 def prefill_graph_matches_eager(artifact, backend):
     """A prefill graph's padded inputs (tokens past the sequence: no KV write, in no sequence) give
     the eager step's logits: a fresh prompt, then a shorter prefix-hit chunk in the same buffer."""
-    from llmc.runtime.model_runner import ModelRunner, StepInput, _StepGraph
-    runner = ModelRunner(artifact.graph, "cpu", block_size=4, num_blocks=64, backend=backend)
-    dg = _StepGraph(16, 1, 8, torch.device("cpu"))
+    from llmc.runtime.executor import StepBatch, StepInput, make_executor
+    from llmc.runtime.step_graphs import _StepGraph
+    runner = make_executor(artifact.graph, backend, "cpu", block_size=4, num_blocks=64)
+    dg = _StepGraph("prefill", 16, 0, 8, torch.device("cpu"))
     run = (lambda inp: runner.plan.run(inp)[0]) if backend == "reference" else \
         (lambda inp: runner.plan.run(inp, {"max_seqlen_q": 16, "max_seqlen_k": 64})[0])
     for s in (StepInput(list(range(3, 14)), 0, [5, 9, 2]), StepInput([40, 41, 42], 8, [5, 9, 2, 7])):
-        want = runner.execute([s])
-        dg.load_prefill(s, 4)
+        want = runner.execute(StepBatch([s])).logits
+        dg.load([s], 4)
         assert dg.inputs["slot_mapping"][len(s.token_ids):].eq(-1).all()
         got = run({**dg.inputs, **runner.kv}).float()
         assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5)

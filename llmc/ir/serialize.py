@@ -5,6 +5,7 @@ from typing import Any
 
 from llmc.errors import IRError
 from llmc.ir.graph import Graph
+from llmc.ir.ops import OPS
 from llmc.ir.printer import _jsonable, parse_type
 
 GRAPH_FORMAT = 1
@@ -28,6 +29,12 @@ def graph_to_dict(g: Graph) -> dict[str, Any]:
 def graph_from_dict(d: dict[str, Any]) -> Graph:
     if d.get("format") != GRAPH_FORMAT:
         raise IRError(f"graph JSON format {d.get('format')!r} is not supported (this llmc reads {GRAPH_FORMAT})")
+    unknown = sorted({nd["op"] for nd in d["nodes"]} - set(OPS))
+    if unknown:
+        raise IRError(f"the graph uses op(s) {', '.join(map(repr, unknown))}, which no loaded code registers: a "
+                      "user's pass put them there at compile time. Import the Python file that registers them "
+                      "(register_op) first: `--plugin FILE.py` on the llmc command line, or `import` it in "
+                      "Python (llmc never imports code from an artifact)")
     g = Graph(d["name"])
     for dm in d["dims"]:
         g.add_dim(dm["name"], dm["min"], dm["max"])

@@ -78,6 +78,10 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))  # ref 0, no cached content
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, cached, LRU first
         self._cached: dict[_BlockKey, int] = {}  # key -> block holding those K/V
+        # full prompt blocks allocated but not computed yet: a request admitted meanwhile with the same
+        # prefix waits for them rather than computing the prefix a second time
+        self._inflight: dict[_BlockKey, int] = {}
+        self._inflight_key: list[_BlockKey | None] = [None] * num_blocks
         self._num_used = 0
         self._cpu_free: deque[int] = deque(range(num_cpu_blocks))
         self._swapped: dict[int, list[int]] = {}  # seq_id -> host block table
@@ -164,6 +168,7 @@ class BlockManager:
         assert self._ref[block] >= 0, f"block {block} released more often than taken"
         if self._ref[block] == 0:
             self._num_used -= 1
+            self._landed(block)
             if self._key[block] is not None:
                 self._evictable[block] = None
             else:
@@ -192,6 +197,29 @@ class BlockManager:
         fresh = [self._take() for _ in range(self.blocks_for(seq.num_tokens) - len(hits))]
         seq.block_table, seq.num_marked_blocks = hits + fresh, len(hits)
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            full = seq.num_tokens // self.block_size
+            for i, key in enumerate(self._block_keys(seq, full, len(hits)), len(hits)):
+                if key not in self._cached and key not in self._inflight:
+                    self._inflight[key] = seq.block_table[i]
+                    self._inflight_key[seq.block_table[i]] = key
+
+    def _landed(self, block: int) -> None:
+        """The block's in-flight prefix is computed, or will never be: stop making others wait for it."""
+        key = self._inflight_key[block]
+        if key is not None:
+            self._inflight_key[block] = None
+            del self._inflight[key]
+
+    def waits_for_prefix(self, seq: Sequence) -> bool:
+        """Whether `seq`'s prompt continues its cached prefix with a block that an admitted sequence is
+        computing now: admitted a step later, it shares that block instead of computing it again."""
+        if not self._inflight:
+            return False
+        for key in self._block_keys(seq, (seq.num_tokens - 1) // self.block_size):
+            if key not in self._cached:
+                return key in self._inflight
+        return False
 
     def _blocks_to_write(self, seq: Sequence, num_new_tokens: int) -> tuple[range, int]:
         """Indices of existing table entries the new tokens write into, and blocks to add."""
@@ -243,10 +271,32 @@ class BlockManager:
         start = min(seq.num_marked_blocks, len(seq.block_hashes))
         for i, key in enumerate(self._block_keys(seq, num_full, start), start):
             block = seq.block_table[i]
+            self._landed(block)
             if key not in self._cached and self._key[block] is None:
                 self._cached[key] = block
                 self._key[block] = key
         seq.num_marked_blocks = num_full
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the seq's blocks past its computed tokens (left by rejected speculated tokens)."""
+        keep = self.blocks_for(seq.num_computed_tokens)
+        for b in reversed(seq.block_table[keep:]):
+            self._release(b)
+        del seq.block_table[keep:]
+
+    def rollback(self, seq: Sequence) -> None:
+        """After `seq.truncate`: free blocks past its computed tokens, forget the chain hashes of blocks
+        no longer full, and unregister a block of its own that now holds dropped tokens (its next write
+        would change a cached block's content; a shared one is copied on write anyway)."""
+        self.trim(seq)
+        full = seq.num_tokens // self.block_size
+        del seq.block_hashes[full:]
+        kept = min(seq.num_marked_blocks, seq.num_computed_tokens // self.block_size)
+        for b in seq.block_table[kept:seq.num_marked_blocks]:
+            if self._ref[b] == 1 and self._key[b] is not None:
+                del self._cached[self._key[b]]
+                self._key[b] = None
+        seq.num_marked_blocks = kept
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let `child` share every block of `parent` (n>1 samples of one prompt)."""

@@ -2,21 +2,24 @@
 from __future__ import annotations
 
 import itertools
+import operator
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence as Seq
+from typing import Protocol, Sequence as Seq
 
 import torch
 
-from llmc.errors import RequestError
-from llmc.runtime.artifact import Artifact, load_artifact
+from llmc.artifact import Artifact, load_artifact
+from llmc.errors import LLMCError, RequestError
 from llmc.runtime.block_manager import BlockManager
-from llmc.runtime.model_runner import ModelRunner, StepInput
-from llmc.runtime.sampler import Sampler, SamplerOutput
+from llmc.runtime.config import EngineConfig
+from llmc.runtime.executor import Executor, StepBatch, StepInput, make_executor
+from llmc.runtime.sampler import Sampler, plain_greedy
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.scheduler import Scheduler, SchedulerConfig
-from llmc.runtime.sequence import SequenceGroup
+from llmc.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from llmc.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
 from llmc.runtime.stop import StopChecker
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
@@ -24,13 +27,15 @@ __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOut
 
 @dataclass
 class CompletionOutput:
-    """One of the n samples of a request."""
+    """One of the n samples of a request: totals so far, and what is new since the last output."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[float] | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -56,65 +61,70 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+class Proposer(Protocol):
+    """Proposes a speculated continuation for each running sequence (speculative decoding's draft side)."""
+
+    def propose(self, seqs: list[Sequence]) -> list[list[int]]: ...
+
+
 @dataclass
-class EngineConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_dtype: str | None = None  # None: as compiled
-    backend: str = "auto"
-    device: str | None = None  # None: cuda when present
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
-    num_cpu_blocks: int = 0
-    kv_memory_fraction: float = 0.5
-    max_model_len: int | None = None
-    cuda_graphs: bool = True
+class _Request:
+    group: SequenceGroup
+    prompt: str | None
+    sent_tokens: list[int]  # per sample: tokens already reported
+    sent_chars: list[int]  # per sample: characters of text already reported
 
 
 class LLMEngine:
-    """Continuous-batching engine over a compiled artifact.
+    """Continuous-batching engine over a compiled artifact: `step()` = schedule ▸ run ▸ postprocess.
+
+    Never left broken: a request that fails validation changes nothing, and a step that raises aborts
+    the requests it held (their blocks return) before the exception leaves `step()`.
+
+    Args:
+        artifact: a loaded artifact (`llmc.load`).
+        config: engine options (defaults: `EngineConfig()`).
+        proposer: optional speculative proposer; its tokens are verified in the next step (greedy requests).
 
     Example:
         >>> eng = LLMEngine(llmc.load("tiny.llmc"))                      # doctest: +SKIP
         >>> eng.add_request("def f(x):", SamplingParams(max_tokens=8))   # doctest: +SKIP
         >>> while eng.has_unfinished():                                   # doctest: +SKIP
-        ...     for out in eng.step(): print(out.text)
+        ...     for out in eng.step(): print(out.outputs[0].delta_text, end="")
     """
 
-    def __init__(self, artifact: Artifact, config: EngineConfig | None = None):
+    def __init__(self, artifact: Artifact, config: EngineConfig | None = None, proposer: Proposer | None = None):
         cfg = self.config = config or EngineConfig()
-        self.artifact = artifact
-        meta = artifact.graph.meta
+        cfg.validate()
+        self.artifact, self.info, self.proposer = artifact, artifact.info, proposer
         self.tokenizer = artifact.tokenizer() if artifact.tokenizer_dir else None
-        device = cfg.device or ("cuda" if torch.cuda.is_available() and cfg.backend in ("auto", "cuda") else "cpu")
-        self.max_model_len = min(cfg.max_model_len or 1 << 30, int(meta.get("max_position_embeddings") or 2048))
-        kv_dtype = cfg.kv_cache_dtype or meta.get("kv_cache_dtype", "auto")
-        self.runner = ModelRunner(artifact.graph, device, cfg.block_size, cfg.num_blocks, kv_dtype,
-                                  cfg.kv_memory_fraction, cfg.backend, cfg.num_cpu_blocks, artifact.tuning,
-                                  cfg.cuda_graphs)
-        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+        self.max_model_len = min(cfg.max_model_len or 1 << 30, self.info.max_model_len)
+        self.executor: Executor = make_executor(
+            artifact.graph, cfg.backend, cfg.device, cfg.block_size, cfg.num_blocks,
+            cfg.kv_cache_dtype or self.info.kv_cache_dtype, cfg.kv_memory_fraction, cfg.num_cpu_blocks,
+            artifact.tuning, cfg.cuda_graphs, self.info.max_model_len)
+        self.block_manager = BlockManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           cfg.num_cpu_blocks)
         budget = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else max(cfg.max_num_batched_tokens,
                                                                                       self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, budget, cfg.enable_chunked_prefill,
                                                    cfg.preemption_mode, self.max_model_len), self.block_manager)
-        eos = meta.get("eos_token_id")
-        if eos is None and self.tokenizer is not None:
-            eos = self.tokenizer.eos_token_id
-        decode = _decoder(self.tokenizer) if self.tokenizer else None
-        self.stop = StopChecker(self.max_model_len, eos, decode)
+        eos = list(self.info.eos_token_ids)
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = [self.tokenizer.eos_token_id]
+        self.decode = _decoder(self.tokenizer) if self.tokenizer else None
+        self.stop = StopChecker(self.max_model_len, eos, self.decode)
         self.sampler = Sampler()
-        self.groups: dict[str, tuple[SequenceGroup, str | None]] = {}
+        self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.num_steps = 0
+        self.spec_proposed = self.spec_accepted = 0
         self.timings: dict[str, float] = {}  # seconds per phase, summed over steps
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, prompt: str | Seq[int]) -> list[int]:
+        """Tokenize a text prompt, or check a list of token ids; raises RequestError."""
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("the prompt is empty; give some text to continue")
@@ -122,7 +132,14 @@ class LLMEngine:
                 raise RequestError("this artifact has no tokenizer: pass token ids instead of text")
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
-            ids = [int(t) for t in prompt]
+            try:
+                ids = [operator.index(t) for t in prompt]
+            except TypeError:
+                raise RequestError("a prompt must be a string or a list of integer token ids") from None
+            vocab = self.info.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(f"token id {bad} is outside this model's vocabulary [0, {vocab})")
         if not ids:
             raise RequestError("the prompt is empty; give some text to continue")
         if len(ids) >= self.max_model_len:
@@ -140,82 +157,137 @@ class LLMEngine:
     def _add(self, ids: list[int], params: SamplingParams, request_id: str | None, text: str | None) -> str:
         """Queue an already validated and tokenized request."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.groups:
+        if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         group = SequenceGroup(request_id, ids, params)
         self.scheduler.add(group)
-        self.groups[request_id] = (group, text)
+        self.requests[request_id] = _Request(group, text, [0] * params.n, [0] * params.n)
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        ok = self.scheduler.abort(request_id)
-        self.groups.pop(request_id, None)
-        return ok
+        """Stop a request in any state and free its blocks; its final output (finish_reason "abort") comes
+        from the next `step()`. False if the request is unknown or already finished."""
+        return self.scheduler.abort(request_id)
+
+    def rollback(self, request_id: str, num_tokens: int, index: int = 0) -> None:
+        """Drop the last `num_tokens` generated tokens of sample `index` of a request: their K/V go, blocks
+        left empty are freed, the prefix cache keeps none of them. Text already streamed is not recalled."""
+        seq = self.requests[request_id].group.seqs[index]
+        self.scheduler.rollback(seq, num_tokens)
+        if self.decode is not None:
+            seq.output_text = self.decode(seq.output_token_ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while a request is queued or running, or has a final output not yet returned by step()."""
+        return self.scheduler.has_unfinished() or self.scheduler.has_finished()
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One iteration: schedule ▸ run ▸ postprocess. Returns outputs of requests that progressed
-        (streaming), or with `finished_only` of those that finished in this step."""
+        (streaming: each carries its delta since the last), or with `finished_only` of those that
+        finished (or were aborted) since the last step."""
         t = time.perf_counter()
+        if self.proposer is not None:
+            self._propose()
         out = self.scheduler.schedule()
-        self.timings["schedule"] = self.timings.get("schedule", 0.0) + time.perf_counter() - t
+        self._time("schedule", t)
         self.num_preemptions += len(out.preempted)
         if not out.is_empty:
-            self._run(out)
+            try:
+                self._run(out)
+            except BaseException:
+                self._abort_step(out)
+                raise
         self.num_steps += 1
         touched = {e.seq.request_id for e in out.scheduled}
         done = {g.request_id for g in self.scheduler.pop_finished()}
         report = done if finished_only else touched | done
-        results = [self._output(rid) for rid in sorted(report) if rid in self.groups]
+        results = [self._output(rid) for rid in sorted(report) if rid in self.requests]
         for rid in done:
-            self.groups.pop(rid, None)
+            self.requests.pop(rid, None)
         return results
 
-    def _run(self, out) -> None:
-        self.runner.swap_out(out.blocks_to_swap_out)
-        self.runner.swap_in(out.blocks_to_swap_in)
-        self.runner.copy_blocks(out.blocks_to_copy)
-        batch = []
-        for e in out.scheduled:
-            c = e.seq.num_computed_tokens
-            batch.append(StepInput(e.seq.token_ids[c:c + e.num_new_tokens], c, e.seq.block_table,
-                                   1 if e.sample else 0))
-        repeats = out.logits_repeats
-        one_row_each = all(r == 1 for r in repeats)
-        # rows that need only their argmax get it from the runner (inside the decode graph), which
-        # reads back the tokens instead of the logits
-        greedy = bool(out.sampled_seqs) and one_row_each and Sampler.argmax_only(out.sampled_seqs)
+    def _abort_step(self, out: SchedulerOutput) -> None:
+        """The step failed midway: its sequences' K/V (and any swapped out in it) are in doubt, so their
+        requests end as aborted; every other request is untouched."""
+        for rid in {s.request_id for s in out.preempted if s.status is SequenceStatus.SWAPPED} | \
+                {e.seq.request_id for e in out.scheduled}:
+            self.scheduler.abort(rid)
+
+    def _propose(self) -> None:
+        """Ask the proposer for a continuation of each greedy decoding sequence, capped so that the
+        verified tokens fit in max_tokens and the context."""
+        seqs = [s for s in self.scheduler.running if not s.is_prefill and plain_greedy(s.params)]
+        if not seqs:
+            return
+        for seq, toks in zip(seqs, self.proposer.propose(seqs)):
+            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            seq.spec_token_ids = list(toks[:max(0, room)])
+
+    def _run(self, out: SchedulerOutput) -> None:
+        batch = StepBatch([StepInput(e.token_ids, e.seq.num_computed_tokens, e.seq.block_table, e.num_logits)
+                           for e in out.scheduled], out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        # each logits row and the sequences it is sampled for: a fed token's row for each verified one,
+        # the last row for a sequence and the siblings forked off it
+        row_seqs = [s for e in out.scheduled if e.sample
+                    for s in ([e.seq] * (len(e.spec) + 1) if e.spec else (e.seq, *e.forks))]
+        repeats = [r for e in out.scheduled if e.sample for r in ([1] * (len(e.spec) + 1) if e.spec
+                                                                  else [1 + len(e.forks)])]
+        # rows that need only their argmax get it from the executor, which reads back tokens, not logits
+        batch.greedy = bool(row_seqs) and all(r == 1 for r in repeats) and Sampler.argmax_only(row_seqs)
         t0 = time.perf_counter()
-        result = self.runner.execute(batch, greedy=greedy)  # tokens [rows] or logits [rows, V]
+        result = self.executor.execute(batch)
         t1 = time.perf_counter()
-        if out.sampled_seqs:
-            if greedy:
-                ids = result.tolist()
-                res = SamplerOutput(ids, [0.0] * len(ids))
+        tokens: list[list[int]] = []
+        logprobs: list[list[float]] | None = None
+        if row_seqs:
+            if batch.greedy:
+                ids, lps = result.tokens.tolist(), [0.0] * len(row_seqs)
             else:
-                rows = result if one_row_each else \
-                    result.repeat_interleave(torch.tensor(repeats, device=result.device), dim=0)
-                res = self.sampler(rows, out.sampled_seqs)
-            t2 = time.perf_counter()
-            self.scheduler.update_after_step(out, res.token_ids, res.logprobs, self.stop)
-        else:
-            t2 = time.perf_counter()
-            self.scheduler.update_after_step(out, [], None, self.stop)
+                rows = result.logits if all(r == 1 for r in repeats) else \
+                    result.logits.repeat_interleave(torch.tensor(repeats, device=result.logits.device), dim=0)
+                res = self.sampler(rows, row_seqs)
+                ids, lps = res.token_ids, res.logprobs
+            tokens, logprobs, i = [], [], 0
+            for e in out.scheduled:
+                if not e.sample:
+                    continue
+                if e.spec:
+                    k = _accepted(e.spec, ids[i:i + len(e.spec) + 1])
+                    self.spec_proposed += len(e.spec)
+                    self.spec_accepted += k
+                    tokens.append(ids[i:i + k + 1])
+                    logprobs.append(lps[i:i + k + 1])
+                    i += len(e.spec) + 1
+                else:
+                    for _ in range(1 + len(e.forks)):
+                        tokens.append([ids[i]])
+                        logprobs.append([lps[i]])
+                        i += 1
+        t2 = time.perf_counter()
+        self.scheduler.update_after_step(out, tokens, logprobs, self.stop)
+        for seq in [e.seq for e in out.scheduled] + out.preempted:
+            seq.spec_token_ids = []  # proposals are for one step: the next one proposes afresh
         t3 = time.perf_counter()
         # where a step's host time goes (waiting for the GPU falls in execute on the greedy path,
         # in sample otherwise)
         for k, dt in (("execute", t1 - t0), ("sample", t2 - t1), ("update", t3 - t2)):
             self.timings[k] = self.timings.get(k, 0.0) + dt
 
+    def _time(self, key: str, since: float) -> None:
+        self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - since
+
     def _output(self, request_id: str) -> RequestOutput:
-        group, prompt = self.groups[request_id]
-        outs = [CompletionOutput(i, s.output_text, list(s.output_token_ids), s.finish_reason,
-                                 list(s.output_logprobs) if s.params.logprobs else None)
-                for i, s in enumerate(group.seqs)]
-        return RequestOutput(request_id, prompt, group.prompt_token_ids, outs, group.is_finished)
+        req = self.requests[request_id]
+        outs = []
+        for i, s in enumerate(req.group.seqs):
+            text = s.output_text if s.is_finished else _settled(s.output_text, s.params.stop_strings)
+            ids = s.output_token_ids
+            outs.append(CompletionOutput(i, text, list(ids), s.finish_reason,
+                                         list(s.output_logprobs) if s.params.logprobs else None,
+                                         text[req.sent_chars[i]:], list(ids[req.sent_tokens[i]:])))
+            req.sent_chars[i], req.sent_tokens[i] = max(req.sent_chars[i], len(text)), len(ids)
+        return RequestOutput(request_id, req.prompt, req.group.prompt_token_ids, outs, req.group.is_finished)
 
     def stats(self) -> dict[str, int]:
         bm = self.block_manager
@@ -225,11 +297,28 @@ class LLMEngine:
             "num_preemptions": self.num_preemptions,
             "blocks_total": bm.num_blocks,
             "blocks_used": bm.num_used_blocks,
-            "kv_cache_bytes": self.runner.kv_bytes,
+            "kv_cache_bytes": self.executor.kv_bytes,
             "cow_copies": bm.stats.cow_copies,
             "steps": self.num_steps,
+            "spec_proposed_tokens": self.spec_proposed,
+            "spec_accepted_tokens": self.spec_accepted,
             **{f"ms_per_step_{k}": round(v * 1e3 / max(1, self.num_steps), 4) for k, v in self.timings.items()},
         }
+
+
+def _accepted(spec: list[int], row_tokens: list[int]) -> int:
+    """How many speculated tokens the target agrees with: row j's token follows the j-th fed token, so
+    spec[j] stands while it equals row j's choice (greedy verification; row k gives the next token)."""
+    k = 0
+    while k < len(spec) and spec[k] == row_tokens[k]:
+        k += 1
+    return k
+
+
+def _settled(text: str, stops: tuple[str, ...]) -> str:
+    """The text a running sequence may show: without a tail that could still become a stop string."""
+    hold = max((len(s) for s in stops), default=1) - 1
+    return text[:len(text) - hold] if hold else text
 
 
 class LLM:
@@ -237,53 +326,114 @@ class LLM:
 
     Args:
         model: an artifact path (or a loaded Artifact).
-        max_num_seqs, max_num_batched_tokens: the scheduler's per-step budgets.
-        block_size, num_blocks: the paged KV cache (num_blocks None: sized from memory).
-        kv_cache_dtype: auto, int8 or fp8 (None: as compiled).
-        backend: auto or reference.
+        **options: engine options, the fields of `EngineConfig` (max_num_seqs, max_num_batched_tokens,
+            block_size, num_blocks, kv_cache_dtype, backend, device, ...).
 
     Example:
         >>> llm = LLM("tiny.llmc", max_num_seqs=8)                                    # doctest: +SKIP
         >>> llm.generate(["def add(a, b):"], SamplingParams(max_tokens=16))[0].text   # doctest: +SKIP
     """
 
-    def __init__(self, model: str | Path | Artifact, **kwargs):
-        unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
-        if unknown:
-            raise TypeError(f"LLM got unknown options {sorted(unknown)}")
-        art = model if isinstance(model, Artifact) else load_artifact(model)
-        self.engine = LLMEngine(art, EngineConfig(**kwargs))
+    def __init__(self, model: str | Path | Artifact, **options):
+        self.engine = LLMEngine(load_model(model), engine_config(**options))
 
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
-                 progress: bool = False) -> list[RequestOutput]:
+                 progress: bool = False, request_ids: Seq[str] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (continuous batching); outputs in the order of `prompts`.
 
-        Every request is validated before any runs: one bad request raises RequestError and
-        nothing is generated.
+        Every request is validated before any runs: one bad request raises RequestError and nothing is
+        generated. If anything fails (or the call is interrupted), the call's requests are aborted and
+        the engine stays usable. `request_ids`: one unique id per prompt (default: fresh ones).
         """
+        final: dict[str, RequestOutput] = {}
+        ids = self._add_all(prompts, params, request_ids)
+        mine = set(ids)
+        bar = _bar(progress, len(ids))
+        try:
+            while len(final) < len(ids):
+                for o in self.engine.step(finished_only=True):
+                    if o.finished and o.request_id in mine:
+                        final[o.request_id] = o
+                        bar(1)
+        finally:
+            bar(None)
+            self._abort_unfinished(ids, final)
+        return [final[i] for i in ids]
+
+    def stream(self, prompts: str | Seq[str] | Seq[Seq[int]],
+               params: SamplingParams | Seq[SamplingParams] | None = None,
+               request_ids: Seq[str] | None = None) -> Iterator[RequestOutput]:
+        """Like `generate`, but yields after every step the outputs of this call's requests that progressed,
+        each with `outputs[i].delta_text` / `delta_token_ids` (new since its previous output) and totals.
+        Closing the iterator early aborts the requests that have not finished. Give `request_ids` to tell
+        the outputs of several prompts apart (`out.request_id`).
+
+        Example:
+            >>> for out in llm.stream("def fib(n):", SamplingParams(max_tokens=32)):   # doctest: +SKIP
+            ...     print(out.outputs[0].delta_text, end="", flush=True)
+        """
+        ids = self._add_all(prompts, params, request_ids)
+        mine, final = set(ids), {}
+        try:
+            while len(final) < len(ids):
+                for o in self.engine.step():
+                    if o.request_id in mine:
+                        if o.finished:
+                            final[o.request_id] = o
+                        yield o
+        finally:
+            self._abort_unfinished(ids, final)
+
+    def _add_all(self, prompts, params, request_ids=None) -> list[str]:
+        """Validate every request, then queue them all (or none)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        rids = list(request_ids) if request_ids is not None else [None] * len(prompts)
+        if len(rids) != len(prompts) or len({r for r in rids if r is not None}) != sum(r is not None for r in rids):
+            raise RequestError(f"give one unique request id per prompt ({len(prompts)} prompts, {len(rids)} ids)")
+        taken = [r for r in rids if r in self.engine.requests]
+        if taken:
+            raise RequestError(f"request id {taken[0]!r} is already in use")
         for p in plist:
             p.validate()
-        encoded = [self.engine.encode(pr) for pr in prompts]  # all checked before any is queued
-        ids = [self.engine._add(e, p, None, pr if isinstance(pr, str) else None)
-               for e, p, pr in zip(encoded, plist, prompts)]
-        final: dict[str, RequestOutput] = {}
-        bar = _bar(progress, len(ids))
-        while self.engine.has_unfinished():
-            for o in self.engine.step(finished_only=True):
-                if o.finished:
-                    final[o.request_id] = o
-                    bar(1)
-        bar(None)
-        return [final[i] for i in ids]
+        encoded = [self.engine.encode(pr) for pr in prompts]
+        ids: list[str] = []
+        try:
+            for e, p, pr, rid in zip(encoded, plist, prompts, rids):
+                ids.append(self.engine._add(e, p, rid, pr if isinstance(pr, str) else None))
+        except BaseException:
+            self._abort_unfinished(ids, {})
+            raise
+        return ids
+
+    def _abort_unfinished(self, ids: list[str], final: dict) -> None:
+        """Abort this call's requests that did not finish and drop their outputs (nobody will read them)."""
+        eng = self.engine
+        left = [i for i in ids if i not in final and i in eng.requests]
+        for i in left:
+            eng.abort(i)
+        if left:
+            for g in eng.scheduler.take_finished(set(left)):
+                eng.requests.pop(g.request_id, None)
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
+
+
+def load_model(model: str | Path | Artifact) -> Artifact:
+    return model if isinstance(model, Artifact) else load_artifact(model)
+
+
+def engine_config(**options) -> EngineConfig:
+    """EngineConfig from keyword options; an unknown name is an error that lists the known ones."""
+    unknown = set(options) - set(EngineConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(EngineConfig.__dataclass_fields__)}")
+    return EngineConfig(**options)
 
 
 def _decoder(tokenizer):

@@ -6,7 +6,15 @@ model. Each `schedule()` builds one step under two budgets, `max_num_seqs` seque
   1. running decodes (1 token each), then running prefills (the next chunk of a long prompt);
   2. swapped sequences, swapped back in (only if nothing was preempted in this step);
   3. waiting requests, admitted in priority order (only if nothing was preempted and nothing is
-     still swapped: admitting more would just thrash).
+     still swapped: admitting more would just thrash). A waiting request that does not fit, for
+     want of sequence slots or of blocks, preempts running sequences of a worse key (a worse
+     priority or a later arrival, never a sibling of its own request): priority means the same
+     whichever resource is short. A request whose prompt continues its cached prefix with a block
+     that an admitted sequence is still computing waits a step and then shares that block, so a
+     common prefix among requests admitted together is computed once.
+A running decode may carry speculated tokens (`Sequence.spec_token_ids`, set by a proposer): it is
+then scheduled, and budgeted, as 1 + k tokens, all with logits (a verify entry); after the step the
+accepted prefix advances its computed tokens and blocks past them are freed (`BlockManager.trim`).
 With `enable_chunked_prefill` a prompt larger than the remaining budget is split across steps
 (only the final chunk is sampled); without it a prompt runs whole, so the config then requires
 `max_num_batched_tokens >= max_model_len`: a recomputed sequence must always fit in one step.
@@ -82,6 +90,18 @@ class ScheduledSeq:
     sample: bool  # False for a non-final prefill chunk: no logits row
     forks: list[Sequence] = field(default_factory=list)  # siblings sampled from seq's logits row
     copies: list[tuple[int, int]] = field(default_factory=list)  # this seq's COW pairs
+    spec: list[int] = field(default_factory=list)  # speculated tokens run after the last one, to verify
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step feeds: the uncomputed ones, then the speculated ones."""
+        c = self.seq.num_computed_tokens
+        return self.seq.token_ids[c:c + self.num_new_tokens - len(self.spec)] + self.spec
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows this entry asks for: none for a non-final chunk, one per fed token when verifying."""
+        return (1 + len(self.spec)) if self.sample else 0
 
 
 @dataclass
@@ -110,6 +130,10 @@ class SchedulerOutput:
     def logits_repeats(self) -> list[int]:
         """Per logits row (one per entry with sample=True): how many sampler rows it feeds."""
         return [1 + len(e.forks) for e in self.scheduled if e.sample]
+
+    @property
+    def has_spec(self) -> bool:
+        return any(e.spec for e in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -199,8 +223,18 @@ class Scheduler:
         done, self._finished = self._finished, []
         return done
 
+    def take_finished(self, request_ids: set[str]) -> list[SequenceGroup]:
+        """Remove and return the finished requests among `request_ids` (the others stay to be popped)."""
+        taken = [g for g in self._finished if g.request_id in request_ids]
+        self._finished = [g for g in self._finished if g.request_id not in request_ids]
+        return taken
+
     def has_unfinished(self) -> bool:
         return bool(self.groups)
+
+    def has_finished(self) -> bool:
+        """Whether finished requests wait to be popped."""
+        return bool(self._finished)
 
     # ---- the step ------------------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple[int, int, int]:
@@ -214,16 +248,17 @@ class Scheduler:
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         if not seq.is_prefill:
-            return min(1, budget)
+            return min(1 + len(seq.spec_token_ids), budget)
         todo = seq.num_uncomputed_tokens
         if self.config.enable_chunked_prefill:
             return min(todo, budget)
         return todo if todo <= budget else 0
 
     def _entry(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> ScheduledSeq:
-        sample = seq.num_computed_tokens + n == seq.num_tokens
+        spec = seq.spec_token_ids[:n - 1] if not seq.is_prefill else []
+        sample = seq.num_computed_tokens + n - len(spec) == seq.num_tokens
         forks = self.groups[seq.request_id].pending_forks(seq) if sample else []
-        return ScheduledSeq(seq, n, seq.is_prefill, sample, forks, copies)
+        return ScheduledSeq(seq, n, seq.is_prefill, sample, forks, copies, spec)
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (see module docstring); mutates queues and block tables."""
@@ -249,6 +284,7 @@ class Scheduler:
                 budget -= n
 
         slots = sum(self._slots(s) for s in self.running)
+        swapped_in: set[int] = set()
         if not out.preempted:
             self.swapped.sort(key=self._key)
             while self.swapped and budget > 0:
@@ -259,17 +295,33 @@ class Scheduler:
                 if not self.bm.can_swap_in(seq, n):
                     break
                 out.blocks_to_swap_in.extend(self.bm.swap_in(seq).items())
+                swapped_in.add(seq.seq_id)
                 self._move(seq, self.swapped, SequenceStatus.RUNNING)
                 entries[seq.seq_id] = self._entry(seq, n, self.bm.append_slots(seq, n))
                 budget, slots = budget - n, slots + need
 
         if not out.preempted and not self.swapped:
             self.waiting.sort(key=self._key)
-            while self.waiting and budget > 0:
-                seq = self.waiting[0]
+            for seq in list(self.waiting):
+                if budget <= 0 or seq in out.preempted:
+                    break  # a sequence preempted in this step waits at least one step
+                if self.bm.waits_for_prefix(seq):
+                    continue  # an admitted request is computing its prefix: share those blocks next step
                 need = self._slots(seq)
+                while slots + need > self.config.max_num_seqs or not self.bm.can_allocate(seq):
+                    # priority means the same whichever resource is short: preempt a worse running one
+                    # never one swapped in by this step (its swap-out would run before its swap-in), and
+                    # only for a better request, not a sibling of the same one
+                    victim = max((s for s in self.running if s.seq_id not in swapped_in), key=self._key,
+                                 default=None)
+                    if victim is None or self._key(victim)[:2] <= self._key(seq)[:2]:
+                        break
+                    slots -= self._slots(victim)
+                    # after a swap-in, by recompute: host blocks it freed may not be reused by a swap-out
+                    # of the same step (swap-outs run first)
+                    budget += self._preempt(victim, entries, out, allow_swap=not out.blocks_to_swap_in)
                 if slots + need > self.config.max_num_seqs or not self.bm.can_allocate(seq):
-                    break
+                    break  # the head does not fit: nothing behind it is admitted either
                 if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
                     break  # checked before allocating: without chunking it runs whole or not
                 self.bm.allocate(seq)
@@ -288,7 +340,8 @@ class Scheduler:
          SequenceStatus.SWAPPED: self.swapped}[status].append(seq)
 
     def _preempt(
-        self, victim: Sequence, entries: dict[int, ScheduledSeq], out: SchedulerOutput
+        self, victim: Sequence, entries: dict[int, ScheduledSeq], out: SchedulerOutput,
+        allow_swap: bool = True,
     ) -> int:
         """Preempt `victim`; returns the token budget it gives back if it was already scheduled.
 
@@ -300,6 +353,7 @@ class Scheduler:
         # the destination block before the COW copy filled it (swap-outs run first).
         swap = (
             self.config.preemption_mode == "swap"
+            and allow_swap
             and not (entry and entry.copies)
             and self.bm.can_swap_out(victim)
         )
@@ -316,21 +370,24 @@ class Scheduler:
     def update_after_step(
         self,
         out: SchedulerOutput,
-        token_ids: list[int],
-        logprobs: list[float] | None = None,
+        token_ids: list[int] | list[list[int]],
+        logprobs: list[float] | list[list[float]] | None = None,
         check_stop: StopFn | None = None,
     ) -> list[Sequence]:
         """Record a finished step: advance computed tokens, fork siblings, append sampled tokens.
 
         Args:
             out: the plan `schedule()` returned for this step.
-            token_ids: one token per `out.sampled_seqs` entry, in that order.
-            logprobs: matching log-probabilities, kept if the request asked for them.
-            check_stop: e.g. a `StopChecker`; returns "stop"/"length"/None for a sequence.
+            token_ids: per `out.sampled_seqs` entry, in that order, its new token, or the list of its new
+                tokens: for an entry that verified k speculated tokens, the accepted ones and then one
+                more (1 to k + 1 tokens); the K/V of the rejected ones are dropped.
+            logprobs: matching log-probabilities (same nesting), kept if the request asked for them.
+            check_stop: e.g. a `StopChecker`; returns "stop"/"length"/None for a sequence. Checked after
+                each appended token: tokens after a stop are discarded.
         Returns:
             the sequences that finished in this step.
         """
-        assert len(token_ids) == len(out.sampled_seqs), "one token per sampled sequence"
+        assert len(token_ids) == len(out.sampled_seqs), "one token (or list) per sampled sequence"
         finished, row = [], 0
         for e in out.scheduled:
             seq = e.seq
@@ -338,7 +395,12 @@ class Scheduler:
             row += len(targets)
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted between schedule() and now
-            seq.num_computed_tokens += e.num_new_tokens
+            first = row - len(targets)
+            new = _as_list(token_ids[first]) if e.sample else []
+            # verified: K/V stand for the fed tokens up to the last accepted one
+            seq.num_computed_tokens += e.num_new_tokens - len(e.spec) + (len(new) - 1 if e.spec else 0)
+            if e.spec:
+                self.bm.trim(seq)
             self.bm.mark_computed(seq)
             if e.forks:
                 self.groups[seq.request_id].forked = True
@@ -346,11 +408,28 @@ class Scheduler:
                     self.bm.fork(seq, child)
                     child.status = SequenceStatus.RUNNING
                     self.running.append(child)
-            for i, target in enumerate(targets, start=row - len(targets)):
-                lp = logprobs[i] if logprobs is not None and target.params.logprobs else None
-                target.append_token(token_ids[i], lp)
-                reason = check_stop(target) if check_stop is not None else None
-                if reason is not None:
-                    self.finish(target, reason)
-                    finished.append(target)
+            for i, target in enumerate(targets, start=first):
+                toks = _as_list(token_ids[i])
+                lps = _as_list(logprobs[i]) if logprobs is not None and target.params.logprobs else None
+                for j, tok in enumerate(toks):
+                    target.append_token(tok, lps[j] if lps is not None else None)
+                    reason = check_stop(target) if check_stop is not None else None
+                    if reason is not None:
+                        self.finish(target, reason)
+                        finished.append(target)
+                        break
         return finished
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop the last `num_tokens` output tokens of a running or waiting sequence: their K/V are
+        dropped, blocks left empty are freed, and no prefix-cache entry keeps a dropped token."""
+        if not 0 <= num_tokens <= seq.num_output_tokens:
+            raise ValueError(f"cannot roll back {num_tokens} of {seq.num_output_tokens} output tokens")
+        if seq.is_finished or seq.status is SequenceStatus.SWAPPED:
+            raise ValueError(f"cannot roll back a {seq.status.name.lower()} sequence")
+        seq.truncate(seq.num_tokens - num_tokens)
+        self.bm.rollback(seq)
+
+
+def _as_list(x):
+    return x if isinstance(x, (list, tuple)) else [x]

@@ -79,6 +79,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of full blocks; BlockManager's cache
         self.num_marked_blocks: int = 0  # leading full blocks already offered to the prefix cache
+        self.spec_token_ids: list[int] = []  # speculated continuation to verify in the next step
         self._tokens: list[int] = list(self.prompt_token_ids)  # prompt + output, appended in place
         self.output_logprobs: list[float] = []
         # Incremental detokenization state (see stop.py): text of the output, and the token
@@ -137,6 +138,19 @@ class Sequence:
         self._tokens.append(int(token_id))
         if logprob is not None:
             self.output_logprobs.append(float(logprob))
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` tokens (never fewer than the prompt): output past them is dropped,
+        and so are K/V past the new last token (which is fed again). The text is the caller's to redo."""
+        assert self.num_prompt_tokens <= num_tokens <= self.num_tokens
+        drop = self.num_tokens - num_tokens
+        if drop:
+            del self.output_token_ids[len(self.output_token_ids) - drop:]
+            del self._tokens[num_tokens:]
+            del self.output_logprobs[min(len(self.output_logprobs), self.num_output_tokens):]
+        self.num_computed_tokens = min(self.num_computed_tokens, num_tokens - 1)
+        self.read_offset = min(self.read_offset, num_tokens)
+        self.prefix_offset = min(self.prefix_offset, max(self.read_offset - 5, 0))
 
     def __repr__(self) -> str:
         return (

@@ -7,7 +7,7 @@ import torch
 
 from llmc.codegen.buffers import BufferPlan
 from llmc.codegen.lower import Plan
-from llmc.runtime.model_runner import ModelRunner, StepInput
+from llmc.runtime.executor import StepInput, make_executor
 
 needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                        reason="needs TRITON_INTERPRET=1 (see tests/codegen/conftest.py)")
@@ -60,7 +60,7 @@ def test_planned_run_matches_allocating_run(llama_artifact):
     """The arena path gives bit-identical logits to the allocating path, across token counts that
     grow and shrink the arena (torch matmuls, generated kernels for the rest)."""
     g = llama_artifact.graph
-    runners = [ModelRunner(g, "cpu", block_size=4, num_blocks=64, backend="reference") for _ in range(2)]
+    runners = [make_executor(g, "reference", "cpu", block_size=4, num_blocks=64) for _ in range(2)]
     planned, plain = Plan(g, "cpu"), Plan(g, "cpu", static_buffers=False)
     assert planned.buffers is not None and plain.buffers is None
     torch.manual_seed(0)
@@ -84,7 +84,7 @@ def test_planned_run_matches_allocating_run(llama_artifact):
 def test_planned_kernels_write_into_the_arena(llama_artifact):
     """Under the generated kernels too, the plan's outputs equal the allocating plan's."""
     g = llama_artifact.graph
-    runner = ModelRunner(g, "cpu", block_size=4, num_blocks=32, backend="reference")
+    runner = make_executor(g, "reference", "cpu", block_size=4, num_blocks=32)
     batch = [StepInput([5, 9, 2, 7, 1], 0, list(range(8)))]
     inputs = runner.build_inputs(batch)
     hints = {"max_seqlen_q": 5, "max_seqlen_k": 5}

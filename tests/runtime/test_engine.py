@@ -72,7 +72,7 @@ def test_n4_sampling_shares_prompt_blocks_and_repeats_with_seed(llama_artifact, 
     eng = llm.engine
     eng.add_request(prompt, params, "r")
     eng.step()  # prefill: the leader samples for all four and the siblings fork its blocks
-    group = eng.groups["r"][0]
+    group = eng.requests["r"].group
     full = len(prompt) // 4
     for blk in group.seqs[0].block_table[:full]:
         assert eng.block_manager.ref_count(blk) == 4
@@ -91,26 +91,26 @@ def test_int8_kv_cache_agrees_with_unquantized(tiny_py_artifact, capsys):
     positions. Free-running agreement compounds (one flipped near-tie changes every later token of
     that prompt), so teacher-forced agreement (each step's argmax on the unquantized run's own
     sequence), which measures the int8 cache itself, is checked as well (>= 99%)."""
-    from llmc.runtime.model_runner import ModelRunner, StepInput
+    from llmc.runtime.executor import StepBatch, StepInput, make_executor
     tok = tiny_py_artifact.tokenizer()
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     full = LLM(tiny_py_artifact, num_blocks=256).generate(CODE_PROMPTS, params)
     q8 = LLM(tiny_py_artifact, num_blocks=256, kv_cache_dtype="int8").generate(CODE_PROMPTS, params)
     free = sum(x == y for a, b in zip(full, q8) for x, y in zip(a.token_ids, b.token_ids)) / 512
-    r8 = ModelRunner(tiny_py_artifact.graph, num_blocks=256, kv_cache_dtype="int8")
+    r8 = make_executor(tiny_py_artifact.graph, num_blocks=256, kv_cache_dtype="int8")
     same, errs = 0, []
     for i, (prompt, out) in enumerate(zip(CODE_PROMPTS, full)):
         ids = tok.encode(prompt, add_special_tokens=False)
         seq, bt = ids + out.token_ids, list(range(16 * i, 16 * i + 16))
-        logits = r8.execute([StepInput(ids, 0, bt)])[0]
+        logits = r8.execute(StepBatch([StepInput(ids, 0, bt)])).logits[0]
         preds = [int(logits.argmax())]
         for j in range(len(ids), len(seq) - 1):
-            preds.append(int(r8.execute([StepInput([seq[j]], j, bt)])[0].argmax()))
+            preds.append(int(r8.execute(StepBatch([StepInput([seq[j]], j, bt)])).logits[0].argmax()))
         same += sum(x == y for x, y in zip(preds, out.token_ids))
     forced = same / 512
     # the floor of the free-running measure: the same run with K/V merely stored in bf16
-    from llmc.passes.paged_kv import kv_cache_inputs
-    from llmc.runtime.artifact import Artifact
+    from llmc.ir.kv_layout import kv_cache_inputs
+    from llmc.artifact import Artifact
     g = tiny_py_artifact.graph.clone()
     for c in kv_cache_inputs(g):
         c.type = c.type.with_dtype("bf16")
@@ -127,7 +127,7 @@ def test_int8_paged_attention_logit_error(llama_artifact):
     from llmc.ir.interpreter import Interpreter
     from llmc.ir.paged_attention import scale_width
     from llmc.ir.types import torch_dtype
-    from llmc.passes.paged_kv import kv_cache_inputs, set_kv_cache_dtype
+    from llmc.ir.kv_layout import kv_cache_inputs, set_kv_cache_dtype
     torch.manual_seed(0)
     ids = torch.randint(1, 300, (20,))
     errs = []
@@ -155,16 +155,16 @@ def test_int8_graph_with_an_older_scale_layout_runs(llama_artifact):
     layout ([2, NB, Hkv] f32) is retyped at load to the current one instead of failing mid-step."""
     from llmc.ir.paged_attention import scale_width
     from llmc.ir.types import TensorType
-    from llmc.passes.paged_kv import kv_cache_inputs, set_kv_cache_dtype
-    from llmc.runtime.model_runner import ModelRunner, StepInput
+    from llmc.ir.kv_layout import kv_cache_inputs, set_kv_cache_dtype
+    from llmc.runtime.executor import StepBatch, StepInput, make_executor
     g = set_kv_cache_dtype(llama_artifact.graph.clone(), "int8")
     for v in g.inputs:
         if v.name.startswith("kv_scale."):
             v.type = TensorType((2, "NB", v.type.shape[1]), "f32")
-    r = ModelRunner(g, num_blocks=8, block_size=4, kv_cache_dtype="int8")
+    r = make_executor(g, num_blocks=8, block_size=4, kv_cache_dtype="int8")
     D = kv_cache_inputs(g)[0].type.shape[4]
     assert r.kv["kv_scale.0"].shape == (8, r.kv["kv_cache.0"].shape[3], scale_width(D, 4))
-    assert r.execute([StepInput([1, 2, 3, 4, 5], 0, [0, 1])]).shape[0] == 1
+    assert r.execute(StepBatch([StepInput([1, 2, 3, 4, 5], 0, [0, 1])])).logits.shape[0] == 1
 
 
 def test_bad_requests_rejected_without_disturbing_others(llama_artifact, tok, alone):
@@ -199,9 +199,10 @@ def test_prefill_graph_inputs_pad_without_changing_logits(llama_artifact):
 def test_decode_graph_inputs_match_build_inputs(llama_artifact):
     """The decode graphs' packed inputs (one pinned buffer, one copy) hold what build_inputs makes for
     the same batch, and rows left by a shrinking batch become padding (no KV write, one-token context)."""
-    from llmc.runtime.model_runner import ModelRunner, StepInput, _StepGraph
-    runner = ModelRunner(llama_artifact.graph, "cpu", block_size=4, num_blocks=64, backend="reference")
-    dg = _StepGraph(4, 4, 16, torch.device("cpu"))
+    from llmc.runtime.executor import StepInput, make_executor
+    from llmc.runtime.step_graphs import _StepGraph
+    runner = make_executor(llama_artifact.graph, "reference", "cpu", block_size=4, num_blocks=64)
+    dg = _StepGraph("decode", 4, 1, 16, torch.device("cpu"))
     batch = [StepInput([7], 9, [3, 5, 8, 60, 61]), StepInput([2], 0, [11]), StepInput([5], 4, [1, 2])]
     dg.load(batch, 4)
     ref = runner.build_inputs(batch)

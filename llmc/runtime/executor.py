@@ -1,0 +1,228 @@
+"""Executors: run one scheduled step on a backend. The only device code of the runtime.
+
+The engine hands an executor a `StepBatch` (each sequence's new tokens, where they start, its block
+table, how many logits rows it wants, and the block moves to apply first) and gets a `StepResult`
+(fp32 logits, or argmax tokens when every sampled row is greedy). The protocol is all the engine
+knows: one implementation per backend, and a multi-process (sharded) executor fits behind it
+without the scheduler or block manager learning about ranks.
+
+Attention metadata is built here from the batch and passed to the plan as explicit graph inputs
+(see llmc/passes/paged_kv.py for the flat layout), never through module globals.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from llmc.errors import ArtifactError, LLMCError
+from llmc.ir.graph import Graph
+from llmc.runtime.block_manager import slot_for
+from llmc.runtime.kv_cache import KVCache, with_kv_cache_dtype
+from llmc.runtime.step_graphs import StepGraphCache, blocks_covering
+
+BACKENDS = ("auto", "cuda", "triton-interpret", "reference")
+
+
+@dataclass
+class StepInput:
+    """One sequence's share of a step: its new tokens, where they start, its blocks, how many logits.
+
+    `num_logits` asks for the logits of the last `num_logits` new tokens: 0 for a prefill chunk that
+    samples nothing, 1 to sample the next token, k + 1 to verify k speculated tokens.
+    """
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    num_logits: int = 1
+
+
+@dataclass
+class StepBatch:
+    """One step: block moves (applied in this order: swap-out, swap-in, copies), then the forward."""
+
+    seqs: list[StepInput]
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
+    greedy: bool = False  # return each logits row's argmax instead of the logits
+
+    @property
+    def num_logits(self) -> int:
+        return sum(s.num_logits for s in self.seqs)
+
+
+@dataclass
+class StepResult:
+    """Rows in batch order, `num_logits` per sequence: fp32 `logits` [rows, V], or with a greedy
+    batch the argmax `tokens` [rows] on the host (ties to the lowest id)."""
+
+    logits: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+
+
+class Executor(Protocol):
+    """What the engine needs of a backend."""
+
+    num_blocks: int  # device KV blocks (the block manager's pool)
+    kv_bytes: int
+
+    def execute(self, batch: StepBatch) -> StepResult: ...
+
+
+def select_backend(backend: str, device: str | torch.device | None = None) -> str:
+    """auto: cuda when a GPU is present, else reference. triton-interpret runs the generated kernels on the
+    CPU, which needs TRITON_INTERPRET=1 in the environment before triton is first imported."""
+    if backend not in BACKENDS:
+        raise LLMCError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+        return "cuda" if on_gpu else "reference"
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise LLMCError("the cuda backend needs an NVIDIA GPU, and torch sees none; use the reference or "
+                        "triton-interpret backend")
+    if backend == "triton-interpret" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise LLMCError("the triton-interpret backend needs TRITON_INTERPRET=1 in the environment before triton "
+                        "is imported: run `TRITON_INTERPRET=1 python ...` (`llmc run --backend triton-interpret` "
+                        "sets it itself)")
+    return backend
+
+
+def make_executor(graph: Graph, backend: str = "auto", device: str | None = None, block_size: int = 16,
+                  num_blocks: int | None = None, kv_cache_dtype: str = "auto", memory_fraction: float = 0.5,
+                  num_cpu_blocks: int = 0, tuning: dict | None = None, cuda_graphs: bool = True,
+                  max_model_len: int | None = None) -> "LocalExecutor":
+    """The executor for `backend` over a paged graph; the one place that maps backend names to classes.
+
+    Example:
+        >>> ex = make_executor(art.graph, "reference", num_blocks=64)                  # doctest: +SKIP
+        >>> ex.execute(StepBatch([StepInput([1, 2, 3], 0, [0])])).logits.shape          # doctest: +SKIP
+    """
+    if not graph.meta.get("paged"):
+        raise ArtifactError("this artifact was compiled without the paged_kv pass; recompile it with the "
+                            "default pipeline to run it")
+    backend = select_backend(backend, device)
+    dev = torch.device("cuda" if backend == "cuda" and (device is None or torch.device(device).type != "cuda")
+                       else "cpu" if backend == "triton-interpret" else device or "cpu")
+    graph = with_kv_cache_dtype(graph, kv_cache_dtype, dev)
+    cache = KVCache(graph, dev, block_size, num_blocks, memory_fraction, num_cpu_blocks)
+    max_len = max_model_len or int(graph.meta.get("max_position_embeddings") or 4096)
+    if backend == "reference":
+        return ReferenceExecutor(graph, cache)
+    return KernelExecutor(graph, cache, tuning, interpret=backend == "triton-interpret",
+                          cuda_graphs=backend == "cuda" and cuda_graphs, max_model_len=max_len)
+
+
+class LocalExecutor:
+    """An executor in this process: a KV cache and a plan that runs the paged graph over it."""
+
+    def __init__(self, graph: Graph, cache: KVCache):
+        self.graph, self.cache = graph, cache
+        self.device, self.block_size = cache.device, cache.block_size
+        self.num_blocks, self.kv_bytes = cache.num_blocks, cache.bytes
+
+    @property
+    def kv(self) -> dict[str, torch.Tensor]:
+        return self.cache.tensors
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> StepResult:
+        self.cache.swap_out(batch.swap_out)
+        self.cache.swap_in(batch.swap_in)
+        self.cache.copy_blocks(batch.copies)
+        if not batch.seqs:
+            return _empty(batch.greedy)
+        if batch.num_logits == 0:
+            # a step that samples nothing (a long prompt's first chunks) still writes its K/V; the graph
+            # wants at least one logits row, so compute the last one and drop it
+            seqs = [StepInput(s.token_ids, s.start_pos, s.block_table, 0) for s in batch.seqs]
+            seqs[-1].num_logits = 1
+            self._forward(seqs, False)
+            return _empty(batch.greedy)
+        return self._forward(batch.seqs, batch.greedy)
+
+    def _forward(self, seqs: list[StepInput], greedy: bool) -> StepResult:
+        logits = self._logits(self.build_inputs(seqs), seqs)
+        if greedy:
+            return StepResult(tokens=logits.argmax(dim=-1).cpu())
+        return StepResult(logits=logits.float())
+
+    def _logits(self, inputs: dict[str, torch.Tensor], seqs: list[StepInput]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def build_inputs(self, seqs: list[StepInput]) -> dict[str, torch.Tensor]:
+        """The flat step inputs and attention metadata of the paged graph, with the KV caches."""
+        bs = self.block_size
+        ids, pos, qsl, lens, slots, logit_rows = [], [], [0], [], [], []
+        tables = torch.zeros((len(seqs), max(1, max(len(s.block_table) for s in seqs))), dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            end = s.start_pos + n
+            blocks_covering(i, s.token_ids, s.start_pos, s.block_table, bs)
+            ids += s.token_ids
+            pos += range(s.start_pos, end)
+            slots += [slot_for(s.block_table, p, bs) for p in range(s.start_pos, end)]
+            logit_rows += range(qsl[-1] + n - s.num_logits, qsl[-1] + n)
+            qsl.append(qsl[-1] + n)
+            lens.append(end)
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        dev = self.device
+        return {
+            "input_ids": torch.tensor(ids, dtype=torch.int64, device=dev),
+            "positions": torch.tensor(pos, dtype=torch.int64, device=dev),
+            "query_start_loc": torch.tensor(qsl, dtype=torch.int32, device=dev),
+            "seq_lens": torch.tensor(lens, dtype=torch.int32, device=dev),
+            "block_tables": tables.to(dev),
+            "slot_mapping": torch.tensor(slots, dtype=torch.int64, device=dev),
+            "logits_indices": torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+            **self.kv,
+        }
+
+
+class ReferenceExecutor(LocalExecutor):
+    """The IR interpreter (the golden model) over the paged graph."""
+
+    def __init__(self, graph: Graph, cache: KVCache):
+        from llmc.ir.interpreter import Interpreter
+        super().__init__(graph, cache)
+        self.plan = Interpreter(graph, self.device)
+
+    def _logits(self, inputs, seqs):
+        return self.plan.run(inputs)[0]
+
+
+class KernelExecutor(LocalExecutor):
+    """The generated-kernel plan: Triton kernels and cuBLAS on a GPU (with CUDA graphs per step shape),
+    or the same kernels on the CPU under Triton's interpreter."""
+
+    def __init__(self, graph: Graph, cache: KVCache, tuning: dict | None, interpret: bool, cuda_graphs: bool,
+                 max_model_len: int):
+        from llmc.codegen.autotune import Tuner
+        from llmc.codegen.lower import Plan
+        super().__init__(graph, cache)
+        self.plan = Plan(graph, self.device, Tuner.from_artifact(tuning), triton_matmul=interpret)
+        self.step_graphs = None
+        self.use_cuda_graphs = cuda_graphs  # benchmarks turn it off to time eager steps side by side
+        if cuda_graphs:
+            from llmc.codegen.sampling import argmax
+            self.step_graphs = StepGraphCache(self.plan, self.kv, self.block_size, max_model_len, self.device,
+                                              argmax)
+
+    def _forward(self, seqs, greedy):
+        if self.step_graphs is not None and self.use_cuda_graphs:
+            out = self.step_graphs.run(seqs, greedy)
+            if out is not None:
+                return StepResult(tokens=out) if greedy else StepResult(logits=out)
+        return super()._forward(seqs, greedy)
+
+    def _logits(self, inputs, seqs):
+        hints = {"max_seqlen_q": max(len(s.token_ids) for s in seqs),
+                 "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in seqs)}
+        return self.plan.run(inputs, hints)[0]
+
+
+def _empty(greedy: bool) -> StepResult:
+    return StepResult(tokens=torch.empty(0, dtype=torch.int64)) if greedy else StepResult(logits=torch.empty(0, 0))

@@ -1,0 +1,240 @@
+"""CUDA graphs of whole steps, one per step shape: decode, prefill and verify buckets.
+
+A decode step of B sequences, one sequence's prefill chunk of up to 512 tokens, and a verify step
+of B sequences x q tokens (speculative decoding: every token's logits) each replay a graph of the
+next bucket up. Eager, a step's few hundred launches cost more host time than the GPU spends on them.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from llmc.errors import LLMCError
+from llmc.runtime.block_manager import slot_for
+
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # sequences per verify step
+VERIFY_Q = (2, 4, 8, 16)  # tokens per sequence in a verify step
+
+
+def blocks_covering(i: int, token_ids: list[int], start_pos: int, table: list[int], block_size: int) -> int:
+    """How many blocks sequence i's context covers after this step; an error if its table is shorter."""
+    end = start_pos + len(token_ids)
+    used = (end + block_size - 1) // block_size
+    if used > len(table):
+        raise LLMCError(f"sequence {i}: {end} tokens need more blocks than its table has")
+    return used
+
+
+def graph_kind(batch) -> tuple[str, int, int] | None:
+    """(kind, bucket, q) of the graph that can run `batch` (a list of StepInput), or None: run eager."""
+    if all(s.num_logits == len(s.token_ids) for s in batch):
+        q = max(len(s.token_ids) for s in batch)
+        if q == 1 and len(batch) <= DECODE_BUCKETS[-1]:
+            return "decode", _bucket(DECODE_BUCKETS, len(batch)), 1
+        if 1 < q <= VERIFY_Q[-1] and len(batch) <= VERIFY_BUCKETS[-1]:
+            return "verify", _bucket(VERIFY_BUCKETS, len(batch)), _bucket(VERIFY_Q, q)
+    if len(batch) == 1 and batch[0].num_logits == 1 and len(batch[0].token_ids) <= PREFILL_BUCKETS[-1]:
+        return "prefill", _bucket(PREFILL_BUCKETS, len(batch[0].token_ids)), 0
+    return None
+
+
+def _bucket(buckets: tuple[int, ...], n: int) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+class StepGraphCache:
+    """Captures and replays step graphs over a plan's `run(inputs, hints, arena=...)`.
+
+    Args:
+        run: the plan's run function; returns the graph outputs (logits first).
+        kv: the KV cache tensors (graph inputs that every step shares).
+        block_size, max_model_len: fix the block-table width of every captured graph.
+    """
+
+    def __init__(self, plan, kv: dict[str, torch.Tensor], block_size: int, max_model_len: int,
+                 device: torch.device, argmax: Callable[[torch.Tensor], torch.Tensor]):
+        self.plan, self.kv, self.block_size, self.max_model_len = plan, kv, block_size, max_model_len
+        self.device, self.argmax = device, argmax
+        self.graphs: dict[tuple[str, int, int, bool], _StepGraph] = {}
+        self._pool = None
+
+    def run(self, batch, greedy: bool) -> torch.Tensor | None:
+        """Replay (capturing on first use) the graph for `batch`: argmax tokens on the host with `greedy`,
+        else fp32 logits [sum(num_logits), V]. None when no graph shape fits the batch."""
+        kind = graph_kind(batch)
+        if kind is None:
+            return None
+        key = (*kind, greedy)
+        dg = self.graphs.get(key)
+        if dg is None:
+            dg = self.graphs[key] = self._capture(*kind, greedy)
+        dg.load(batch, self.block_size)
+        dg.graph.replay()
+        rows = dg.logit_rows(batch)
+        if greedy:
+            return dg.read_tokens()[rows]
+        return dg.out[rows].float()  # a copy: the graph's output buffer is reused by the next step
+
+    def _capture(self, kind: str, size: int, q: int, greedy: bool) -> "_StepGraph":
+        max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
+        dg = _StepGraph(kind, size, q, max_blocks, self.device)
+        # fixed for the capture: keys per split follow the longest context the model allows
+        hints = {"max_seqlen_q": dg.q, "max_seqlen_k": self.max_model_len}
+        inputs = {**dg.inputs, **self.kv}
+        dg.arena = self.plan.new_arena(inputs, hints)  # the graph's own intermediates, for its lifetime
+
+        def step():
+            logits = self.plan.run(inputs, hints, arena=dg.arena)[0]
+            return self.argmax(logits) if greedy else logits
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile and warm every kernel outside the capture
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        dg.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(dg.graph, pool=self._pool):
+            dg.out = step()
+        self._pool = dg.graph.pool()
+        return dg
+
+
+class _StepGraph:
+    """A step captured for T token rows of N sequences:
+      decode:  N = T sequences of one token each, N logits rows;
+      prefill: one sequence (N = 1) of up to T new tokens, the logits of its last token;
+      verify:  N sequences of q token rows each (T = N * q), every row's logits.
+
+    The step's inputs live in one device buffer, filled from one pinned host buffer by a single
+    asynchronous copy per step; the host side is written through numpy views, so preparing a step
+    costs a few microseconds and no device work. Rows past a sequence's tokens are padding: token 0,
+    no KV write (slot -1); padding sequences have a context of their own padding rows only. Causal
+    attention keeps a sequence's real rows blind to its padding rows, which come after them.
+    """
+
+    def __init__(self, kind: str, size: int, q: int, max_blocks: int, device: torch.device):
+        self.kind = kind
+        N = 1 if kind == "prefill" else size
+        self.q = size if kind == "prefill" else max(q, 1)
+        T = size * (q if kind == "verify" else 1)
+        L = N * self.q if kind == "verify" else N
+        self.N, self.T = N, T
+        layout = [("input_ids", torch.int64, (T,)), ("positions", torch.int64, (T,)),
+                  ("slot_mapping", torch.int64, (T,)), ("logits_indices", torch.int64, (L,)),
+                  ("query_start_loc", torch.int32, (N + 1,)), ("seq_lens", torch.int32, (N,)),
+                  ("block_tables", torch.int32, (N, max_blocks))]
+        offsets, nbytes = [], 0
+        for _, dtype, shape in layout:
+            # 16-byte aligned like any fresh tensor: Triton specializes kernels on pointer alignment,
+            # so eager steps and graphs then share compiled variants
+            nbytes = -(-nbytes // 16) * 16
+            offsets.append(nbytes)
+            nbytes += dtype.itemsize * int(np.prod(shape))
+        cuda = torch.device(device).type == "cuda"
+        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
+        self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        host_np = self.host.numpy()
+        self.inputs, self.np = {}, {}
+        for (name, dtype, shape), off in zip(layout, offsets):
+            size_b = dtype.itemsize * int(np.prod(shape))
+            self.inputs[name] = self.dev[off:off + size_b].view(dtype).view(shape)
+            self.np[name] = host_np[off:off + size_b].view(np.dtype(str(dtype).removeprefix("torch."))).reshape(shape)
+        per_seq = self.q if kind == "verify" else 1
+        self.np["query_start_loc"][:] = np.arange(N + 1) * per_seq
+        self.np["logits_indices"][:] = np.arange(L)
+        self.np["slot_mapping"][:] = -1
+        self.np["seq_lens"][:] = per_seq
+        if kind == "verify":
+            self.np["positions"][:] = np.tile(np.arange(per_seq), N)
+        self.dev.copy_(self.host)
+        self.copied = torch.cuda.Event() if cuda else None
+        self.tokens_host = torch.zeros(L, dtype=torch.int64, pin_memory=cuda)
+        self.read = torch.cuda.Event() if cuda else None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        self.arena: torch.Tensor | None = None
+        self.rows = T  # token rows holding a token in the last step (the rest are padding)
+
+    def load(self, batch, block_size: int) -> None:
+        """Write the batch into the pinned buffer and start its one copy to the device."""
+        if self.copied is not None:  # the previous step's copy must have left the pinned buffer
+            self.copied.synchronize()
+        {"decode": self._load_decode, "prefill": self._load_prefill, "verify": self._load_verify}[self.kind](
+            batch, block_size)
+        self.dev.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    def _load_decode(self, batch, block_size: int) -> None:
+        ids, pos, slots = self.np["input_ids"], self.np["positions"], self.np["slot_mapping"]
+        lens, tables = self.np["seq_lens"], self.np["block_tables"]
+        for i, s in enumerate(batch):
+            p = s.start_pos
+            ids[i], pos[i], lens[i] = s.token_ids[0], p, p + 1
+            slots[i] = slot_for(s.block_table, p, block_size)
+            used = p // block_size + 1  # the blocks the context covers; a longer table's tail is unused
+            tables[i, :used] = s.block_table[:used]
+        n = len(batch)
+        if n < self.rows:  # rows that held sequences last step become padding again
+            ids[n:], pos[n:], slots[n:], lens[n:] = 0, 0, -1, 1
+        self.rows = n
+
+    def _load_prefill(self, batch, block_size: int) -> None:
+        s = batch[0]
+        n, p0 = len(s.token_ids), s.start_pos
+        end = p0 + n
+        used = blocks_covering(0, s.token_ids, p0, s.block_table, block_size)
+        table = np.asarray(s.block_table[:used], dtype=np.int64)
+        pos = np.arange(p0, end)
+        self.np["input_ids"][:n] = s.token_ids
+        self.np["positions"][:n] = pos
+        self.np["slot_mapping"][:n] = table[pos // block_size] * block_size + pos % block_size
+        if n < self.rows:
+            self.np["input_ids"][n:], self.np["positions"][n:], self.np["slot_mapping"][n:] = 0, 0, -1
+        self.rows = n
+        self.np["query_start_loc"][1] = n
+        self.np["seq_lens"][0] = end
+        self.np["logits_indices"][0] = n - 1
+        self.np["block_tables"][0, :used] = table
+
+    def _load_verify(self, batch, block_size: int) -> None:
+        q = self.q
+        ids, pos, slots = self.np["input_ids"], self.np["positions"], self.np["slot_mapping"]
+        lens, tables = self.np["seq_lens"], self.np["block_tables"]
+        for i, s in enumerate(batch):
+            n, p0, r = len(s.token_ids), s.start_pos, i * q
+            used = blocks_covering(i, s.token_ids, p0, s.block_table, block_size)
+            table = np.asarray(s.block_table[:used], dtype=np.int64)
+            p = np.arange(p0, p0 + n)
+            ids[r:r + n], pos[r:r + n] = s.token_ids, p
+            slots[r:r + n] = table[p // block_size] * block_size + p % block_size
+            ids[r + n:r + q], pos[r + n:r + q], slots[r + n:r + q] = 0, np.arange(p0 + n, p0 + q), -1
+            # padding rows attend over positions past the table: point them at the sequence's last block
+            tables[i, :used] = table
+            tables[i, used:used + 1 + (q - 1) // block_size] = table[-1]
+            lens[i] = p0 + q
+        n = len(batch)
+        if n * q < self.rows:
+            ids[n * q:], slots[n * q:], lens[n:] = 0, -1, q
+            pos[n * q:] = np.tile(np.arange(q), self.N - n)
+        self.rows = n * q
+
+    def logit_rows(self, batch) -> list[int] | slice:
+        """The output rows of the batch's wanted logits, in batch order."""
+        if self.kind != "verify":
+            return slice(0, len(batch))
+        q = self.q
+        return [i * q + j for i, s in enumerate(batch)
+                for j in range(len(s.token_ids) - s.num_logits, len(s.token_ids))]
+
+    def read_tokens(self) -> torch.Tensor:
+        """The argmax tokens of every logits row, on the host."""
+        self.tokens_host.copy_(self.out, non_blocking=True)
+        if self.read is not None:
+            self.read.record()
+            self.read.synchronize()
+        return self.tokens_host.clone()
