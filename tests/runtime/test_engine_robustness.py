@@ -1,0 +1,227 @@
+"""Regression tests: valid input never breaks the engine, failures abort only what they touch, a
+request of higher priority preempts whichever resource is short, requests admitted together share
+their common prefix, and multi-token (verify) steps with rollback give the tokens of plain decoding."""
+import pytest
+import torch
+
+from llmc.errors import RequestError
+from llmc.runtime.engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def alone(art, prompt, params=GREEDY):
+    return LLM(art, backend="reference", num_blocks=64, block_size=4).generate([prompt], params)[0].token_ids
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton-interpret"])
+def test_step_that_samples_nothing(llama_artifact, backend):
+    """Bug 1: a prompt longer than the token budget, alone, makes steps with no logits row."""
+    prompt = list(range(1, 40))
+    llm = LLM(llama_artifact, backend=backend, max_num_batched_tokens=16, num_blocks=32, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = llm.generate([prompt], params)[0].token_ids
+    assert first == alone(llama_artifact, prompt, params)
+    assert llm.generate([prompt[:20]], params)[0].token_ids == alone(llama_artifact, prompt[:20], params)
+    assert llm.stats()["blocks_used"] == 0
+
+
+def test_token_ids_outside_the_vocabulary_are_a_request_error(llama_artifact):
+    """Bug 2."""
+    llm = LLM(llama_artifact, backend="reference", num_blocks=32, block_size=4)
+    for bad in ([1, 2, 9000], [1, -1], [1, 2.5]):
+        with pytest.raises(RequestError, match="vocabulary|token ids"):
+            llm.generate([bad], GREEDY)
+    assert not llm.engine.has_unfinished()
+    assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids == alone(llama_artifact, [1, 2, 3])
+
+
+def test_failure_inside_generate_aborts_its_requests_and_engine_stays_usable(llama_artifact):
+    """Bug 3: an exception mid-generate (here: the executor, on the 3rd step) returns every block and
+    leaves nothing queued; the next generate works."""
+    llm = LLM(llama_artifact, backend="reference", num_blocks=32, block_size=4)
+    real, calls = llm.engine.executor.execute, []
+
+    def flaky(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device fell over")
+        return real(batch)
+    llm.engine.executor.execute = flaky
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17]]
+    with pytest.raises(RuntimeError, match="fell over"):
+        llm.generate(prompts, GREEDY)
+    eng = llm.engine
+    assert not eng.has_unfinished() and eng.block_manager.num_used_blocks == 0 and not eng.requests
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [alone(llama_artifact, p) for p in prompts]
+
+
+def test_interrupted_stream_aborts_what_it_queued(llama_artifact):
+    llm = LLM(llama_artifact, backend="reference", num_blocks=32, block_size=4)
+    it = llm.stream([[1, 2, 3], [4, 5, 6]], GREEDY)
+    next(it)
+    it.close()
+    assert not llm.engine.has_unfinished() and llm.stats()["blocks_used"] == 0
+
+
+def test_failed_step_aborts_only_its_requests(llama_artifact):
+    """step() raising ends the requests of that step as aborted; a request still waiting is untouched."""
+    llm = LLM(llama_artifact, backend="reference", num_blocks=32, block_size=4, max_num_seqs=1)
+    eng = llm.engine
+    a = eng.add_request([1, 2, 3], GREEDY)
+    b = eng.add_request([4, 5, 6], GREEDY)
+    real = eng.executor.execute
+    eng.executor.execute = lambda batch: (_ for _ in ()).throw(RuntimeError("boom"))
+    with pytest.raises(RuntimeError):
+        eng.step()
+    eng.executor.execute = real
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+    assert final[a].finish_reason == "abort"
+    assert final[b].token_ids == alone(llama_artifact, [4, 5, 6])
+    assert eng.block_manager.num_used_blocks == 0
+
+
+def test_aborted_request_yields_a_final_abort_output(llama_artifact):
+    """Bug 4, for a running and for a waiting request."""
+    llm = LLM(llama_artifact, backend="reference", num_blocks=32, block_size=4, max_num_seqs=1)
+    eng = llm.engine
+    running = eng.add_request([1, 2, 3], GREEDY)
+    waiting = eng.add_request([4, 5, 6], GREEDY)
+    eng.step()
+    assert eng.abort(running) and eng.abort(waiting)
+    assert not eng.abort("nope")
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert sorted(o.request_id for o in outs) == sorted([running, waiting])
+    assert all(o.finished and o.finish_reason == "abort" for o in outs)
+    assert eng.block_manager.num_used_blocks == 0
+
+
+def test_higher_priority_preempts_when_max_num_seqs_is_the_limit(llama_artifact):
+    """Bug 5: two low-priority requests hold both sequence slots; a higher-priority arrival runs at once."""
+    llm = LLM(llama_artifact, backend="reference", num_blocks=64, block_size=4, max_num_seqs=2)
+    eng = llm.engine
+    low = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, priority=2)
+    lows = [eng.add_request([1, 2, 3], low), eng.add_request([5, 6, 7], low)]
+    eng.step()
+    eng.step()
+    high = eng.add_request([9, 10, 11], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, priority=0))
+    eng.step()
+    assert {s.request_id for s in eng.scheduler.running} >= {high}
+    assert eng.stats()["num_preemptions"] == 1
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step(finished_only=True):
+            final[o.request_id] = o.token_ids
+    assert final[high] == alone(llama_artifact, [9, 10, 11])
+    assert [final[r] for r in lows] == [alone(llama_artifact, p, low) for p in ([1, 2, 3], [5, 6, 7])]
+
+
+def test_common_prefix_admitted_together_is_computed_once(llama_artifact):
+    """Bug 6: six prompts with a 3-block common prefix in one generate: the first computes the prefix,
+    the others wait a step and hit it; outputs unchanged."""
+    prefix = list(range(1, 13))
+    prompts = [prefix + [20 + i, 40 + i] for i in range(6)]
+    llm = LLM(llama_artifact, backend="reference", num_blocks=64, block_size=4)
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.stats()["prefix_cache_hit_tokens"] == 5 * len(prefix)
+    assert [o.token_ids for o in outs] == [alone(llama_artifact, p) for p in prompts]
+
+
+class OracleProposer:
+    """Proposes the known greedy continuation with its last `wrong` tokens corrupted."""
+
+    def __init__(self, truth: dict[tuple, list[int]], k: int, wrong: int):
+        self.truth, self.k, self.wrong = truth, k, wrong
+
+    def propose(self, seqs):
+        out = []
+        for s in seqs:
+            full = self.truth[tuple(s.prompt_token_ids)]
+            nxt = full[s.num_output_tokens:s.num_output_tokens + self.k]
+            out.append(nxt[:len(nxt) - self.wrong] + [(t + 1) % 320 for t in nxt[len(nxt) - self.wrong:]])
+        return out
+
+
+@pytest.mark.parametrize("wrong", [0, 2])
+def test_verify_steps_give_plain_greedy_tokens(llama_artifact, wrong):
+    """Multi-token steps: k speculated tokens verified in one step (k + 1 logits rows per sequence); the
+    rejected ones are rolled back (their blocks freed) and output equals plain greedy decoding."""
+    from llmc.runtime.engine import EngineConfig, LLMEngine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17]]
+    truth = {tuple(p): alone(llama_artifact, p, params) for p in prompts}
+    eng = LLMEngine(llama_artifact, EngineConfig(backend="reference", num_blocks=64, block_size=4),
+                    proposer=OracleProposer(truth, k=4, wrong=wrong))
+    rids = [eng.add_request(p, params) for p in prompts]
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step(finished_only=True):
+            final[o.request_id] = o.token_ids
+    assert [final[r] for r in rids] == [truth[tuple(p)] for p in prompts]
+    st = eng.stats()
+    assert st["spec_accepted_tokens"] > 0 and st["blocks_used"] == 0
+    if wrong:
+        assert st["spec_accepted_tokens"] < st["spec_proposed_tokens"]
+    assert st["steps"] < 12  # fewer steps than one token per step
+
+
+def test_rollback_drops_tokens_frees_blocks_and_regenerates(llama_artifact):
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    want = alone(llama_artifact, [1, 2, 3], params)
+    llm = LLM(llama_artifact, backend="reference", num_blocks=64, block_size=4)
+    eng = llm.engine
+    rid = eng.add_request([1, 2, 3], params)
+    for _ in range(12):
+        eng.step()
+    seq = eng.requests[rid].group.seqs[0]
+    assert seq.output_token_ids == want[:12]
+    used = eng.block_manager.num_used_blocks
+    eng.rollback(rid, 8)
+    assert seq.output_token_ids == want[:4] and seq.num_computed_tokens == seq.num_tokens - 1
+    assert eng.block_manager.num_used_blocks == -(-seq.num_computed_tokens // 4) < used
+    cached_tokens = {key[1] for key in eng.block_manager._cached}
+    assert all(len(t) == 4 for t in cached_tokens)
+    while eng.has_unfinished():
+        outs = eng.step(finished_only=True)
+    assert outs[0].token_ids == want
+
+
+def test_verify_graph_inputs_match_build_inputs(llama_artifact):
+    """The verify graphs' packed inputs (B sequences x q rows) hold build_inputs' values on real rows;
+    padding rows write nothing."""
+    from llmc.runtime.executor import StepBatch, StepInput, make_executor
+    from llmc.runtime.step_graphs import _StepGraph, graph_kind
+    ex = make_executor(llama_artifact.graph, "reference", "cpu", block_size=4, num_blocks=64)
+    batch = [StepInput([7, 8, 9], 9, [3, 5, 8, 60]), StepInput([2], 0, [11]), StepInput([5, 6], 4, [1, 2])]
+    for s in batch:
+        s.num_logits = len(s.token_ids)
+    assert graph_kind(batch) == ("verify", 4, 4)
+    dg = _StepGraph("verify", 4, 4, 16, torch.device("cpu"))
+    dg.load(batch, 4)
+    ref = ex.build_inputs(batch)
+    real = [i * 4 + j for i, s in enumerate(batch) for j in range(len(s.token_ids))]
+    for name in ("input_ids", "positions", "slot_mapping"):
+        assert dg.inputs[name][real].tolist() == ref[name].tolist(), name
+    pad = [r for r in range(16) if r not in real]
+    assert dg.inputs["slot_mapping"][pad].eq(-1).all()
+    assert dg.logit_rows(batch) == real
+    # the real rows' logits equal the eager step's (padding rows come after them, causally invisible)
+    got = ex.plan.run({**dg.inputs, **ex.kv})[0][real]
+    want = ex.execute(StepBatch(batch)).logits
+    assert torch.allclose(got.float(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_generate_beside_a_request_added_to_the_engine(llama_artifact):
+    """generate returns its own requests' outputs when another request shares the engine."""
+    llm = LLM(llama_artifact, backend="reference", num_blocks=64, block_size=4)
+    llm.engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=1), "other")
+    out = llm.generate([[8, 9, 10]], GREEDY)
+    assert out[0].token_ids == alone(llama_artifact, [8, 9, 10])
+    assert llm.stats()["blocks_used"] == 0
