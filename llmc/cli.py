@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import click
 
-from llmc.errors import LLMCError
+from llmc.errors import LLMCError, RequestError
+from llmc.runtime.config import EngineConfig
+
+_ENGINE = EngineConfig()  # the defaults of the engine options
 
 
 class _Group(click.Group):
@@ -52,6 +57,38 @@ def main(ctx, debug):
     ctx.ensure_object(dict)["debug"] = debug
 
 
+def _plugin_option(f):
+    return click.option(
+        "--plugin", "plugins", multiple=True, type=click.Path(), metavar="FILE.py",
+        help="Import this Python file first: it registers the ops (and their lowerings) that a user's pass "
+             "put into the graph, so that an artifact using them can be loaded. Repeatable. Only the files "
+             "named here are imported; nothing is ever imported from an artifact.")(f)
+
+
+def _load_plugins(files: tuple[str, ...]) -> None:
+    """Import each --plugin file, in order, once, as a uniquely named module (a plugin named json.py
+    must not shadow the standard library)."""
+    import importlib.util
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise LLMCError(f"--plugin {f}: " + ("no such file" if not path.exists() else "not a file")
+                            + "; give the Python file that registers your ops")
+        if path.suffix != ".py":
+            raise LLMCError(f"--plugin {f}: not a Python file; give the FILE.py that registers your ops")
+        name = f"llmc_plugin_{path.stem}_{abs(hash(str(path.resolve())))}"
+        if name in sys.modules:
+            continue
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the file runs
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[name]
+            raise LLMCError(f"--plugin {f}: importing it failed: {type(e).__name__}: {e}") from e
+
+
 @main.command()
 @click.argument("model")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Artifact directory to write (NAME.llmc).")
@@ -75,11 +112,13 @@ def main(ctx, debug):
                    "sequence's sums do not depend on the requests it shares steps with (where cuBLAS wins, it picks "
                    "its kernels per size, as under torch). --no-batch-invariant: only decode batches of up to 16 "
                    "share one; steps of 17-64 tokens get faster tiles of their own.")
+@_plugin_option
 def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_after, dump_ir, verify, explain_fusion,
-            no_fuse, tune, batch_invariant):
+            no_fuse, tune, batch_invariant, plugins):
     """Compile MODEL (a local Hugging Face directory or builtin:NAME) into an artifact."""
     import llmc
     from llmc.passes.manager import parse_pass_spec
+    _load_plugins(plugins)
     extra = [parse_pass_spec(s) for s in passes]
     art = llmc.compile(model, output, dtype=dtype, kv_cache_dtype=kv_cache_dtype, passes=extra,
                        before=pass_before, after=pass_after, dump_ir=dump_ir, verify=verify,
@@ -91,6 +130,9 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
             click.echo(f"fusion: {r}")
         if not reasons:
             click.echo("fusion: no candidate was declined")
+    if art.tokenizer_dir is None:
+        click.echo(f"warning: {model} has no tokenizer files; the artifact will take token ids only "
+                   "(--prompts with prompt_token_ids)", err=True)
     nbytes = sum(s["param_bytes_by_dtype"].values())
     click.echo(f"wrote {art.path}: {s['num_params'] / 1e6:.2f}M params ({nbytes / 2**20:.1f} MiB), "
                f"{sum(s['op_counts'].values())} ops, passes: {', '.join(p.split('{')[0] for p in s['passes'])}")
@@ -102,9 +144,11 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
 @click.option("--kernels", "kernels", is_flag=True,
               help="List what each node runs on the kernel backends, with the kernel specs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def inspect(artifact, ir, kernels, as_json):
+@_plugin_option
+def inspect(artifact, ir, kernels, as_json, plugins):
     """Show what ARTIFACT holds: manifest, passes applied, op counts, parameter bytes."""
     import llmc
+    _load_plugins(plugins)
     art = llmc.load(artifact)
     if ir:
         click.echo(str(art.graph), nl=False)
@@ -140,34 +184,153 @@ def inspect(artifact, ir, kernels, as_json):
         click.echo(f"  {op:18s} {n}")
 
 
-def _read_prompts(prompt: str | None, prompts_file: str | None) -> list[dict]:
-    from llmc.errors import RequestError
+@dataclass
+class _Prompt:
+    """One request of `llmc run`: text or token ids, its own sampling fields, and where it came from
+    (`--prompt` or FILE:LINE) for error messages."""
+
+    where: str
+    text: str | None
+    token_ids: list[int] | None = None
+    fields: dict = field(default_factory=dict)
+
+
+def _read_prompts(prompt: str | None, prompts_file: str | None) -> list[_Prompt]:
     if (prompt is None) == (prompts_file is None):
         raise RequestError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
     if prompt is not None:
-        return [{"prompt": prompt}]
+        return [_Prompt("--prompt", prompt)]
+    path = Path(prompts_file)
+    if not path.is_file():
+        raise RequestError(f"--prompts {path}: " + ("no such file" if not path.exists() else "not a file"))
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise RequestError(f"{path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); save the "
+                           "file as UTF-8") from None
     out = []
-    for i, line in enumerate(Path(prompts_file).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RequestError(f"{prompts_file}:{i}: not valid JSON ({e})") from None
-        if isinstance(item, str):
-            item = {"prompt": item}
-        if not isinstance(item, dict) or "prompt" not in item:
-            raise RequestError(f"{prompts_file}:{i}: each line must be a JSON string or an object with \"prompt\"")
-        out.append(item)
+    for i, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 and friends are JSON string content
+        if line.strip():
+            out.append(_parse_prompt_line(line, f"{path}:{i}"))
+    if not out:
+        raise RequestError(f"--prompts {path} holds no prompts (it is empty or blank); write one JSON string, or "
+                           "one object with \"prompt\" or \"prompt_token_ids\", per line")
     return out
+
+
+def _parse_prompt_line(line: str, where: str) -> _Prompt:
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"{where}: not valid JSON ({e})") from None
+    if isinstance(item, str):
+        item = {"prompt": item}
+    if not isinstance(item, dict) or ("prompt" in item) == ("prompt_token_ids" in item):
+        raise RequestError(f"{where}: each line must be a JSON string, or an object with one of \"prompt\" (text) "
+                           "or \"prompt_token_ids\" (a list of token ids)")
+    fields = {k: v for k, v in item.items() if k not in ("prompt", "prompt_token_ids")}
+    if "prompt" in item:
+        if not isinstance(item["prompt"], str) or not item["prompt"]:
+            raise RequestError(f"{where}: \"prompt\" must be a non-empty string, got {item['prompt']!r}")
+        return _Prompt(where, item["prompt"], fields=fields)
+    ids = item["prompt_token_ids"]
+    if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+        raise RequestError(f"{where}: \"prompt_token_ids\" must be a non-empty list of integers, got {ids!r}")
+    return _Prompt(where, None, ids, fields)
+
+
+def _check_engine_options(backend: str, device: str | None, sizes: dict[str, int | None]) -> None:
+    """The engine options in the user's words (--block-size, not block_size), before loading anything."""
+    import torch
+    for opt, v in sizes.items():
+        if v is not None and v < 1:
+            raise RequestError(f"{opt} must be >= 1, got {v}")
+    bs = sizes["--block-size"]
+    on_kernels = backend in ("cuda", "triton-interpret") or (backend == "auto" and torch.cuda.is_available())
+    if on_kernels and bs & (bs - 1):
+        raise RequestError(f"--block-size must be a power of two for the generated kernels, got {bs}; use 16, or "
+                           "--backend reference")
+    if device is not None:
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            dev = None
+        if dev is None or dev.type not in ("cpu", "cuda"):
+            raise RequestError(f"--device {device!r} is not a device llmc runs on; use cpu or cuda (cuda:N: GPU N)")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RequestError(f"--device {device}: torch sees no CUDA GPU on this machine; use --device cpu, or "
+                               "leave --device out")
+        if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+            raise RequestError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                               f"numbered from 0")
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise RequestError("--backend cuda needs an NVIDIA GPU, and torch sees none on this machine; use --backend "
+                           "reference (the interpreter) or triton-interpret (the generated kernels on the CPU)")
+
+
+def _use_triton_interpreter() -> None:
+    """--backend triton-interpret: Triton reads TRITON_INTERPRET when it is first imported, and a
+    --plugin may import it, so it is set here, first. The CLI owns its process; the library never
+    sets process-wide state (if triton is already imported, the engine says what to do)."""
+    if "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _sampling_params(items: list[_Prompt], base: dict) -> list:
+    """One SamplingParams per prompt: the command line's, overridden by the line's own fields. A bad
+    value is named as the user wrote it: `--top-p` for the option, FILE:LINE's `top_p` for a field."""
+    from llmc.runtime.engine import SamplingParams
+    known = {f.name for f in fields(SamplingParams)}
+    out = []
+    for it in items:
+        unknown = set(it.fields) - known
+        if unknown:
+            raise RequestError(f"{it.where}: unknown sampling field(s) {sorted(unknown)}; known: {sorted(known)}")
+        lp = it.fields.get("logprobs", False)
+        if not isinstance(lp, bool):
+            raise RequestError(f"{it.where}: \"logprobs\" must be true or false (llmc gives the log-probability "
+                               f"of each chosen token, not of alternatives), got {lp!r}")
+        p = SamplingParams(**{**base, **it.fields})
+        try:
+            p.validate()
+        except RequestError as e:
+            name, rest = str(e).split(" ", 1)
+            if name in it.fields or name not in base:
+                raise RequestError(f"{it.where}: {e}") from None
+            raise RequestError(f"--{name.replace('_', '-')} {rest}") from None
+        out.append(p)
+    return out
+
+
+def _check_tokens(items: list[_Prompt], params: list, art) -> None:
+    """What needs a tokenizer (text prompts, stop strings) against the artifact, and token ids
+    against its vocabulary: the engine would fail on them later, or ignore stop strings."""
+    vocab = art.info.vocab_size
+    for it, p in zip(items, params):
+        if art.tokenizer_dir is None and it.text is not None:
+            what = "--prompt TEXT" if it.where == "--prompt" else f"{it.where}: a text prompt"
+            raise RequestError(f"{what} needs a tokenizer, and {art.path} has none (its model had no tokenizer "
+                               "files); pass token ids instead: --prompts FILE.jsonl with lines like "
+                               "{\"prompt_token_ids\": [1, 2, 3]}")
+        if art.tokenizer_dir is None and p.stop_strings:
+            where = it.where if "stop" in it.fields else "--stop"
+            raise RequestError(f"{where}: stop strings need a tokenizer, and {art.path} has none; use "
+                               "\"stop_token_ids\" in the --prompts file")
+        bad = [t for t in it.token_ids or () if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"{it.where}: token id {bad[0]} is out of range: the model's vocabulary has ids "
+                               f"0 to {vocab - 1}")
 
 
 @main.command()
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", default=None, help="The prompt text.")
-@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="A JSONL file: one prompt per line (a string, or an object with \"prompt\" and optional "
-                   "sampling fields such as max_tokens, temperature, seed).")
+@click.option("--prompts", "prompts_file", type=click.Path(), default=None, metavar="FILE.jsonl",
+              help="A UTF-8 JSONL file, one prompt per line: a string, or an object with \"prompt\" (text) or "
+                   "\"prompt_token_ids\" (a list of ints, for artifacts without a tokenizer) and optional sampling "
+                   "fields (max_tokens, temperature, seed, n, logprobs, stop, ...).")
 @click.option("--max-tokens", default=64, show_default=True, help="Tokens to generate per prompt.")
 @click.option("--temperature", default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
@@ -176,48 +339,138 @@ def _read_prompts(prompt: str | None, prompts_file: str | None) -> list[dict]:
 @click.option("--repetition-penalty", default=1.0, show_default=True)
 @click.option("--seed", default=None, type=int, help="Seed for reproducible sampling.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object per prompt: text, token_ids, finish_reason (and logprobs when a prompt "
+                   "asks for them, and a \"completions\" list of all n when it asks for n > 1).")
+@click.option("--stream", is_flag=True,
+              help="Print tokens as they are generated. One prompt: its text as it grows. --json: one JSON line "
+                   "per new piece ({\"index\": prompt, \"completion\": i, \"delta\": text, \"token_ids\": [...], "
+                   "\"finished\": ...}). Several prompts (or n > 1) in plain text: each completion whole as it "
+                   "finishes, in the order they finish, under its --- prompt N --- line.")
 @click.option("--backend", type=click.Choice(["auto", "cuda", "triton-interpret", "reference"]), default="auto",
-              show_default=True, help="auto: cuda when a GPU is present, else reference (the interpreter).")
+              show_default=True, help="auto: cuda when a GPU is present, else reference (the interpreter). "
+                                      "triton-interpret: the generated kernels on the CPU (slow; for testing).")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
-@click.option("--max-num-seqs", default=64, show_default=True, help="Sequences batched per step.")
-@click.option("--max-num-batched-tokens", default=2048, show_default=True, help="Token budget per step.")
-@click.option("--block-size", default=16, show_default=True, help="KV cache slots per block.")
+@click.option("--max-num-seqs", default=_ENGINE.max_num_seqs, show_default=True, help="Sequences batched per step.")
+@click.option("--max-num-batched-tokens", default=_ENGINE.max_num_batched_tokens, show_default=True, help="Token budget per step.")
+@click.option("--block-size", default=_ENGINE.block_size, show_default=True,
+              help="KV cache slots per block (a power of two on the kernel backends).")
 @click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory).")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default=None,
               help="Override the artifact's KV cache dtype.")
+@_plugin_option
 def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-        stop, as_json, backend, device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-        kv_cache_dtype):
-    """Generate text from ARTIFACT with the paged-KV engine."""
-    from llmc.runtime.engine import LLM, SamplingParams
+        stop, as_json, stream, backend, device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
+        kv_cache_dtype, plugins):
+    """Generate text from ARTIFACT with the paged-KV engine.
+
+    With several prompts (or n > 1), plain-text output puts a `--- prompt N ---` line before each
+    completion.
+    """
+    import llmc
+    from llmc.runtime.engine import LLM
+    _check_engine_options(backend, device, {"--max-num-seqs": max_num_seqs, "--block-size": block_size,
+                                            "--max-num-batched-tokens": max_num_batched_tokens,
+                                            "--num-blocks": num_blocks, "--max-tokens": max_tokens})
     items = _read_prompts(prompt, prompts_file)
-    llm = LLM(artifact, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-              block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, backend=backend,
-              device=device)
     base = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                 repetition_penalty=repetition_penalty, seed=seed, stop=list(stop))
-    from dataclasses import fields
-    from llmc.errors import RequestError
-    known = {f.name for f in fields(SamplingParams)}
-    for i, it in enumerate(items, 1):
-        unknown = set(it) - known - {"prompt"}
-        if unknown:
-            raise RequestError(f"prompt {i}: unknown sampling field(s) {sorted(unknown)}; known: {sorted(known)}")
-    params = [SamplingParams(**{**base, **{k: v for k, v in it.items() if k != "prompt"}}) for it in items]
-    outs = llm.generate([it["prompt"] for it in items], params, progress=not as_json and sys.stderr.isatty())
-    for it, o in zip(items, outs):
-        if as_json:
-            click.echo(json.dumps({"prompt": it["prompt"], "text": o.text, "token_ids": o.token_ids,
-                                   "finish_reason": o.finish_reason,
-                                   "num_prompt_tokens": len(o.prompt_token_ids)}))
-        else:
-            click.echo(it["prompt"] + o.text)
+    params = _sampling_params(items, base)
+    for it, p in zip(items, params):
+        if p.n > max_num_seqs:
+            raise RequestError(f"{it.where}: n={p.n} samples run together and need --max-num-seqs >= {p.n} "
+                               f"(it is {max_num_seqs})")
+    if backend == "triton-interpret":
+        _use_triton_interpreter()
+    _load_plugins(plugins)
+    art = llmc.load(artifact)
+    _check_tokens(items, params, art)
+    llm = LLM(art, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+              block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, backend=backend,
+              device=device)
+    out = _Printer(items, params, as_json, art.tokenizer_dir is not None)
+    requests = [it.text if it.text is not None else it.token_ids for it in items]
+    if stream:
+        out.stream(llm.stream(requests, params, request_ids=[str(i) for i in range(len(requests))]))
+    else:
+        out.whole(llm.generate(requests, params, progress=not as_json and sys.stderr.isatty()))
     if not as_json and sys.stderr.isatty():
         st = llm.stats()
         click.echo(f"[{st['blocks_used']}/{st['blocks_total']} KV blocks in use, "
                    f"{st['prefix_cache_hit_tokens']} prefix-cache hit tokens, {st['num_preemptions']} preemptions]",
                    err=True)
+
+
+class _Printer:
+    """Writes `llmc run`'s results: whole, or streamed (see --stream); JSON or plain text.
+
+    Plain text is the prompt followed by its completion; with several prompts or samples a
+    `--- prompt N ---` line goes before each completion. A token-id prompt shows only its
+    completion, as token ids when the artifact has no tokenizer to write text with.
+    """
+
+    def __init__(self, items: list[_Prompt], params: list, as_json: bool, has_tokenizer: bool):
+        self.items, self.params, self.as_json, self.has_tok = items, params, as_json, has_tokenizer
+        self.several = len(items) > 1 or params[0].n > 1
+
+    def whole(self, outs) -> None:
+        for i, (it, p, o) in enumerate(zip(self.items, self.params, outs)):
+            if self.as_json:
+                click.echo(json.dumps(self._row(it, p, o)))
+                continue
+            for c in o.outputs:
+                self._header(i, c.index)
+                click.echo(self._prefix(it) + self._body(c.text, c.token_ids))
+
+    def stream(self, outs) -> None:
+        """Write each output of `LLM.stream` as it comes (click.echo flushes); request ids are the
+        prompts' indices."""
+        printed: set[tuple[int, int]] = set()
+        live = not self.as_json and not self.several
+        if live:
+            click.echo(self._prefix(self.items[0]), nl=False)
+        for o in outs:
+            i = int(o.request_id)
+            for c in o.outputs:
+                done = c.finish_reason is not None
+                if live:
+                    click.echo(self._body(c.delta_text, c.delta_token_ids), nl=False)
+                elif self.as_json and (c.delta_token_ids or c.delta_text or done):
+                    row = {"index": i, "completion": c.index, "delta": c.delta_text,
+                           "token_ids": list(c.delta_token_ids), "finished": done, "finish_reason": c.finish_reason}
+                    if self.params[i].logprobs:
+                        row["logprobs"] = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
+                    click.echo(json.dumps(row))
+                elif not self.as_json and done and (i, c.index) not in printed:
+                    printed.add((i, c.index))
+                    self._header(i, c.index)
+                    click.echo(self._prefix(self.items[i]) + self._body(c.text, c.token_ids))
+        if live:
+            click.echo()
+
+    def _row(self, it: _Prompt, p, o) -> dict:
+        row = {"prompt": it.text, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+               "num_prompt_tokens": len(o.prompt_token_ids)}
+        if it.token_ids is not None:
+            row["prompt_token_ids"] = it.token_ids
+        if p.logprobs:
+            row["logprobs"] = o.outputs[0].logprobs
+        if p.n > 1:
+            row["completions"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                                   "finish_reason": c.finish_reason, **({"logprobs": c.logprobs} if p.logprobs else {})}
+                                  for c in o.outputs]
+        return row
+
+    def _header(self, i: int, j: int) -> None:
+        n = self.params[i].n
+        if self.several:
+            click.echo(f"--- prompt {i + 1}" + (f", completion {j + 1} of {n}" if n > 1 else "") + " ---")
+
+    def _prefix(self, it: _Prompt) -> str:
+        return it.text if it.text is not None else ("" if self.has_tok else "token ids:")
+
+    def _body(self, text: str, ids: list[int]) -> str:
+        return text if self.has_tok else "".join(f" {t}" for t in ids)
 
 
 if __name__ == "__main__":

@@ -96,8 +96,8 @@ def test_prompt_errors(llama_artifact):
     assert_clean_error(*cli("run", llama_artifact.path, "--prompt", ""), "empty")
     long_prompt = "for i in range(10):\n" * 200
     assert_clean_error(*cli("run", llama_artifact.path, "--prompt", long_prompt), "context")
-    assert_clean_error(*cli("run", llama_artifact.path, "--prompt", PROMPT, "--top-p", 0), "top_p")
-    assert_clean_error(*cli("run", llama_artifact.path, "--prompt", PROMPT, "--max-tokens", 0), "max_tokens")
+    assert_clean_error(*cli("run", llama_artifact.path, "--prompt", PROMPT, "--top-p", 0), "--top-p must be in (0, 1]")
+    assert_clean_error(*cli("run", llama_artifact.path, "--prompt", PROMPT, "--max-tokens", 0), "--max-tokens must be >= 1")
 
 
 def test_console_script_error_is_one_line(tmp_path):
