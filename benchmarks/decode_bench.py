@@ -58,11 +58,11 @@ def bandwidth() -> float:
 def kernel_profile(runner, start, table, res, steps=50) -> dict:
     """GPU time per kernel name in one replayed decode step (CUPTI sees the kernels of a graph)."""
     from torch.profiler import ProfilerActivity, profile
-    from llmc.runtime.model_runner import StepInput
+    from llmc.runtime.executor import StepBatch, StepInput
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
-            runner.execute([StepInput([1], start + i, table)])
+            runner.execute(StepBatch([StepInput([1], start + i, table)]))
         sync()
     per = {}
     for e in prof.key_averages():
@@ -100,7 +100,7 @@ def main():
     from transformers import LlamaConfig, LlamaForCausalLM
     from llmc.codegen.lower import Plan, kernels_per_layer
     from llmc.runtime.engine import LLM, SamplingParams
-    from llmc.runtime.model_runner import StepInput
+    from llmc.runtime.executor import StepBatch, StepInput
     res = {"gpu": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__, "shape": a.shape,
            "backend": a.backend}
     import triton
@@ -180,7 +180,7 @@ def main():
         llm.generate([p], one)
     sync()
     res["prefill_fresh_ms"] = (time.perf_counter() - t) / 5 * 1e3
-    llm.engine.runner.use_cuda_graphs = False  # other fresh prompts' prefill eager, side by side
+    llm.engine.executor.use_cuda_graphs = False  # other fresh prompts' prefill eager, side by side
     llm.generate([fresh[6]], one)  # eager warm-up: kernel variants the graphs did not use compile here
     sync()
     t = time.perf_counter()
@@ -188,26 +188,26 @@ def main():
         llm.generate([p], one)
     sync()
     res["prefill_fresh_eager_ms"] = (time.perf_counter() - t) / 5 * 1e3  # fresh[7:12]
-    llm.engine.runner.use_cuda_graphs = a.backend == "cuda"
+    llm.engine.executor.use_cuda_graphs = a.backend == "cuda"
     # the prefill graph's logits against the eager plan's, same prompt and blocks (100 tokens: padded to 128)
-    r = llm.engine.runner
+    r = llm.engine.executor
     probe = [StepInput(fresh[0][:100], 0, list(range(1000, 1007)))]
-    g_logits = r.execute(probe)
+    g_logits = r.execute(StepBatch(probe)).logits
     r.use_cuda_graphs = False
-    e_logits = r.execute(probe)
+    e_logits = r.execute(StepBatch(probe)).logits
     r.use_cuda_graphs = a.backend == "cuda"
     res["prefill_graph_vs_eager"] = {"max_rel_err": ((g_logits - e_logits).abs().max() / e_logits.abs().max()).item(),
                                      "same_argmax": bool(g_logits.argmax() == e_logits.argmax())}
     # the runner alone: graph replays of one decode step
-    runner = llm.engine.runner
+    runner = llm.engine.executor
     bt = list(range(32))
     for _ in range(5):
-        runner.execute([StepInput([1], a.prompt, bt)])
+        runner.execute(StepBatch([StepInput([1], a.prompt, bt)]))
     sync()
     n = 200
     t = time.perf_counter()
     for i in range(n):
-        runner.execute([StepInput([1], a.prompt + i, bt)])
+        runner.execute(StepBatch([StepInput([1], a.prompt + i, bt)]))
     sync()
     res["step_ms"] = (time.perf_counter() - t) / n * 1e3
     res["runner_tok_s"] = 1e3 / res["step_ms"]
@@ -221,13 +221,13 @@ def main():
     plain = llmc.compile(work / "llama", work / "llama-unfused.llmc", dtype="bfloat16", fuse=False)
     res["kernels_per_step_unfused"] = kernels_per_layer(Plan(plain.graph, "meta"))["launches"]
     res["kernels_per_step_fused"] = kernels_per_layer(Plan(art.graph, "meta"))["launches"]
-    r2 = LLM(plain, backend=a.backend, num_blocks=2048, max_num_seqs=8).engine.runner
+    r2 = LLM(plain, backend=a.backend, num_blocks=2048, max_num_seqs=8).engine.executor
     for _ in range(5):
-        r2.execute([StepInput([1], a.prompt, bt)])
+        r2.execute(StepBatch([StepInput([1], a.prompt, bt)]))
     sync()
     t = time.perf_counter()
     for i in range(n):
-        r2.execute([StepInput([1], a.prompt + i, bt)])
+        r2.execute(StepBatch([StepInput([1], a.prompt + i, bt)]))
     sync()
     res["step_ms_unfused"] = (time.perf_counter() - t) / n * 1e3
     del r2, plain
@@ -237,19 +237,19 @@ def main():
     bp = Plan(art.graph, "meta").buffers
     res["buffer_plan"] = {f"T={T}": bp.stats({"T": T, "N": 1, "L": 1}) for T in (1, 2048)}
     if CUDA:
-        from llmc.runtime.model_runner import ModelRunner
+        from llmc.runtime.executor import make_executor
         peak = {}
         for planned in (True, False):
-            r3 = ModelRunner(art.graph, "cuda", num_blocks=256, backend="cuda", use_cuda_graphs=False)
+            r3 = make_executor(art.graph, "cuda", "cuda", num_blocks=256, cuda_graphs=False)
             r3.plan = Plan(art.graph, "cuda", static_buffers=planned)
             batch = [StepInput(torch.randint(0, cfg.vocab_size, (2048,)).tolist(), 0, list(range(128)))]
             sync()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()  # weights and KV cache: the arena is not made yet
-            r3.execute(batch)
+            r3.execute(StepBatch(batch))
             sync()
             t = time.perf_counter()
-            r3.execute(batch)
+            r3.execute(StepBatch(batch))
             sync()
             peak[planned] = ((torch.cuda.max_memory_allocated() - base) / 2 ** 20, (time.perf_counter() - t) * 1e3)
             del r3

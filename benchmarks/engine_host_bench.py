@@ -22,16 +22,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def measure(art, batch: int, prompt_len: int, steps: int) -> float:
     from llmc.runtime.engine import LLM, SamplingParams
+    from llmc.runtime.executor import StepResult
     llm = LLM(art, num_blocks=batch * (prompt_len + steps + 32) // 16 + 64, max_num_seqs=batch,
               max_num_batched_tokens=max(8192, batch * prompt_len), backend="reference")
     eng = llm.engine
     gen = torch.Generator().manual_seed(0)
     vocab = 8000
 
-    def stub(batch_, greedy=False):  # the model, instantly: random tokens (greedy) or logits
-        n = sum(s.num_logits for s in batch_)
-        return torch.randint(100, vocab, (n,), generator=gen) if greedy else torch.randn(n, vocab, generator=gen)
-    eng.runner.execute = stub
+    def stub(batch_):  # the model, instantly: random tokens (greedy) or logits
+        n = batch_.num_logits
+        if batch_.greedy:
+            return StepResult(tokens=torch.randint(100, vocab, (n,), generator=gen))
+        return StepResult(logits=torch.randn(n, vocab, generator=gen))
+    eng.executor.execute = stub
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     for i in range(batch):
         eng.add_request([1 + (i * 7 + j) % 4000 for j in range(prompt_len)], params)
@@ -50,7 +53,7 @@ def main():
     ap.add_argument("--steps", type=int, default=64)
     a = ap.parse_args()
     import llmc
-    from llmc.runtime.artifact import load_artifact
+    from llmc.artifact import load_artifact
     art = load_artifact(a.artifact) if a.artifact else llmc.compile("builtin:tiny-py",
                                                                     Path(tempfile.mkdtemp()) / "t.llmc")
     print(f"{'batch':>5s} {'prompt':>6s} {'ms/step':>8s} {'us/seq':>7s}")

@@ -48,7 +48,7 @@ def compare(model_dir: Path, dtype: str, n: int, work: Path, backend: str = "cud
     import llmc
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from llmc.runtime.engine import LLM, SamplingParams
-    from llmc.runtime.model_runner import StepInput
+    from llmc.runtime.executor import StepBatch, StepInput
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     dev = "cuda" if backend == "cuda" else "cpu"
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -66,7 +66,7 @@ def compare(model_dir: Path, dtype: str, n: int, work: Path, backend: str = "cud
         art = llmc.compile(model_dir, work / f"{model_dir.name}-{dtype}-{tune}.llmc", dtype=dtype, tune=tune)
         compile_s = time.time() - t0
         llm = LLM(art, backend=backend, num_blocks=512)
-        runner = llm.engine.runner
+        runner = llm.engine.executor
         outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         same = total = tf_same = dec_same = truth_same = 0
         first, errs = None, []
@@ -81,12 +81,12 @@ def compare(model_dir: Path, dtype: str, n: int, work: Path, backend: str = "cud
             # compounding), once as one prefill and once token by token through the decode graphs
             seq = p + ref
             table = list(range(64))
-            logits = runner.execute([StepInput(seq[:-1], 0, table, n)])
+            logits = runner.execute(StepBatch([StepInput(seq[:-1], 0, table, n)])).logits
             tf_same += int((logits.argmax(-1).cpu() == torch.tensor(ref)).sum())
             errs.append(((logits[0] - last[i]).abs().max() / last[i].abs().max()).item())
-            runner.execute([StepInput(p, 0, table)])
+            runner.execute(StepBatch([StepInput(p, 0, table)]))
             for j in range(n - 1):
-                dec_same += int(runner.execute([StepInput([ref[j]], len(p) + j, table)], greedy=True)[0]) == ref[j + 1]
+                dec_same += int(runner.execute(StepBatch([StepInput([ref[j]], len(p) + j, table)], greedy=True)).tokens[0]) == ref[j + 1]
             dec_same += int(logits[0].argmax()) == ref[0]
         rows.append({"model": model_dir.name, "dtype": dtype, "tuned": tune, "agree": same / total,
                      "teacher_forced_agree": tf_same / total, "decode_forced_agree": dec_same / total,

@@ -55,8 +55,8 @@ def heldout_prompts(n: int, chars: int = 48) -> list[str]:
 
 def retyped(art, dtype: str):
     """The artifact with its KV caches stored in `dtype` (bf16 / f16): no quantization, only rounding."""
-    from llmc.passes.paged_kv import kv_cache_inputs
-    from llmc.runtime.artifact import Artifact
+    from llmc.ir.kv_layout import kv_cache_inputs
+    from llmc.artifact import Artifact
     g = art.graph.clone()
     for c in kv_cache_inputs(g):
         c.type = c.type.with_dtype(dtype)
@@ -160,7 +160,7 @@ def main():
 
     import llmc
     from llmc.runtime.engine import LLM, SamplingParams
-    from llmc.runtime.model_runner import ModelRunner, StepInput
+    from llmc.runtime.executor import StepBatch, StepInput, make_executor
     prompts = CODE_PROMPTS if a.code_prompts else heldout_prompts(a.prompts)
     art = llmc.compile("builtin:tiny-py", Path(tempfile.mkdtemp()) / "tiny-py.llmc", dtype=a.dtype)
     params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
@@ -192,13 +192,13 @@ def main():
         """Log-probabilities at every position of the unquantized cache's sequences, one token a step."""
         tok, per, out = art.tokenizer(), (a.tokens + 64) // 16, []
         with emulating(granularity):
-            r = ModelRunner(artifact.graph, num_blocks=blocks, kv_cache_dtype=kv_dtype or "auto", backend=a.backend)
+            r = make_executor(artifact.graph, a.backend, num_blocks=blocks, kv_cache_dtype=kv_dtype or "auto")
             for i, (p, gen) in enumerate(zip(prompts, ref)):
                 ids = tok.encode(p, add_special_tokens=False)
                 seq, bt = ids + gen, list(range(per * i, per * i + per))
                 # copies: a step's fp32 logits may alias the step graph's output buffer
-                rows_ = [r.execute([StepInput(ids, 0, bt)])[0].clone()]
-                rows_ += [r.execute([StepInput([seq[j]], j, bt)])[0].clone() for j in range(len(ids), len(seq) - 1)]
+                rows_ = [r.execute(StepBatch([StepInput(ids, 0, bt)])).logits[0].clone()]
+                rows_ += [r.execute(StepBatch([StepInput([seq[j]], j, bt)])).logits[0].clone() for j in range(len(ids), len(seq) - 1)]
                 out.append(torch.log_softmax(torch.stack(rows_).float().cpu(), dim=-1))
         return out
 

@@ -30,15 +30,15 @@ def main():
     import llmc
     import llmc.codegen.matmul as mm
     from llmc.codegen.lower import Plan
-    from llmc.runtime.artifact import load_artifact
-    from llmc.runtime.model_runner import ModelRunner, StepInput
+    from llmc.artifact import load_artifact
+    from llmc.runtime.executor import StepInput, make_executor
 
     def no_gemm(x, w, b=None, epilogue=(), out=None):
         return out if out is not None else torch.empty(x.shape[:-1] + (w.shape[0],), dtype=x.dtype)
     mm.reference = no_gemm
     art = load_artifact(a.artifact) if a.artifact else llmc.compile("builtin:tiny-py",
                                                                     Path(tempfile.mkdtemp()) / "t.llmc")
-    runner = ModelRunner(art.graph, "cpu", num_blocks=256, backend="triton-interpret")
+    runner = make_executor(art.graph, "triton-interpret", "cpu", num_blocks=256)
     plan = Plan(art.graph, "cpu")
 
     def inputs(T):
