@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Run the shared llmc_bench.py on an older checkout and on this tree, alternating (before, after,
-# before, after) on the same GPU, so that a change is judged by a ratio measured in one session and
-# neither side alone pays for the cold kernel cache. Each figure is the better of its side's two runs.
+# before, after, ...; ROUNDS rounds, default 2) on the same GPU, so that a change is judged by a ratio measured in one session and
+# neither side alone pays for the cold kernel cache. Each figure is the best of its side's runs.
 #   benchmarks/side_by_side.sh BASE_DIR TOOLS_DIR OUT_DIR [llmc_bench.py options...]
 # BASE_DIR: a checkout of the older commit (e.g. `git archive COMMIT | tar -x -C BASE_DIR`);
 # TOOLS_DIR: the folder holding llmc_bench.py and peer_decode.py.
 set -euo pipefail
 base=$(cd "$1" && pwd); tools=$(cd "$2" && pwd); out=$3; shift 3
 here=$(cd "$(dirname "$0")/.." && pwd)
-for round in 1 2; do
+rounds=${ROUNDS:-2}
+for round in $(seq 1 "$rounds"); do
   for side in before after; do
     dir=$([ "$side" = before ] && echo "$base" || echo "$here")
     mkdir -p "$out/$side$round"
@@ -17,11 +18,12 @@ for round in 1 2; do
       | tee "$out/$side$round/log.txt" | grep -E "^(decode|ttft|throughput|compile)"
   done
 done
-python3 - "$out" <<'PY'
+python3 - "$out" "$rounds" <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-runs = {s: [json.loads(next((out / f"{s}{r}").glob("llmc_bench_*.json")).read_text()) for r in (1, 2)]
+rounds = range(1, int(sys.argv[2]) + 1)
+runs = {s: [json.loads(next((out / f"{s}{r}").glob("llmc_bench_*.json")).read_text()) for r in rounds]
         for s in ("before", "after")}
 print(f"{'figure':24s} {'before':>10s} {'after':>10s} {'after/before':>12s}   (runs: before | after)")
 for k, better in (("decode_b1_tok_s", max), ("ttft_2048_ms", min), ("thru_out_tok_s", max), ("load_s", min)):
