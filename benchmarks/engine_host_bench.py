@@ -10,6 +10,7 @@ side on one machine (absolute times on a shared CPU are noisy; ratios are what t
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -51,6 +52,9 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 64, 256])
     ap.add_argument("--prompt", type=int, nargs="+", default=[64, 896])
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--no-gc", action="store_true",
+                    help="time with Python's cyclic GC off: its pauses land on whichever step crosses a threshold, "
+                         "which makes commits compared side by side differ by chance")
     a = ap.parse_args()
     import llmc
     from llmc.artifact import load_artifact
@@ -59,7 +63,11 @@ def main():
     print(f"{'batch':>5s} {'prompt':>6s} {'ms/step':>8s} {'us/seq':>7s}")
     for p in a.prompt:
         for b in a.batch:
+            if a.no_gc:
+                gc.collect()
+                gc.disable()
             dt = measure(art, b, p, a.steps)
+            gc.enable()
             print(f"{b:5d} {p:6d} {dt * 1e3:8.2f} {dt * 1e6 / b:7.1f}", flush=True)
 
 

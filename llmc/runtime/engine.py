@@ -227,52 +227,64 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput) -> None:
         batch = StepBatch([StepInput(e.token_ids, e.seq.num_computed_tokens, e.seq.block_table, e.num_logits)
                            for e in out.scheduled], out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
-        # each logits row and the sequences it is sampled for: a fed token's row for each verified one,
-        # the last row for a sequence and the siblings forked off it
-        row_seqs = [s for e in out.scheduled if e.sample
-                    for s in ([e.seq] * (len(e.spec) + 1) if e.spec else (e.seq, *e.forks))]
-        repeats = [r for e in out.scheduled if e.sample for r in ([1] * (len(e.spec) + 1) if e.spec
-                                                                  else [1 + len(e.forks)])]
+        spec = out.has_spec
+        # each logits row and the sequences it is sampled for: the last row for a sequence and the siblings
+        # forked off it; with speculation, a fed token's row for each verified one
+        if spec:
+            row_seqs = [s for e in out.scheduled if e.sample
+                        for s in ([e.seq] * (len(e.spec) + 1) if e.spec else (e.seq, *e.forks))]
+            repeats = [r for e in out.scheduled if e.sample
+                       for r in ([1] * (len(e.spec) + 1) if e.spec else [1 + len(e.forks)])]
+        else:
+            row_seqs, repeats = out.sampled_seqs, out.logits_repeats
+        one_row_each = all(r == 1 for r in repeats)
         # rows that need only their argmax get it from the executor, which reads back tokens, not logits
-        batch.greedy = bool(row_seqs) and all(r == 1 for r in repeats) and Sampler.argmax_only(row_seqs)
+        batch.greedy = bool(row_seqs) and one_row_each and Sampler.argmax_only(row_seqs)
         t0 = time.perf_counter()
         result = self.executor.execute(batch)
         t1 = time.perf_counter()
-        tokens: list[list[int]] = []
-        logprobs: list[list[float]] | None = None
+        ids: list[int] = []
+        lps: list[float] | None = None
         if row_seqs:
             if batch.greedy:
-                ids, lps = result.tokens.tolist(), [0.0] * len(row_seqs)
+                ids, lps = result.tokens.tolist(), None
             else:
-                rows = result.logits if all(r == 1 for r in repeats) else \
+                rows = result.logits if one_row_each else \
                     result.logits.repeat_interleave(torch.tensor(repeats, device=result.logits.device), dim=0)
                 res = self.sampler(rows, row_seqs)
                 ids, lps = res.token_ids, res.logprobs
-            tokens, logprobs, i = [], [], 0
-            for e in out.scheduled:
-                if not e.sample:
-                    continue
-                if e.spec:
-                    k = _accepted(e.spec, ids[i:i + len(e.spec) + 1])
-                    self.spec_proposed += len(e.spec)
-                    self.spec_accepted += k
-                    tokens.append(ids[i:i + k + 1])
-                    logprobs.append(lps[i:i + k + 1])
-                    i += len(e.spec) + 1
-                else:
-                    for _ in range(1 + len(e.forks)):
-                        tokens.append([ids[i]])
-                        logprobs.append([lps[i]])
-                        i += 1
+        tokens, logprobs = (self._verify(out, ids, lps) if spec else (ids, lps))
         t2 = time.perf_counter()
         self.scheduler.update_after_step(out, tokens, logprobs, self.stop)
-        for seq in [e.seq for e in out.scheduled] + out.preempted:
-            seq.spec_token_ids = []  # proposals are for one step: the next one proposes afresh
+        if self.proposer is not None:
+            for seq in [e.seq for e in out.scheduled] + out.preempted:
+                seq.spec_token_ids = []  # proposals are for one step: the next one proposes afresh
         t3 = time.perf_counter()
         # where a step's host time goes (waiting for the GPU falls in execute on the greedy path,
         # in sample otherwise)
         for k, dt in (("execute", t1 - t0), ("sample", t2 - t1), ("update", t3 - t2)):
             self.timings[k] = self.timings.get(k, 0.0) + dt
+
+    def _verify(self, out: SchedulerOutput, ids: list[int], lps: list[float] | None):
+        """Per sampled sequence, its new tokens: a verified one gets the speculated tokens that its rows'
+        choices confirm and then the next row's choice; the others one token each."""
+        tokens, logprobs, i = [], [], 0
+        for e in out.scheduled:
+            if not e.sample:
+                continue
+            if e.spec:
+                k = _accepted(e.spec, ids[i:i + len(e.spec) + 1])
+                self.spec_proposed += len(e.spec)
+                self.spec_accepted += k
+                tokens.append(ids[i:i + k + 1])
+                logprobs.append(None if lps is None else lps[i:i + k + 1])
+                i += len(e.spec) + 1
+            else:
+                for _ in range(1 + len(e.forks)):
+                    tokens.append(ids[i])
+                    logprobs.append(None if lps is None else lps[i])
+                    i += 1
+        return tokens, (None if lps is None else logprobs)
 
     def _time(self, key: str, since: float) -> None:
         self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - since
@@ -280,13 +292,18 @@ class LLMEngine:
     def _output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]
         outs = []
+        sent_chars, sent_tokens = req.sent_chars, req.sent_tokens
         for i, s in enumerate(req.group.seqs):
-            text = s.output_text if s.is_finished else _settled(s.output_text, s.params.stop_strings)
+            text = s.output_text
+            if s.params.stop and not s.is_finished:
+                text = _settled(text, s.params.stop_strings)
             ids = s.output_token_ids
-            outs.append(CompletionOutput(i, text, list(ids), s.finish_reason,
-                                         list(s.output_logprobs) if s.params.logprobs else None,
-                                         text[req.sent_chars[i]:], list(ids[req.sent_tokens[i]:])))
-            req.sent_chars[i], req.sent_tokens[i] = max(req.sent_chars[i], len(text)), len(ids)
+            outs.append(CompletionOutput(i, text, ids[:], s.finish_reason,
+                                         s.output_logprobs[:] if s.params.logprobs else None,
+                                         text[sent_chars[i]:], ids[sent_tokens[i]:]))
+            if len(text) > sent_chars[i]:
+                sent_chars[i] = len(text)
+            sent_tokens[i] = len(ids)
         return RequestOutput(request_id, req.prompt, req.group.prompt_token_ids, outs, req.group.is_finished)
 
     def stats(self) -> dict[str, int]:

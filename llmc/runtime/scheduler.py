@@ -96,6 +96,8 @@ class ScheduledSeq:
     def token_ids(self) -> list[int]:
         """The tokens this step feeds: the uncomputed ones, then the speculated ones."""
         c = self.seq.num_computed_tokens
+        if not self.spec:
+            return self.seq.token_ids[c:c + self.num_new_tokens]
         return self.seq.token_ids[c:c + self.num_new_tokens - len(self.spec)] + self.spec
 
     @property
@@ -255,10 +257,11 @@ class Scheduler:
         return todo if todo <= budget else 0
 
     def _entry(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> ScheduledSeq:
-        spec = seq.spec_token_ids[:n - 1] if not seq.is_prefill else []
+        prefill = seq.is_prefill
+        spec = seq.spec_token_ids[:n - 1] if seq.spec_token_ids and not prefill else []
         sample = seq.num_computed_tokens + n - len(spec) == seq.num_tokens
-        forks = self.groups[seq.request_id].pending_forks(seq) if sample else []
-        return ScheduledSeq(seq, n, seq.is_prefill, sample, forks, copies, spec)
+        forks = self.groups[seq.request_id].pending_forks(seq) if sample and prefill else []
+        return ScheduledSeq(seq, n, prefill, sample, forks, copies, spec)
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (see module docstring); mutates queues and block tables."""
@@ -396,11 +399,11 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted between schedule() and now
             first = row - len(targets)
-            new = _as_list(token_ids[first]) if e.sample else []
-            # verified: K/V stand for the fed tokens up to the last accepted one
-            seq.num_computed_tokens += e.num_new_tokens - len(e.spec) + (len(new) - 1 if e.spec else 0)
-            if e.spec:
+            if e.spec:  # verified: K/V stand for the fed tokens up to the last accepted one
+                seq.num_computed_tokens += len(token_ids[first])  # the last fed + the accepted ones
                 self.bm.trim(seq)
+            else:
+                seq.num_computed_tokens += e.num_new_tokens
             self.bm.mark_computed(seq)
             if e.forks:
                 self.groups[seq.request_id].forked = True
@@ -409,10 +412,11 @@ class Scheduler:
                     child.status = SequenceStatus.RUNNING
                     self.running.append(child)
             for i, target in enumerate(targets, start=first):
-                toks = _as_list(token_ids[i])
-                lps = _as_list(logprobs[i]) if logprobs is not None and target.params.logprobs else None
+                toks, lps = token_ids[i], logprobs[i] if logprobs is not None and target.params.logprobs else None
+                if not isinstance(toks, list):  # the common case: one token
+                    toks, lps = (toks,), None if lps is None else (lps,)
                 for j, tok in enumerate(toks):
-                    target.append_token(tok, lps[j] if lps is not None else None)
+                    target.append_token(tok, None if lps is None else lps[j])
                     reason = check_stop(target) if check_stop is not None else None
                     if reason is not None:
                         self.finish(target, reason)
@@ -430,6 +434,3 @@ class Scheduler:
         seq.truncate(seq.num_tokens - num_tokens)
         self.bm.rollback(seq)
 
-
-def _as_list(x):
-    return x if isinstance(x, (list, tuple)) else [x]
