@@ -88,7 +88,7 @@ def test_artifact_errors(llama_artifact, tmp_path):
     man = json.loads((bad / "manifest.json").read_text())
     man["format_version"] = 99
     (bad / "manifest.json").write_text(json.dumps(man))
-    assert_clean_error(*cli("inspect", bad), "format version 99")
+    assert_clean_error(*cli("inspect", bad), "format version 99", "recompile the model with llmc")
     assert_clean_error(*cli("inspect", tmp_path), "not an llmc artifact")
 
 
