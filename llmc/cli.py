@@ -358,10 +358,20 @@ def _check_tokens(items: list[_Prompt], params: list, art) -> None:
 @click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory).")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default=None,
               help="Override the artifact's KV cache dtype.")
+@click.option("--spec", "spec_method", type=click.Choice(["off", "ngram", "draft"]), default=None,
+              help="Speculative decoding: ngram (prompt lookup: propose what followed the last few tokens earlier "
+                   "in the text) or draft (a small model, --draft). Verification is lossless: the output is what "
+                   "decoding without speculation gives (greedy) or follows the same distribution (sampling). "
+                   "Default: draft when --draft is given, else off.")
+@click.option("--draft", "draft_path", type=click.Path(), default=None,
+              help="The draft artifact for --spec draft: a compiled model with the same tokenizer.")
+@click.option("--spec-tokens", default="auto", show_default=True, metavar="K|auto",
+              help="Tokens proposed per step (1-16), or auto: per sequence from its acceptance so far, and none "
+                   "when more than 32 sequences decode at once.")
 @_plugin_option
 def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
         stop, as_json, stream, backend, device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-        kv_cache_dtype, plugins):
+        kv_cache_dtype, spec_method, draft_path, spec_tokens, plugins):
     """Generate text from ARTIFACT with the paged-KV engine.
 
     With several prompts (or n > 1), plain-text output puts a `--- prompt N ---` line before each
@@ -385,7 +395,7 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
     _load_plugins(plugins)
     art = llmc.load(artifact)
     _check_tokens(items, params, art)
-    llm = LLM(art, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+    llm = LLM(art, speculative=_speculative(spec_method, draft_path, spec_tokens), max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
               block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, backend=backend,
               device=device)
     out = _Printer(items, params, as_json, art.tokenizer_dir is not None)
@@ -399,6 +409,30 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
         click.echo(f"[{st['blocks_used']}/{st['blocks_total']} KV blocks in use, "
                    f"{st['prefix_cache_hit_tokens']} prefix-cache hit tokens, {st['num_preemptions']} preemptions]",
                    err=True)
+
+
+def _speculative(method: str | None, draft: str | None, tokens: str) -> dict | None:
+    """The `speculative` option of LLM from --spec / --draft / --spec-tokens."""
+    method = method or ("draft" if draft else "off")
+    if method == "off":
+        if draft:
+            raise RequestError("--draft is given but --spec is off; drop one of them")
+        return None
+    if method == "draft" and not draft:
+        raise RequestError("--spec draft needs --draft ART (a compiled draft model with the target's tokenizer)")
+    if method == "ngram" and draft:
+        raise RequestError("--draft is for --spec draft, not ngram")
+    if tokens != "auto":
+        try:
+            tokens = int(tokens)
+        except ValueError:
+            raise RequestError(f"--spec-tokens must be a number 1-16 or auto, not {tokens!r}") from None
+        if not 1 <= tokens <= 16:
+            raise RequestError(f"--spec-tokens must be 1-16 or auto, not {tokens}")
+    if method == "draft":
+        import llmc
+        draft = llmc.load(draft)
+    return {"method": method, "draft": draft, "num_speculative_tokens": tokens}
 
 
 class _Printer:

@@ -54,6 +54,7 @@ class AsyncLLM:
 
     Args:
         model: an artifact path (or a loaded Artifact).
+        speculative: speculative decoding options, as for `llmc.LLM`.
         **engine_options: the options of `llmc.LLM` (`EngineConfig` fields: max_num_seqs,
             num_blocks, block_size, backend, ...).
 
@@ -65,9 +66,9 @@ class AsyncLLM:
         >>> asyncio.run(main())                                                     # doctest: +SKIP
     """
 
-    def __init__(self, model: str | Path | Artifact, **engine_options):
+    def __init__(self, model: str | Path | Artifact, speculative: dict | None = None, **engine_options):
         # built exactly as `llmc.LLM` builds its engine, so the two take the same options
-        self.engine = LLMEngine(load_model(model), engine_config(**engine_options))
+        self.engine = LLMEngine(load_model(model), engine_config(**engine_options), speculative)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # live requests; the loop thread's alone
         # `_closed` and the last put happen under one lock, so no command can slip in behind the

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence as Seq
+from typing import Sequence as Seq
 
 import torch
 
@@ -19,7 +19,8 @@ from llmc.runtime.executor import Executor, StepBatch, StepInput, make_executor
 from llmc.runtime.sampler import Sampler, plain_greedy
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from llmc.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
+from llmc.runtime.sequence import SequenceGroup, SequenceStatus
+from llmc.runtime.spec_decode import SpecConfig, SpecDecoder
 from llmc.runtime.stop import StopChecker
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
@@ -61,12 +62,6 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-class Proposer(Protocol):
-    """Proposes a speculated continuation for each running sequence (speculative decoding's draft side)."""
-
-    def propose(self, seqs: list[Sequence]) -> list[list[int]]: ...
-
-
 @dataclass
 class _Request:
     group: SequenceGroup
@@ -84,7 +79,8 @@ class LLMEngine:
     Args:
         artifact: a loaded artifact (`llmc.load`).
         config: engine options (defaults: `EngineConfig()`).
-        proposer: optional speculative proposer; its tokens are verified in the next step (greedy requests).
+        speculative: speculative decoding: options (`SpecConfig` fields: method, draft,
+            num_speculative_tokens) or a built `SpecDecoder`; None: off.
 
     Example:
         >>> eng = LLMEngine(llmc.load("tiny.llmc"))                      # doctest: +SKIP
@@ -93,10 +89,11 @@ class LLMEngine:
         ...     for out in eng.step(): print(out.outputs[0].delta_text, end="")
     """
 
-    def __init__(self, artifact: Artifact, config: EngineConfig | None = None, proposer: Proposer | None = None):
+    def __init__(self, artifact: Artifact, config: EngineConfig | None = None,
+                 speculative: dict | SpecConfig | SpecDecoder | None = None):
         cfg = self.config = config or EngineConfig()
         cfg.validate()
-        self.artifact, self.info, self.proposer = artifact, artifact.info, proposer
+        self.artifact, self.info = artifact, artifact.info
         self.tokenizer = artifact.tokenizer() if artifact.tokenizer_dir else None
         self.max_model_len = min(cfg.max_model_len or 1 << 30, self.info.max_model_len)
         self.executor: Executor = make_executor(
@@ -115,6 +112,9 @@ class LLMEngine:
         self.decode = _decoder(self.tokenizer) if self.tokenizer else None
         self.stop = StopChecker(self.max_model_len, eos, self.decode)
         self.sampler = Sampler()
+        self.spec = speculative if isinstance(speculative, SpecDecoder) or speculative is None else \
+            SpecDecoder.build(SpecConfig.from_options(speculative), self.info, self.max_model_len, self.sampler,
+                              {"backend": cfg.backend, "device": cfg.device, "block_size": cfg.block_size})
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
@@ -187,8 +187,8 @@ class LLMEngine:
         (streaming: each carries its delta since the last), or with `finished_only` of those that
         finished (or were aborted) since the last step."""
         t = time.perf_counter()
-        if self.proposer is not None:
-            self._propose()
+        if self.spec is not None:
+            self.spec.propose([s for s in self.scheduler.running if not s.is_prefill])
         out = self.scheduler.schedule()
         self._time("schedule", t)
         self.num_preemptions += len(out.preempted)
@@ -200,7 +200,12 @@ class LLMEngine:
                 raise
         self.num_steps += 1
         touched = {e.seq.request_id for e in out.scheduled}
-        done = {g.request_id for g in self.scheduler.pop_finished()}
+        finished = self.scheduler.pop_finished()
+        done = {g.request_id for g in finished}
+        if self.spec is not None:
+            for g in finished:
+                for seq in g.seqs:
+                    self.spec.release(seq)
         report = done if finished_only else touched | done
         results = [self._output(rid) for rid in sorted(report) if rid in self.requests]
         for rid in done:
@@ -214,49 +219,32 @@ class LLMEngine:
                 {e.seq.request_id for e in out.scheduled}:
             self.scheduler.abort(rid)
 
-    def _propose(self) -> None:
-        """Ask the proposer for a continuation of each greedy decoding sequence, capped so that the
-        verified tokens fit in max_tokens and the context."""
-        seqs = [s for s in self.scheduler.running if not s.is_prefill and plain_greedy(s.params)]
-        if not seqs:
-            return
-        for seq, toks in zip(seqs, self.proposer.propose(seqs)):
-            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            seq.spec_token_ids = list(toks[:max(0, room)])
-
     def _run(self, out: SchedulerOutput) -> None:
         batch = StepBatch([StepInput(e.token_ids, e.seq.num_computed_tokens, e.seq.block_table, e.num_logits)
                            for e in out.scheduled], out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
-        spec = out.has_spec
         # each logits row and the sequences it is sampled for: the last row for a sequence and the siblings
-        # forked off it; with speculation, a fed token's row for each verified one
-        if spec:
-            row_seqs = [s for e in out.scheduled if e.sample
-                        for s in ([e.seq] * (len(e.spec) + 1) if e.spec else (e.seq, *e.forks))]
-            repeats = [r for e in out.scheduled if e.sample
-                       for r in ([1] * (len(e.spec) + 1) if e.spec else [1 + len(e.forks)])]
-        else:
-            row_seqs, repeats = out.sampled_seqs, out.logits_repeats
+        # forked off it (a verified sequence has a row per fed token, see _postprocess_verify)
+        row_seqs, repeats = out.sampled_seqs, out.logits_repeats
         one_row_each = all(r == 1 for r in repeats)
         # rows that need only their argmax get it from the executor, which reads back tokens, not logits
         batch.greedy = bool(row_seqs) and one_row_each and Sampler.argmax_only(row_seqs)
         t0 = time.perf_counter()
         result = self.executor.execute(batch)
         t1 = time.perf_counter()
-        ids: list[int] = []
-        lps: list[float] | None = None
-        if row_seqs:
-            if batch.greedy:
-                ids, lps = result.tokens.tolist(), None
-            else:
-                rows = result.logits if one_row_each else \
-                    result.logits.repeat_interleave(torch.tensor(repeats, device=result.logits.device), dim=0)
-                res = self.sampler(rows, row_seqs)
-                ids, lps = res.token_ids, res.logprobs
-        tokens, logprobs = (self._verify(out, ids, lps) if spec else (ids, lps))
+        if out.has_spec:
+            tokens, logprobs = self._postprocess_verify(out, result)
+        elif not row_seqs:
+            tokens, logprobs = [], None
+        elif batch.greedy:
+            tokens, logprobs = result.tokens.tolist(), None
+        else:
+            rows = result.logits if one_row_each else \
+                result.logits.repeat_interleave(torch.tensor(repeats, device=result.logits.device), dim=0)
+            res = self.sampler(rows, row_seqs)
+            tokens, logprobs = res.token_ids, res.logprobs
         t2 = time.perf_counter()
         self.scheduler.update_after_step(out, tokens, logprobs, self.stop)
-        if self.proposer is not None:
+        if self.spec is not None:
             for seq in [e.seq for e in out.scheduled] + out.preempted:
                 seq.spec_token_ids = []  # proposals are for one step: the next one proposes afresh
         t3 = time.perf_counter()
@@ -265,26 +253,46 @@ class LLMEngine:
         for k, dt in (("execute", t1 - t0), ("sample", t2 - t1), ("update", t3 - t2)):
             self.timings[k] = self.timings.get(k, 0.0) + dt
 
-    def _verify(self, out: SchedulerOutput, ids: list[int], lps: list[float] | None):
-        """Per sampled sequence, its new tokens: a verified one gets the speculated tokens that its rows'
-        choices confirm and then the next row's choice; the others one token each."""
-        tokens, logprobs, i = [], [], 0
+    def _postprocess_verify(self, out: SchedulerOutput, result) -> tuple[list, list | None]:
+        """Per sampled sequence its new tokens: a verified entry's k + 1 rows go to the speculative decoder
+        (the accepted tokens and one more); the other rows are sampled together, as in a plain step."""
+        rows_of, r = [], 0  # per sampled entry: its first logits row
         for e in out.scheduled:
-            if not e.sample:
-                continue
+            if e.sample:
+                rows_of.append(r)
+                r += e.num_logits
+        entries = [e for e in out.scheduled if e.sample]
+        ids = result.tokens.tolist() if result.tokens is not None else None
+        plain = [(e, i) for e, i in zip(entries, rows_of) if not e.spec]
+        sampled: list = []
+        if plain and ids is None:
+            idx = torch.tensor([i for _, i in plain], device=result.logits.device)
+            reps = torch.tensor([1 + len(e.forks) for e, _ in plain], device=result.logits.device)
+            res = self.sampler(result.logits[idx].repeat_interleave(reps, dim=0),
+                               [s for e, _ in plain for s in (e.seq, *e.forks)])
+            sampled = list(zip(res.token_ids, res.logprobs))
+        tokens, logprobs, j = [], [], 0
+        for e, i in zip(entries, rows_of):
             if e.spec:
-                k = _accepted(e.spec, ids[i:i + len(e.spec) + 1])
+                greedy = plain_greedy(e.seq.params) and not e.seq.params.logprobs
+                row_tokens = ids[i:i + len(e.spec) + 1] if ids is not None else \
+                    result.logits[i:i + len(e.spec) + 1].argmax(-1).tolist() if greedy else None
+                toks, lps = self.spec.verify(e.seq, e.spec, None if ids is not None else
+                                             result.logits[i:i + len(e.spec) + 1], row_tokens)
                 self.spec_proposed += len(e.spec)
-                self.spec_accepted += k
-                tokens.append(ids[i:i + k + 1])
-                logprobs.append(None if lps is None else lps[i:i + k + 1])
-                i += len(e.spec) + 1
-            else:
-                for _ in range(1 + len(e.forks)):
+                self.spec_accepted += len(toks) - 1
+                tokens.append(toks)
+                logprobs.append(lps if lps is not None else [0.0] * len(toks))
+                continue
+            for _ in range(1 + len(e.forks)):
+                if ids is not None:
                     tokens.append(ids[i])
-                    logprobs.append(None if lps is None else lps[i])
-                    i += 1
-        return tokens, (None if lps is None else logprobs)
+                    logprobs.append(0.0)
+                else:
+                    tokens.append(sampled[j][0])
+                    logprobs.append(sampled[j][1])
+                    j += 1
+        return tokens, logprobs
 
     def _time(self, key: str, since: float) -> None:
         self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - since
@@ -319,17 +327,10 @@ class LLMEngine:
             "steps": self.num_steps,
             "spec_proposed_tokens": self.spec_proposed,
             "spec_accepted_tokens": self.spec_accepted,
+            "spec_steps": self.spec.steps if self.spec is not None else 0,
+            "spec_acceptance_rate": round(self.spec_accepted / self.spec_proposed, 4) if self.spec_proposed else 0.0,
             **{f"ms_per_step_{k}": round(v * 1e3 / max(1, self.num_steps), 4) for k, v in self.timings.items()},
         }
-
-
-def _accepted(spec: list[int], row_tokens: list[int]) -> int:
-    """How many speculated tokens the target agrees with: row j's token follows the j-th fed token, so
-    spec[j] stands while it equals row j's choice (greedy verification; row k gives the next token)."""
-    k = 0
-    while k < len(spec) and spec[k] == row_tokens[k]:
-        k += 1
-    return k
 
 
 def _settled(text: str, stops: tuple[str, ...]) -> str:
@@ -343,6 +344,8 @@ class LLM:
 
     Args:
         model: an artifact path (or a loaded Artifact).
+        speculative: speculative decoding, e.g. `{"method": "draft", "draft": "draft.llmc",
+            "num_speculative_tokens": "auto"}` or `{"method": "ngram"}` (see `SpecConfig`); None: off.
         **options: engine options, the fields of `EngineConfig` (max_num_seqs, max_num_batched_tokens,
             block_size, num_blocks, kv_cache_dtype, backend, device, ...).
 
@@ -351,8 +354,8 @@ class LLM:
         >>> llm.generate(["def add(a, b):"], SamplingParams(max_tokens=16))[0].text   # doctest: +SKIP
     """
 
-    def __init__(self, model: str | Path | Artifact, **options):
-        self.engine = LLMEngine(load_model(model), engine_config(**options))
+    def __init__(self, model: str | Path | Artifact, speculative: dict | SpecConfig | None = None, **options):
+        self.engine = LLMEngine(load_model(model), engine_config(**options), speculative)
 
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,

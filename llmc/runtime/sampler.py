@@ -96,8 +96,16 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         for i, seq in enumerate(seqs):
             if not seq.params.greedy:
-                tokens[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
+                tokens[i] = draw(probs[i], seq.generator)
         return tokens
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a probability row. A seeded request's generator lives on the CPU (so the same
+    seed gives the same tokens on every device): its row is drawn there."""
+    if generator is not None and probs.device != generator.device:
+        probs = probs.to(generator.device)
+    return int(torch.multinomial(probs, 1, generator=generator)[0])
 
 
 def plain_greedy(p) -> bool:

@@ -401,10 +401,10 @@ class Scheduler:
             first = row - len(targets)
             if e.spec:  # verified: K/V stand for the fed tokens up to the last accepted one
                 seq.num_computed_tokens += len(token_ids[first])  # the last fed + the accepted ones
-                self.bm.trim(seq)
+                self.bm.trim(seq)  # (registered below, once the accepted tokens are in the sequence)
             else:
                 seq.num_computed_tokens += e.num_new_tokens
-            self.bm.mark_computed(seq)
+                self.bm.mark_computed(seq)
             if e.forks:
                 self.groups[seq.request_id].forked = True
                 for child in e.forks:
@@ -422,6 +422,8 @@ class Scheduler:
                         self.finish(target, reason)
                         finished.append(target)
                         break
+            if e.spec and seq.status is SequenceStatus.RUNNING:
+                self.bm.mark_computed(seq)
         return finished
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:

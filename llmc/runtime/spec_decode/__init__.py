@@ -1,0 +1,123 @@
+"""Speculative decoding: propose k tokens per sequence, verify all k + 1 positions in one target step,
+keep what the rejection sampler accepts (lossless: see rejection.py).
+
+The algorithm stays visible in three pieces: a proposer (ngram.py: prompt lookup; draft.py: a small
+model with its own KV cache), the number of tokens to propose (adaptive.py: from each sequence's
+observed acceptance, off under load), and the verify step (rejection.py). `SpecDecoder` joins them;
+batching, budgets and rollback belong to the engine and scheduler (a verify entry is budgeted as
+k + 1 tokens, and blocks past the accepted tokens are freed after the step).
+
+    >>> llm = LLM("tiny-py.llmc", speculative={"method": "draft", "draft": "tiny-py-draft.llmc",
+    ...                                         "num_speculative_tokens": "auto"})     # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmc.errors import LLMCError
+from llmc.runtime.sampler import Sampler, plain_greedy
+from llmc.runtime.sequence import Sequence
+from llmc.runtime.spec_decode.base import Proposal, Proposer
+
+METHODS = ("draft", "ngram")
+
+
+@dataclass
+class SpecConfig:
+    """Options of speculative decoding (`LLM(..., speculative={...})`, `llmc run --spec/--draft`)."""
+
+    method: str = "ngram"  # draft or ngram
+    draft: str | Path | None = None  # the draft artifact (method draft)
+    num_speculative_tokens: int | str = "auto"  # k, or "auto": adaptive per sequence
+    max_batch: int | None = 32  # with "auto": no speculation when more sequences decode at once
+    max_ngram: int = 4
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
+        if options is None or isinstance(options, SpecConfig):
+            return options
+        unknown = set(options) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise LLMCError(f"unknown speculative options {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+        cfg = cls(**options)
+        if cfg.method not in METHODS:
+            raise LLMCError(f"speculative method must be one of {', '.join(METHODS)}, not {cfg.method!r}")
+        if cfg.method == "draft" and cfg.draft is None:
+            raise LLMCError("speculative method draft needs a draft artifact (speculative={'draft': PATH}, "
+                            "`llmc run --draft ART`)")
+        k = cfg.num_speculative_tokens
+        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16):
+            raise LLMCError(f"num_speculative_tokens must be 1..16 or 'auto', not {k!r}")
+        return cfg
+
+
+class SpecDecoder:
+    """Proposes before a step and verifies after it, for the engine.
+
+    Args:
+        proposer: a `Proposer`.
+        chooser: how many tokens to propose per sequence (an `AdaptiveK`).
+        max_model_len: proposals never run past the context.
+    """
+
+    def __init__(self, proposer: Proposer, chooser, max_model_len: int, sampler: Sampler):
+        self.proposer, self.chooser, self.max_model_len, self.sampler = proposer, chooser, max_model_len, sampler
+        self.q: dict[int, torch.Tensor | None] = {}  # seq_id -> the draft distributions of its proposal
+        self.steps = 0  # target steps that verified at least one proposed token
+
+    @classmethod
+    def build(cls, cfg: SpecConfig, target_info, max_model_len: int, sampler: Sampler, executor_options: dict):
+        from llmc.runtime.spec_decode.adaptive import AdaptiveK
+        if cfg.method == "draft":
+            from llmc.runtime.spec_decode.draft import DraftProposer
+            proposer = DraftProposer(cfg.draft, target_info, sampler=sampler, **executor_options)
+            cost = 0.25  # a draft token against a target step: the shipped pair's ratio of weights read
+        else:
+            from llmc.runtime.spec_decode.ngram import NgramProposer
+            proposer, cost = NgramProposer(cfg.max_ngram), 0.05
+        k = cfg.num_speculative_tokens
+        chooser = AdaptiveK(k_max=8, cost=cost, max_batch=cfg.max_batch) if k == "auto" else \
+            AdaptiveK(k_min=k, k_max=k, cost=cost, max_batch=None)
+        return cls(proposer, chooser, max_model_len, sampler)
+
+    def propose(self, seqs: list[Sequence]) -> None:
+        """Set `spec_token_ids` on the decoding sequences that get a proposal this step."""
+        ks = self.chooser.choose(seqs)
+        ks = [min(k, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+              for seq, k in zip(seqs, ks)]
+        todo = [(s, k) for s, k in zip(seqs, ks) if k > 0]
+        if not todo:
+            return
+        for (seq, k), prop in zip(todo, self.proposer.propose([s for s, _ in todo], [k for _, k in todo])):
+            seq.spec_token_ids = list(prop.tokens[:k])
+            self.q[seq.seq_id] = None if prop.probs is None else prop.probs[:len(seq.spec_token_ids)]
+
+    def verify(self, seq: Sequence, spec: list[int], rows: torch.Tensor | None,
+               row_tokens: list[int] | None) -> tuple[list[int], list[float] | None]:
+        """The new tokens of a verified sequence: `rows` are its k + 1 target logits rows, or, when the step
+        returned only argmax tokens (greedy), `row_tokens`."""
+        q = self.q.pop(seq.seq_id, None)
+        if row_tokens is not None:  # plain greedy: accept while the draft is the target's argmax
+            k = 0
+            while k < len(spec) and spec[k] == row_tokens[k]:
+                k += 1
+            tokens, logprobs = row_tokens[:k + 1], None
+        else:
+            from llmc.runtime.spec_decode.rejection import verify
+            tokens, logprobs = verify(rows, seq, spec, q.to(rows.device) if q is not None else None, self.sampler)
+        self.steps += 1
+        self.chooser.observe(seq, len(spec), len(tokens) - 1)
+        self.proposer.accepted(seq, len(tokens) - 1)
+        return tokens, logprobs
+
+    def release(self, seq: Sequence) -> None:
+        self.q.pop(seq.seq_id, None)
+        self.chooser.release(seq)
+        self.proposer.release(seq)
+
+
+__all__ = ["SpecConfig", "SpecDecoder", "Proposal", "Proposer", "plain_greedy"]
