@@ -31,6 +31,8 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
     from llmc.runtime.engine import LLM, EngineConfig, LLMEngine, SamplingParams
     from llmc.runtime.executor import StepBatch, StepInput
+    from llmc.runtime.sampler import Sampler
+    from llmc.runtime.spec_decode import Proposal, SpecDecoder
     work = Path(tempfile.mkdtemp())
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
@@ -78,14 +80,30 @@ def main() -> None:
     del plain
     by_prompt = {tuple(p): t for p, t in zip(prompts, truth)}
 
-    class Oracle:
-        def propose(self, seqs):
+    class Oracle:  # the true continuation, its last 2 of 6 tokens corrupted
+        def propose(self, seqs, ks):
             out = []
-            for s in seqs:
-                nxt = by_prompt[tuple(s.prompt_token_ids)][s.num_output_tokens:s.num_output_tokens + 6]
-                out.append(nxt[:4] + [(t + 1) % cfg.vocab_size for t in nxt[4:]])
+            for s, k in zip(seqs, ks):
+                nxt = by_prompt[tuple(s.prompt_token_ids)][s.num_output_tokens:s.num_output_tokens + k]
+                out.append(Proposal(nxt[:4] + [(t + 1) % cfg.vocab_size for t in nxt[4:]]))
             return out
-    eng = LLMEngine(art, EngineConfig(num_blocks=512), proposer=Oracle())
+
+        def accepted(self, seq, n):
+            pass
+
+        def release(self, seq):
+            pass
+
+    class Six:
+        def choose(self, seqs):
+            return [6] * len(seqs)
+
+        def observe(self, seq, proposed, accepted):
+            pass
+
+        def release(self, seq):
+            pass
+    eng = LLMEngine(art, EngineConfig(num_blocks=512), SpecDecoder(Oracle(), Six(), 2048, Sampler()))
     ids = [eng.add_request(p, params) for p in prompts]
     final = {}
     t = time.perf_counter()

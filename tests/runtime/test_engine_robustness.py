@@ -137,16 +137,37 @@ def test_common_prefix_admitted_together_is_computed_once(llama_artifact):
 class OracleProposer:
     """Proposes the known greedy continuation with its last `wrong` tokens corrupted."""
 
-    def __init__(self, truth: dict[tuple, list[int]], k: int, wrong: int):
-        self.truth, self.k, self.wrong = truth, k, wrong
+    def __init__(self, truth: dict[tuple, list[int]], wrong: int):
+        self.truth, self.wrong = truth, wrong
 
-    def propose(self, seqs):
+    def propose(self, seqs, ks):
+        from llmc.runtime.spec_decode import Proposal
         out = []
-        for s in seqs:
+        for s, k in zip(seqs, ks):
             full = self.truth[tuple(s.prompt_token_ids)]
-            nxt = full[s.num_output_tokens:s.num_output_tokens + self.k]
-            out.append(nxt[:len(nxt) - self.wrong] + [(t + 1) % 320 for t in nxt[len(nxt) - self.wrong:]])
+            nxt = full[s.num_output_tokens:s.num_output_tokens + k]
+            out.append(Proposal(nxt[:len(nxt) - self.wrong] + [(t + 1) % 320 for t in nxt[len(nxt) - self.wrong:]]))
         return out
+
+    def accepted(self, seq, n):
+        pass
+
+    def release(self, seq):
+        pass
+
+
+class FixedK:
+    def __init__(self, k):
+        self.k = k
+
+    def choose(self, seqs):
+        return [self.k] * len(seqs)
+
+    def observe(self, seq, proposed, accepted):
+        pass
+
+    def release(self, seq):
+        pass
 
 
 @pytest.mark.parametrize("wrong", [0, 2])
@@ -157,8 +178,10 @@ def test_verify_steps_give_plain_greedy_tokens(llama_artifact, wrong):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17]]
     truth = {tuple(p): alone(llama_artifact, p, params) for p in prompts}
-    eng = LLMEngine(llama_artifact, EngineConfig(backend="reference", num_blocks=64, block_size=4),
-                    proposer=OracleProposer(truth, k=4, wrong=wrong))
+    from llmc.runtime.sampler import Sampler
+    from llmc.runtime.spec_decode import SpecDecoder
+    spec = SpecDecoder(OracleProposer(truth, wrong=wrong), FixedK(4), 128, Sampler())
+    eng = LLMEngine(llama_artifact, EngineConfig(backend="reference", num_blocks=64, block_size=4), spec)
     rids = [eng.add_request(p, params) for p in prompts]
     final = {}
     while eng.has_unfinished():

@@ -1,0 +1,153 @@
+"""Speculative decoding end to end: greedy output identical to decoding without speculation for every
+proposer and k, batched with preemption and n > 1; sampled output distributed as without speculation;
+no block leaked and no prefix-cache entry of a rejected token."""
+import pytest
+
+from llmc.runtime.engine import LLM, SamplingParams
+from tests.conftest import CODE_PROMPTS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_py_artifact):
+    llm = LLM(tiny_py_artifact, backend="reference", num_blocks=256)
+    return [o.token_ids for o in llm.generate(CODE_PROMPTS, GREEDY)]
+
+
+def cached_blocks_are_real(llm, outs):
+    """Every prefix-cache entry holds tokens some request really has at that block."""
+    bm = llm.engine.block_manager
+    streams = [list(o.prompt_token_ids) + c.token_ids for o in outs for c in o.outputs]
+    real = {tuple(s[i:i + bm.block_size]) for s in streams for i in range(0, len(s) - bm.block_size + 1, bm.block_size)}
+    return all(key[1] in real for key in bm._cached)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, "auto"])
+def test_ngram_greedy_equals_plain(tiny_py_artifact, plain_outputs, k):
+    llm = LLM(tiny_py_artifact, backend="reference", num_blocks=256,
+              speculative={"method": "ngram", "num_speculative_tokens": k})
+    outs = llm.generate(CODE_PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_outputs
+    st = llm.stats()
+    assert st["spec_proposed_tokens"] > 0 and st["blocks_used"] == 0
+    assert cached_blocks_are_real(llm, outs)
+
+
+@pytest.fixture(scope="module")
+def tiny_py_draft(tmp_path_factory):
+    import llmc
+    return llmc.compile("builtin:tiny-py-draft", tmp_path_factory.mktemp("draft") / "tiny-py-draft.llmc")
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, "auto"])
+def test_draft_greedy_equals_plain(tiny_py_artifact, tiny_py_draft, plain_outputs, k):
+    llm = LLM(tiny_py_artifact, backend="reference", num_blocks=256,
+              speculative={"method": "draft", "draft": tiny_py_draft, "num_speculative_tokens": k})
+    outs = llm.generate(CODE_PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_outputs
+    st = llm.stats()
+    assert st["spec_accepted_tokens"] > 0 and st["blocks_used"] == 0 and st["steps"] < 24 * len(CODE_PROMPTS)
+    assert cached_blocks_are_real(llm, outs)
+    assert llm.engine.spec.proposer.block_manager.num_used_blocks == 0  # the draft's cache is returned too
+
+
+def test_draft_batched_with_preemption_and_n2(tiny_py_artifact, tiny_py_draft):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
+    kw = dict(backend="reference", num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=64)
+    plain = LLM(tiny_py_artifact, **kw).generate(CODE_PROMPTS, params)
+    llm = LLM(tiny_py_artifact, speculative={"method": "draft", "draft": tiny_py_draft,
+                                             "num_speculative_tokens": 3}, **kw)
+    outs = llm.generate(CODE_PROMPTS, params)
+    assert llm.stats()["num_preemptions"] > 0 and llm.stats()["spec_accepted_tokens"] > 0
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in plain]
+    assert llm.stats()["blocks_used"] == 0 and cached_blocks_are_real(llm, outs)
+
+
+def test_draft_with_another_vocabulary_is_refused(llama_artifact, tiny_py_draft):
+    from llmc.errors import LLMCError
+    with pytest.raises(LLMCError, match="vocab"):
+        LLM(llama_artifact, backend="reference", speculative={"method": "draft", "draft": tiny_py_draft})
+
+
+def test_ngram_batched_with_preemption_and_n2(tiny_py_artifact):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
+    kw = dict(backend="reference", num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=64)
+    plain = LLM(tiny_py_artifact, **kw).generate(CODE_PROMPTS, params)
+    llm = LLM(tiny_py_artifact, speculative={"method": "ngram", "num_speculative_tokens": 3}, **kw)
+    outs = llm.generate(CODE_PROMPTS, params)
+    assert llm.stats()["num_preemptions"] > 0 and llm.stats()["spec_accepted_tokens"] > 0
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in plain]
+    assert llm.stats()["blocks_used"] == 0 and cached_blocks_are_real(llm, outs)
+
+
+@pytest.fixture(scope="module")
+def other_draft(llama_dir, tmp_path_factory):
+    """The tiny Llama with its logits sharpened and perturbed: a draft with the same top tokens whose q
+    differs from p, so proposals are accepted, rejected and resampled."""
+    import shutil
+    import torch
+    import llmc
+    from transformers import AutoModelForCausalLM
+    out = tmp_path_factory.mktemp("draft") / "hf"
+    m = AutoModelForCausalLM.from_pretrained(llama_dir)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        head = m.get_output_embeddings().weight
+        head.mul_(1.6).add_(0.3 * head.std() * torch.randn(head.shape, generator=g))
+    m.save_pretrained(out)
+    for f in llama_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return llmc.compile(out, out.parent / "d.llmc")
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(1.0, 3, 1.0, 0.0), (0.5, 4, 0.9, 0.0), (1.0, 5, 1.0, 0.8)])
+def test_sampled_output_distribution_matches_plain(llama_artifact, other_draft, temperature, top_k, top_p, min_p):
+    """Two-sample chi-square over the (2nd, 3rd) generated tokens, with and without speculation:
+    1,000 seeded requests each; the draft is another random model (q != p), k = 2, so tokens are
+    accepted, rejected and resampled."""
+    from scipy.stats import chi2_contingency
+    prompt = [5, 6, 7, 8, 9]
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, max_tokens=4,
+                             ignore_eos=True, seed=s) for s in range(1000)]
+    kw = dict(backend="reference", num_blocks=2048, block_size=4, max_num_seqs=256, max_num_batched_tokens=4096)
+
+    def counts(llm):
+        c = {}
+        for o in llm.generate([prompt] * len(params), params):
+            key = tuple(o.token_ids[1:3])
+            c[key] = c.get(key, 0) + 1
+        return c
+    spec = LLM(llama_artifact, speculative={"method": "draft", "draft": other_draft, "num_speculative_tokens": 2,
+                                            "max_batch": None}, **kw)
+    a, b = counts(LLM(llama_artifact, **kw)), counts(spec)
+    st = spec.stats()
+    assert st["spec_proposed_tokens"] > 1000 and 0 < st["spec_accepted_tokens"] < st["spec_proposed_tokens"]
+    # pool the rare sequences so that every cell has a fair expected count
+    common = [k for k in set(a) | set(b) if a.get(k, 0) + b.get(k, 0) >= 20]
+    table = [[c.get(k, 0) for k in common] + [sum(c.values()) - sum(c.get(k, 0) for k in common)] for c in (a, b)]
+    if table[0][-1] + table[1][-1] == 0:
+        table = [row[:-1] for row in table]
+    assert len(table[0]) >= 2
+    assert chi2_contingency(table).pvalue > 1e-4
+
+
+def test_cli_spec_options(tiny_py_artifact, tiny_py_draft):
+    import json
+    from click.testing import CliRunner
+    from llmc.cli import main
+
+    def run(*args):
+        res = CliRunner().invoke(main, ["run", str(tiny_py_artifact.path), "--prompt", "def fibonacci(n):",
+                                        "--max-tokens", "16", "--json", "--backend", "reference", *map(str, args)])
+        return res.exit_code, res.output
+    code, plain = run()
+    assert code == 0, plain
+    for args in (["--spec", "ngram"], ["--draft", tiny_py_draft.path, "--spec-tokens", "3"]):
+        code, out = run(*args)
+        assert code == 0 and json.loads(out)["token_ids"] == json.loads(plain)["token_ids"], out
+    for args, needle in ((["--spec", "draft"], "--draft"), (["--spec-tokens", "0", "--spec", "ngram"], "1-16"),
+                         (["--spec", "ngram", "--draft", tiny_py_draft.path], "--draft")):
+        code, out = run(*args)
+        assert code == 1 and out.startswith("error: ") and needle in out, out
