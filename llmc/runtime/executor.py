@@ -135,6 +135,8 @@ class LocalExecutor:
         self.cache.copy_blocks(batch.copies)
         if not batch.seqs:
             return _empty(batch.greedy)
+        if any(len(s.token_ids) > 1 and s.num_logits == len(s.token_ids) for s in batch.seqs):
+            batch = StepBatch(as_decode_rows(batch.seqs), greedy=batch.greedy)
         if batch.num_logits == 0:
             # a step that samples nothing (a long prompt's first chunks) still writes its K/V; the graph
             # wants at least one logits row, so compute the last one and drop it
@@ -222,6 +224,22 @@ class KernelExecutor(LocalExecutor):
         hints = {"max_seqlen_q": max(len(s.token_ids) for s in seqs),
                  "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in seqs)}
         return self.plan.run(inputs, hints)[0]
+
+
+def as_decode_rows(seqs: list[StepInput]) -> list[StepInput]:
+    """A verify entry (k + 1 fed tokens, every row's logits) as k + 1 one-token sequences over the same
+    blocks: row j attends over positions up to start + j, exactly as the decode step at that position
+    would, with the decode kernel. A verify step then sums as plain decoding does, so speculation with
+    greedy requests gives decoding's tokens in low precision too (a multi-token attention kernel adds
+    in another order, and bf16 near-ties flip), and it replays a decode-step CUDA graph. All K/V of the
+    step are written before any row attends, so row j sees the rows before it."""
+    out = []
+    for s in seqs:
+        if len(s.token_ids) > 1 and s.num_logits == len(s.token_ids):
+            out += [StepInput([t], s.start_pos + j, s.block_table, 1) for j, t in enumerate(s.token_ids)]
+        else:
+            out.append(s)
+    return out
 
 
 def _empty(greedy: bool) -> StepResult:

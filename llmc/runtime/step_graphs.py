@@ -1,8 +1,9 @@
-"""CUDA graphs of whole steps, one per step shape: decode, prefill and verify buckets.
+"""CUDA graphs of whole steps, one per step shape: decode and prefill buckets.
 
-A decode step of B sequences, one sequence's prefill chunk of up to 512 tokens, and a verify step
-of B sequences x q tokens (speculative decoding: every token's logits) each replay a graph of the
-next bucket up. Eager, a step's few hundred launches cost more host time than the GPU spends on them.
+A decode step of B sequences and one sequence's prefill chunk of up to 512 tokens each replay a graph
+of the next bucket up. Eager, a step's few hundred launches cost more host time than the GPU spends on
+them. A speculative verify step reaches the executor as one-token rows (see executor.py), so it
+replays a decode graph.
 """
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ from llmc.runtime.block_manager import slot_for
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
-VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # sequences per verify step
-VERIFY_Q = (2, 4, 8, 16)  # tokens per sequence in a verify step
 
 
 def blocks_covering(i: int, token_ids: list[int], start_pos: int, table: list[int], block_size: int) -> int:
@@ -31,12 +30,8 @@ def blocks_covering(i: int, token_ids: list[int], start_pos: int, table: list[in
 
 def graph_kind(batch) -> tuple[str, int, int] | None:
     """(kind, bucket, q) of the graph that can run `batch` (a list of StepInput), or None: run eager."""
-    if all(s.num_logits == len(s.token_ids) for s in batch):
-        q = max(len(s.token_ids) for s in batch)
-        if q == 1 and len(batch) <= DECODE_BUCKETS[-1]:
-            return "decode", _bucket(DECODE_BUCKETS, len(batch)), 1
-        if 1 < q <= VERIFY_Q[-1] and len(batch) <= VERIFY_BUCKETS[-1]:
-            return "verify", _bucket(VERIFY_BUCKETS, len(batch)), _bucket(VERIFY_Q, q)
+    if all(len(s.token_ids) == 1 and s.num_logits == 1 for s in batch) and len(batch) <= DECODE_BUCKETS[-1]:
+        return "decode", _bucket(DECODE_BUCKETS, len(batch)), 1
     if len(batch) == 1 and batch[0].num_logits == 1 and len(batch[0].token_ids) <= PREFILL_BUCKETS[-1]:
         return "prefill", _bucket(PREFILL_BUCKETS, len(batch[0].token_ids)), 0
     return None
@@ -74,10 +69,10 @@ class StepGraphCache:
             dg = self.graphs[key] = self._capture(*kind, greedy)
         dg.load(batch, self.block_size)
         dg.graph.replay()
-        rows = dg.logit_rows(batch)
+        rows = len(batch)
         if greedy:
-            return dg.read_tokens()[rows]
-        return dg.out[rows].float()  # a copy: the graph's output buffer is reused by the next step
+            return dg.read_tokens()[:rows]
+        return dg.out[:rows].float()  # a copy: the graph's output buffer is reused by the next step
 
     def _capture(self, kind: str, size: int, q: int, greedy: bool) -> "_StepGraph":
         max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
@@ -107,7 +102,6 @@ class _StepGraph:
     """A step captured for T token rows of N sequences:
       decode:  N = T sequences of one token each, N logits rows;
       prefill: one sequence (N = 1) of up to T new tokens, the logits of its last token;
-      verify:  N sequences of q token rows each (T = N * q), every row's logits.
 
     The step's inputs live in one device buffer, filled from one pinned host buffer by a single
     asynchronous copy per step; the host side is written through numpy views, so preparing a step
@@ -120,8 +114,7 @@ class _StepGraph:
         self.kind = kind
         N = 1 if kind == "prefill" else size
         self.q = size if kind == "prefill" else max(q, 1)
-        T = size * (q if kind == "verify" else 1)
-        L = N * self.q if kind == "verify" else N
+        T, L = size, N
         self.N, self.T = N, T
         layout = [("input_ids", torch.int64, (T,)), ("positions", torch.int64, (T,)),
                   ("slot_mapping", torch.int64, (T,)), ("logits_indices", torch.int64, (L,)),
@@ -143,13 +136,10 @@ class _StepGraph:
             size_b = dtype.itemsize * int(np.prod(shape))
             self.inputs[name] = self.dev[off:off + size_b].view(dtype).view(shape)
             self.np[name] = host_np[off:off + size_b].view(np.dtype(str(dtype).removeprefix("torch."))).reshape(shape)
-        per_seq = self.q if kind == "verify" else 1
-        self.np["query_start_loc"][:] = np.arange(N + 1) * per_seq
+        self.np["query_start_loc"][:] = np.arange(N + 1)
         self.np["logits_indices"][:] = np.arange(L)
         self.np["slot_mapping"][:] = -1
-        self.np["seq_lens"][:] = per_seq
-        if kind == "verify":
-            self.np["positions"][:] = np.tile(np.arange(per_seq), N)
+        self.np["seq_lens"][:] = 1
         self.dev.copy_(self.host)
         self.copied = torch.cuda.Event() if cuda else None
         self.tokens_host = torch.zeros(L, dtype=torch.int64, pin_memory=cuda)
@@ -163,8 +153,7 @@ class _StepGraph:
         """Write the batch into the pinned buffer and start its one copy to the device."""
         if self.copied is not None:  # the previous step's copy must have left the pinned buffer
             self.copied.synchronize()
-        {"decode": self._load_decode, "prefill": self._load_prefill, "verify": self._load_verify}[self.kind](
-            batch, block_size)
+        (self._load_decode if self.kind == "decode" else self._load_prefill)(batch, block_size)
         self.dev.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
@@ -200,36 +189,6 @@ class _StepGraph:
         self.np["seq_lens"][0] = end
         self.np["logits_indices"][0] = n - 1
         self.np["block_tables"][0, :used] = table
-
-    def _load_verify(self, batch, block_size: int) -> None:
-        q = self.q
-        ids, pos, slots = self.np["input_ids"], self.np["positions"], self.np["slot_mapping"]
-        lens, tables = self.np["seq_lens"], self.np["block_tables"]
-        for i, s in enumerate(batch):
-            n, p0, r = len(s.token_ids), s.start_pos, i * q
-            used = blocks_covering(i, s.token_ids, p0, s.block_table, block_size)
-            table = np.asarray(s.block_table[:used], dtype=np.int64)
-            p = np.arange(p0, p0 + n)
-            ids[r:r + n], pos[r:r + n] = s.token_ids, p
-            slots[r:r + n] = table[p // block_size] * block_size + p % block_size
-            ids[r + n:r + q], pos[r + n:r + q], slots[r + n:r + q] = 0, np.arange(p0 + n, p0 + q), -1
-            # padding rows attend over positions past the table: point them at the sequence's last block
-            tables[i, :used] = table
-            tables[i, used:used + 1 + (q - 1) // block_size] = table[-1]
-            lens[i] = p0 + q
-        n = len(batch)
-        if n * q < self.rows:
-            ids[n * q:], slots[n * q:], lens[n:] = 0, -1, q
-            pos[n * q:] = np.tile(np.arange(q), self.N - n)
-        self.rows = n * q
-
-    def logit_rows(self, batch) -> list[int] | slice:
-        """The output rows of the batch's wanted logits, in batch order."""
-        if self.kind != "verify":
-            return slice(0, len(batch))
-        q = self.q
-        return [i * q + j for i, s in enumerate(batch)
-                for j in range(len(s.token_ids) - s.num_logits, len(s.token_ids))]
 
     def read_tokens(self) -> torch.Tensor:
         """The argmax tokens of every logits row, on the host."""

@@ -216,29 +216,23 @@ def test_rollback_drops_tokens_frees_blocks_and_regenerates(llama_artifact):
     assert outs[0].token_ids == want
 
 
-def test_verify_graph_inputs_match_build_inputs(llama_artifact):
-    """The verify graphs' packed inputs (B sequences x q rows) hold build_inputs' values on real rows;
-    padding rows write nothing."""
-    from llmc.runtime.executor import StepBatch, StepInput, make_executor
-    from llmc.runtime.step_graphs import _StepGraph, graph_kind
+def test_verify_step_runs_as_decode_rows(llama_artifact):
+    """A verify batch (every fed token's logits) runs as one-token rows, each attending up to its own
+    position as a decode step would: the same logits as the multi-token step, and a decode graph shape."""
+    from llmc.runtime.executor import StepBatch, StepInput, as_decode_rows, make_executor
+    from llmc.runtime.step_graphs import graph_kind
     ex = make_executor(llama_artifact.graph, "reference", "cpu", block_size=4, num_blocks=64)
-    batch = [StepInput([7, 8, 9], 9, [3, 5, 8, 60]), StepInput([2], 0, [11]), StepInput([5, 6], 4, [1, 2])]
-    for s in batch:
-        s.num_logits = len(s.token_ids)
-    assert graph_kind(batch) == ("verify", 4, 4)
-    dg = _StepGraph("verify", 4, 4, 16, torch.device("cpu"))
-    dg.load(batch, 4)
-    ref = ex.build_inputs(batch)
-    real = [i * 4 + j for i, s in enumerate(batch) for j in range(len(s.token_ids))]
-    for name in ("input_ids", "positions", "slot_mapping"):
-        assert dg.inputs[name][real].tolist() == ref[name].tolist(), name
-    pad = [r for r in range(16) if r not in real]
-    assert dg.inputs["slot_mapping"][pad].eq(-1).all()
-    assert dg.logit_rows(batch) == real
-    # the real rows' logits equal the eager step's (padding rows come after them, causally invisible)
-    got = ex.plan.run({**dg.inputs, **ex.kv})[0][real]
-    want = ex.execute(StepBatch(batch)).logits
-    assert torch.allclose(got.float(), want, atol=1e-5, rtol=1e-5)
+    torch.manual_seed(0)
+    prefix = torch.randint(1, 300, (16,)).tolist()
+    ex.execute(StepBatch([StepInput(prefix[:9], 0, [3, 5, 8, 60], 0), StepInput(prefix[:4], 0, [1, 2], 0)]))
+    batch = [StepInput(prefix[9:12], 9, [3, 5, 8, 60], 3), StepInput([2], 0, [11]), StepInput(prefix[4:6], 4, [1, 2], 2)]
+    rows = as_decode_rows(batch)
+    assert [(r.token_ids, r.start_pos) for r in rows[:3]] == [([prefix[9 + j]], 9 + j) for j in range(3)]
+    assert len(rows) == 6 and graph_kind(rows)[0] == "decode"
+    got = ex.execute(StepBatch(batch)).logits
+    want = ex._forward(batch, False).logits  # the multi-token step, as one prefill-kernel step
+    assert got.shape == want.shape == (6, got.shape[1])
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_generate_beside_a_request_added_to_the_engine(llama_artifact):
