@@ -140,8 +140,12 @@ def main() -> None:
         failed = True
     llm.engine.executor.execute = real
     after = [o.token_ids for o in llm.generate(prompts[:3], one)]
+    # the same engine options, never failed: chunked prefill under a 64-token budget sums in another order
+    # than a whole prefill, so in bf16 only an engine of the same budget gives comparable tokens
+    same_budget = [o.token_ids for o in LLM(art, num_blocks=512, max_num_batched_tokens=64).generate(prompts[:3], one)]
     res["no_sample_step"] = {"same_as_full_budget": got == ref, "failure_raised": failed,
-                             "usable_after_failure": after == [tr[:8] for tr in truth[:3]],
+                             "usable_after_failure": after == same_budget,
+                             "same_as_full_budget_engine": after == [tr[:8] for tr in truth[:3]],
                              "blocks_used": llm.stats()["blocks_used"]}
     Path(a.out, "gpu_engine_check.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
