@@ -85,7 +85,11 @@ class SpecDecoder:
         return cls(proposer, chooser, max_model_len, sampler)
 
     def propose(self, seqs: list[Sequence]) -> None:
-        """Set `spec_token_ids` on the decoding sequences that get a proposal this step."""
+        """Set `spec_token_ids` on the decoding sequences that get a proposal this step (and clear it on the
+        others: a proposal made for a step that did not schedule its sequence is not reused)."""
+        for seq in seqs:
+            seq.spec_token_ids = []
+            self.q.pop(seq.seq_id, None)
         ks = self.chooser.choose(seqs)
         ks = [min(k, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
               for seq, k in zip(seqs, ks)]
