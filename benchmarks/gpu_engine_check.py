@@ -96,6 +96,8 @@ def main() -> None:
             pass
 
     class Six:
+        is_fixed = True
+
         def choose(self, seqs):
             return [6] * len(seqs)
 

@@ -189,15 +189,19 @@ class LLMEngine:
         t = time.perf_counter()
         if self.spec is not None:
             self.spec.propose([s for s in self.scheduler.running if not s.is_prefill])
+        proposed = time.perf_counter()
         out = self.scheduler.schedule()
         self._time("schedule", t)
         self.num_preemptions += len(out.preempted)
         if not out.is_empty:
+            ran = time.perf_counter()
             try:
                 self._run(out)
             except BaseException:
                 self._abort_step(out)
                 raise
+            if self.spec is not None:  # what speculation costs here, measured (steps end in a device sync)
+                self.spec.observe_step(out, proposed - t, time.perf_counter() - ran)
         self.num_steps += 1
         touched = {e.seq.request_id for e in out.scheduled}
         finished = self.scheduler.pop_finished()

@@ -157,6 +157,8 @@ class OracleProposer:
 
 
 class FixedK:
+    is_fixed = True
+
     def __init__(self, k):
         self.k = k
 

@@ -151,3 +151,47 @@ def test_cli_spec_options(tiny_py_artifact, tiny_py_draft):
                          (["--spec", "ngram", "--draft", tiny_py_draft.path], "--draft")):
         code, out = run(*args)
         assert code == 1 and out.startswith("error: ") and needle in out, out
+
+
+def test_adaptive_k_learns_what_a_proposed_token_costs():
+    """The cost of a proposed token is measured against plain decode steps of the same batch size: a
+    proposer as slow as a target step drives auto k to 0, a cheap one keeps it; a plain step is taken to
+    calibrate first, and again after CALIBRATE speculative steps."""
+    from llmc.runtime.sampler import Sampler
+    from llmc.runtime.scheduler import ScheduledSeq, SchedulerOutput
+    from llmc.runtime.sequence import Sequence
+    from llmc.runtime.spec_decode import SpecDecoder
+    from llmc.runtime.spec_decode.adaptive import AdaptiveK
+
+    class Fixed3:
+        def propose(self, seqs, ks):
+            from llmc.runtime.spec_decode import Proposal
+            return [Proposal([1] * k) for k in ks]
+
+        def accepted(self, seq, n):
+            pass
+
+        def release(self, seq):
+            pass
+
+    def run(propose_s):
+        seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=10_000))
+        seq.append_token(4)
+        seq.num_computed_tokens = 3
+        dec = SpecDecoder(Fixed3(), AdaptiveK(k_max=4, cost=0.25, max_batch=None), 100_000, Sampler())
+        ks = []
+        for _ in range(200):
+            dec.propose([seq])
+            ks.append(len(seq.spec_token_ids))
+            out = SchedulerOutput([ScheduledSeq(seq, 1 + len(seq.spec_token_ids), False, True,
+                                                spec=list(seq.spec_token_ids))])
+            dec.observe_step(out, propose_s if seq.spec_token_ids else 0.0, 1.0 + 0.02 * len(seq.spec_token_ids))
+            if seq.spec_token_ids:
+                k = len(seq.spec_token_ids)
+                dec.chooser.observe(seq, k, max(1, k - 1))  # most proposals hold
+        return ks, dec.chooser.cost
+    ks, cost = run(propose_s=0.05)
+    assert ks[0] == 0 and cost < 0.1 and sum(k > 0 for k in ks) > 150
+    assert ks.count(0) >= 2  # calibration steps recur
+    ks, cost = run(propose_s=3.0)
+    assert cost > 0.5 and sum(k > 0 for k in ks[100:]) < 20

@@ -68,6 +68,8 @@ class SpecDecoder:
         self.proposer, self.chooser, self.max_model_len, self.sampler = proposer, chooser, max_model_len, sampler
         self.q: dict[int, torch.Tensor | None] = {}  # seq_id -> the draft distributions of its proposal
         self.steps = 0  # target steps that verified at least one proposed token
+        self.plain_s: dict[int, float] = {}  # decode steps without speculation: seconds, by batch bucket
+        self.since_plain: dict[int, int] = {}  # speculative steps since the bucket's last plain one
 
     @classmethod
     def build(cls, cfg: SpecConfig, target_info, max_model_len: int, sampler: Sampler, executor_options: dict):
@@ -90,6 +92,8 @@ class SpecDecoder:
         for seq in seqs:
             seq.spec_token_ids = []
             self.q.pop(seq.seq_id, None)
+        if self._calibrating(len(seqs)):
+            return  # a plain step, to time what a step without speculation costs at this batch size
         ks = self.chooser.choose(seqs)
         ks = [min(k, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
               for seq, k in zip(seqs, ks)]
@@ -99,6 +103,42 @@ class SpecDecoder:
         for (seq, k), prop in zip(todo, self.proposer.propose([s for s, _ in todo], [k for _, k in todo])):
             seq.spec_token_ids = list(prop.tokens[:k])
             self.q[seq.seq_id] = None if prop.probs is None else prop.probs[:len(seq.spec_token_ids)]
+
+    # What a proposed token costs, measured: a decode step's time with speculation, against a plain decode
+    # step's at the same batch size, gives c in the chooser's cost model 1 + c * k (adaptive.py). Its
+    # prior (0.05 for n-gram lookup, 0.25 for a draft) is only where it starts: on a GPU a small draft is
+    # launch-bound and can cost as much as the target's step. Every CALIBRATE speculative steps of a
+    # batch size without a plain one, one step goes without speculation to keep the reference current.
+    CALIBRATE = 64
+    COST_EMA = 0.1
+
+    @staticmethod
+    def _bucket(n: int) -> int:
+        return 1 << max(0, (n - 1).bit_length())
+
+    def _calibrating(self, n: int) -> bool:
+        if self.chooser.is_fixed:
+            return False
+        b = self._bucket(n)
+        return b not in self.plain_s or self.since_plain.get(b, 0) >= self.CALIBRATE
+
+    def observe_step(self, out, propose_s: float, step_s: float) -> None:
+        """Learn a decode step's cost with and without proposals (steps with a prefill chunk say nothing)."""
+        if not out.scheduled or any(e.is_prefill for e in out.scheduled) or self.chooser.is_fixed:
+            return
+        b = self._bucket(len(out.scheduled))
+        spec = [e for e in out.scheduled if e.spec]
+        if not spec:
+            old = self.plain_s.get(b)
+            self.plain_s[b] = step_s if old is None else old + 0.25 * (step_s - old)
+            self.since_plain[b] = 0
+            return
+        self.since_plain[b] = self.since_plain.get(b, 0) + 1
+        plain = self.plain_s.get(b)
+        if plain:
+            k = sum(len(e.spec) for e in spec) / len(spec)
+            c = min(4.0, max(0.01, ((propose_s + step_s) / plain - 1) / k))
+            self.chooser.cost += self.COST_EMA * (c - self.chooser.cost)
 
     def verify(self, seq: Sequence, spec: list[int], rows: torch.Tensor | None,
                row_tokens: list[int] | None) -> tuple[list[int], list[float] | None]:

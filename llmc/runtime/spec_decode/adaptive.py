@@ -153,7 +153,7 @@ class AdaptiveK:
             st.idle = 0
             return k
         st.idle += 1
-        if st.idle <= self.probe_every or self.k_max == 0:
-            return 0
+        if st.idle <= self.probe_every or best_k(1.0, self.cost, self.k_max, self.k_min) == 0:
+            return 0  # (no probe when even certain acceptance would not pay: a proposed token costs a step)
         st.idle, st.probing = 0, True
         return 1
