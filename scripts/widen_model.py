@@ -1,0 +1,379 @@
+"""Function-preserving widening of a Llama Hugging Face model to a larger shape.
+
+Speculative decoding wants a target that behaves like a trained model (so draft acceptance is
+realistic) but costs what a large model costs per step. This script takes a small trained Llama
+(e.g. ``builtin:tiny-py``: hidden 384, 8 layers, 6 query heads over 2 KV heads of head_dim 64,
+intermediate 1024, tied embeddings) and writes a ``LlamaForCausalLM`` directory of any larger shape
+(e.g. Llama-3-8B's: hidden 4096, 32 layers, 32 heads over 8 KV heads, head_dim 128, intermediate
+14336) that computes the *same function*: in fp32 its logits equal the source's up to float
+rounding (~1e-6 relative), so its greedy tokens are identical. The vocabulary stays the source's.
+
+Usage::
+
+    python3 scripts/widen_model.py SRC_DIR OUT_DIR --hidden 4096 --layers 32 --heads 32 \
+        --kv-heads 8 --intermediate 14336 [--head-dim 128] [--dtype bfloat16]
+
+or ``widen(src_dir, out_dir, hidden, layers, heads, kv_heads, intermediate, dtype, head_dim)``.
+
+Notation: source h (hidden), L (layers), nh/nkv (query/KV heads), d (head_dim), i (intermediate);
+target H, L', NH, NKV, D, I. Requirements (else ``ValueError``): every target size >= the source
+size, NH % NKV == 0, D / d an integer r, and enough KV heads for the GQA mapping (step 4).
+
+Construction, step by step (``x[:h]`` are the "real" dims, the rest "padding"):
+
+1. **Embeddings / LM head.** ``E'[v, :h] = E[v]``, ``E'[v, h:] = 0``; same for an untied
+   ``lm_head``. The residual stream therefore starts with zero padding. Tied stays tied.
+
+2. **RMSNorm** (``y = w * x / sqrt(mean(x^2) + eps)``, mean over the *whole* hidden size). With
+   zero padding, ``mean_H(x^2) = (h/H) * mean_h(x^2)``, so with ``eps' = eps * h/H``:
+   ``sqrt(mean_H + eps') = sqrt(h/H) * sqrt(mean_h + eps)`` exactly, i.e. the widened norm
+   divides by ``sqrt(h/H)`` times the source's denominator. Compensate with
+   ``w'[:h] = w * sqrt(h/H)``; ``w'[h:] = 0`` keeps the padding zero after every norm.
+   LlamaConfig has one ``rms_norm_eps`` for all norms, and every norm sees the same padded
+   residual, so ``rms_norm_eps' = rms_norm_eps * h / H`` is exact for all of them.
+   Every projection reads only the real columns ``[:, :h]`` and writes only the real rows
+   ``[:h, :]`` of the residual (other entries zero), so the padding stays exactly zero throughout.
+
+3. **Head dim d -> D = r*d, rotary.** Llama's rotate_half RoPE pairs dims (j, j + D/2) of a head
+   and rotates them at frequency ``theta^(-2j/D)``. Source dim k < d/2 is placed at ``j = r*k``
+   and dim ``d/2 + k`` at ``D/2 + r*k``: the pair keeps its pairing and its frequency, since
+   ``2(rk)/(rd) = 2k/d`` (in fp32 ``arange(0,D,2)/D`` and ``arange(0,d,2)/d`` are the same
+   correctly rounded rational, so the inverse frequencies are bitwise equal). Other dims of q/k/v
+   are zero rows and contribute nothing to q.k. The same placement is used for v (any placement
+   works there) and for the matching o_proj columns. The softmax scale changes from
+   ``d^-0.5`` to ``D^-0.5``; q_proj rows are multiplied by ``sqrt(D/d) = sqrt(r)`` to compensate.
+   RoPE types ``default``, ``linear`` and ``llama3`` define each inverse frequency as a function of
+   the default one alone, so they stay exact; others (dynamic, yarn, longrope...) depend on the
+   head dim and are refused. (For a non-integer D/d one could instead keep dims at the same index
+   and set ``rope_theta' = theta^(D/d)``, exact up to float rounding of the power; not done here:
+   a non-integer ratio raises.)
+
+4. **GQA mapping.** Source groups have gs = nh/nkv query heads per KV head, target groups
+   G = NH/NKV. Source KV head g is copied into ``per = ceil(gs/G)`` consecutive target KV heads
+   ``g*per .. g*per+per-1``; its m-th query head (source head ``g*gs + m``) goes to the
+   ``m % G``-th query slot of target KV head ``g*per + m//G``, i.e. target query head
+   ``(g*per + m//G)*G + m%G``. This needs ``nkv*per <= NKV``. Unused target query heads are zero
+   (scores 0 -> uniform attention, but their o_proj columns are zero so they add nothing); unused
+   KV heads are zero. Example: tiny-py 6q/2kv -> 32q/8kv: kv g -> g, q heads 3g..3g+2 ->
+   4g..4g+2, q head 4g+3 and kv heads 2..7 zero.
+
+5. **MLP** i -> I: gate/up rows ``[:i, :h]`` copied, down ``[:h, :i]`` copied, rest zero
+   (``silu(0) * 0 = 0``).
+
+6. **Layers** L -> L': the extra layers are *appended* after the source layers. Each is a widened
+   copy of source layer ``k % L`` (realistic, finite activations, nothing is NaN: norms see the
+   nonzero residual, eps > 0) with o_proj and down_proj set to zero, so it adds exactly 0 to the
+   residual. Their per-step cost equals a real layer's.
+
+Exactness: in exact arithmetic the widened model equals the source; in fp32 the differences are
+rounding (the sqrt factors, the different reduction lengths), ~1e-6 relative on logits. In bf16
+the scaled weights are rounded, so bf16 tokens can differ from the source's bf16 tokens as
+much as any re-rounding would; the fp32 check is the reference.
+
+The output is written tensor by tensor into safetensors shards, so an 8B-shaped model never
+needs more memory than one shard (default 2 GiB) plus a few tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXACT_ROPE_TYPES = ("default", "linear", "llama3")
+COPY_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json",
+    "chat_template.jinja", "chat_template.json",
+)
+
+
+@dataclass
+class Plan:
+    """Source and target shapes plus the head mappings (step 3 and 4 of the module docstring)."""
+
+    h: int
+    H: int
+    L: int
+    Lt: int
+    nh: int
+    NH: int
+    nkv: int
+    NKV: int
+    d: int
+    D: int
+    i: int
+    I: int
+    q_map: list[int] = field(default_factory=list)  # source q head -> target q head
+    kv_map: list[list[int]] = field(default_factory=list)  # source kv head -> target kv heads
+
+    @property
+    def r(self) -> int:
+        return self.D // self.d
+
+    def dim_index(self) -> torch.Tensor:
+        """Target position within a head of each source head dim (keeps RoPE pairs/frequencies)."""
+        half = self.d // 2
+        k = torch.arange(self.d)
+        return torch.where(k < half, self.r * k, self.D // 2 + self.r * (k - half))
+
+
+def make_plan(h, L, nh, nkv, d, i, H, Lt, NH, NKV, D, I) -> Plan:
+    """Check the target shape against the source and compute the GQA head mapping."""
+    for name, src, dst in (("hidden", h, H), ("layers", L, Lt), ("heads", nh, NH),
+                           ("kv_heads", nkv, NKV), ("head_dim", d, D), ("intermediate", i, I)):
+        if dst < src:
+            raise ValueError(f"target {name}={dst} is smaller than the source's {src}; "
+                             "widening can only grow a model")
+    if D % d:
+        raise ValueError(f"target head_dim {D} is not an integer multiple of the source head_dim {d}: "
+                         "RoPE frequencies can only be kept exactly for an integer ratio")
+    if d % 2 or D % 2:
+        raise ValueError("head_dim must be even for rotary embeddings")
+    if NH % NKV:
+        raise ValueError(f"target heads {NH} not divisible by kv_heads {NKV}")
+    if nh % nkv:
+        raise ValueError(f"source heads {nh} not divisible by kv_heads {nkv}")
+    gs, G = nh // nkv, NH // NKV
+    per = -(-gs // G)
+    if nkv * per > NKV:
+        raise ValueError(
+            f"not enough target KV heads: each of the {nkv} source KV groups of {gs} query heads "
+            f"needs {per} target KV head(s) of group size {G}, {nkv * per} > {NKV}")
+    plan = Plan(h, H, L, Lt, nh, NH, nkv, NKV, d, D, i, I)
+    plan.kv_map = [[g * per + j for j in range(per)] for g in range(nkv)]
+    plan.q_map = [(g * per + m // G) * G + m % G for g in range(nkv) for m in range(gs)]
+    assert len(set(plan.q_map)) == nh
+    return plan
+
+
+def _source_tensors(src: Path):
+    """name -> (safe_open handle) over a single or sharded safetensors checkpoint."""
+    from safetensors import safe_open
+
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {src}")
+    where = {}
+    for f in files:
+        handle = safe_open(str(f), framework="pt")
+        for k in handle.keys():
+            where[k] = handle
+    return where
+
+
+def _check_config(cfg) -> None:
+    if cfg.model_type != "llama":
+        raise ValueError(f"only Llama models are supported, got model_type={cfg.model_type!r}")
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        raise ValueError("attention/mlp biases are not supported")
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    rtype = rope.get("rope_type", "default")
+    if rtype not in EXACT_ROPE_TYPES:
+        raise ValueError(f"rope_type {rtype!r} depends on head_dim; only {EXACT_ROPE_TYPES} are exact")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+
+
+def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
+          dtype: torch.dtype = torch.float32, head_dim: int | None = None,
+          shard_bytes: int = 2 << 30) -> Path:
+    """Write a function-preserving widening of the Llama at ``src_dir`` to ``out_dir``.
+
+    Args:
+        src_dir: Hugging Face directory of a ``LlamaForCausalLM`` (safetensors weights).
+        out_dir: output directory (created; existing weight files there are replaced).
+        hidden, layers, heads, kv_heads, intermediate: target shape, each >= the source's.
+        dtype: dtype of the written weights (computed in fp32, then cast).
+        head_dim: target head dim; default ``hidden // heads``. Must be a multiple of the source's.
+        shard_bytes: maximum size of one safetensors shard.
+
+    Returns:
+        ``out_dir`` as a Path. Raises ``ValueError`` for an impossible target shape.
+    """
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    src, out = Path(src_dir), Path(out_dir)
+    cfg = LlamaConfig.from_pretrained(src, local_files_only=True)
+    _check_config(cfg)
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"hidden {hidden} not divisible by heads {heads}; pass head_dim")
+        head_dim = hidden // heads
+    p = make_plan(cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                  cfg.num_key_value_heads, d, cfg.intermediate_size,
+                  hidden, layers, heads, kv_heads, head_dim, intermediate)
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    src_t = _source_tensors(src)
+    V = src_t["model.embed_tokens.weight"].get_slice("model.embed_tokens.weight").get_shape()[0]
+
+    def get(name: str) -> torch.Tensor:
+        return src_t[name].get_tensor(name).to(torch.float32)
+
+    norm_scale = math.sqrt(p.h / p.H)
+    q_scale = math.sqrt(p.D / p.d)
+    idx = p.dim_index()
+    src_rows = torch.arange(p.d)
+
+    def pad(t: torch.Tensor, shape) -> torch.Tensor:
+        o = torch.zeros(shape, dtype=dtype)
+        o[tuple(slice(0, n) for n in t.shape)] = t.to(dtype)
+        return o
+
+    def norm(w: torch.Tensor) -> torch.Tensor:
+        return pad(w * norm_scale, (p.H,))
+
+    def q_proj(w):  # [nh*d, h] -> [NH*D, H]
+        o = torch.zeros(p.NH * p.D, p.H, dtype=dtype)
+        for s, t in enumerate(p.q_map):
+            o[t * p.D + idx, : p.h] = (w[s * p.d + src_rows] * q_scale).to(dtype)
+        return o
+
+    def kv_proj(w):  # [nkv*d, h] -> [NKV*D, H]
+        o = torch.zeros(p.NKV * p.D, p.H, dtype=dtype)
+        for g, targets in enumerate(p.kv_map):
+            for t in targets:
+                o[t * p.D + idx, : p.h] = w[g * p.d + src_rows].to(dtype)
+        return o
+
+    def o_proj(w):  # [h, nh*d] -> [H, NH*D]
+        o = torch.zeros(p.H, p.NH * p.D, dtype=dtype)
+        for s, t in enumerate(p.q_map):
+            o[: p.h, t * p.D + idx] = w[:, s * p.d + src_rows].to(dtype)
+        return o
+
+    # Ordered list of (name, shape, builder) for the whole target checkpoint.
+    entries = []
+    entries.append(("model.embed_tokens.weight", (V, p.H),
+                    lambda: pad(get("model.embed_tokens.weight"), (V, p.H))))
+    for layer in range(p.Lt):
+        sl = layer % p.L
+        extra = layer >= p.L
+        pre, spre = f"model.layers.{layer}.", f"model.layers.{sl}."
+        zero_out = (lambda shape: (lambda: torch.zeros(shape, dtype=dtype)))
+        entries += [
+            (pre + "input_layernorm.weight", (p.H,), lambda n=spre: norm(get(n + "input_layernorm.weight"))),
+            (pre + "self_attn.q_proj.weight", (p.NH * p.D, p.H),
+             lambda n=spre: q_proj(get(n + "self_attn.q_proj.weight"))),
+            (pre + "self_attn.k_proj.weight", (p.NKV * p.D, p.H),
+             lambda n=spre: kv_proj(get(n + "self_attn.k_proj.weight"))),
+            (pre + "self_attn.v_proj.weight", (p.NKV * p.D, p.H),
+             lambda n=spre: kv_proj(get(n + "self_attn.v_proj.weight"))),
+            (pre + "self_attn.o_proj.weight", (p.H, p.NH * p.D),
+             zero_out((p.H, p.NH * p.D)) if extra
+             else (lambda n=spre: o_proj(get(n + "self_attn.o_proj.weight")))),
+            (pre + "post_attention_layernorm.weight", (p.H,),
+             lambda n=spre: norm(get(n + "post_attention_layernorm.weight"))),
+            (pre + "mlp.gate_proj.weight", (p.I, p.H),
+             lambda n=spre: pad(get(n + "mlp.gate_proj.weight"), (p.I, p.H))),
+            (pre + "mlp.up_proj.weight", (p.I, p.H),
+             lambda n=spre: pad(get(n + "mlp.up_proj.weight"), (p.I, p.H))),
+            (pre + "mlp.down_proj.weight", (p.H, p.I),
+             zero_out((p.H, p.I)) if extra
+             else (lambda n=spre: pad(get(n + "mlp.down_proj.weight"), (p.H, p.I)))),
+        ]
+    entries.append(("model.norm.weight", (p.H,), lambda: norm(get("model.norm.weight"))))
+    if not tied:
+        entries.append(("lm_head.weight", (V, p.H), lambda: pad(get("lm_head.weight"), (V, p.H))))
+
+    # Assign shards by size, then build and write one shard at a time.
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards, cur, cur_bytes = [], [], 0
+    for e in entries:
+        nbytes = math.prod(e[1]) * itemsize
+        if cur and cur_bytes + nbytes > shard_bytes:
+            shards.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(e)
+        cur_bytes += nbytes
+    shards.append(cur)
+
+    out.mkdir(parents=True, exist_ok=True)
+    for old in list(out.glob("*.safetensors")) + list(out.glob("*.safetensors.index.json")):
+        old.unlink()
+    n = len(shards)
+    weight_map, total = {}, 0
+    for k, shard in enumerate(shards):
+        fname = "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        tensors = {}
+        for name, shape, build in shard:
+            t = build().contiguous()
+            assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (name, t.shape, shape)
+            tensors[name] = t
+            weight_map[name] = fname
+            total += t.numel() * itemsize
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        (out / fname).chmod(0o644)  # safetensors creates 0600 files
+        del tensors
+    if n > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+    new = LlamaConfig.from_pretrained(src, local_files_only=True)
+    new.hidden_size, new.num_hidden_layers = p.H, p.Lt
+    new.num_attention_heads, new.num_key_value_heads = p.NH, p.NKV
+    new.head_dim, new.intermediate_size = p.D, p.I
+    new.rms_norm_eps = cfg.rms_norm_eps * p.h / p.H
+    new.architectures = ["LlamaForCausalLM"]
+    new.dtype = dtype
+    new.save_pretrained(out)
+    for fname in COPY_FILES:
+        if (src / fname).is_file():
+            shutil.copy2(src / fname, out / fname)
+    (out / "widen_info.json").write_text(json.dumps({
+        "source": str(src.resolve()),
+        "source_shape": {"hidden": p.h, "layers": p.L, "heads": p.nh, "kv_heads": p.nkv,
+                         "head_dim": p.d, "intermediate": p.i},
+        "target_shape": {"hidden": p.H, "layers": p.Lt, "heads": p.NH, "kv_heads": p.NKV,
+                         "head_dim": p.D, "intermediate": p.I},
+        "q_head_map": p.q_map, "kv_head_map": p.kv_map,
+        "extra_layers": list(range(p.L, p.Lt)),
+        "dtype": str(dtype).removeprefix("torch."),
+        "note": "function-preserving widening (scripts/widen_model.py); extra layers have zero "
+                "o_proj/down_proj; logits equal the source's up to float rounding in fp32",
+    }, indent=2) + "\n")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("src_dir")
+    ap.add_argument("out_dir")
+    ap.add_argument("--hidden", type=int, required=True)
+    ap.add_argument("--layers", type=int, required=True)
+    ap.add_argument("--heads", type=int, required=True)
+    ap.add_argument("--kv-heads", type=int, required=True)
+    ap.add_argument("--intermediate", type=int, required=True)
+    ap.add_argument("--head-dim", type=int, default=None, help="default: hidden // heads")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--shard-gb", type=float, default=2.0, help="max safetensors shard size (GiB)")
+    a = ap.parse_args(argv)
+    src = a.src_dir
+    if src.startswith("builtin:"):
+        from llmc.models import builtin_dir
+
+        src = builtin_dir(src.removeprefix("builtin:"))
+    t0 = time.perf_counter()
+    try:
+        out = widen(src, a.out_dir, a.hidden, a.layers, a.heads, a.kv_heads, a.intermediate,
+                    dtype=DTYPES[a.dtype], head_dim=a.head_dim, shard_bytes=int(a.shard_gb * (1 << 30)))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(f"wrote {out} ({size / 2**30:.2f} GiB, {a.dtype}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
