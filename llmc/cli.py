@@ -358,9 +358,10 @@ def _check_tokens(items: list[_Prompt], params: list, art) -> None:
 @click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory).")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default=None,
               help="Override the artifact's KV cache dtype.")
-@click.option("--spec", "spec_method", type=click.Choice(["off", "ngram", "draft"]), default=None,
+@click.option("--spec", "spec_method", type=click.Choice(["off", "ngram", "draft", "multi"]), default=None,
               help="Speculative decoding: ngram (prompt lookup: propose what followed the last few tokens earlier "
-                   "in the text) or draft (a small model, --draft). Verification is lossless: the output is what "
+                   "in the text), draft (a small model, --draft) or multi (prompt lookup's guesses checked by the "
+                   "draft, then by the target). Verification is lossless: the output is what "
                    "decoding without speculation gives (greedy) or follows the same distribution (sampling). "
                    "Default: draft when --draft is given, else off.")
 @click.option("--draft", "draft_path", type=click.Path(), default=None,
@@ -418,8 +419,8 @@ def _speculative(method: str | None, draft: str | None, tokens: str) -> dict | N
         if draft:
             raise RequestError("--draft is given but --spec is off; drop one of them")
         return None
-    if method == "draft" and not draft:
-        raise RequestError("--spec draft needs --draft ART (a compiled draft model with the target's tokenizer)")
+    if method in ("draft", "multi") and not draft:
+        raise RequestError(f"--spec {method} needs --draft ART (a compiled draft model with the target's tokenizer)")
     if method == "ngram" and draft:
         raise RequestError("--draft is for --spec draft, not ngram")
     if tokens != "auto":
@@ -429,7 +430,7 @@ def _speculative(method: str | None, draft: str | None, tokens: str) -> dict | N
             raise RequestError(f"--spec-tokens must be a number 1-16 or auto, not {tokens!r}") from None
         if not 1 <= tokens <= 16:
             raise RequestError(f"--spec-tokens must be 1-16 or auto, not {tokens}")
-    if method == "draft":
+    if method in ("draft", "multi"):
         import llmc
         draft = llmc.load(draft)
     return {"method": method, "draft": draft, "num_speculative_tokens": tokens}

@@ -23,15 +23,15 @@ from llmc.runtime.sampler import Sampler, plain_greedy
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.spec_decode.base import Proposal, Proposer
 
-METHODS = ("draft", "ngram")
+METHODS = ("draft", "ngram", "multi")
 
 
 @dataclass
 class SpecConfig:
     """Options of speculative decoding (`LLM(..., speculative={...})`, `llmc run --spec/--draft`)."""
 
-    method: str = "ngram"  # draft or ngram
-    draft: str | Path | None = None  # the draft artifact (method draft)
+    method: str = "ngram"  # ngram, draft, or multi (n-gram hints checked by the draft, then the target)
+    draft: str | Path | None = None  # the draft artifact (methods draft and multi)
     num_speculative_tokens: int | str = "auto"  # k, or "auto": adaptive per sequence
     max_batch: int | None = 32  # with "auto": no speculation when more sequences decode at once
     max_ngram: int = 4
@@ -46,8 +46,8 @@ class SpecConfig:
         cfg = cls(**options)
         if cfg.method not in METHODS:
             raise LLMCError(f"speculative method must be one of {', '.join(METHODS)}, not {cfg.method!r}")
-        if cfg.method == "draft" and cfg.draft is None:
-            raise LLMCError("speculative method draft needs a draft artifact (speculative={'draft': PATH}, "
+        if cfg.method in ("draft", "multi") and cfg.draft is None:
+            raise LLMCError(f"speculative method {cfg.method} needs a draft artifact (speculative={{'draft': PATH}}, "
                             "`llmc run --draft ART`)")
         k = cfg.num_speculative_tokens
         if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16):
@@ -74,10 +74,14 @@ class SpecDecoder:
     @classmethod
     def build(cls, cfg: SpecConfig, target_info, max_model_len: int, sampler: Sampler, executor_options: dict):
         from llmc.runtime.spec_decode.adaptive import AdaptiveK
-        if cfg.method == "draft":
+        if cfg.method in ("draft", "multi"):
             from llmc.runtime.spec_decode.draft import DraftProposer
             proposer = DraftProposer(cfg.draft, target_info, sampler=sampler, **executor_options)
-            cost = 0.25  # a draft token against a target step: the shipped pair's ratio of weights read
+            cost = 0.25  # a draft token against a target step, until measured (observe_step)
+            if cfg.method == "multi":
+                from llmc.runtime.spec_decode.cascade import CascadeProposer
+                from llmc.runtime.spec_decode.ngram import NgramProposer
+                proposer = CascadeProposer(NgramProposer(cfg.max_ngram), proposer)
         else:
             from llmc.runtime.spec_decode.ngram import NgramProposer
             proposer, cost = NgramProposer(cfg.max_ngram), 0.05

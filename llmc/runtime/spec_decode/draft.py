@@ -79,9 +79,15 @@ class DraftProposer:
         self.sampler = sampler or Sampler()
         self.drafts: dict[int, _Draft] = {}  # target seq_id -> its draft state
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        """Up to `ks[i]` guesses continuing `seqs[i].token_ids` (fewer when draft blocks run short)."""
+    def propose(self, seqs: list[Sequence], ks: list[int], hints: list[list[int]] | None = None) -> list[Proposal]:
+        """Up to `ks[i]` guesses continuing `seqs[i].token_ids` (fewer when draft blocks run short).
+
+        `hints[i]`: tokens another proposer guessed (a cascade: n-gram lookup checked by the draft). They
+        are fed with the catch-up in the first step and the draft keeps the prefix its own sampling would
+        (rejection sampling against its q, so the guesses are still distributed as the draft's), then it
+        continues on its own: several guesses for the price of one draft step when the hints hold."""
         assert len(seqs) == len(ks), (len(seqs), len(ks))
+        hints = hints or [[] for _ in seqs]
         bm = self.block_manager
         out = [Proposal([]) for _ in seqs]
         live: list[tuple[int, Sequence, int]] = []  # (index in seqs, draft seq, k)
@@ -98,16 +104,19 @@ class DraftProposer:
                 copies += bm.append_slots(d, d.num_uncomputed_tokens + k - 1)
                 live.append((i, d, k))
         rows: list[list[torch.Tensor | None]] = [[] for _ in seqs]
-        for step in range(max((k for *_, k in live), default=0)):
-            live = [x for x in live if x[2] > step]
+        if any(hints[i] for i, *_ in live):
+            live, copies = self._check_hints(live, [hints[i] for i, *_ in live], copies, out, rows)
+        for step in range(max((k - len(out[i].tokens) for i, _, k in live), default=0)):
+            live = [x for x in live if x[2] > len(out[x[0]].tokens)]
             dseqs = [d for _, d, _ in live]
-            # step 0: each sequence's catch-up chunk; later: its last guess, one token
+            # first step: each sequence's catch-up chunk; later: its last guess, one token
             batch = StepBatch([StepInput(d.token_ids[d.num_computed_tokens:], d.num_computed_tokens, d.block_table)
                                for d in dseqs], copies=copies if step == 0 else [])
             tokens, probs = self._sample(batch, dseqs)
             for (i, d, _), t, p in zip(live, tokens, probs):
+                first = not out[i].tokens
                 d.num_computed_tokens = d.num_tokens
-                if step == 0:
+                if first:
                     bm.mark_computed(d)  # only the target's tokens are computed yet: real prefixes to share
                 d.append_token(t)
                 out[i].tokens.append(t)
@@ -116,6 +125,47 @@ class DraftProposer:
             if r and r[0] is not None:
                 prop.probs = torch.stack(r)  # [k, V] fp32
         return out
+
+    def _check_hints(self, live, hints, copies, out, rows):
+        """First step of a cascade: the catch-up chunk and each sequence's hints in one draft step, every
+        hint's row included; keep the hint prefix the draft's own sampling keeps, plus its next token."""
+        from types import SimpleNamespace
+        from llmc.runtime.spec_decode.rejection import _row_views, verify
+        bm, seqs, kept, copies_after = self.block_manager, [], [], []
+        for (_, d, k), h in zip(live, hints):
+            h = h[:k - 1]  # every guess but the last is fed back: the slots reserved for k guesses hold them
+            seqs.append((d, d.num_tokens, h))
+            for t in h:
+                d.append_token(t)
+        batch = StepBatch([StepInput(d.token_ids[d.num_computed_tokens:], d.num_computed_tokens, d.block_table,
+                                     1 + len(h)) for d, _, h in seqs], copies=copies)
+        logits = self.executor.execute(batch).logits  # [sum(1 + len(h)), V] fp32
+        r = 0
+        for (i, _, k), (d, n, h) in zip(live, seqs):
+            rows_i, r = logits[r:r + 1 + len(h)], r + 1 + len(h)
+            # d as it was before its hints: what the draft's own sampling saw
+            view = SimpleNamespace(params=d.params, token_ids=d.token_ids[:n],
+                                   output_token_ids=d.output_token_ids[:len(d.output_token_ids) - len(h)],
+                                   generator=d.generator)
+            tokens, _ = verify(rows_i, view, h, None, self.sampler)
+            d.num_computed_tokens = d.num_tokens
+            bm.mark_computed(d) if not h else None
+            self._truncate(d, n + len(tokens) - 1)  # keep the K/V of the hints it kept
+            d.append_token(tokens[-1])
+            # the truncation freed the blocks reserved past it: reserve again for the guesses still to come
+            more = k - len(tokens)
+            while more > 0 and not bm.can_append(d, more):
+                more -= 1
+            if more > 0:
+                copies_after += bm.append_slots(d, more)
+            kept.append((i, d, len(tokens) + more))
+            out[i].tokens.extend(tokens)
+            if d.params.greedy:
+                rows[i].extend([None] * len(tokens))
+            else:
+                q = torch.softmax(self.sampler.process(rows_i[:len(tokens)], _row_views(view, h)[:len(tokens)]), -1)
+                rows[i].extend(q)
+        return kept, copies_after
 
     def accepted(self, seq: Sequence, num_accepted: int) -> None:
         """Keep the K/V of the first `num_accepted` guesses of the last proposal for `seq`; drop the rest."""
