@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -28,6 +29,7 @@ from llmc.runtime.executor import StepBatch, StepInput, make_executor
 from llmc.runtime.sampler import Sampler, draw
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.spec_decode.base import Proposal
+from llmc.runtime.spec_decode.rejection import row_views, verify
 
 
 @dataclass
@@ -129,8 +131,6 @@ class DraftProposer:
     def _check_hints(self, live, hints, copies, out, rows):
         """First step of a cascade: the catch-up chunk and each sequence's hints in one draft step, every
         hint's row included; keep the hint prefix the draft's own sampling keeps, plus its next token."""
-        from types import SimpleNamespace
-        from llmc.runtime.spec_decode.rejection import _row_views, verify
         bm, seqs, kept, copies_after = self.block_manager, [], [], []
         for (_, d, k), h in zip(live, hints):
             h = h[:k - 1]  # every guess but the last is fed back: the slots reserved for k guesses hold them
@@ -163,7 +163,7 @@ class DraftProposer:
             if d.params.greedy:
                 rows[i].extend([None] * len(tokens))
             else:
-                q = torch.softmax(self.sampler.process(rows_i[:len(tokens)], _row_views(view, h)[:len(tokens)]), -1)
+                q = torch.softmax(self.sampler.process(rows_i[:len(tokens)], row_views(view, h)[:len(tokens)]), -1)
                 rows[i].extend(q)
         return kept, copies_after
 

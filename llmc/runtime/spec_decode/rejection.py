@@ -56,7 +56,7 @@ def verify(logits: torch.Tensor, seq: Sequence, draft: list[int], q: torch.Tenso
         # as the Sampler's greedy path: no transform changes an argmax, logprobs are of the raw rows
         logits = logits.float()
     else:
-        logits = sampler.process(logits, _row_views(seq, draft))  # [k + 1, V]
+        logits = sampler.process(logits, row_views(seq, draft))  # [k + 1, V]
     if params.greedy:
         target = logits.argmax(dim=-1).tolist()  # [k + 1]; first maximum = lowest id on ties
         n = next((j for j in range(k) if draft[j] != target[j]), k)
@@ -80,7 +80,8 @@ class _RowView:
     generator: torch.Generator | None
 
 
-def _row_views(seq: Sequence, draft: list[int]) -> list:
+def row_views(seq: Sequence, draft: list[int]) -> list:
+    """What `Sampler.process` should see for each of the k + 1 rows: `seq` with draft[:j] appended."""
     p = seq.params
     if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
         return [seq] * (len(draft) + 1)  # without penalties `process` reads only the params
