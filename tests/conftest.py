@@ -180,7 +180,7 @@ def prefill_graph_matches_eager(artifact, backend):
     from llmc.runtime.executor import StepBatch, StepInput, make_executor
     from llmc.runtime.step_graphs import _StepGraph
     runner = make_executor(artifact.graph, backend, "cpu", block_size=4, num_blocks=64)
-    dg = _StepGraph("prefill", 16, 0, 8, torch.device("cpu"))
+    dg = _StepGraph("prefill", 16, 8, torch.device("cpu"))
     run = (lambda inp: runner.plan.run(inp)[0]) if backend == "reference" else \
         (lambda inp: runner.plan.run(inp, {"max_seqlen_q": 16, "max_seqlen_k": 64})[0])
     for s in (StepInput(list(range(3, 14)), 0, [5, 9, 2]), StepInput([40, 41, 42], 8, [5, 9, 2, 7])):

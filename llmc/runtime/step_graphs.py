@@ -28,12 +28,12 @@ def blocks_covering(i: int, token_ids: list[int], start_pos: int, table: list[in
     return used
 
 
-def graph_kind(batch) -> tuple[str, int, int] | None:
-    """(kind, bucket, q) of the graph that can run `batch` (a list of StepInput), or None: run eager."""
+def graph_kind(batch) -> tuple[str, int] | None:
+    """(kind, bucket) of the graph that can run `batch` (a list of StepInput), or None: run eager."""
     if all(len(s.token_ids) == 1 and s.num_logits == 1 for s in batch) and len(batch) <= DECODE_BUCKETS[-1]:
-        return "decode", _bucket(DECODE_BUCKETS, len(batch)), 1
+        return "decode", _bucket(DECODE_BUCKETS, len(batch))
     if len(batch) == 1 and batch[0].num_logits == 1 and len(batch[0].token_ids) <= PREFILL_BUCKETS[-1]:
-        return "prefill", _bucket(PREFILL_BUCKETS, len(batch[0].token_ids)), 0
+        return "prefill", _bucket(PREFILL_BUCKETS, len(batch[0].token_ids))
     return None
 
 
@@ -54,7 +54,7 @@ class StepGraphCache:
                  device: torch.device, argmax: Callable[[torch.Tensor], torch.Tensor]):
         self.plan, self.kv, self.block_size, self.max_model_len = plan, kv, block_size, max_model_len
         self.device, self.argmax = device, argmax
-        self.graphs: dict[tuple[str, int, int, bool], _StepGraph] = {}
+        self.graphs: dict[tuple[str, int, bool], _StepGraph] = {}
         self._pool = None
 
     def run(self, batch, greedy: bool) -> torch.Tensor | None:
@@ -74,9 +74,9 @@ class StepGraphCache:
             return dg.read_tokens()[:rows]
         return dg.out[:rows].float()  # a copy: the graph's output buffer is reused by the next step
 
-    def _capture(self, kind: str, size: int, q: int, greedy: bool) -> "_StepGraph":
+    def _capture(self, kind: str, size: int, greedy: bool) -> "_StepGraph":
         max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
-        dg = _StepGraph(kind, size, q, max_blocks, self.device)
+        dg = _StepGraph(kind, size, max_blocks, self.device)
         # fixed for the capture: keys per split follow the longest context the model allows
         hints = {"max_seqlen_q": dg.q, "max_seqlen_k": self.max_model_len}
         inputs = {**dg.inputs, **self.kv}
@@ -105,19 +105,17 @@ class _StepGraph:
 
     The step's inputs live in one device buffer, filled from one pinned host buffer by a single
     asynchronous copy per step; the host side is written through numpy views, so preparing a step
-    costs a few microseconds and no device work. Rows past a sequence's tokens are padding: token 0,
-    no KV write (slot -1); padding sequences have a context of their own padding rows only. Causal
-    attention keeps a sequence's real rows blind to its padding rows, which come after them.
+    costs a few microseconds and no device work. Token rows past the step's tokens are padding:
+    token 0 at position 0, no KV write (slot -1), in no sequence (past query_start_loc's end), or, for
+    decode, a sequence of its own with a one-token context.
     """
 
-    def __init__(self, kind: str, size: int, q: int, max_blocks: int, device: torch.device):
+    def __init__(self, kind: str, size: int, max_blocks: int, device: torch.device):
         self.kind = kind
-        N = 1 if kind == "prefill" else size
-        self.q = size if kind == "prefill" else max(q, 1)
-        T, L = size, N
-        self.N, self.T = N, T
+        T, N = size, 1 if kind == "prefill" else size
+        self.q = size if kind == "prefill" else 1  # query tokens per sequence (the attention hint)
         layout = [("input_ids", torch.int64, (T,)), ("positions", torch.int64, (T,)),
-                  ("slot_mapping", torch.int64, (T,)), ("logits_indices", torch.int64, (L,)),
+                  ("slot_mapping", torch.int64, (T,)), ("logits_indices", torch.int64, (N,)),
                   ("query_start_loc", torch.int32, (N + 1,)), ("seq_lens", torch.int32, (N,)),
                   ("block_tables", torch.int32, (N, max_blocks))]
         offsets, nbytes = [], 0
@@ -137,12 +135,12 @@ class _StepGraph:
             self.inputs[name] = self.dev[off:off + size_b].view(dtype).view(shape)
             self.np[name] = host_np[off:off + size_b].view(np.dtype(str(dtype).removeprefix("torch."))).reshape(shape)
         self.np["query_start_loc"][:] = np.arange(N + 1)
-        self.np["logits_indices"][:] = np.arange(L)
+        self.np["logits_indices"][:] = np.arange(N)
         self.np["slot_mapping"][:] = -1
         self.np["seq_lens"][:] = 1
         self.dev.copy_(self.host)
         self.copied = torch.cuda.Event() if cuda else None
-        self.tokens_host = torch.zeros(L, dtype=torch.int64, pin_memory=cuda)
+        self.tokens_host = torch.zeros(N, dtype=torch.int64, pin_memory=cuda)
         self.read = torch.cuda.Event() if cuda else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None

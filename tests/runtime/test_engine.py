@@ -202,7 +202,7 @@ def test_decode_graph_inputs_match_build_inputs(llama_artifact):
     from llmc.runtime.executor import StepInput, make_executor
     from llmc.runtime.step_graphs import _StepGraph
     runner = make_executor(llama_artifact.graph, "reference", "cpu", block_size=4, num_blocks=64)
-    dg = _StepGraph("decode", 4, 1, 16, torch.device("cpu"))
+    dg = _StepGraph("decode", 4, 16, torch.device("cpu"))
     batch = [StepInput([7], 9, [3, 5, 8, 60, 61]), StepInput([2], 0, [11]), StepInput([5], 4, [1, 2])]
     dg.load(batch, 4)
     ref = runner.build_inputs(batch)
