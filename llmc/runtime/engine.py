@@ -16,7 +16,7 @@ from llmc.errors import LLMCError, RequestError
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.config import EngineConfig
 from llmc.runtime.executor import Executor, StepBatch, StepInput, make_executor
-from llmc.runtime.sampler import Sampler, plain_greedy
+from llmc.runtime.sampler import Sampler
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.sequence import SequenceGroup, SequenceStatus
@@ -119,7 +119,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.num_steps = 0
-        self.spec_proposed = self.spec_accepted = 0
         self.timings: dict[str, float] = {}  # seconds per phase, summed over steps
 
     # -- requests ---------------------------------------------------------------------------------
@@ -189,9 +188,10 @@ class LLMEngine:
         t = time.perf_counter()
         if self.spec is not None:
             self.spec.propose([s for s in self.scheduler.running if not s.is_prefill])
+            self._time("propose", t)
         proposed = time.perf_counter()
         out = self.scheduler.schedule()
-        self._time("schedule", t)
+        self._time("schedule", proposed)
         self.num_preemptions += len(out.preempted)
         if not out.is_empty:
             ran = time.perf_counter()
@@ -248,9 +248,6 @@ class LLMEngine:
             tokens, logprobs = res.token_ids, res.logprobs
         t2 = time.perf_counter()
         self.scheduler.update_after_step(out, tokens, logprobs, self.stop)
-        if self.spec is not None:
-            for seq in [e.seq for e in out.scheduled] + out.preempted:
-                seq.spec_token_ids = []  # proposals are for one step: the next one proposes afresh
         t3 = time.perf_counter()
         # where a step's host time goes (waiting for the GPU falls in execute on the greedy path,
         # in sample otherwise)
@@ -278,13 +275,9 @@ class LLMEngine:
         tokens, logprobs, j = [], [], 0
         for e, i in zip(entries, rows_of):
             if e.spec:
-                greedy = plain_greedy(e.seq.params) and not e.seq.params.logprobs
-                row_tokens = ids[i:i + len(e.spec) + 1] if ids is not None else \
-                    result.logits[i:i + len(e.spec) + 1].argmax(-1).tolist() if greedy else None
-                toks, lps = self.spec.verify(e.seq, e.spec, None if ids is not None else
-                                             result.logits[i:i + len(e.spec) + 1], row_tokens)
-                self.spec_proposed += len(e.spec)
-                self.spec_accepted += len(toks) - 1
+                rows = slice(i, i + len(e.spec) + 1)
+                toks, lps = self.spec.verify(e.seq, e.spec, None if ids is not None else result.logits[rows],
+                                             ids[rows] if ids is not None else None)
                 tokens.append(toks)
                 logprobs.append(lps if lps is not None else [0.0] * len(toks))
                 continue
@@ -329,12 +322,16 @@ class LLMEngine:
             "kv_cache_bytes": self.executor.kv_bytes,
             "cow_copies": bm.stats.cow_copies,
             "steps": self.num_steps,
-            "spec_proposed_tokens": self.spec_proposed,
-            "spec_accepted_tokens": self.spec_accepted,
-            "spec_steps": self.spec.steps if self.spec is not None else 0,
-            "spec_acceptance_rate": round(self.spec_accepted / self.spec_proposed, 4) if self.spec_proposed else 0.0,
+            **_spec_stats(self.spec),
             **{f"ms_per_step_{k}": round(v * 1e3 / max(1, self.num_steps), 4) for k, v in self.timings.items()},
         }
+
+
+def _spec_stats(spec: SpecDecoder | None) -> dict:
+    proposed, accepted = (spec.proposed, spec.accepted) if spec is not None else (0, 0)
+    return {"spec_proposed_tokens": proposed, "spec_accepted_tokens": accepted,
+            "spec_steps": spec.steps if spec is not None else 0,
+            "spec_acceptance_rate": round(accepted / proposed, 4) if proposed else 0.0}
 
 
 def _settled(text: str, stops: tuple[str, ...]) -> str:

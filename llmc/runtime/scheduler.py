@@ -352,6 +352,7 @@ class Scheduler:
         so a victim is never already scheduled today; the refund keeps this correct if that
         changes (incremental prefill allocation, multi-token speculative decodes)."""
         entry = entries.pop(victim.seq_id, None)
+        victim.spec_token_ids = []  # a proposal is for the step it was made for
         # A victim with copy-on-write pairs this step cannot be swapped: its swap-out would copy
         # the destination block before the COW copy filled it (swap-outs run first).
         swap = (

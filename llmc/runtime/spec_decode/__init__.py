@@ -22,6 +22,7 @@ from llmc.errors import LLMCError
 from llmc.runtime.sampler import Sampler, plain_greedy
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.spec_decode.base import Proposal, Proposer
+from llmc.runtime.spec_decode.rejection import accept_greedy, verify
 
 METHODS = ("draft", "ngram", "multi")
 
@@ -67,7 +68,8 @@ class SpecDecoder:
     def __init__(self, proposer: Proposer, chooser, max_model_len: int, sampler: Sampler):
         self.proposer, self.chooser, self.max_model_len, self.sampler = proposer, chooser, max_model_len, sampler
         self.q: dict[int, torch.Tensor | None] = {}  # seq_id -> the draft distributions of its proposal
-        self.steps = 0  # target steps that verified at least one proposed token
+        self.steps = 0  # verified proposals
+        self.proposed = self.accepted = 0  # proposed tokens, and those the target kept
         self.plain_s: dict[int, float] = {}  # decode steps without speculation: seconds, by batch bucket
         self.since_plain: dict[int, int] = {}  # speculative steps since the bucket's last plain one
 
@@ -149,15 +151,13 @@ class SpecDecoder:
         """The new tokens of a verified sequence: `rows` are its k + 1 target logits rows, or, when the step
         returned only argmax tokens (greedy), `row_tokens`."""
         q = self.q.pop(seq.seq_id, None)
-        if row_tokens is not None:  # plain greedy: accept while the draft is the target's argmax
-            k = 0
-            while k < len(spec) and spec[k] == row_tokens[k]:
-                k += 1
-            tokens, logprobs = row_tokens[:k + 1], None
+        if row_tokens is not None:
+            tokens, logprobs = accept_greedy(spec, row_tokens), None
         else:
-            from llmc.runtime.spec_decode.rejection import verify
             tokens, logprobs = verify(rows, seq, spec, q.to(rows.device) if q is not None else None, self.sampler)
         self.steps += 1
+        self.proposed += len(spec)
+        self.accepted += len(tokens) - 1
         self.chooser.observe(seq, len(spec), len(tokens) - 1)
         self.proposer.accepted(seq, len(tokens) - 1)
         return tokens, logprobs

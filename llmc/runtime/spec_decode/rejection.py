@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmc.runtime.sampler import Sampler, plain_greedy
+from llmc.runtime.sampler import Sampler, draw, plain_greedy
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.sequence import Sequence
 
@@ -58,9 +58,7 @@ def verify(logits: torch.Tensor, seq: Sequence, draft: list[int], q: torch.Tenso
     else:
         logits = sampler.process(logits, row_views(seq, draft))  # [k + 1, V]
     if params.greedy:
-        target = logits.argmax(dim=-1).tolist()  # [k + 1]; first maximum = lowest id on ties
-        n = next((j for j in range(k) if draft[j] != target[j]), k)
-        tokens = target[:n + 1]
+        tokens = accept_greedy(draft, logits.argmax(dim=-1).tolist())  # first maximum = lowest id on ties
     else:
         tokens = _rejection_sample(torch.softmax(logits, dim=-1), draft, q, seq.generator)
     if plain_greedy(params) and not params.logprobs:
@@ -78,6 +76,13 @@ class _RowView:
     token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
+
+
+def accept_greedy(draft: list[int], target: list[int]) -> list[int]:
+    """The draft's tokens while they equal the target rows' choices, then the choice of the first row that
+    differs (or of row k): what greedy decoding emits token by token."""
+    n = next((j for j in range(len(draft)) if draft[j] != target[j]), len(draft))
+    return target[:n + 1]
 
 
 def row_views(seq: Sequence, draft: list[int]) -> list:
@@ -103,14 +108,14 @@ def _rejection_sample(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
     u = torch.rand(k, generator=generator)
     rejected = (u >= accept).nonzero()
     if len(rejected) == 0:
-        return list(draft) + [_draw(p[k], generator)]
+        return list(draft) + [draw(p[k], generator)]
     n = int(rejected[0, 0])
     if q is None:
         q_row = torch.zeros_like(p[n])
         q_row[draft[n]] = 1.0
     else:
         q_row = q[n].float()
-    return list(draft[:n]) + [_draw(_residual(p[n], q_row), generator)]
+    return list(draft[:n]) + [draw(_residual(p[n], q_row), generator)]
 
 
 def _accept_probs(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +128,3 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     r = (p - q).clamp(min=0.0)  # [V]
     return r if bool(r.sum() > 0) else p
 
-
-def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    # the CPU generator of a seeded request draws on the CPU, wherever the logits are
-    return int(torch.multinomial(weights.cpu(), 1, generator=generator)[0])
