@@ -34,6 +34,7 @@ def main() -> None:
     from llmc.runtime.executor import StepBatch, StepInput
     from llmc.runtime.sampler import Sampler
     from llmc.runtime.spec_decode import Proposal, SpecDecoder
+    from llmc.runtime.spec_decode.adaptive import AdaptiveK
     work = Path(tempfile.mkdtemp())
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
@@ -94,19 +95,8 @@ def main() -> None:
 
         def release(self, seq):
             pass
-
-    class Six:
-        is_fixed = True
-
-        def choose(self, seqs):
-            return [6] * len(seqs)
-
-        def observe(self, seq, proposed, accepted):
-            pass
-
-        def release(self, seq):
-            pass
-    eng = LLMEngine(art, EngineConfig(num_blocks=512), SpecDecoder(Oracle(), Six(), 2048, Sampler()))
+    eng = LLMEngine(art, EngineConfig(num_blocks=512),
+                    SpecDecoder(Oracle(), AdaptiveK.fixed(6, max_batch=None), 2048, Sampler()))
     ids = [eng.add_request(p, params) for p in prompts]
     final = {}
     t = time.perf_counter()

@@ -156,22 +156,6 @@ class OracleProposer:
         pass
 
 
-class FixedK:
-    is_fixed = True
-
-    def __init__(self, k):
-        self.k = k
-
-    def choose(self, seqs):
-        return [self.k] * len(seqs)
-
-    def observe(self, seq, proposed, accepted):
-        pass
-
-    def release(self, seq):
-        pass
-
-
 @pytest.mark.parametrize("wrong", [0, 2])
 def test_verify_steps_give_plain_greedy_tokens(llama_artifact, wrong):
     """Multi-token steps: k speculated tokens verified in one step (k + 1 logits rows per sequence); the
@@ -182,7 +166,8 @@ def test_verify_steps_give_plain_greedy_tokens(llama_artifact, wrong):
     truth = {tuple(p): alone(llama_artifact, p, params) for p in prompts}
     from llmc.runtime.sampler import Sampler
     from llmc.runtime.spec_decode import SpecDecoder
-    spec = SpecDecoder(OracleProposer(truth, wrong=wrong), FixedK(4), 128, Sampler())
+    from llmc.runtime.spec_decode.adaptive import AdaptiveK
+    spec = SpecDecoder(OracleProposer(truth, wrong=wrong), AdaptiveK.fixed(4, max_batch=None), 128, Sampler())
     eng = LLMEngine(llama_artifact, EngineConfig(backend="reference", num_blocks=64, block_size=4), spec)
     rids = [eng.add_request(p, params) for p in prompts]
     final = {}
