@@ -24,6 +24,7 @@ from typing import Any
 
 from llmc.errors import ArtifactError, IRError
 from llmc.ir.graph import Graph, WeightStore
+from llmc.ir.kv_layout import kv_cache_inputs, kv_model_dtype
 from llmc.ir.serialize import graph_from_dict, graph_to_dict
 
 # Bumped on every change of the artifact layout: 2 added the typed model info.
@@ -55,7 +56,6 @@ class ModelInfo:
     @classmethod
     def from_graph(cls, graph: Graph, tokenizer_files: list[Path] | None = None) -> "ModelInfo":
         """Read the model's shape off a paged graph (and the frontend's notes in `graph.meta`)."""
-        from llmc.ir.kv_layout import kv_cache_inputs
         meta = graph.meta
         caches = kv_cache_inputs(graph)
         if not caches:
@@ -63,8 +63,7 @@ class ModelInfo:
                                 "pipeline) to produce a runnable artifact")
         _, _, _, kv_heads, head_dim = caches[0].type.shape
         vocab = graph.outputs[0].type.shape[-1]
-        users = graph.users()
-        model_dtype = next((n.inputs[0].type.dtype for n in users.get(caches[0], [])), caches[0].type.dtype)
+        model_dtype = kv_model_dtype(caches[0], graph.users())
         eos = meta.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
         return cls(

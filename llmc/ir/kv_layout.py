@@ -18,6 +18,11 @@ def kv_cache_inputs(g: Graph) -> list[Value]:
     return [v for v in g.inputs if v.name.startswith("kv_cache.")]
 
 
+def kv_model_dtype(cache: Value, users: dict) -> str:
+    """The dtype of the activations a cache stores (its readers' first operand), whatever it is kept in."""
+    return next((n.inputs[0].type.dtype for n in users.get(cache, [])), cache.type.dtype)
+
+
 def set_kv_cache_dtype(g: Graph, kv_cache_dtype: str) -> Graph:
     """Retype the KV caches of a paged graph (auto / int8 / fp8), adding or dropping the scale inputs.
 
@@ -29,7 +34,7 @@ def set_kv_cache_dtype(g: Graph, kv_cache_dtype: str) -> Graph:
     users = g.users()
     for cache in kv_cache_inputs(g):
         nodes = users.get(cache, [])
-        model_dtype = next((n.inputs[0].type.dtype for n in nodes), cache.type.dtype)
+        model_dtype = kv_model_dtype(cache, users)
         want = KV_DTYPES[kv_cache_dtype] or model_dtype
         cache.type = cache.type.with_dtype(want)
         quant = want in ("i8", "f8e4m3")
