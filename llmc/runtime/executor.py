@@ -133,18 +133,18 @@ class LocalExecutor:
         self.cache.swap_out(batch.swap_out)
         self.cache.swap_in(batch.swap_in)
         self.cache.copy_blocks(batch.copies)
-        if not batch.seqs:
+        seqs = batch.seqs
+        if not seqs:
             return _empty(batch.greedy)
-        if any(len(s.token_ids) > 1 and s.num_logits == len(s.token_ids) for s in batch.seqs):
-            batch = StepBatch(as_decode_rows(batch.seqs), greedy=batch.greedy)
+        if any(len(s.token_ids) > 1 and s.num_logits == len(s.token_ids) for s in seqs):
+            seqs = as_decode_rows(seqs)
         if batch.num_logits == 0:
             # a step that samples nothing (a long prompt's first chunks) still writes its K/V; the graph
             # wants at least one logits row, so compute the last one and drop it
-            seqs = [StepInput(s.token_ids, s.start_pos, s.block_table, 0) for s in batch.seqs]
-            seqs[-1].num_logits = 1
+            seqs = seqs[:-1] + [StepInput(seqs[-1].token_ids, seqs[-1].start_pos, seqs[-1].block_table, 1)]
             self._forward(seqs, False)
             return _empty(batch.greedy)
-        return self._forward(batch.seqs, batch.greedy)
+        return self._forward(seqs, batch.greedy)
 
     def _forward(self, seqs: list[StepInput], greedy: bool) -> StepResult:
         logits = self._logits(self.build_inputs(seqs), seqs)

@@ -149,7 +149,8 @@ class DraftProposer:
                                    generator=d.generator)
             tokens, _ = verify(rows_i, view, h, None, self.sampler)
             d.num_computed_tokens = d.num_tokens
-            bm.mark_computed(d) if not h else None
+            if not h:  # with hints in it, d holds tokens the target has not confirmed
+                bm.mark_computed(d)
             self._truncate(d, n + len(tokens) - 1)  # keep the K/V of the hints it kept
             d.append_token(tokens[-1])
             # the truncation freed the blocks reserved past it: reserve again for the guesses still to come
