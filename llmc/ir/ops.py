@@ -43,6 +43,11 @@ class OpDef:
     infer_fn: Callable
     ref: Callable
     doc: str = ""
+    # what generic passes may assume: "linear" (a GEMM over param operands whose first dim is the
+    # output features: parallel linears fuse by concatenating each along dim 0; an activation
+    # epilogue fuses through the `act` attribute where the op has one), "no_fold" (never
+    # evaluated at compile time: the model's real work, or a packed format that folding would undo)
+    traits: frozenset = frozenset()
 
     def complete_attrs(self, attrs: dict) -> dict:
         unknown = set(attrs) - set(self.attrs)
@@ -81,9 +86,9 @@ FAMILIES: dict[str, set[str]] = {}
 
 
 def register_op(name: str, family: str, operands: tuple[str, ...], infer: Callable, ref: Callable,
-                attrs: dict | None = None, doc: str = "") -> OpDef:
+                attrs: dict | None = None, doc: str = "", traits: tuple[str, ...] = ()) -> OpDef:
     """Add an op to the registry (user extensions use this too)."""
-    opdef = OpDef(name, family, tuple(operands), dict(attrs or {}), infer, ref, doc)
+    opdef = OpDef(name, family, tuple(operands), dict(attrs or {}), infer, ref, doc, frozenset(traits))
     OPS[name] = opdef
     FAMILIES.setdefault(family, set()).add(name)
     return opdef
@@ -94,6 +99,11 @@ def get_op(name: str) -> OpDef:
         return OPS[name]
     except KeyError:
         raise IRError(f"unknown op {name!r}; registered ops: {', '.join(sorted(OPS))}") from None
+
+
+def has_trait(op: str, trait: str) -> bool:
+    d = OPS.get(op)
+    return d is not None and trait in d.traits
 
 
 def family(name: str) -> set[str]:
@@ -364,10 +374,13 @@ register_op("gather", "movement", ("x", "index"),
                 x[0].shape[:a["dim"] % x[0].dim()] + x[1].shape + x[0].shape[a["dim"] % x[0].dim() + 1:]),
             {"dim": 0}, "rows of x at index along dim (index_select with an index of any shape)")
 
-register_op("embedding", "nn", ("weight", "ids"), _embedding_infer, lambda x, a, env: F.embedding(x[1], x[0]))
+register_op("embedding", "nn", ("weight", "ids"), _embedding_infer, lambda x, a, env: F.embedding(x[1], x[0]),
+            traits=("no_fold",))
 register_op("linear", "nn", ("x", "weight", "bias?"), _linear_infer,
-            lambda x, a, env: F.linear(x[0], x[1], x[2] if len(x) > 2 else None), doc="x @ weight.T + bias")
-register_op("matmul", "nn", ("a", "b"), _matmul_infer, lambda x, a, env: torch.matmul(x[0], x[1]))
+            lambda x, a, env: F.linear(x[0], x[1], x[2] if len(x) > 2 else None), doc="x @ weight.T + bias",
+            traits=("linear", "no_fold"))
+register_op("matmul", "nn", ("a", "b"), _matmul_infer, lambda x, a, env: torch.matmul(x[0], x[1]),
+            traits=("no_fold",))
 register_op("rms_norm", "nn", ("x", "weight"), lambda ts, a: ts[0].with_dtype(_result_dtype([ts[0], ts[1]])),
             _rms_norm_ref, {"eps": 1e-6, "weight_first_cast": True},
             "RMSNorm in fp32; weight_first_cast: multiply the weight after casting back (Llama's order)")
@@ -382,7 +395,7 @@ register_op("silu_mul", "nn", ("gate", "up"), _binary_infer,
 register_op("attention", "attention", ("q", "k", "v"), _attention_infer, _attention_ref,
             {"scale": REQUIRED, "causal": True, "window": 0},
             "softmax(q k^T * scale) v over [B, H, S, D]; grouped-query when k has fewer heads; "
-            "window > 0 limits each query to the last `window` keys")
+            "window > 0 limits each query to the last `window` keys", traits=("no_fold",))
 
 ELEMENTWISE = family(UNARY) | family(BINARY)
 REDUCE = family("reduce")
@@ -407,7 +420,7 @@ register_op("paged_attention", "attention",
             ("q", "k", "v", "kv_cache", "query_start_loc", "seq_lens", "block_tables", "slot_mapping", "kv_scale?"),
             _paged_attention_infer, _paged_attention_ref, {"scale": REQUIRED, "causal": True, "window": 0},
             "writes the new k, v into kv_cache (in place) at slot_mapping, then attends each sequence's "
-            "new queries over its whole cached context; see llmc/ir/paged_attention.py")
+            "new queries over its whole cached context; see llmc/ir/paged_attention.py", traits=("no_fold",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,7 +461,44 @@ LINEAR_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, 
                "relu": torch.relu}
 register_op("linear_act", "nn", ("x", "weight", "bias?"), _linear_infer,
             lambda x, a, env: LINEAR_ACTS[a["act"]](F.linear(x[0], x[1], x[2] if len(x) > 2 else None)),
-            {"act": REQUIRED}, "act(x @ weight.T + bias): a matmul with its activation epilogue")
+            {"act": REQUIRED}, "act(x @ weight.T + bias): a matmul with its activation epilogue",
+            traits=("linear", "no_fold"))
+
+
+def _qlinear_operands(x: list, a: dict) -> tuple:
+    """(qweight, scales, zeros or None, bias or None) of a qlinear's operand list after x."""
+    rest = list(x[1:])
+    qw, sc = rest[0], rest[1]
+    zeros = rest[2] if a["has_zeros"] else None
+    bias = rest[3 if a["has_zeros"] else 2] if len(rest) > (3 if a["has_zeros"] else 2) else None
+    return qw, sc, zeros, bias
+
+
+def _qlinear_infer(ts, a):
+    from llmc.ir.quant import QuantFormat
+    fmt = QuantFormat.from_attrs(a)
+    x, qw, sc = ts[0], ts[1], ts[2]
+    k = a["in_features"]
+    packed = k // 2 if fmt.kind == "int" and fmt.bits == 4 else k
+    if x.shape[-1] != k or qw.rank != 2 or qw.shape[1] != packed:
+        raise IRError(f"qlinear: input {x} does not match qweight {qw} ({fmt.label}, {k} input features)")
+    if sc.rank != 2 or sc.shape != (qw.shape[0], fmt.groups(k)):
+        raise IRError(f"qlinear: scales {sc} should be [{qw.shape[0]}, {fmt.groups(k)}] for {fmt.label}")
+    if a["has_zeros"] and (len(ts) < 4 or ts[3].shape != sc.shape):
+        raise IRError("qlinear: has_zeros needs a zeros operand shaped like the scales")
+    return TensorType(x.shape[:-1] + (qw.shape[0],), x.dtype)
+
+
+def _qlinear_ref(x, a, env):
+    from llmc.ir.quant import QuantFormat, qlinear_ref
+    y = qlinear_ref(x[0], QuantFormat.from_attrs(a), *_qlinear_operands(x, a))
+    return LINEAR_ACTS[a["act"]](y) if a["act"] else y
+
+
+register_op("qlinear", "nn", ("x", "qweight", "scales", "zeros?", "bias?"), _qlinear_infer, _qlinear_ref,
+            {"kind": REQUIRED, "bits": 8, "group_size": 0, "has_zeros": False, "in_features": REQUIRED, "act": ""},
+            "act(x @ W.T + bias) for a quantized W (formats: llmc/ir/quant.py); zeros only when has_zeros",
+            traits=("linear", "no_fold"))
 
 
 def _fused_infer(ts, a):
