@@ -190,7 +190,7 @@ def quantize_int_with(w: torch.Tensor, fmt: QuantFormat, scales: torch.Tensor,
     n, k = w.shape
     g = k // scales.shape[1]
     qmax = (1 << fmt.bits) - 1
-    z = zeros.float() if zeros is not None else torch.full(scales.shape, float(1 << (fmt.bits - 1)))
+    z = zeros.float() if zeros is not None else torch.full(scales.shape, float(1 << (fmt.bits - 1)), device=scales.device)
     q = torch.round(w.float() / scales.float().repeat_interleave(g, 1)) + z.repeat_interleave(g, 1)
     return q.clamp_(0, qmax).to(torch.uint8)
 

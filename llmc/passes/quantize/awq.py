@@ -1,0 +1,151 @@
+"""AWQ (Lin et al. 2023, "AWQ: Activation-aware Weight Quantization for LLM Compression and
+Acceleration"): a few input channels carry much larger activations than the rest, and their
+weights matter most; scaling those weight columns up by s before rounding (and the activations down
+by 1/s, folded into the op that produces them) shrinks their relative rounding error at almost no
+cost to the others. The scale is searched, not derived: ``s = mean|x|^alpha`` over a grid of alpha.
+
+Errors are measured through the Gram matrix ``X^T X``: ``||X D^T||^2 = sum((D X^T X) * D)`` for a
+weight difference D, so the calibration tokens are read once and each candidate costs ``N K^2``
+instead of ``M N K`` (calibration sets have far more tokens M than input channels K).
+"""
+from __future__ import annotations
+
+import torch
+
+from llmc.ir.quant import QuantFormat, QuantizedWeight, quantize_rtn
+
+
+def awq_search(ws: list[torch.Tensor], x: torch.Tensor, fmt: QuantFormat, *, grid: int = 20,
+               scale_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, float]:
+    """Search the per-input-channel AWQ scales for the linears that read one input x ("search scale").
+
+    For each alpha in ``linspace(0, 1, grid)``: ``s = mean|x|^alpha``, normalised to
+    ``s / sqrt(max(s) * min(s))`` so that it scales up as much as it scales down; each W is
+    quantized as ``Q(W * s)`` (round-to-nearest in `fmt`) and the error is
+    ``sum_W ||x W^T - (x / s) Q(W * s)^T||^2``. alpha = 0 is s = 1, plain RTN, so the result is never
+    worse than RTN on the calibration tokens.
+
+    Args:
+        ws: the weights [N_i, K] of the linears reading x (q, k, v; or gate, up), searched jointly
+            because one s is folded into their shared input.
+        x: calibration inputs [M, K] (or [..., K]).
+        fmt: the int format the weights will be stored in.
+        grid: number of alpha values tried.
+        scale_dtype: the dtype scales are stored in (the search rounds like the final weights will).
+
+    Returns:
+        (s [K] fp32, alpha). The caller divides the op producing x by s (a norm's weight, or the
+        previous linear's output rows) and stores ``awq_quantize(W, s, fmt)``.
+
+    Example:
+        >>> x = torch.randn(512, 128); x[:, :4] *= 20
+        >>> s, alpha = awq_search([torch.randn(32, 128)], x, QuantFormat("int", 4, group_size=64))
+        >>> s.shape, 0 <= alpha <= 1
+        (torch.Size([128]), True)
+    """
+    _require_int(fmt)
+    if grid < 1:
+        raise ValueError(f"AWQ's scale search needs at least one grid point, not {grid}")
+    xf = x.reshape(-1, x.shape[-1]).float()
+    x_mean = xf.abs().mean(0)  # [K]
+    gram = xf.T @ xf  # [K, K]
+    best_err, best_s, best_alpha = float("inf"), None, 0.0
+    for alpha in torch.linspace(0, 1, grid).tolist():
+        s = x_mean.pow(alpha).clamp_min(1e-4)  # a channel that is always 0 would get s = 0
+        s = s / (s.max() * s.min()).sqrt()
+        err = sum(_output_error(w.float() - awq_quantize(w, s, fmt, scale_dtype=scale_dtype).dequantize() / s, gram)
+                  for w in ws)
+        if err < best_err:
+            best_err, best_s, best_alpha = err, s, alpha
+    return best_s, best_alpha
+
+
+def awq_clip_search(w: torch.Tensor, x: torch.Tensor, fmt: QuantFormat, *, s: torch.Tensor | None = None,
+                    grid: int = 20, max_shrink: float = 0.5,
+                    scale_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Search a clipping range per output row and group ("search clip"): clipping a group's few
+    largest weights makes its scale finer for all the others, which can lower the output error.
+
+    Candidates are ``max|W_group| * (1 - i / grid)`` for ``i < max_shrink * grid`` (i = 0 is no
+    clipping); each (row, group) keeps the one with the least error of that group's contribution to
+    the output, ``||x_group (W_group - Q(clip(W_group)))^T||^2``.
+
+    Args:
+        w: the weight [N, K].
+        x: calibration inputs [M, K] (or [..., K]).
+        fmt: the int format the weight will be stored in.
+        s: the AWQ scales from `awq_search`, if any: the search is then over ``W * s`` against
+            ``x / s``, the clip values are in ``W * s`` units, as `awq_quantize` expects them.
+        grid, max_shrink: the candidate clip ratios, as above.
+        scale_dtype: the dtype scales are stored in.
+
+    Returns:
+        Clip values [N, G] fp32 (G groups; 1 per channel), for ``awq_quantize(w, s, fmt, clip=...)``.
+
+    Example:
+        >>> x, w = torch.randn(512, 128), torch.randn(32, 128)
+        >>> awq_clip_search(w, x, QuantFormat("int", 4, group_size=64)).shape
+        torch.Size([32, 2])
+    """
+    _require_int(fmt)
+    n, k = w.shape
+    n_groups = fmt.groups(k)
+    xf = x.reshape(-1, k).float()
+    wf = w.float()
+    if s is not None:
+        xf, wf = xf / s.float(), wf * s.float()
+    xg = xf.reshape(-1, n_groups, k // n_groups)  # [M, G, g]
+    gram = torch.einsum("mgi,mgj->gij", xg, xg)  # [G, g, g]: the groups' diagonal blocks of X^T X
+    wmax = wf.reshape(n, n_groups, -1).abs().amax(-1)  # [N, G]
+    best_err = torch.full_like(wmax, float("inf"))
+    best = wmax.clone()
+    for i in range(max(1, int(max_shrink * grid))):
+        clip = wmax * (1 - i / grid)
+        d = (wf - quantize_rtn(_clip(wf, clip), fmt, scale_dtype).dequantize()).reshape(n, n_groups, -1)
+        err = (torch.einsum("ngi,gij->ngj", d, gram) * d).sum(-1)  # [N, G]
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, clip, best)
+    return best
+
+
+def awq_quantize(w: torch.Tensor, s: torch.Tensor, fmt: QuantFormat, *, clip: torch.Tensor | None = None,
+                 scale_dtype: torch.dtype = torch.bfloat16) -> QuantizedWeight:
+    """Round-to-nearest of ``W * s`` (s scales input columns), clamped to ``[-clip, clip]`` per
+    (row, group) if given. The stored layer computes ``(x / s) Q(W * s)^T``: the caller folds 1/s
+    into the op producing x.
+
+    Args:
+        w: the weight [N, K].
+        s: AWQ scales [K] (from `awq_search`).
+        fmt: an int format.
+        clip: clip values [N, G] in ``W * s`` units (from `awq_clip_search`), or None.
+        scale_dtype: the dtype scales are stored in.
+
+    Returns:
+        The `QuantizedWeight` of ``W * s``.
+
+    Example:
+        >>> w = torch.randn(32, 128)
+        >>> awq_quantize(w, torch.ones(128), QuantFormat("int", 8)).qweight.shape
+        torch.Size([32, 128])
+    """
+    _require_int(fmt)
+    ws = w.float() * s.float()
+    return quantize_rtn(ws if clip is None else _clip(ws, clip), fmt, scale_dtype)
+
+
+def _clip(w: torch.Tensor, clip: torch.Tensor) -> torch.Tensor:
+    c = clip.float().repeat_interleave(w.shape[1] // clip.shape[1], dim=1)
+    return torch.clamp(w, -c, c)
+
+
+def _output_error(d: torch.Tensor, gram: torch.Tensor) -> float:
+    """``||X D^T||^2`` for a weight difference D [N, K], from ``gram = X^T X``."""
+    return float(((d @ gram) * d).sum())
+
+
+def _require_int(fmt: QuantFormat) -> None:
+    if fmt.kind != "int":
+        raise ValueError(f"AWQ scales weight-only int formats (kind 'int', 4 or 8 bits), not {fmt.label}; "
+                         "for W8A8 or FP8, whose activations are quantized too, use SmoothQuant")

@@ -1,0 +1,61 @@
+"""SmoothQuant (Xiao et al. 2022, "SmoothQuant: Accurate and Efficient Post-Training Quantization
+for Large Language Models"): per-token int8 activations lose the small channels of a token to its
+few outlier channels, which are the same channels on every token; dividing each input channel by
+``s_j`` (folded into the op producing x) and multiplying the weight's column j by it moves that range
+into the weights, which are quantized per output row and tolerate it ("migrate the quantization
+difficulty"). alpha sets how much moves.
+"""
+from __future__ import annotations
+
+import torch
+
+from llmc.ir.quant import QuantFormat, QuantizedWeight, quantize_rtn
+
+EPS = 1e-5  # floor for the statistics and the scales: a dead channel must not give s = 0 or 1/0
+
+
+def smoothquant_scales(act_absmax: torch.Tensor, ws: list[torch.Tensor], alpha: float = 0.5) -> torch.Tensor:
+    """The smoothing factors ``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)`` of input channel j.
+
+    Args:
+        act_absmax: ``max |x_j|`` [K] per input channel over the calibration tokens.
+        ws: the weights [N_i, K] of the linears reading x (q, k, v; or gate, up): one s is folded
+            into their shared input, so ``max|W_j|`` is over all of their rows.
+        alpha: the migration strength in [0, 1] (0.5 suits most models; more for larger outliers).
+
+    Returns:
+        s [K] fp32, at least 1e-5. Activations become ``x / s`` (the caller folds 1/s into the op
+        producing x), weights ``W * s`` (`smoothquant_quantize`).
+
+    Example:
+        >>> s = smoothquant_scales(torch.tensor([8.0, 0.5]), [torch.tensor([[0.5, 2.0]])])
+        >>> s.tolist()
+        [4.0, 0.5]
+    """
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"SmoothQuant's alpha is in [0, 1], not {alpha}")
+    w_absmax = torch.stack([w.float().abs().amax(0) for w in ws]).amax(0)  # [K]
+    s = act_absmax.float().clamp_min(EPS).pow(alpha) / w_absmax.clamp_min(EPS).pow(1 - alpha)
+    return s.clamp_min(EPS)
+
+
+def smoothquant_quantize(w: torch.Tensor, s: torch.Tensor,
+                         fmt: QuantFormat = QuantFormat("w8a8", 8)) -> QuantizedWeight:
+    """Quantize ``W * s`` (s scales input columns) per output channel into a W8A8 format.
+
+    Args:
+        w: the weight [N, K].
+        s: smoothing factors [K] (from `smoothquant_scales`).
+        fmt: "w8a8" (int8) or "fp8": both quantize activations per token, which is what smoothing helps.
+
+    Returns:
+        The `QuantizedWeight` of ``W * s``; the layer computes it on ``x / s``.
+
+    Example:
+        >>> smoothquant_quantize(torch.randn(32, 128), torch.ones(128)).qweight.dtype
+        torch.int8
+    """
+    if fmt.kind == "int":
+        raise ValueError(f"SmoothQuant smooths activations for formats that quantize them (w8a8, fp8), not the "
+                         f"weight-only {fmt.label}, whose activations stay in the model dtype; use AWQ or GPTQ")
+    return quantize_rtn(w.float() * s.float(), fmt)

@@ -1,0 +1,212 @@
+"""The quantization algorithms on plain tensors: GPTQ against a naive column-by-column version of
+the same algorithm, and GPTQ, AWQ and SmoothQuant against round-to-nearest on the output error of
+layers whose activations have the structure each method exploits (correlated channels, salient
+channels, outlier channels)."""
+import pytest
+import torch
+
+from llmc.errors import CompileError
+from llmc.ir.quant import QuantFormat, codes, int_scales, qlinear_ref, quantize_rtn
+from llmc.passes.quantize.awq import awq_clip_search, awq_quantize, awq_search
+from llmc.passes.quantize.gptq import gptq_quantize
+from llmc.passes.quantize.smoothquant import smoothquant_quantize, smoothquant_scales
+
+N, K, M = 64, 256, 512
+INT4_G64 = QuantFormat("int", 4, group_size=64)
+INT4_G64_ZP = QuantFormat("int", 4, group_size=64, has_zeros=True)
+INT4_CH = QuantFormat("int", 4)
+INT8_CH = QuantFormat("int", 8)
+W8A8 = QuantFormat("w8a8", 8)
+FP8 = QuantFormat("fp8", 8)
+
+
+def correlated(m: int, seed: int, outliers: int = 4, scale: float = 20.0) -> torch.Tensor:
+    """Calibration inputs [m, K] like a transformer's: mixed (correlated) channels, a few of them large."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(K, K, generator=g) / K ** 0.5
+    x = torch.randn(m, K, generator=g) @ mix + 0.3 * torch.randn(m, K, generator=g)
+    x[:, torch.randperm(K, generator=torch.Generator().manual_seed(0))[:outliers]] *= scale
+    return x
+
+
+def salient(m: int, seed: int, n: int = 8, scale: float = 10.0) -> torch.Tensor:
+    """Inputs [m, K] whose same few channels (fixed across seeds) are much larger than the rest."""
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(seed))
+    x[:, torch.randperm(K, generator=torch.Generator().manual_seed(0))[:n]] *= scale
+    return x
+
+
+def weight(n: int, seed: int) -> torch.Tensor:
+    return 0.05 * torch.randn(n, K, generator=torch.Generator().manual_seed(seed))
+
+
+def naive_gptq(w, h, fmt, damp=0.01, act_order=False, scale_dtype=torch.bfloat16):
+    """GPTQ as the OBS update states it, in fp64: one column at a time, each column's error spread
+    over the later columns by the explicit inverse Hessian, whose row and column are then removed
+    by one Gaussian elimination step; no blocks, no Cholesky."""
+    n, k = w.shape
+    W, H = w.double().clone(), h.double().clone()
+    dead = H.diagonal() == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    gs = fmt.group_size or k
+    qmax, half = (1 << fmt.bits) - 1, float(1 << (fmt.bits - 1))
+    groups = {}
+    if act_order:
+        groups = {j: int_scales(W[:, j * gs:(j + 1) * gs].float(), fmt, scale_dtype) for j in range(k // gs)}
+    order = torch.argsort(H.diagonal(), descending=True) if act_order else torch.arange(k)
+    W, H = W[:, order], H[order][:, order]  # column t of W is input column order[t]
+    Hinv = torch.linalg.inv(H + damp * H.diagonal().mean() * torch.eye(k, dtype=torch.float64))
+    Q = torch.zeros(n, k, dtype=torch.float64)
+    for t, c in enumerate(order.tolist()):
+        if not act_order and c % gs == 0:
+            groups[c // gs] = int_scales(W[:, t:t + gs].float(), fmt, scale_dtype)
+        s, z = groups[c // gs]
+        s = s[:, 0].double()
+        z = z[:, 0].double() if z is not None else half
+        Q[:, c] = torch.clamp(torch.round(W[:, t] / s) + z, 0, qmax)
+        err = W[:, t] - (Q[:, c] - z) * s
+        W[:, t + 1:] -= err[:, None] * Hinv[0, 1:][None, :] / Hinv[0, 0]
+        Hinv = Hinv[1:, 1:] - Hinv[1:, :1] @ Hinv[:1, 1:] / Hinv[0, 0]
+    scales = torch.cat([groups[j][0] for j in range(k // gs)], dim=1)
+    zeros = torch.cat([groups[j][1] for j in range(k // gs)], dim=1) if fmt.has_zeros else None
+    return Q, scales, zeros
+
+
+def hessian(x):
+    return 2 * x.T @ x / x.shape[0]
+
+
+def out_err(x, w, wq):
+    return float((x @ w.T - x @ wq.T).norm())
+
+
+@pytest.mark.parametrize("fmt,act_order,block_size", [
+    *[(f, a, 128) for f in (INT4_G64, INT4_G64_ZP, INT4_CH, INT8_CH) for a in (False, True)],
+    (INT4_G64, False, 40), (INT4_G64_ZP, False, 40), (INT4_G64, True, 40), (INT4_CH, False, 40),
+], ids=lambda v: v.label if isinstance(v, QuantFormat) else str(v))
+def test_gptq_matches_naive_obs(fmt, act_order, block_size):
+    """Blocks, lazy updates and the Cholesky rows compute the naive OBS loop (block 40 puts group
+    starts inside blocks, whose groups then reach into the next block)."""
+    x, w = correlated(M, 0), weight(N, 1)
+    h = hessian(x)
+    qw = gptq_quantize(w, h, fmt, act_order=act_order, block_size=block_size)
+    q_ref, s_ref, z_ref = naive_gptq(w, h, fmt, act_order=act_order)
+    q = codes(fmt, qw.qweight)
+    assert q.shape == (N, K) and qw.scales.shape == s_ref.shape
+    assert (q.double() == q_ref).double().mean() >= 0.99
+    assert (qw.scales == s_ref).double().mean() >= 0.99 and torch.allclose(qw.scales.float(), s_ref.float(), rtol=1e-2)
+    if fmt.has_zeros:
+        assert (qw.zeros.int() - z_ref.int()).abs().max() <= 1
+    g = K // s_ref.shape[1]
+    z = z_ref.double().repeat_interleave(g, 1) if z_ref is not None else float(1 << (fmt.bits - 1))
+    dq_ref = (q_ref - z) * s_ref.double().repeat_interleave(g, 1)
+    assert float((qw.dequantize().double() - dq_ref).norm() / dq_ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", [INT4_G64, INT4_CH, INT8_CH], ids=lambda f: f.label)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_output_error_below_rtn(fmt, act_order):
+    x, w = correlated(M, 0), weight(N, 1)
+    gptq = out_err(x, w, gptq_quantize(w, hessian(x), fmt, act_order=act_order).dequantize())
+    rtn = out_err(x, w, quantize_rtn(w, fmt).dequantize())
+    assert gptq < 0.85 * rtn
+
+
+def test_gptq_dead_columns_and_hessian_scale():
+    """An input that is always 0 gives a zero weight column; H and any multiple of it give the same codes."""
+    x, w = correlated(M, 0), weight(N, 1)
+    x[:, [3, 100]] = 0
+    h = hessian(x)
+    qw = gptq_quantize(w, h, INT4_G64)
+    dq = qw.dequantize()
+    assert torch.isfinite(dq).all() and dq[:, [3, 100]].eq(0).all() and dq[:, 4].ne(0).any()
+    scaled = gptq_quantize(w, 1000 * h, INT4_G64)
+    assert (codes(INT4_G64, scaled.qweight) == codes(INT4_G64, qw.qweight)).double().mean() >= 0.99
+
+
+def test_gptq_indefinite_hessian_asks_for_more_damping():
+    h = torch.eye(K)
+    h[0, 1] = h[1, 0] = 2.0  # eigenvalue -1: no damping of 1% of the mean diagonal fixes it
+    with pytest.raises(CompileError, match="raise the damping"):
+        gptq_quantize(weight(N, 1), h, INT4_G64)
+
+
+def test_awq_below_rtn_on_salient_channels():
+    """On fresh tokens of the same distribution, q and a narrower k searched together."""
+    x, ws = salient(M, 0), [weight(N, 1), weight(N // 2, 2)]
+    xt = salient(M, 1)
+    for fmt in (INT4_G64, INT4_G64_ZP, INT4_CH):
+        s, alpha = awq_search(ws, x, fmt)
+        assert 0 <= alpha <= 1 and s.shape == (K,)
+        expect = x.abs().mean(0).pow(alpha)
+        assert torch.allclose(s, expect / (expect.max() * expect.min()).sqrt(), rtol=1e-5)
+        awq = sum(out_err(xt, w, awq_quantize(w, s, fmt).dequantize() / s) ** 2 for w in ws)
+        rtn = sum(out_err(xt, w, quantize_rtn(w, fmt).dequantize()) ** 2 for w in ws)
+        assert awq < 0.9 ** 2 * rtn
+
+
+def test_awq_unit_scales_is_rtn():
+    w = weight(N, 1)
+    for fmt in (INT4_G64, INT4_G64_ZP, INT8_CH):
+        a, r = awq_quantize(w, torch.ones(K), fmt), quantize_rtn(w, fmt)
+        assert torch.equal(a.qweight, r.qweight) and torch.equal(a.scales, r.scales)
+        assert (a.zeros is None and r.zeros is None) or torch.equal(a.zeros, r.zeros)
+
+
+def test_awq_clip_search_lowers_error():
+    x, w = salient(M, 0), weight(N, 1)
+    s, _ = awq_search([w], x, INT4_G64)
+    clip = awq_clip_search(w, x, INT4_G64, s=s)
+    wmax = (w * s).abs().reshape(N, K // 64, -1).amax(-1)
+    assert clip.shape == (N, K // 64) and (clip <= wmax).all() and (clip >= 0.5 * wmax).all() and (clip < wmax).any()
+    xt = salient(M, 1)
+    clipped = out_err(xt, w, awq_quantize(w, s, INT4_G64, clip=clip).dequantize() / s)
+    assert clipped < 0.97 * out_err(xt, w, awq_quantize(w, s, INT4_G64).dequantize() / s)
+
+
+def test_smoothquant_scales_formula():
+    g = torch.Generator().manual_seed(0)
+    amax = torch.rand(K, generator=g) * 10
+    amax[5] = 0  # a dead channel: s stays positive
+    ws = [torch.randn(N, K, generator=g), torch.randn(N // 4, K, generator=g)]
+    for alpha in (0.5, 0.8):
+        s = smoothquant_scales(amax, ws, alpha)
+        for j in range(K):
+            wmax = max(float(w[:, j].abs().max()) for w in ws)
+            expect = max(max(float(amax[j]), 1e-5) ** alpha / wmax ** (1 - alpha), 1e-5)
+            assert abs(float(s[j]) - expect) <= 1e-5 * expect
+    with pytest.raises(ValueError, match="alpha"):
+        smoothquant_scales(amax, ws, 1.5)
+
+
+@pytest.mark.parametrize("fmt,ratio", [(W8A8, 0.5), (FP8, 0.85)], ids=["int8", "fp8"])
+def test_smoothquant_lowers_w8a8_error(fmt, ratio):
+    """Per-token activation quantization loses the small channels to the outliers unless smoothed
+    (fp8 less so: its relative precision keeps small values, down to its subnormals)."""
+    x, w = salient(M, 0, n=4, scale=50.0), weight(N, 1)
+    s = smoothquant_scales(x.abs().amax(0), [w], 0.5)
+    xt = salient(M, 1, n=4, scale=50.0)
+    plain = quantize_rtn(w, fmt)
+    smooth = smoothquant_quantize(w, s, fmt)
+    ref = xt @ w.T
+    e_plain = (qlinear_ref(xt, fmt, plain.qweight, plain.scales) - ref).norm()
+    e_smooth = (qlinear_ref(xt / s, fmt, smooth.qweight, smooth.scales) - ref).norm()
+    assert e_smooth < ratio * e_plain
+
+
+def test_unsupported_formats_and_bad_arguments_are_clear_errors():
+    w, x = weight(N, 1), salient(M, 0)
+    for fmt in (W8A8, FP8):
+        with pytest.raises(ValueError, match="GPTQ quantizes to weight-only int formats"):
+            gptq_quantize(w, hessian(x), fmt)
+        with pytest.raises(ValueError, match="use SmoothQuant"):
+            awq_search([w], x, fmt)
+        with pytest.raises(ValueError, match="use SmoothQuant"):
+            awq_quantize(w, torch.ones(K), fmt)
+    with pytest.raises(ValueError, match="use AWQ or GPTQ"):
+        smoothquant_quantize(w, torch.ones(K), INT4_G64)
+    with pytest.raises(ValueError, match="at least one grid point"):
+        awq_search([w], x, INT4_G64, grid=0)
+    with pytest.raises(ValueError, match="Hessian is"):
+        gptq_quantize(w, torch.eye(K - 1), INT4_G64)
