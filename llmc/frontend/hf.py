@@ -1,6 +1,9 @@
 """Local Hugging Face model directories: validate, load, and capture the cache-free forward.
 
 Only local paths are read (config.json, *.safetensors, tokenizer files); nothing is downloaded.
+A GPTQ or AWQ checkpoint (config.json with a `quantization_config`) is captured with its weights
+dequantized, then its linears become `qlinear` nodes over the checkpoint's own codes and scales
+(llmc/frontend/prequantized.py).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch
 
 from llmc.errors import CompileError
 from llmc.frontend.attention import register_hf_attention
+from llmc.frontend.prequantized import PrequantizedCheckpoint, read_prequantized, to_qlinear
 from llmc.frontend.torch_export import capture
 from llmc.ir.graph import Graph
 
@@ -52,16 +56,33 @@ class _Forward(torch.nn.Module):
         return self.m(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
-    """Load a supported local HF causal LM in eval mode with llmc's attention implementation."""
-    from transformers import AutoModelForCausalLM
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               checkpoint: PrequantizedCheckpoint | None = None):
+    """Load a supported local HF causal LM in eval mode with llmc's attention implementation.
+
+    A pre-quantized model is built from its config without the `quantization_config` (transformers'
+    own GPTQ/AWQ loaders need optimum, gptqmodel or autoawq and their kernels) and takes the dense
+    dequantized weights of `checkpoint` (read from `path` when not given)."""
+    import transformers
     path = Path(path)
-    read_config(path)
+    cfg = read_config(path)
     attn = register_hf_attention()
     try:
         with _quiet_transformers():
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn,
-                                                         local_files_only=True)
+            if "quantization_config" not in cfg:
+                model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn,
+                                                                          local_files_only=True)
+            else:
+                checkpoint = checkpoint or read_prequantized(path, cfg["quantization_config"])
+                config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+                del config.quantization_config
+                model, info = getattr(transformers, cfg["architectures"][0]).from_pretrained(
+                    None, config=config, state_dict=checkpoint.dense_state_dict(dtype), dtype=dtype,
+                    attn_implementation=attn, output_loading_info=True)
+                if info["missing_keys"]:
+                    raise CompileError(f"{path}: the checkpoint has no {sorted(info['missing_keys'])[0]}")
+    except CompileError:
+        raise
     except Exception as e:
         raise CompileError(f"could not load the model in {path}: {str(e).splitlines()[0][:400]}") from e
     return model.eval()
@@ -87,7 +108,8 @@ def capture_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> Graph:
     """Capture a local HF model as an llmc Graph `(input_ids[B,S], position_ids[B,S]) -> logits[B,S,V]`."""
     path = Path(path)
     cfg = read_config(path)
-    model = load_model(path, dtype)
+    checkpoint = read_prequantized(path, cfg["quantization_config"]) if "quantization_config" in cfg else None
+    model = load_model(path, dtype, checkpoint)
     max_len = int(cfg.get("max_position_embeddings") or 4096)
     # example sizes avoid 0/1 so that export does not specialise them
     ids = torch.randint(0, int(cfg["vocab_size"]), (2, min(7, max_len)))
@@ -96,6 +118,8 @@ def capture_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> Graph:
            "position_ids": {0: ("B", 1, MAX_BATCH), 1: ("S", 1, max_len)}}
     g = capture(_Forward(model), (ids, pos), ["input_ids", "position_ids"], dyn,
                 name=cfg["architectures"][0].replace("ForCausalLM", "").lower())
+    if checkpoint is not None:
+        to_qlinear(g, checkpoint.linears)
     g.meta.update({
         "architecture": cfg["architectures"][0],
         "vocab_size": int(cfg["vocab_size"]),
