@@ -23,6 +23,10 @@ SHAPES = {
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, head_dim=64,
                max_position_embeddings=4096),
+    # Llama-3-8B (untied embeddings): the shape the speculative-decoding and quantization figures use
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, head_dim=128,
+               max_position_embeddings=4096),
     # a smoke-test shape for checking this script on a CPU (--shape tiny --backend triton-interpret)
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True, head_dim=16,
@@ -116,7 +120,8 @@ def main():
     m.save_pretrained(str(work / "llama"))
     nparam = sum(p.numel() for p in m.parameters())
     del m
-    step_bytes = 2 * nparam  # tied embedding: the table is read once, as the LM head
+    # a tied table is read once per step, as the LM head; an untied input table only by the gather
+    step_bytes = 2 * (nparam - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size))
     res.update(params=nparam, step_bytes=step_bytes, roofline_tok_s=bw / step_bytes)
     print(f"model saved in {time.time() - t:.0f}s; roofline {res['roofline_tok_s']:.0f} tok/s", flush=True)
     t = time.time()
