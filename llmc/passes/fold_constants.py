@@ -4,14 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from llmc.ir.ops import RefEnv, get_op
+from llmc.ir.ops import RefEnv, get_op, has_trait
 from llmc.ir.types import TensorType
 from llmc.passes.manager import Pass, PassResult, register_pass
 from llmc.passes.pattern import P, RewriteRule, apply_rewrites, dead_code
-
-# ops never folded: they are the model's real work and folding them would only bloat weights
-_NEVER_FOLD = {"linear", "matmul", "attention", "paged_attention", "embedding"}
-
 
 def _identity_rules() -> list[RewriteRule]:
     x = P.any("x")
@@ -40,7 +36,9 @@ class FoldConstants(Pass):
         folded = 0
         const_vals = {}
         for node in list(graph.nodes):
-            if node.op in _NEVER_FOLD or not node.inputs and node.op != "constant":
+            # "no_fold" ops are the model's real work (folding would only bloat weights) or packed
+            # formats (folding would dequantize them back into dense weights)
+            if has_trait(node.op, "no_fold") or not node.inputs and node.op != "constant":
                 continue
             if node.op == "constant":
                 const_vals[node.out] = get_op("constant").ref([], node.attrs, RefEnv())

@@ -15,7 +15,7 @@ _ACTS = {("silu", None): "silu", ("relu", None): "relu", ("gelu", "none"): "gelu
 
 
 def _rule(ctx) -> RewriteRule:
-    root = P.op("silu", "relu", "gelu")(P.op("linear").any_args().named("lin"))
+    root = P.op("silu", "relu", "gelu")(P.op("linear", "qlinear").any_args().named("lin"))
 
     def rewrite(b, m):
         users = [n for n in b.graph.nodes if m["lin"] in n.inputs]
@@ -24,7 +24,10 @@ def _rule(ctx) -> RewriteRule:
             return None
         act = m.root.producer
         kind = _ACTS.get((act.op, act.attrs.get("approximate")))
-        return b.call("linear_act", *m["lin"].producer.inputs, act=kind)
+        lin = m["lin"].producer
+        if lin.op == "qlinear":  # a quantized linear carries its epilogue as an attribute
+            return None if lin.attrs["act"] else b.call("qlinear", *lin.inputs, **{**lin.attrs, "act": kind})
+        return b.call("linear_act", *lin.inputs, act=kind)
 
     return RewriteRule("linear_act", root, rewrite)
 
