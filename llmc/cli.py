@@ -508,5 +508,83 @@ class _Printer:
         return text if self.has_tok else "".join(f" {t}" for t in ids)
 
 
+@main.command("eval")
+@click.argument("artifact", type=click.Path())
+@click.option("--text", "text_file", type=click.Path(), default=None, metavar="FILE",
+              help="Score this UTF-8 text file.")
+@click.option("--dataset", default=None, metavar="NAME",
+              help="Score a shipped text: builtin:heldout (Python standard-library source that the built-in models "
+                   "never saw in training).")
+@click.option("--max-tokens", type=int, default=None, metavar="N",
+              help="Score only the first N tokens after the text's first (which is only context). Default: all.")
+@click.option("--window", type=int, default=None, metavar="N",
+              help="Most tokens scored per request, each given the ones before it in its window only. Default: 512 "
+                   "(fewer if the model's context is shorter), as in the built-in models' metrics.json.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object: perplexity, nll (mean, nats per token), tokens (scored), windows, window, "
+                   "artifact, dataset (the name, or the --text file).")
+@click.option("--backend", type=click.Choice(["auto", "cuda", "triton-interpret", "reference"]), default="auto",
+              show_default=True, help="auto: cuda when a GPU is present, else reference (the interpreter). "
+                                      "triton-interpret: the generated kernels on the CPU (slow; for testing).")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
+@click.option("--max-num-seqs", default=_ENGINE.max_num_seqs, show_default=True, help="Windows batched per step.")
+@click.option("--max-num-batched-tokens", default=_ENGINE.max_num_batched_tokens, show_default=True,
+              help="Token budget per step (a longer window is computed in chunks).")
+@click.option("--block-size", default=_ENGINE.block_size, show_default=True,
+              help="KV cache slots per block (a power of two on the kernel backends).")
+@click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory).")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default=None,
+              help="Override the artifact's KV cache dtype (to measure what a quantized cache costs).")
+@_plugin_option
+def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend, device, max_num_seqs,
+             max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, plugins):
+    """Perplexity of ARTIFACT on a text: exp of the mean negative log-likelihood of its tokens, each given
+    the ones before it.
+
+    \b
+    llmc eval tiny.llmc --dataset builtin:heldout --max-tokens 20000
+    llmc eval tiny.llmc --text notes.txt --json
+
+    The text's tokens are cut into windows that fit the model's context; neighbouring windows share
+    one token, so every token but the first is scored once. Each window is one request, batched by the
+    engine, which returns its prompt's log-probabilities (SamplingParams(prompt_logprobs=0)).
+    """
+    import llmc
+    from llmc.evaluate import dataset_text, perplexity, read_text
+    _check_engine_options(backend, device, {"--max-num-seqs": max_num_seqs, "--block-size": block_size,
+                                            "--max-num-batched-tokens": max_num_batched_tokens,
+                                            "--num-blocks": num_blocks, "--max-tokens": max_tokens,
+                                            "--window": window})
+    if (text_file is None) == (dataset is None):
+        raise RequestError("give exactly one of --text FILE or --dataset builtin:heldout")
+    text = read_text(text_file) if text_file is not None else dataset_text(dataset)
+    if backend == "triton-interpret":
+        _use_triton_interpreter()
+    _load_plugins(plugins)
+    art = llmc.load(artifact)
+    if art.tokenizer_dir is None:
+        raise RequestError(f"{art.path} has no tokenizer (its model had no tokenizer files), so it cannot score "
+                           "text; compile the model from a directory with its tokenizer files")
+    longest = art.info.max_model_len - 2
+    if window is not None and window > longest:
+        raise RequestError(f"--window must be at most {longest} for this model, got {window}: its context is "
+                           f"{art.info.max_model_len} tokens, and a window of N scored tokens is a prompt of N + 1 "
+                           "with room for one generated token")
+    res = perplexity(art, text, max_tokens=max_tokens, window=window, progress=not as_json and sys.stderr.isatty(),
+                     backend=backend, device=device, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
+                     kv_cache_dtype=kv_cache_dtype)
+    source = dataset if dataset is not None else str(text_file)
+    if as_json:
+        click.echo(json.dumps({"artifact": str(art.path), "dataset": source, **res.to_json()}))
+        return
+    click.echo(f"artifact    {art.path}")
+    click.echo(f"text        {source}")
+    click.echo(f"tokens      {res.tokens:,} scored, in {res.windows:,} window{'s' if res.windows > 1 else ''} of "
+               f"up to {res.window:,}")
+    click.echo(f"nll         {res.nll:.4f} nats per token")
+    click.echo(f"perplexity  {res.perplexity:.4f}")
+
+
 if __name__ == "__main__":
     main()

@@ -133,7 +133,9 @@ class BlockManager:
         return keys
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
-        if not self.enable_prefix_caching:
+        # a sequence still scoring its prompt (prompt_logprobs) computes every position: a hit would skip
+        # the logits it needs (its blocks still join the cache once computed)
+        if not self.enable_prefix_caching or seq.scores_prompt:
             return []
         # At most num_tokens - 1 tokens may hit: the last one must run to produce logits.
         hits = []
@@ -214,7 +216,7 @@ class BlockManager:
     def waits_for_prefix(self, seq: Sequence) -> bool:
         """Whether `seq`'s prompt continues its cached prefix with a block that an admitted sequence is
         computing now: admitted a step later, it shares that block instead of computing it again."""
-        if not self._inflight:
+        if not self._inflight or seq.scores_prompt:
             return False
         for key in self._block_keys(seq, (seq.num_tokens - 1) // self.block_size):
             if key not in self._cached:

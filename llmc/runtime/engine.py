@@ -15,8 +15,8 @@ from llmc.artifact import Artifact, load_artifact
 from llmc.errors import LLMCError, RequestError
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.config import EngineConfig
-from llmc.runtime.executor import Executor, StepBatch, StepInput, make_executor
-from llmc.runtime.sampler import Sampler
+from llmc.runtime.executor import Executor, StepBatch, StepInput, StepResult, make_executor
+from llmc.runtime.sampler import Sampler, target_logprobs
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.sequence import SequenceGroup, SequenceStatus
@@ -41,13 +41,23 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step (streaming) or at the end; `.text` etc. refer to sample 0."""
+    """A request's state after a step (streaming) or at the end; `.text` etc. refer to sample 0.
+
+    With `SamplingParams(prompt_logprobs=k)`, from the step that computes the prompt's last chunk on
+    (so on the final output, and the first streamed one after the prompt): `prompt_logprobs[i]` is
+    the natural log-probability of prompt token i given the tokens before it, None for the first;
+    with k > 0 `prompt_top_logprobs[i]` maps the k most likely token ids at position i to their
+    log-probabilities, most likely first (vLLM's `prompt_logprobs` dict, less the prompt token's own
+    entry). Both None before that, or when the request ended before its prompt was computed.
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def text(self) -> str:
@@ -68,6 +78,7 @@ class _Request:
     prompt: str | None
     sent_tokens: list[int]  # per sample: tokens already reported
     sent_chars: list[int]  # per sample: characters of text already reported
+    scored: tuple[list, list | None] | None = None  # the outputs' prompt_logprobs fields, once complete
 
 
 class LLMEngine:
@@ -224,17 +235,20 @@ class LLMEngine:
             self.scheduler.abort(rid)
 
     def _run(self, out: SchedulerOutput) -> None:
-        batch = StepBatch([StepInput(e.token_ids, e.seq.num_computed_tokens, e.seq.block_table, e.num_logits)
-                           for e in out.scheduled], out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        batch = StepBatch([StepInput(e.token_ids, e.seq.num_computed_tokens, e.seq.block_table,
+                                     e.prompt_logits + e.num_logits, e.is_prefill) for e in out.scheduled],
+                          out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         # each logits row and the sequences it is sampled for: the last row for a sequence and the siblings
         # forked off it (a verified sequence has a row per fed token, see _postprocess_verify)
         row_seqs, repeats = out.sampled_seqs, out.logits_repeats
         one_row_each = all(r == 1 for r in repeats)
         # rows that need only their argmax get it from the executor, which reads back tokens, not logits
-        batch.greedy = bool(row_seqs) and one_row_each and Sampler.argmax_only(row_seqs)
+        batch.greedy = bool(row_seqs) and one_row_each and Sampler.argmax_only(row_seqs) and not out.scores_prompts
         t0 = time.perf_counter()
         result = self.executor.execute(batch)
         t1 = time.perf_counter()
+        if out.scores_prompts:
+            result = StepResult(logits=self._score_prompts(out, result.logits))
         if out.has_spec:
             tokens, logprobs = self._postprocess_verify(out, result)
         elif not row_seqs:
@@ -253,6 +267,33 @@ class LLMEngine:
         # in sample otherwise)
         for k, dt in (("execute", t1 - t0), ("sample", t2 - t1), ("update", t3 - t2)):
             self.timings[k] = self.timings.get(k, 0.0) + dt
+
+    @staticmethod
+    def _score_prompts(out: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor:
+        """Record the log-probabilities of the prompt tokens this step scored (an entry's `prompt_logits` rows
+        come before its sampled ones); returns the sampled rows, as a step that scores nothing lays them out."""
+        scoring, rows, targets, keep, r = [], [], [], [], 0
+        for e in out.scheduled:
+            if e.prompt_logits:
+                first = e.seq.num_computed_tokens + e.num_new_tokens - e.num_logits - e.prompt_logits
+                assert first == len(e.seq.prompt_logprobs.logprobs), "prompt positions scored out of order"
+                scoring.append(e)
+                rows += range(r, r + e.prompt_logits)
+                targets += e.seq.prompt_token_ids[first + 1:first + 1 + e.prompt_logits]  # position p scores p + 1
+                r += e.prompt_logits
+            keep += range(r, r + e.num_logits)
+            r += e.num_logits
+        dev = logits.device
+        chosen, top = target_logprobs(logits[torch.tensor(rows, device=dev)], targets,
+                                      max(e.seq.prompt_logprobs.num_top for e in scoring))
+        i = 0
+        for e in scoring:
+            pl, j = e.seq.prompt_logprobs, i + e.prompt_logits
+            pl.logprobs += chosen[i:j]
+            if pl.num_top:
+                pl.top += [dict(itertools.islice(d.items(), pl.num_top)) for d in top[i:j]]
+            i = j
+        return logits[torch.tensor(keep, dtype=torch.int64, device=dev)]
 
     def _postprocess_verify(self, out: SchedulerOutput, result) -> tuple[list, list | None]:
         """Per sampled sequence its new tokens: a verified entry's k + 1 rows go to the speculative decoder
@@ -309,7 +350,17 @@ class LLMEngine:
             if len(text) > sent_chars[i]:
                 sent_chars[i] = len(text)
             sent_tokens[i] = len(ids)
-        return RequestOutput(request_id, req.prompt, req.group.prompt_token_ids, outs, req.group.is_finished)
+        return RequestOutput(request_id, req.prompt, req.group.prompt_token_ids, outs, req.group.is_finished,
+                             *self._prompt_logprobs(req))
+
+    @staticmethod
+    def _prompt_logprobs(req: _Request) -> tuple[list | None, list | None]:
+        """The request's prompt log-probabilities once all are computed: built once, then shared by the
+        request's later outputs (a stream's steps do not copy the prompt's again)."""
+        pl, prompt = req.group.prompt_logprobs, req.group.prompt_token_ids
+        if req.scored is None and pl is not None and len(pl.logprobs) == len(prompt) - 1:
+            req.scored = ([None, *pl.logprobs], [None, *pl.top] if pl.num_top else None)
+        return req.scored or (None, None)
 
     def stats(self) -> dict[str, int]:
         bm = self.block_manager

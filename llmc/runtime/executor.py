@@ -31,13 +31,16 @@ class StepInput:
     """One sequence's share of a step: its new tokens, where they start, its blocks, how many logits.
 
     `num_logits` asks for the logits of the last `num_logits` new tokens: 0 for a prefill chunk that
-    samples nothing, 1 to sample the next token, k + 1 to verify k speculated tokens.
+    samples nothing, 1 to sample the next token, k + 1 to verify k speculated tokens, and a prompt
+    chunk's rows that score prompt tokens on top. `prefill` marks a prompt (or recomputed) chunk: it
+    runs as one multi-token step even when every row wants logits (see `as_decode_rows`).
     """
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
     num_logits: int = 1
+    prefill: bool = False
 
 
 @dataclass
@@ -136,7 +139,7 @@ class LocalExecutor:
         seqs = batch.seqs
         if not seqs:
             return _empty(batch.greedy)
-        if any(len(s.token_ids) > 1 and s.num_logits == len(s.token_ids) for s in seqs):
+        if any(_verifies(s) for s in seqs):
             seqs = as_decode_rows(seqs)
         if batch.num_logits == 0:
             # a step that samples nothing (a long prompt's first chunks) still writes its K/V; the graph
@@ -232,14 +235,19 @@ def as_decode_rows(seqs: list[StepInput]) -> list[StepInput]:
     would, with the decode kernel. A verify step then sums as plain decoding does, so speculation with
     greedy requests gives decoding's tokens in low precision too (a multi-token attention kernel adds
     in another order, and bf16 near-ties flip), and it replays a decode-step CUDA graph. All K/V of the
-    step are written before any row attends, so row j sees the rows before it."""
+    step are written before any row attends, so row j sees the rows before it. A prompt chunk that
+    wants every row (to score its tokens) stays whole: it is a prefill, as it would be without."""
     out = []
     for s in seqs:
-        if len(s.token_ids) > 1 and s.num_logits == len(s.token_ids):
+        if _verifies(s):
             out += [StepInput([t], s.start_pos + j, s.block_table, 1) for j, t in enumerate(s.token_ids)]
         else:
             out.append(s)
     return out
+
+
+def _verifies(s: StepInput) -> bool:
+    return len(s.token_ids) > 1 and s.num_logits == len(s.token_ids) and not s.prefill
 
 
 def _empty(greedy: bool) -> StepResult:

@@ -100,6 +100,23 @@ class Sampler:
         return tokens
 
 
+def target_logprobs(logits: torch.Tensor, targets: list[int], num_top: int = 0
+                    ) -> tuple[list[float], list[dict[int, float]]]:
+    """Each row's log-probability of its target token under the model's own distribution (log-softmax of
+    the fp32 logits: no temperature, penalty or filter), and with `num_top` > 0 each row's `num_top` most
+    likely tokens and theirs, most likely first (else an empty list). logits: [R, V], targets: [R].
+
+    Subtracts each row's logsumexp from the few entries wanted instead of taking a whole log-softmax: a
+    long prompt chunk's rows are the largest tensor of its step, and this allocates no second one."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [R, 1]
+    chosen = (logits.gather(1, torch.tensor(targets, device=logits.device)[:, None]) - lse)[:, 0].tolist()
+    if num_top <= 0:
+        return chosen, []
+    values, ids = logits.topk(min(num_top, logits.shape[1]), dim=-1)  # [R, k]
+    return chosen, [dict(zip(i, v)) for i, v in zip(ids.tolist(), (values - lse).tolist())]
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from a probability row. A seeded request's generator lives on the CPU (so the same
     seed gives the same tokens on every device): its row is drawn there."""

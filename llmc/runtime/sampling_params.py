@@ -32,6 +32,10 @@ class SamplingParams:
         stop: strings that end generation; the output text is cut before the stop string.
         max_tokens: most tokens to generate (finish_reason "length").
         logprobs: keep the log-probability of each chosen token.
+        prompt_logprobs: None (off), or k >= 0: return the log-probability of every prompt token
+            given the ones before it (of the model's raw distribution: log-softmax of the fp32
+            logits, no temperature, penalty or filter), and with k > 0 also each position's k most
+            likely tokens (see `RequestOutput.prompt_logprobs`).
         ignore_eos: keep generating past the end-of-sequence token.
         priority: lower value is served first (see `Scheduler` for the aging rule).
 
@@ -52,6 +56,7 @@ class SamplingParams:
     stop: str | tuple[str, ...] | list[str] = ()
     max_tokens: int = 16
     logprobs: bool = False
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     priority: int = 0
 
@@ -109,6 +114,13 @@ class SamplingParams:
         if self.seed is not None:
             _int(self.seed, "seed")
         _int(self.priority, "priority")
+        if self.prompt_logprobs is not None:
+            if isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, Integral) \
+                    or self.prompt_logprobs < 0:
+                raise RequestError(
+                    "prompt_logprobs must be None (off) or an int >= 0 (how many most likely tokens to "
+                    f"return beside each prompt token's log-probability), got {self.prompt_logprobs!r}."
+                )
         self._validate_stop()
 
     def _validate_stop(self) -> None:

@@ -19,6 +19,14 @@ With `enable_chunked_prefill` a prompt larger than the remaining budget is split
 (only the final chunk is sampled); without it a prompt runs whole, so the config then requires
 `max_num_batched_tokens >= max_model_len`: a recomputed sequence must always fit in one step.
 
+Prompt log-probabilities (`SamplingParams.prompt_logprobs`): position p's logits score prompt token
+p + 1, so a chunk of such a request also asks for the logits of its positions not scored yet (up to
+the prompt's second last; `ScheduledSeq.prompt_logits`), whichever step computes them. Such a
+request takes no prefix-cache hit until its prompt is scored: a hit skips computing those positions,
+and with them their logits (its own blocks still join the cache, for others, once computed). The
+scored positions therefore always end each chunk, before its sampled row, and a request preempted
+by recompute midway does not score a position twice.
+
 Prompt blocks are allocated in full at admission (a request's footprint is known at once; chunks
 then never need blocks). When a running sequence cannot get a block, the worst running sequence is
 preempted: by "recompute" (blocks freed, `num_computed_tokens = 0`, back to waiting with its output
@@ -91,6 +99,7 @@ class ScheduledSeq:
     forks: list[Sequence] = field(default_factory=list)  # siblings sampled from seq's logits row
     copies: list[tuple[int, int]] = field(default_factory=list)  # this seq's COW pairs
     spec: list[int] = field(default_factory=list)  # speculated tokens run after the last one, to verify
+    prompt_logits: int = 0  # rows that score prompt tokens: the last ones of the chunk before its sampled row
 
     @property
     def token_ids(self) -> list[int]:
@@ -102,7 +111,8 @@ class ScheduledSeq:
 
     @property
     def num_logits(self) -> int:
-        """Logits rows this entry asks for: none for a non-final chunk, one per fed token when verifying."""
+        """Logits rows this entry samples from (after its `prompt_logits` rows): none for a non-final chunk,
+        one per fed token when verifying."""
         return (1 + len(self.spec)) if self.sample else 0
 
 
@@ -136,6 +146,10 @@ class SchedulerOutput:
     @property
     def has_spec(self) -> bool:
         return any(e.spec for e in self.scheduled)
+
+    @property
+    def scores_prompts(self) -> bool:
+        return any(e.prompt_logits for e in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -261,7 +275,7 @@ class Scheduler:
         spec = seq.spec_token_ids[:n - 1] if seq.spec_token_ids and not prefill else []
         sample = seq.num_computed_tokens + n - len(spec) == seq.num_tokens
         forks = self.groups[seq.request_id].pending_forks(seq) if sample and prefill else []
-        return ScheduledSeq(seq, n, prefill, sample, forks, copies, spec)
+        return ScheduledSeq(seq, n, prefill, sample, forks, copies, spec, _prompt_logits(seq, n))
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (see module docstring); mutates queues and block tables."""
@@ -437,3 +451,12 @@ class Scheduler:
         seq.truncate(seq.num_tokens - num_tokens)
         self.bm.rollback(seq)
 
+
+def _prompt_logits(seq: Sequence, n: int) -> int:
+    """Rows of the chunk [c, c + n) that score prompt tokens: from the first position not scored yet to
+    the prompt's second last. A suffix of the chunk (then its sampled row, position P - 1, if any),
+    since c never passes the first unscored position while one is left (no prefix-cache hit skips it)."""
+    if not seq.scores_prompt:
+        return 0
+    c = seq.num_computed_tokens
+    return max(0, min(c + n, seq.num_prompt_tokens - 1) - max(c, len(seq.prompt_logprobs.logprobs)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +49,20 @@ class SequenceStatus(enum.Enum):
 _seq_ids = itertools.count()
 
 
+@dataclass
+class PromptLogprobs:
+    """A request's prompt log-probabilities, gathered chunk by chunk as its prompt is computed.
+
+    Entry i is of prompt token i + 1 given the tokens before it (the first token has nothing to be
+    predicted from); with `num_top > 0`, `top[i]` holds that position's `num_top` most likely tokens.
+    One object per request: the samples of an n > 1 request share their leader's prompt.
+    """
+
+    num_top: int
+    logprobs: list[float] = field(default_factory=list)
+    top: list[dict[int, float]] = field(default_factory=list)
+
+
 class Sequence:
     """One token stream: a prompt plus the tokens generated for it so far.
 
@@ -62,6 +77,7 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams,
         seed: int | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> None:
         self.seq_id: int = next(_seq_ids)
         self.request_id = request_id
@@ -82,6 +98,7 @@ class Sequence:
         self.spec_token_ids: list[int] = []  # speculated continuation to verify in the next step
         self._tokens: list[int] = list(self.prompt_token_ids)  # prompt + output, appended in place
         self.output_logprobs: list[float] = []
+        self.prompt_logprobs = prompt_logprobs  # its request's, from SequenceGroup; None: not asked for
         # Incremental detokenization state (see stop.py): text of the output, and the token
         # window offsets that let a tokenizer's multi-token characters settle before we emit them.
         self.output_text: str = ""
@@ -128,6 +145,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt log-probabilities are asked for and some are not computed yet."""
+        pl = self.prompt_logprobs
+        return pl is not None and len(pl.logprobs) < self.num_prompt_tokens - 1
 
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_token_ids)
@@ -180,12 +203,15 @@ class SequenceGroup:
         self.request_id = request_id
         self.params = params
         self.prompt_token_ids = list(prompt_token_ids)
+        # one prompt, scored once: every sample shares the object its leader fills
+        self.prompt_logprobs = None if params.prompt_logprobs is None else PromptLogprobs(params.prompt_logprobs)
         self.seqs: list[Sequence] = [
             Sequence(
                 request_id,
                 prompt_token_ids,
                 params,
                 seed=None if params.seed is None else params.seed + i,
+                prompt_logprobs=self.prompt_logprobs,
             )
             for i in range(params.n)
         ]
