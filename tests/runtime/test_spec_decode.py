@@ -157,6 +157,20 @@ def test_cli_spec_options(tiny_py_artifact, tiny_py_draft):
         assert code == 1 and out.startswith("error: ") and needle in out, out
 
 
+class Ones:
+    """A proposer of k ones, whatever the sequence."""
+
+    def propose(self, seqs, ks):
+        from llmc.runtime.spec_decode import Proposal
+        return [Proposal([1] * k) for k in ks]
+
+    def accepted(self, seq, n):
+        pass
+
+    def release(self, seq):
+        pass
+
+
 def test_adaptive_k_learns_what_a_proposed_token_costs():
     """The cost of a proposed token is measured against plain decode steps of the same batch size: a
     proposer as slow as a target step drives auto k to 0, a cheap one keeps it; a plain step is taken to
@@ -167,35 +181,63 @@ def test_adaptive_k_learns_what_a_proposed_token_costs():
     from llmc.runtime.spec_decode import SpecDecoder
     from llmc.runtime.spec_decode.adaptive import AdaptiveK
 
-    class Fixed3:
-        def propose(self, seqs, ks):
-            from llmc.runtime.spec_decode import Proposal
-            return [Proposal([1] * k) for k in ks]
-
-        def accepted(self, seq, n):
-            pass
-
-        def release(self, seq):
-            pass
 
     def run(propose_s):
         seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=10_000))
         seq.append_token(4)
         seq.num_computed_tokens = 3
-        dec = SpecDecoder(Fixed3(), AdaptiveK(k_max=4, cost=0.25, max_batch=None), 100_000, Sampler())
+        dec = SpecDecoder(Ones(), AdaptiveK(k_max=4, cost=0.25, max_batch=None), 100_000, Sampler())
         ks = []
         for _ in range(200):
             dec.propose([seq])
             ks.append(len(seq.spec_token_ids))
             out = SchedulerOutput([ScheduledSeq(seq, 1 + len(seq.spec_token_ids), False, True,
                                                 spec=list(seq.spec_token_ids))])
-            dec.observe_step(out, propose_s if seq.spec_token_ids else 0.0, 1.0 + 0.02 * len(seq.spec_token_ids))
             if seq.spec_token_ids:
                 k = len(seq.spec_token_ids)
-                dec.chooser.observe(seq, k, max(1, k - 1))  # most proposals hold
+                dec.verify(seq, seq.spec_token_ids, None, [1] * max(1, k - 1) + [2] * (k + 1 - max(1, k - 1)))
+            dec.observe_step(out, propose_s if seq.spec_token_ids else 0.0, 1.0 + 0.02 * len(seq.spec_token_ids))
         return ks, dec.chooser.cost
     ks, cost = run(propose_s=0.05)
     assert ks[0] == 0 and cost < 0.1 and sum(k > 0 for k in ks) > 150
     assert ks.count(0) >= 2  # calibration steps recur
     ks, cost = run(propose_s=3.0)
     assert cost > 0.5 and sum(k > 0 for k in ks[100:]) < 20
+
+
+def test_speculation_stops_where_it_gives_fewer_tokens_per_second():
+    """Whatever the per-token cost model says, a batch size whose speculative steps give fewer tokens
+    per second than its plain steps (measured) goes plain, with one speculative step in CALIBRATE to
+    measure again; a batch size where speculation pays keeps it."""
+    from llmc.runtime.sampler import Sampler
+    from llmc.runtime.scheduler import ScheduledSeq, SchedulerOutput
+    from llmc.runtime.sequence import Sequence
+    from llmc.runtime.spec_decode import SpecDecoder
+    from llmc.runtime.spec_decode.adaptive import AdaptiveK
+
+
+    def run(batch, spec_step_s):
+        seqs = []
+        for i in range(batch):
+            seq = Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=10_000))
+            seq.append_token(4)
+            seq.num_computed_tokens = 3
+            seqs.append(seq)
+        dec = SpecDecoder(Ones(), AdaptiveK(k_max=2, cost=0.01, max_batch=None), 100_000, Sampler())
+        spec_steps = []
+        for _ in range(300):
+            dec.propose(seqs)
+            spec = any(s.spec_token_ids for s in seqs)
+            spec_steps.append(spec)
+            out = SchedulerOutput([ScheduledSeq(s, 1 + len(s.spec_token_ids), False, True, spec=list(s.spec_token_ids))
+                                   for s in seqs])
+            for s in seqs:
+                if s.spec_token_ids:  # one of the two proposed tokens holds: 2 tokens per sequence
+                    dec.verify(s, s.spec_token_ids, None, [1, 2, 2])
+            dec.observe_step(out, 0.0, spec_step_s if spec else 1.0)
+        return spec_steps
+
+    slow = run(8, spec_step_s=3.0)  # 2 tokens per sequence for 3x the time: a loss
+    assert sum(slow[100:]) <= 200 // SpecDecoder.CALIBRATE + 1 and sum(slow[100:]) >= 1
+    fast = run(1, spec_step_s=1.2)  # 2 tokens for 1.2x: a gain
+    assert sum(fast[100:]) >= 190

@@ -72,6 +72,10 @@ class SpecDecoder:
         self.proposed = self.accepted = 0  # proposed tokens, and those the target kept
         self.plain_s: dict[int, float] = {}  # decode steps without speculation: seconds, by batch bucket
         self.since_plain: dict[int, int] = {}  # speculative steps since the bucket's last plain one
+        # seconds per generated token, by batch bucket: [plain steps, speculative steps] (see `_paying`)
+        self.per_token: dict[int, list[float | None]] = {}
+        self.since_spec: dict[int, int] = {}  # plain steps since the bucket's last speculative one
+        self._accepted_seen = 0
 
     @classmethod
     def build(cls, cfg: SpecConfig, target_info, max_model_len: int, sampler: Sampler, executor_options: dict):
@@ -98,8 +102,8 @@ class SpecDecoder:
         for seq in seqs:
             seq.spec_token_ids = []
             self.q.pop(seq.seq_id, None)
-        if self._calibrating(len(seqs)):
-            return  # a plain step, to time what a step without speculation costs at this batch size
+        if self._calibrating(len(seqs)) or not self._paying(len(seqs)):
+            return  # a plain step: to time what one costs at this batch size, or because speculation does not pay
         ks = self.chooser.choose(seqs)
         ks = [min(k, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
               for seq, k in zip(seqs, ks)]
@@ -128,12 +132,34 @@ class SpecDecoder:
         b = self._bucket(n)
         return b not in self.plain_s or self.since_plain.get(b, 0) >= self.CALIBRATE
 
+    def _paying(self, n: int) -> bool:
+        """Whether speculation gives more tokens per second than plain decoding at this batch size, as
+        measured (the per-sequence cost model cannot see everything a wider step changes: a verify step
+        past the largest captured graph runs eagerly, a larger GEMM tile, compute-bound steps). Until both
+        are measured it does; when it does not, one step in CALIBRATE speculates to measure again."""
+        if self.chooser.is_fixed:
+            return True
+        b = self._bucket(n)
+        plain, spec = self.per_token.get(b, (None, None))
+        if plain is None or spec is None or spec <= plain:
+            return True
+        self.since_spec[b] = self.since_spec.get(b, 0) + 1
+        if self.since_spec[b] >= self.CALIBRATE:
+            self.since_spec[b] = 0
+            return True
+        return False
+
     def observe_step(self, out, propose_s: float, step_s: float) -> None:
         """Learn a decode step's cost with and without proposals (steps with a prefill chunk say nothing)."""
+        gained, self._accepted_seen = self.accepted - self._accepted_seen, self.accepted
         if not out.scheduled or any(e.is_prefill for e in out.scheduled) or self.chooser.is_fixed:
             return
-        b = self._bucket(len(out.scheduled))
+        n = len(out.scheduled)
+        b = self._bucket(n)
         spec = [e for e in out.scheduled if e.spec]
+        rates = self.per_token.setdefault(b, [None, None])
+        i, spt = (1, (propose_s + step_s) / (n + gained)) if spec else (0, step_s / n)
+        rates[i] = spt if rates[i] is None else rates[i] + 0.25 * (spt - rates[i])
         if not spec:
             old = self.plain_s.get(b)
             self.plain_s[b] = step_s if old is None else old + 0.25 * (step_s - old)
