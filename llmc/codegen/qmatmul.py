@@ -1,0 +1,535 @@
+"""Quantized linear layers (the `qlinear` op): y = act(x @ W.T + b), W in a `QuantFormat` (llmc/ir/quant.py).
+
+At decode a linear is a weight stream, and a quantized one streams a half (int8) or a quarter
+(int4) of bf16's bytes: the kernel must turn codes into dot operands as fast as HBM delivers them
+and keep enough programs in flight. One template (`qmatmul_linear.py.jinja`) serves the three
+formats with matmul.py's machinery: split-K in one launch (the last split of an output tile sums
+the partials in split order and runs the epilogue), up to four 16-row tiles per program at up to
+64 tokens (W is read once, and a row's sums do not depend on its batch), configs from
+`autotune.Tuner` per M bucket. Above 64 tokens the same kernel runs tall tiles: a tiled GEMM
+that dequantizes each weight tile in registers.
+
+- ``int`` (weight-only): codes are dequantized in the main loop. A code becomes the exact float
+  ``code - zero`` in two ALU instructions (or-ing 2^23's exponent into an int32 code gives the
+  float 2^23 + code; subtracting 2^23 + zero leaves code - zero), with no int-to-float conversion,
+  an instruction at a fraction of the ALU rate that would cap the stream below HBM speed at int4;
+  int4's low nibble comes from its whole byte less 16 x the high nibble (one FMA on the wide
+  floating-point pipe instead of a mask on the narrower integer one). That small integer is exact
+  in bf16 and f16, so the dot runs in x's dtype without rounding the weight, and the group's scale
+  multiplies the fp32 dot of the columns that share it: one multiply per output and group, not
+  per weight, and closer to the reference than a weight rounded to bf16. Per-channel scales, bias
+  and act are applied once, in the epilogue. `SWAP_AB` configs compute (W x.T), making the weight
+  tile the MMA's tall operand: Hopper's wgmma takes it from registers, where it was dequantized.
+- ``w8a8``: `quantize_act` writes int8 codes and a per-token scale; the GEMM dots int8 into int32
+  (exact, so split-K partials add exactly too) and applies both scales in the epilogue.
+- ``fp8``: the same with e4m3 codes and fp32 accumulation.
+
+`prepare` converts a weight to the kernel's layout once, when a plan is built (`PreparedQWeight`).
+"""
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+from llmc.codegen.autotune import Tuner, bucket_size, m_bucket
+from llmc.codegen.elementwise import HELPERS, cast_expr, cast_helpers, compiled, interpreting, op_expr
+from llmc.codegen.kernels import KernelSpec, tile_counters
+from llmc.codegen.matmul import MAX_M_TILES, m_tiles, triton_cdiv
+from llmc.errors import CompileError
+from llmc.ir import quant
+from llmc.ir.ops import LINEAR_ACTS
+from llmc.ir.quant import FP8_MAX, INT8_MAX, QuantFormat, QuantizedWeight
+from llmc.ir.types import dtype_name
+
+ACTS = ("",) + tuple(LINEAR_ACTS)
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# columns per nibble plane (int4) or per tile (int8): 64 B of codes per weight row and step, and a
+# power of two that divides the group size so that a plane never straddles two scales
+MAX_RUN = 64
+MIN_RUN = 16  # the shortest K a tensor-core dot takes
+# programs a decode launch aims at (the splits of the default config): ~4 per SM of an H200
+TARGET_PROGRAMS = 512
+
+
+# -- the kernel's weight layout --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PreparedQWeight:
+    """A quantized weight in the layout the kernels stream, made once by `prepare`.
+
+    int: ``qweight`` u8 [N, KW * bits / 8], K padded with zero codes to KW, a whole number of pack
+    tiles of `pack` columns. An int8 tile is `run` columns, one byte each. An int4 tile holds two
+    nibble planes: byte j of tile t has column t*pack + j in its low nibble and column
+    t*pack + run + j in its high one, so each plane is a run of contiguous columns inside one scale
+    group, dotted against a contiguous slice of x with no interleaving shuffle (the canonical
+    layout pairs columns 2j and 2j+1 in a byte). ``scales`` [N, G] and ``zeros`` [N, G] as given.
+    w8a8 / fp8: ``qweight`` [N, K] as given, ``scales`` f32 [N].
+    """
+
+    fmt: QuantFormat
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    in_features: int
+    run: int = 0  # int: columns per plane; 0 for w8a8 / fp8
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def pack(self) -> int:
+        """Columns per pack tile (int), 0 for w8a8 / fp8."""
+        return self.run * (2 if self.fmt.bits == 4 else 1) if self.fmt.kind == "int" else 0
+
+    @property
+    def padded_k(self) -> int:
+        """KW: the columns a weight row holds."""
+        return self.qweight.shape[1] * (2 if self.fmt.kind == "int" and self.fmt.bits == 4 else 1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a call reads of the weight: codes, scales and zero points."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros) if t is not None)
+
+    def canonical(self) -> QuantizedWeight:
+        """The weight back in llmc/ir/quant.py's layout."""
+        if self.fmt.kind != "int":
+            return QuantizedWeight(self.fmt, self.qweight, self.scales.reshape(-1, 1), None)
+        n, k, kw = self.out_features, self.in_features, self.padded_k
+        if self.fmt.bits == 4:
+            p = self.qweight.view(n, kw // self.pack, self.run)
+            codes = torch.stack((p & 0xF, p >> 4), dim=2).reshape(n, kw)[:, :k]
+        else:
+            codes = self.qweight[:, :k]
+        return QuantizedWeight(self.fmt, quant.pack(self.fmt, codes), self.scales, self.zeros)
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense fp32 weight [N, K] (for checks; the kernels never materialize it)."""
+        return self.canonical().dequantize()
+
+
+def _run(fmt: QuantFormat) -> int:
+    if not fmt.group_size:
+        return MAX_RUN
+    run = min(MAX_RUN, fmt.group_size & -fmt.group_size)  # the largest power of two dividing the group
+    if run < MIN_RUN:
+        raise CompileError(f"qlinear: group size {fmt.group_size} ({fmt.label}) is not a multiple of {MIN_RUN}, "
+                           f"the shortest run of columns a tensor-core dot takes per scale; quantize with a group "
+                           f"size of 32, 64 or 128")
+    return run
+
+
+def _check(fmt: QuantFormat, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> int:
+    """K of a weight in the canonical layout, or a CompileError saying what does not match `fmt`."""
+    want = {"int": torch.uint8, "w8a8": torch.int8, "fp8": torch.float8_e4m3fn}[fmt.kind]
+    if qweight.dim() != 2 or qweight.dtype != want:
+        raise CompileError(f"qlinear: {fmt.label} weights are {want} [N, K{'/2' if fmt.bits == 4 else ''}], "
+                           f"not {qweight.dtype} {list(qweight.shape)}")
+    n, k = qweight.shape[0], qweight.shape[1] * (2 if fmt.kind == "int" and fmt.bits == 4 else 1)
+    groups = 1
+    if fmt.kind == "int" and fmt.group_size:
+        if k % fmt.group_size:
+            raise CompileError(f"qlinear: group size {fmt.group_size} does not divide the {k} input columns")
+        groups = k // fmt.group_size
+    if tuple(scales.shape) != (n, groups) or not scales.dtype.is_floating_point:
+        raise CompileError(f"qlinear: {fmt.label} scales should be float [{n}, {groups}], "
+                           f"not {scales.dtype} {list(scales.shape)}")
+    if fmt.has_zeros != (zeros is not None):
+        raise CompileError(f"qlinear: {fmt.label} {'needs' if fmt.has_zeros else 'takes no'} zero points")
+    if zeros is not None and (zeros.shape != scales.shape or zeros.dtype != torch.uint8):
+        raise CompileError(f"qlinear: zero points should be u8 {list(scales.shape)}, like the scales, "
+                           f"not {zeros.dtype} {list(zeros.shape)}")
+    if any(t.device != qweight.device for t in (scales, zeros) if t is not None):
+        raise CompileError("qlinear: qweight, scales and zeros must be on one device")
+    return k
+
+
+def prepare(fmt: QuantFormat, qweight: torch.Tensor, scales: torch.Tensor,
+            zeros: torch.Tensor | None = None) -> PreparedQWeight:
+    """Convert a quantized weight from quant.py's canonical layout to the kernels' (once, at load).
+
+    Args:
+        fmt: the weight's format.
+        qweight, scales, zeros: the canonical tensors (see llmc/ir/quant.py), on the device the
+            kernels will run on.
+
+    Returns:
+        The prepared weight (tensors on the same device). int4 is repacked into nibble planes and
+        int K is padded to whole pack tiles (see `PreparedQWeight`); 8-bit codes are used as given.
+
+    Example:
+        >>> qw = quant.quantize_rtn(torch.randn(96, 256), QuantFormat("int", 4, 64))
+        >>> p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+        >>> torch.equal(p.dequantize(), qw.dequantize())
+        True
+    """
+    k = _check(fmt, qweight, scales, zeros)
+    if fmt.kind != "int":
+        return PreparedQWeight(fmt, qweight.contiguous(), scales.float().reshape(-1).contiguous(), None, k)
+    run = _run(fmt)
+    pack = run * (2 if fmt.bits == 4 else 1)
+    kw = triton_cdiv(k, pack) * pack
+    codes = quant.codes(fmt, qweight)
+    if kw != k:
+        codes = torch.nn.functional.pad(codes, (0, kw - k))  # zero codes: x is masked to 0 there
+    if fmt.bits == 4:
+        t = codes.view(codes.shape[0], kw // pack, 2, run)
+        codes = t[:, :, 0] | (t[:, :, 1] << 4)
+    return PreparedQWeight(fmt, codes.reshape(qweight.shape[0], -1).contiguous(), scales.contiguous(),
+                           zeros.contiguous() if zeros is not None else None, k, run)
+
+
+# -- kernel specs ----------------------------------------------------------------------------------
+
+def _sum(*terms) -> str:
+    """The expression of a sum of constants, names and (factor, constant or name) products, constants folded."""
+    const, names = 0.0, []
+    for t in terms:
+        f, v = t if isinstance(t, tuple) else (1.0, t)
+        if isinstance(v, str):
+            names.append(v if f == 1.0 else f"{f} * {v}")
+        else:
+            const += f * v
+    return " + ".join([repr(const)] + names)
+
+
+def _act_lines(act: str, helpers: set[str]) -> list[str]:
+    if not act:
+        return []
+    op, attrs = ("gelu", {"approximate": "tanh"}) if act == "gelu_tanh" else (act, {})
+    return [f"acc = {op_expr(op, ['acc'], attrs, helpers)}"]
+
+
+@dataclass(frozen=True)
+class QMatmulSpec(KernelSpec):
+    """y = act(x @ W.T + b) for W in format (kind, bits, group_size, has_zeros) and prepared with
+    `run` columns per plane; x, y of `dtype`."""
+
+    template = "qmatmul_linear.py.jinja"
+    kind: str
+    bits: int
+    group_size: int
+    has_zeros: bool
+    run: int
+    dtype: str
+    has_bias: bool
+    act: str = ""
+
+    def __post_init__(self):
+        if self.act not in ACTS:
+            raise CompileError(f"qlinear: activation {self.act!r} cannot be fused; use one of "
+                               f"{', '.join(map(repr, ACTS))}")
+
+    @classmethod
+    def of(cls, p: PreparedQWeight, dtype: torch.dtype, has_bias: bool, act: str) -> "QMatmulSpec":
+        f = p.fmt
+        return cls(f.kind, f.bits, f.group_size, f.has_zeros, p.run, dtype_name(dtype), has_bias, act)
+
+    @property
+    def fmt(self) -> QuantFormat:
+        return QuantFormat(self.kind, self.bits, self.group_size, self.has_zeros)
+
+    def key(self, n: int, k: int) -> str:
+        """The autotune key: this kernel at a static weight shape [n, k] (apart from matmul's keys)."""
+        return f"qlinear[{self.fmt.label},{self.dtype},bias={int(self.has_bias)},act={self.act or 'none'}]N{n}K{k}"
+
+    def context(self) -> dict[str, Any]:
+        helpers: set[str] = set()
+        act_lines = _act_lines(self.act, helpers)
+        int_w, a8 = self.kind == "int", self.kind != "int"
+        # the interpreter's tl.dot runs np.matmul on bf16's raw uint16 bits: feed it fp32 there
+        # (int8 and fp8 dots it runs exactly: int32 sums, fp8 widened to fp16)
+        up = ".to(tl.float32)" if int_w and self.dtype == "bf16" and interpreting() else ""
+        if int_w and self.dtype == "f32":
+            dot_kwargs = ', input_precision="ieee"'  # tf32 would round x to 10 bits, past the 1e-4 tolerance
+        elif self.kind == "fp8":
+            # Hopper's fp8 MMA sums in reduced precision: move its sum into the fp32 accumulator
+            # after every instruction (32 of K), as the reference sums in fp32
+            dot_kwargs = ", max_num_imprecise_acc=32"
+        elif self.kind == "w8a8":
+            dot_kwargs = ", out_dtype=tl.int32"  # triton 3.6 checks the accumulator against it (default fp32)
+        else:
+            dot_kwargs = ""
+        ctx = {"int_weights": int_w, "a8": a8, "has_bias": self.has_bias, "has_zeros": self.has_zeros,
+               "max_m_tiles": MAX_M_TILES, "act_lines": act_lines, "up": up, "dot_kwargs": dot_kwargs,
+               "acc_type": "tl.int32" if self.kind == "w8a8" else "tl.float32",
+               "scale_in_epilogue": a8 or not self.group_size, "store_cast": cast_expr("acc", self.dtype),
+               "label": self.fmt.label, "summary": self._summary(), "bytes_comment": self._bytes_comment(),
+               "layout": "K-major codes" if a8 else f"{'nibble planes' if self.bits == 4 else 'bytes'} "
+                                                    f"of {self.run} columns",
+               "helpers": [HELPERS[h] for h in sorted(helpers)] + cast_helpers([self.dtype])}
+        if int_w:
+            ctx.update(self._int_context(up))
+        return ctx
+
+    def _int_context(self, up: str) -> dict[str, Any]:
+        """The int main loop's lines: per pack tile (scales, zero points, the dequantized planes w0
+        and w1) and per row tile ("@": the tile's index; its dots, then the group's scale)."""
+        run, four, grouped = self.run, self.bits == 4, bool(self.group_size)
+        offsets = [0, run] if four else [0]  # the planes' first columns in a pack tile
+        # planes in one scale group are dotted into one partial, multiplied by the scale once
+        share = not grouped or self.group_size % (len(offsets) * run) == 0
+        units = [offsets] if share else [[o] for o in offsets]
+        zero = {o: float(1 << (self.bits - 1)) for o in offsets}  # a plane's zero point: constant or [BLOCK_N, 1]
+        prologue, tile = [], []
+        if self.has_zeros and not grouped:
+            prologue.append("z = tl.load(z_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32)[:, None]")
+            zero = {o: "z" for o in offsets}
+        for u, unit in enumerate(units if grouped else []):
+            tile += [f"g = tl.minimum(k0 + {unit[0]}, K - 1) // {self.group_size}  # past K (padding, x = 0): the last",
+                     f"s{u} = _per_n(tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32), "
+                     f"SWAP_AB)"]
+            if self.has_zeros:
+                tile.append(f"z{u} = tl.load(z_ptr + rn * stride_zn + g, mask=n_ok, other=0).to(tl.float32)[:, None]")
+                zero.update({o: f"z{u}" for o in unit})
+        # the dot's operand: code - zero, a small integer, exact in x's dtype (fp32 where the
+        # interpreter dots bf16 as fp32)
+        cast = "" if self.dtype == "f32" or up else f".to({'tl.bfloat16' if self.dtype == 'bf16' else 'tl.float16'})"
+        if four:
+            lo, hi = zero[0], zero[run]
+            # the low plane from the whole byte (2^23 + 16 hi + lo) less 16 x the high plane's value: one
+            # FMA instead of masking the low nibble, as the integer pipe is the narrower one
+            tile += [f"hi = _dequant(codes >> 4, {_sum(8388608.0, hi)})  # the high plane: columns k0 + {run} + rr",
+                     f"w0 = tl.fma(hi, -16.0, _dequant(codes, {_sum(8388608.0, lo, (16.0, hi))})){cast}  # the low: "
+                     f"the byte less 16 x its high nibble",
+                     f"w1 = hi{cast}"]
+        else:
+            tile.append(f"w0 = _dequant(codes, {_sum(8388608.0, zero[0])}){cast}")
+        rows = []
+        for u, unit in enumerate(units):
+            into = "p" if grouped else "acc@"
+            for j, o in enumerate(unit):
+                acc_in = "_zeros(BLOCK_M, BLOCK_N, SWAP_AB)" if grouped and not j else into
+                rows.append(f"{into} = _dot(_x_tile(x_ptr, stride_xm, rm@, k0 + {o} + rr, M, K), "
+                            f"w{offsets.index(o)}, {acc_in}, SWAP_AB)")
+            if grouped:
+                rows.append(f"acc@ += p * s{u}")
+        return {"run": run, "pack": run * len(offsets), "byte_offset": "k0 // 2" if four else "k0",
+                "prologue": prologue, "tile_lines": tile, "row_tile_lines": rows}
+
+    def _summary(self) -> str:
+        s = "x @ W.T" + (" + b" if self.has_bias else "")
+        return f"{self.act}({s})" if self.act else s
+
+    def _bytes_comment(self) -> list[str]:
+        e = {"bf16": 2, "f16": 2, "f32": 4}[self.dtype]
+        if self.kind == "int":
+            text = (f"bytes: W's codes read once ({self.bits / 8:g}NK) with their scales, x ({e}MK, from L2 per N "
+                    f"tile), y written once ({e}MN); the dequantized W never leaves registers (a bf16 copy "
+                    f"would write and read 4NK more)")
+        else:
+            text = (f"bytes: W read once (NK), x's 1-byte codes (MK, from L2 per N tile) and scales, y written "
+                    f"once ({e}MN); the epilogue's scales, bias and act cost no pass over y")
+        return textwrap.wrap(text, 96)
+
+
+@dataclass(frozen=True)
+class QuantizeActSpec(KernelSpec):
+    """Per-token dynamic quantization of x [M, K] (`dtype`) to int8 (`kind` "w8a8") or e4m3 ("fp8") codes."""
+
+    template = "qmatmul_quantize_act.py.jinja"
+    kind: str
+    dtype: str
+
+    def context(self) -> dict[str, Any]:
+        helpers = []
+        if self.kind == "w8a8":
+            code = "_rint(v).to(tl.int8)"
+            helpers.append(RINT)
+        elif interpreting():
+            code = "_rne_e4m3(v).to(tl.float8e4nv)"
+            helpers.append(RNE_E4M3)
+        else:
+            code = "v.to(tl.float8e4nv)"  # cvt.rn.satfinite: to nearest, ties to even, as torch
+        qmax = float(INT8_MAX if self.kind == "w8a8" else FP8_MAX)
+        return {"kind": self.kind, "qmax": qmax, "code": code, "helpers": helpers,
+                "x_bytes": {"bf16": 2, "f16": 2, "f32": 4}[self.dtype]}
+
+
+RINT = '''@triton.jit
+def _rint(v):
+    # round half to even, as torch.round: after adding 1.5 * 2^23 no fraction bits are left, and
+    # the addition rounds to nearest even (|v| <= 2^22)
+    return (v + 12582912.0) - 12582912.0'''
+
+RNE_E4M3 = '''@triton.jit
+def _rne_e4m3(v):
+    # |v| <= 448 rounded to the nearest e4m3 value, ties to even, as fp32: the interpreter's own
+    # fp32 -> fp8 cast does not round to nearest; the cast of the value returned is exact
+    a = tl.abs(v)
+    u = a.to(tl.uint32, bitcast=True)
+    normal = ((u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    sub = (a + 16384.0) - 16384.0  # below 2^-6 the step is 2^-9, the fp32 step at 2^14
+    r = tl.where(a < 0.015625, sub, normal)
+    return tl.where(v < 0, -r, r)'''
+
+
+# -- configs ---------------------------------------------------------------------------------------
+
+# (BLOCK_N, BLOCK_K columns, K split as a multiple of `_split`'s, SWAP_AB, warps, stages), the default first
+DECODE_TILES = ((64, 256, 1, True, 4, 3), (64, 256, 1, False, 4, 3), (32, 256, 1, False, 4, 3),
+                (32, 256, 1, True, 4, 3), (64, 128, 1, False, 4, 4), (64, 128, 1, True, 4, 4),
+                (128, 128, 1, True, 4, 3), (64, 512, 1, True, 4, 2), (64, 256, 2, False, 4, 3),
+                (64, 256, 2, True, 4, 3), (64, 256, 0.5, True, 4, 3), (128, 256, 1, True, 8, 3))
+MID_TILES = ((64, 128, 1, False, 4, 4), (64, 128, 1, True, 4, 4), (128, 128, 1, False, 4, 3),
+             (128, 128, 1, True, 4, 3), (64, 256, 1, False, 4, 3), (32, 256, 1, True, 4, 3))
+# (BLOCK_M, BLOCK_N, BLOCK_K columns, SWAP_AB, warps, stages): prefill, one K split
+PREFILL_TILES = ((64, 128, 128, False, 4, 3), (128, 128, 128, False, 8, 3), (128, 128, 64, False, 8, 4),
+                 (128, 64, 128, False, 4, 3), (64, 64, 128, False, 4, 4), (64, 256, 64, False, 8, 3),
+                 (128, 128, 128, True, 8, 3))
+
+
+def _cfg(bm, bn, bk, split_k, swap, warps, stages) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "SWAP_AB": swap,
+            "num_warps": warps, "num_stages": stages}
+
+
+def _split(n: int, kw: int, bn: int, bk: int, scale: float = 1.0) -> int:
+    """The power-of-two K split that brings a decode launch to about `scale` x TARGET_PROGRAMS
+    programs (the N tiles alone are too few to keep HBM busy); at most 16, and dividing K's
+    BLOCK_K steps where they divide evenly, so that no split reads a ragged tile (EVEN_K)."""
+    tiles, steps, s = triton_cdiv(n, bn), triton_cdiv(kw, bk), 1
+    even = kw % bk == 0
+    while tiles * s * 2 <= scale * TARGET_PROGRAMS and s * 2 <= min(16, steps) and not (even and steps % (s * 2)):
+        s *= 2
+    return s
+
+
+def candidates(bucket: str, n: int, kw: int, pack: int = 0, shared: bool = True) -> list[dict]:
+    """Configs to try for an M bucket and a weight of n rows and kw columns, the default first (what
+    CPU, interpreter and an untuned GPU use).
+
+    `pack`: the columns of an int weight's pack tile (BLOCK_K is a multiple), 0 for 8-bit codes.
+    Up to 16 tokens, and up to 64 when the bucket shares its choice with smaller ones (`shared`),
+    tiles are 16 rows tall whatever M is, so a row's sum does not depend on its batch; the K split
+    is shape-dependent, as the program count is what saturates HBM.
+    """
+    m = bucket_size(bucket)
+    if m > 64:
+        out = [_cfg(bm, bn, max(cols, pack), 1, swap, w, st) for bm, bn, cols, swap, w, st in PREFILL_TILES]
+    else:
+        bm, tiles = (16, DECODE_TILES) if m <= 16 or shared else (m, MID_TILES)
+        out = [_cfg(bm, bn, max(cols, pack), _split(n, kw, bn, max(cols, pack), scale), swap, w, st)
+               for bn, cols, scale, swap, w, st in tiles]
+    return [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]  # without repeats, in order
+
+
+# -- launching -------------------------------------------------------------------------------------
+
+def quantize_act(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic quantization of x [..., K] with a generated kernel, as quant.quantize_activations.
+
+    Args:
+        x: [..., K] activations (bf16, f16 or f32; unit column stride).
+        kind: "w8a8" (int8 codes, max|x| / 127 scales) or "fp8" (e4m3 codes, max|x| / 448 scales).
+
+    Returns:
+        (codes [..., K] contiguous, scales [..., 1] fp32).
+
+    Example:
+        >>> q, s = quantize_act(torch.randn(3, 64), "w8a8")
+    """
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K) if x.stride(-1) == 1 else x.contiguous().view(-1, K)
+    M = x2.shape[0]
+    q = torch.empty((M, K), dtype=torch.int8 if kind == "w8a8" else torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if M and K:
+        mod = compiled(QuantizeActSpec(kind, dtype_name(x.dtype)))
+        mod.quantize_act_kernel[(M,)](x2, q, s, x2.stride(0), K, BLOCK_K=min(triton.next_power_of_2(K), 2048),
+                                      num_warps=4)
+    return q.view(x.shape), s.view(*x.shape[:-1], 1)
+
+
+def _launch(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Tensor | None, y2: torch.Tensor,
+            cfg: dict) -> None:
+    """One qlinear call on rows x2 [M, K]: the activation codes first for w8a8 / fp8, then the GEMM."""
+    M, N, K = x2.shape[0], p.out_features, p.in_features
+    sx: tuple = ()
+    if spec.kind != "int":
+        x2, s = quantize_act(x2, spec.kind)
+        sx = (s,)
+    split_k = cfg["SPLIT_K"]
+    mt = m_tiles(M, cfg["BLOCK_M"])
+    grid = (triton_cdiv(M, cfg["BLOCK_M"] * mt), triton_cdiv(N, cfg["BLOCK_N"]), split_k)
+    ws = torch.empty((split_k, M, N) if split_k > 1 else (1,), device=x2.device,
+                     dtype=torch.int32 if spec.kind == "w8a8" else torch.float32)
+    counts = tile_counters(x2.device, grid[0] * grid[1]) if split_k > 1 else ws
+    zeros = (p.zeros,) if p.zeros is not None else ()
+    bias = (b,) if b is not None else ()
+    compiled(spec).qmatmul_kernel[grid](
+        x2, p.qweight, p.scales, *zeros, *sx, *bias, y2, ws, counts,
+        x2.stride(0), p.qweight.stride(0), p.scales.stride(0), *(z.stride(0) for z in zeros), y2.stride(0),
+        M, N, K, p.padded_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        SPLIT_K=split_k, M_TILES=mt, SWAP_AB=cfg["SWAP_AB"], EVEN_K=p.padded_k % (cfg["BLOCK_K"] * split_k) == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | None = None, act: str = "", *,
+            tuner: Tuner | None = None, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = act(x @ W.T + bias) for a quantized W, with generated Triton kernels.
+
+    Args:
+        x: [..., K] activations, bf16, f16 or f32 (any row stride, unit column stride).
+        prepared: the weight, from `prepare`.
+        bias: optional [N] bias (any float dtype).
+        act: "", "silu", "relu", "gelu" or "gelu_tanh", applied to the fp32 accumulator.
+        tuner: chooses (on a GPU: times once, records, then reuses) the config for this shape's M
+            bucket; None: the bucket's default config, untimed.
+        config: a fixed config instead (a dict as in `candidates`).
+        out: a contiguous [..., N] tensor of x's dtype to write y into; allocated when None.
+
+    Returns:
+        y [..., N] of x's dtype.
+
+    Example:
+        >>> qw = quant.quantize_rtn(torch.randn(96, 256), QuantFormat("int", 4, 64))
+        >>> y = qlinear(torch.randn(3, 256), prepare(qw.fmt, *qw.tensors()), act="silu")
+    """
+    K, N = x.shape[-1], prepared.out_features
+    if K != prepared.in_features:
+        raise CompileError(f"qlinear: x has {K} input features but the weight ({prepared.fmt.label}, "
+                           f"[{N}, {prepared.in_features}]) takes {prepared.in_features}")
+    if x.dtype not in X_DTYPES:
+        raise CompileError(f"qlinear: activations are bf16, f16 or f32, not {x.dtype}")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise CompileError(f"qlinear: bias {list(bias.shape)} should be [{N}]")
+    if x.device != prepared.qweight.device:
+        raise CompileError(f"qlinear: x is on {x.device}, the weight on {prepared.qweight.device}")
+    spec = QMatmulSpec.of(prepared, x.dtype, bias is not None, act)
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    x2 = x2.view(-1, K) if x2.dim() == 2 or x2.is_contiguous() else x2.reshape(-1, K)
+    b = bias.contiguous() if bias is not None else None
+    M = x2.shape[0]
+    y = out if out is not None else torch.empty(x.shape[:-1] + (N,), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    kw, pack = prepared.padded_k, prepared.pack
+    if config is None and tuner is None:
+        config = candidates(m_bucket(M), N, kw, pack)[0]
+    elif config is None:
+        bucket = m_bucket(M)
+        group = tuner.joint if bucket in tuner.joint else (bucket,)
+        made: list = []
+
+        def io():  # inputs for every bucket of the group, made only if the choice is timed now
+            if not made:
+                made.extend((torch.randn(bucket_size(g), K, dtype=x2.dtype, device=x2.device),
+                             torch.empty(bucket_size(g), N, dtype=x2.dtype, device=x2.device)) for g in group)
+            return made
+        config = tuner.choose(spec.key(N, K), group, candidates(bucket, N, kw, pack, len(group) > 1),
+                              bench=lambda cfg: [_launch(spec, xi, prepared, b, yi, cfg) for xi, yi in io()])
+    _launch(spec, x2, prepared, b, y.view(-1, N), config)
+    return y
+
+
+def reference(x: torch.Tensor, fmt: QuantFormat, qweight: torch.Tensor, scales: torch.Tensor,
+              zeros: torch.Tensor | None = None, bias: torch.Tensor | None = None, act: str = "") -> torch.Tensor:
+    """The same computation by the qlinear op's reference (quant.qlinear_ref, then act on its result)."""
+    y = quant.qlinear_ref(x, fmt, qweight, scales, zeros, bias)
+    return LINEAR_ACTS[act](y) if act else y

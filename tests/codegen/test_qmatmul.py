@@ -1,0 +1,281 @@
+"""qlinear kernels (llmc/codegen/qmatmul.py) against the qlinear op's reference, for every weight format.
+
+On CPU the kernels run under the Triton interpreter (tests/codegen/conftest.py sets TRITON_INTERPRET
+before triton is imported); with `TRITON_INTERPRET=0` on a GPU machine they run compiled on CUDA.
+The interpreter dots int8 exactly (numpy int32 sums, whatever K) and fp8 widened to fp16, so the
+w8a8 and fp8 GEMMs run their own operand types here; bf16 operands are fed to its dot as fp32.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmc.codegen import autotune
+from llmc.codegen import qmatmul as qm
+from llmc.codegen.autotune import Tuner
+from llmc.codegen.elementwise import interpreting
+from llmc.codegen.kernels import render, tile_counters
+from llmc.codegen.matmul import MatmulSpec
+from llmc.codegen.qmatmul import QMatmulSpec, candidates, prepare, qlinear, quantize_act, reference
+from llmc.errors import CompileError
+from llmc.ir import quant
+from llmc.ir.quant import QuantFormat, quantize_rtn
+
+
+def _library_interpreted() -> bool:
+    if not interpreting():
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(tl.zeros, InterpretedFunction)
+
+
+INTERPRETED = _library_interpreted()
+DEVICE = "cpu" if INTERPRETED else "cuda"
+pytestmark = pytest.mark.skipif(
+    not INTERPRETED and (interpreting() or not torch.cuda.is_available()),
+    reason="triton was imported (compiled) before tests/codegen/conftest.py could set TRITON_INTERPRET=1 "
+           "and there is no GPU: run `TRITON_INTERPRET=1 pytest tests/codegen/test_qmatmul.py`")
+
+FORMATS = {"int4-g64": QuantFormat("int", 4, 64), "int4-g64-zp": QuantFormat("int", 4, 64, True),
+           "int4-ch": QuantFormat("int", 4), "int8-ch": QuantFormat("int", 8), "int8-g64": QuantFormat("int", 8, 64),
+           "w8a8": QuantFormat("w8a8", 8), "fp8": QuantFormat("fp8", 8)}
+# fp32 x: the int formats' products are exact (a code minus its zero is a small integer), so only
+# fp32 summation order differs from the reference; w8a8 and fp8 quantize x to the reference's very
+# codes (test_activation_codes_are_torchs), after which w8a8's integer sums are exact and fp8's
+# differ by fp32 summation order alone: all within 1e-4. bf16 x: the output's rounding, 1e-2
+# (the reference applies act to y already rounded to bf16, the kernel before rounding).
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+# (M, bias, act): M = 1 and 3 (one 16-row tile), 17 (two tiles in one program), 70 (prefill tiles)
+CASES = [(1, False, ""), (3, True, "silu"), (17, True, "gelu_tanh"), (70, True, "gelu")]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cache_dir(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLMC_CACHE_DIR", str(tmp_path_factory.mktemp("llmc_cache")))
+        yield
+
+
+def gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(hash(key) % 2**31)
+
+
+def rand(*shape, dtype=torch.float32, g=None):
+    return torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+
+
+def quantized(fmt, n, k, g):
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    qw = quantize_rtn(w, fmt, torch.bfloat16)
+    return quant.QuantizedWeight(fmt, *(t.to(DEVICE) if t is not None else None
+                                        for t in (qw.qweight, qw.scales, qw.zeros)))
+
+
+def close(out, ref, dtype):
+    assert out.dtype == ref.dtype == dtype and out.shape == ref.shape
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def run_and_check(qw, x, b=None, act="", **kw):
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    y = qlinear(x, p, b, act, **kw)
+    close(y, reference(x, qw.fmt, qw.qweight, qw.scales, qw.zeros, b, act), x.dtype)
+    return y
+
+
+# ------------------------------------------------------------------------------------------ formats
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_qlinear_formats(name, dtype):
+    N, K = 160, 256  # N: two and a half 64-column tiles
+    g = gen(name, str(dtype))
+    qw = quantized(FORMATS[name], N, K, g)
+    for M, has_bias, act in CASES:
+        b = rand(N, dtype=dtype, g=g) if has_bias else None
+        run_and_check(qw, rand(M, K, dtype=dtype, g=g), b, act)
+
+
+@pytest.mark.parametrize("name,k", [("int4-ch", 200), ("int4-g64", 320), ("int8-ch", 96), ("int4-g64-zp", 192),
+                                    ("w8a8", 200), ("fp8", 136)])
+def test_ragged_k(name, k):
+    """K not a multiple of the tiles: int weights are padded with zero codes to whole pack tiles (x
+    is masked to 0 there, and the padding's scale group clamped into range: int4-g64 at K = 320 has
+    a high plane of padding); 8-bit codes are masked past K."""
+    g = gen(name, k)
+    qw = quantized(FORMATS[name], 96, k, g)
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    assert p.padded_k > k if qw.fmt.kind == "int" else p.padded_k == k
+    run_and_check(qw, rand(5, k, g=g), rand(96, g=g), "silu")
+
+
+def test_group_of_two_scales_per_pack_tile_and_f16():
+    """Group 32 for int4: each nibble plane (32 columns) has its own scale; f16 activations."""
+    g = gen("g32")
+    qw = quantized(QuantFormat("int", 4, 32, True), 96, 256, g)
+    assert prepare(qw.fmt, *qw.tensors()).run == 32
+    for M in (1, 20):
+        run_and_check(qw, rand(M, 256, dtype=torch.float16, g=g), rand(96, dtype=torch.float16, g=g), "relu")
+
+
+@pytest.mark.parametrize("name", ["int4-g64-zp", "int8-ch", "w8a8", "fp8"])
+def test_split_k_and_swapped_operands(name):
+    """Every split count and both operand orders give the reference; splits leave the tile counters
+    at 0 (K = 384 in 4 splits: the last one has no tile). w8a8 sums integers, so its result is
+    bitwise the same however K is split."""
+    g = gen("split", name)
+    qw = quantized(FORMATS[name], 96, 384, g)
+    x, b = rand(3, 384, g=g), rand(96, g=g)
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    base = dict(candidates("1", 96, p.padded_k, p.pack)[0], BLOCK_K=max(64, p.pack))
+    outs = [run_and_check(qw, x, b, "silu", config=dict(base, SPLIT_K=s, SWAP_AB=swap))
+            for s in (1, 2, 4) for swap in (False, True)]
+    assert int(tile_counters(x.device, 1).abs().sum()) == 0
+    if name == "w8a8":
+        assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_row_tiles_of_one_program_equal_tiles_alone():
+    """Up to 64 rows a program dots each weight tile it dequantizes with every 16-row tile: each tile
+    comes out bitwise as it does launched alone (see the matmul test for why only tile by tile here)."""
+    g = gen("tiles")
+    qw = quantized(FORMATS["int4-g64"], 96, 256, g)
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    x, b = rand(64, 256, g=g), rand(96, g=g)
+    cfg = dict(candidates("64", 96, p.padded_k, p.pack)[0], SPLIT_K=2)
+    full = run_and_check(qw, x, b, "silu", config=cfg)  # 4 tiles in each program
+    for t in range(4):
+        assert torch.equal(qlinear(x[16 * t:16 * t + 16], p, b, "silu", config=cfg), full[16 * t:16 * t + 16])
+
+
+def test_leading_dims_strided_rows_and_out():
+    g = gen("strided")
+    qw = quantized(FORMATS["int4-g64"], 96, 256, g)
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    x = rand(2, 3, 300, g=g)[:, :, 20:276]  # rows with a stride > K
+    out = torch.empty(2, 3, 96, device=DEVICE)
+    y = qlinear(x, p, out=out)
+    assert y is out and y.shape == (2, 3, 96)
+    close(y, reference(x, qw.fmt, qw.qweight, qw.scales), torch.float32)
+
+
+# ------------------------------------------------------------------------- activation quantization
+
+def test_activation_codes_are_torchs():
+    """The per-token kernel gives quant.quantize_activations' codes and scales bit for bit, ties
+    included (round half to even for int8; e4m3's midpoints, subnormal ones too, for fp8)."""
+    g = gen("act")
+    for kind, ties in (("w8a8", [127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 3.5]),
+                       ("fp8", [448.0, 1.0625, 17.0, 432.0, -1.1875, 2.0 ** -10, 1.5 * 2.0 ** -9, -3 * 2.0 ** -10])):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = rand(5, 2500, dtype=dtype, g=g) * 3  # K past one block of the kernel's loop
+            x[1, :8] = torch.tensor(ties, dtype=dtype)
+            x[1, 8:] = 0
+            x[2] = 0  # an all-zero row: the scale's floor
+            q, s = quantize_act(x, kind)
+            q_ref, s_ref = quant.quantize_activations(x, kind)
+            assert torch.equal(s, s_ref)
+            assert q.dtype == q_ref.dtype and torch.equal(q.float(), q_ref.float()), (kind, dtype)
+
+
+# --------------------------------------------------------------------------------------- layout
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_prepare_round_trip(name):
+    qw = quantized(FORMATS[name], 64, 320 if name.startswith("int4") else 256, gen("prep", name))
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    assert p.qweight.device == qw.qweight.device and p.in_features == qw.in_features
+    assert torch.equal(p.dequantize(), qw.dequantize())
+    bits = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in p.canonical().tensors()]
+    assert all(torch.equal(a, b) for a, b in zip(bits, (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+                                                       for t in qw.tensors())))
+
+
+def test_int4_nibble_planes():
+    """Byte j of a pack tile holds column j in its low nibble and column run + j in its high one."""
+    fmt = QuantFormat("int", 4, 64)
+    codes = torch.randint(0, 16, (3, 256), dtype=torch.uint8)
+    p = prepare(fmt, quant.pack_int4(codes), torch.ones(3, 4))
+    run, pack = p.run, p.pack
+    assert (run, pack) == (64, 128) and p.qweight.shape == (3, 128)
+    for t in range(256 // pack):
+        tile = p.qweight[:, t * run:(t + 1) * run]
+        assert torch.equal(tile & 0xF, codes[:, t * pack:t * pack + run])
+        assert torch.equal(tile >> 4, codes[:, t * pack + run:(t + 1) * pack])
+
+
+def test_unsupported_inputs_are_clear_errors():
+    g = gen("errors")
+    qw = quantized(FORMATS["int4-g64"], 32, 128, g)
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    with pytest.raises(CompileError, match="x has 96 input features but .* takes 128"):
+        qlinear(rand(2, 96, g=g), p)
+    with pytest.raises(CompileError, match="activations are bf16, f16 or f32"):
+        qlinear(torch.ones(2, 128, dtype=torch.int32, device=DEVICE), p)
+    with pytest.raises(CompileError, match="activation 'tanh' cannot be fused"):
+        qlinear(rand(2, 128, g=g), p, act="tanh")
+    with pytest.raises(CompileError, match="bias"):
+        qlinear(rand(2, 128, g=g), p, rand(31, g=g))
+    fmt8 = QuantFormat("int", 4, 8)
+    with pytest.raises(CompileError, match="group size 8 .* not a multiple of 16"):
+        prepare(fmt8, qw.qweight, torch.ones(32, 16), None)
+    with pytest.raises(CompileError, match="weights are torch.uint8"):
+        prepare(qw.fmt, qw.qweight.to(torch.int8), qw.scales, None)
+    with pytest.raises(CompileError, match=r"scales should be float \[32, 2\]"):
+        prepare(qw.fmt, qw.qweight, qw.scales[:, :1], None)
+    with pytest.raises(CompileError, match="zero points"):
+        prepare(FORMATS["int4-g64-zp"], qw.qweight, qw.scales, None)
+
+
+# ---------------------------------------------------------------------------------------- tuning
+
+def test_candidates():
+    """Decode tiles are 16 rows (a row's sums do not depend on its batch), BLOCK_K a whole number of
+    pack tiles, and the K split brings a Llama-3-8B-sized launch to a few hundred programs."""
+    for pack in (0, 32, 64, 128):
+        for bucket in ("1", "32", "128+"):
+            for c in candidates(bucket, 4096, 4096, pack):
+                assert c["BLOCK_K"] % max(pack, 1) == 0 and 4096 % (c["BLOCK_K"] * c["SPLIT_K"]) == 0
+    d = candidates("1", 4096, 4096, 128)[0]
+    assert d["BLOCK_M"] == 16 and 256 <= 64 * d["SPLIT_K"] <= qm.TARGET_PROGRAMS
+    assert candidates("32", 4096, 4096, 128, shared=False)[0]["BLOCK_M"] == 32
+    assert candidates("128+", 4096, 4096, 128)[0]["BLOCK_M"] >= 64
+    assert candidates("1", 96, 256, 128)[0]["SPLIT_K"] <= 2  # never more splits than K steps
+
+
+def test_decode_buckets_share_one_choice_under_their_own_key(monkeypatch):
+    """As for matmul: buckets 1..64 get the config fastest on their summed time, recorded under a
+    qlinear key (format and dtype in it, never a matmul key); 128+ is chosen alone. Timing is faked."""
+    cost = {1: {1: 1.0, 64: 9.0}, 2: {1: 2.0, 64: 1.0}}
+    seen = []
+
+    def fake_launch(spec, x2, p, b, y2, cfg):
+        seen.append((x2.shape[0], cfg["A"]))
+        return cost[cfg["A"]].get(x2.shape[0], 1.0)
+
+    monkeypatch.setattr(autotune, "can_time", lambda: True)
+    monkeypatch.setattr(autotune, "gpu_time_ms", lambda fn: sum(fn()))
+    monkeypatch.setattr(qm, "_launch", fake_launch)
+    monkeypatch.setattr(qm, "candidates", lambda bucket, n, kw, pack, shared=True: [{"A": 1}, {"A": 2}])
+    g = gen("tune")
+    qw = quantized(FORMATS["int4-g64"], 32, 128, g)
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    t = Tuner(device="test-gpu")
+    qlinear(rand(3, 128, g=g), p, tuner=t)
+    key = QMatmulSpec.of(p, torch.float32, False, "").key(32, 128)
+    assert key.startswith("qlinear[w4a16-g64,f32,") and key != MatmulSpec("f32", False).key(32, 128)
+    assert {b: r["config"]["A"] for b, r in t.records[key].items()} == {b: 2 for b in autotune.JOINT_BUCKETS}
+    seen.clear()
+    qlinear(rand(1, 128, g=g), p, tuner=t)
+    assert seen == [(1, 2)]  # recorded: not retimed
+    qlinear(rand(130, 128, g=g), p, tuner=t)
+    assert set(t.records[key]) == {*autotune.JOINT_BUCKETS, "128+"}
+
+
+def test_source_names_its_layout_and_bytes():
+    src = render(QMatmulSpec("int", 4, 128, False, 64, "bf16", True, "silu"))
+    assert "def qmatmul_kernel(" in src and "nibble planes of 64 columns" in src and "0.5NK" in src
+    # symmetric int4: the zero point 8 folded into the constants (the low plane: the byte less 16 x the high)
+    assert "_dequant(codes >> 4, 8388616.0)" in src and "_dequant(codes, 8388744.0)" in src
