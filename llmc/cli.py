@@ -112,17 +112,40 @@ def _load_plugins(files: tuple[str, ...]) -> None:
                    "sequence's sums do not depend on the requests it shares steps with (where cuBLAS wins, it picks "
                    "its kernels per size, as under torch). --no-batch-invariant: only decode batches of up to 16 "
                    "share one; steps of 17-64 tokens get faster tiles of their own.")
+@click.option("--quant", type=click.Choice(["rtn", "gptq", "awq", "smoothquant", "fp8", "mixed"]), default=None,
+              help="Quantize the linear layers' weights: rtn (round to nearest), gptq (Hessian error feedback), awq "
+                   "(activation-aware scales), smoothquant (int8 weights and activations), fp8 (e4m3 weights and "
+                   "activations), mixed (int4/int8/unquantized per layer under --bits-budget). The LM head stays "
+                   "unquantized. `llmc inspect` shows the plan.")
+@click.option("--wbits", type=click.Choice(["4", "8"]), default="4", show_default=True,
+              help="Weight bits for rtn, gptq and awq.")
+@click.option("--group-size", type=int, default=None, metavar="G",
+              help="Input columns per scale for int weights (0: per output channel). Default: 128 at 4 bits, per "
+                   "channel at 8. A layer whose input size G does not divide falls back to per channel.")
+@click.option("--zero-point", is_flag=True, help="Asymmetric int weights with stored zero points.")
+@click.option("--calib", default="builtin:heldout", show_default=True, metavar="FILE.txt|builtin:heldout",
+              help="Calibration text for gptq, awq, smoothquant and mixed.")
+@click.option("--calib-samples", type=int, default=32, show_default=True, metavar="N",
+              help="Calibration windows (of 256 tokens).")
+@click.option("--bits-budget", type=float, default=4.5, show_default=True, metavar="B",
+              help="mixed: average bits per quantized weight, scales included.")
+@click.option("--act-order", is_flag=True, help="gptq: quantize columns in order of decreasing activation energy.")
 @_plugin_option
 def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_after, dump_ir, verify, explain_fusion,
-            no_fuse, tune, batch_invariant, plugins):
+            no_fuse, tune, batch_invariant, quant, wbits, group_size, zero_point, calib, calib_samples, bits_budget,
+            act_order, plugins):
     """Compile MODEL (a local Hugging Face directory or builtin:NAME) into an artifact."""
     import llmc
     from llmc.passes.manager import parse_pass_spec
+    from llmc.passes.quantize.config import QuantConfig
     _load_plugins(plugins)
     extra = [parse_pass_spec(s) for s in passes]
+    qcfg = QuantConfig(quant, int(wbits), group_size, zero_point, calib, calib_samples, bits_budget=bits_budget,
+                       act_order=act_order) if quant else None
     art = llmc.compile(model, output, dtype=dtype, kv_cache_dtype=kv_cache_dtype, passes=extra,
                        before=pass_before, after=pass_after, dump_ir=dump_ir, verify=verify,
-                       progress=sys.stderr.isatty(), fuse=not no_fuse, tune=tune, batch_invariant=batch_invariant)
+                       progress=sys.stderr.isatty(), fuse=not no_fuse, tune=tune, batch_invariant=batch_invariant,
+                       quant=qcfg)
     s = art.summary()
     if explain_fusion:
         reasons = art.compile_log.explain if art.compile_log else []
@@ -144,8 +167,10 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
 @click.option("--kernels", "kernels", is_flag=True,
               help="List what each node runs on the kernel backends, with the kernel specs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--plan", "show_plan", is_flag=True,
+              help="List the quantization plan per linear: format, bits per weight, measured errors, notes.")
 @_plugin_option
-def inspect(artifact, ir, kernels, as_json, plugins):
+def inspect(artifact, ir, kernels, as_json, show_plan, plugins):
     """Show what ARTIFACT holds: manifest, passes applied, op counts, parameter bytes."""
     import llmc
     _load_plugins(plugins)
@@ -182,6 +207,27 @@ def inspect(artifact, ir, kernels, as_json, plugins):
     click.echo("ops")
     for op, n in s["op_counts"].items():
         click.echo(f"  {op:18s} {n}")
+    _echo_quant_plan(art.graph.meta.get("quant_plan"), show_plan)
+
+
+def _echo_quant_plan(plan: dict | None, per_linear: bool) -> None:
+    """The quantization plan: a count per format, or (per_linear) one line per linear."""
+    if not plan:
+        if per_linear:
+            click.echo("quantization: none (compiled without --quant)")
+        return
+    from llmc.ir.quant import QuantFormat
+    label = {n: QuantFormat(**e["format"]).label if e["format"] else "unquantized" for n, e in plan["linears"].items()}
+    click.echo(f"quantization  {plan['method']}: {plan['avg_bits']} bits per weight on average"
+               + (f", calibrated on {plan['calibration']['tokens']} tokens of {plan['calibration']['source']}"
+                  if plan.get("calibration") else ""))
+    if not per_linear:
+        for fmt in sorted(set(label.values())):
+            click.echo(f"  {fmt:18s} {sum(1 for v in label.values() if v == fmt)} linears")
+        return
+    for name, e in plan["linears"].items():
+        errs = " ".join(f"{k}={v:.3g}" for k, v in e.get("errors", {}).items())
+        click.echo(f"  {name:40s} {label[name]:18s} {e['bits']:7.3f}  {e['note']}" + (f"  [{errs}]" if errs else ""))
 
 
 @dataclass

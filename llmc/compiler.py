@@ -55,7 +55,8 @@ def capture(model: Any, example_inputs: Sequence[torch.Tensor] | None = None, dt
 def compile(model: Any, output: str | Path | None = None, *, example_inputs=None, dtype: str = "float32",
             passes: Sequence[Pass] | None = None, before: str | None = None, after: str | None = None,
             dynamic: dict | None = None, verify: bool = False, dump_ir: str | Path | None = None,
-            progress: bool = False, tune: bool = True, batch_invariant: bool = True, **options) -> Artifact:
+            progress: bool = False, tune: bool = True, batch_invariant: bool = True, quant=None,
+            **options) -> Artifact:
     """Compile a model into an artifact.
 
     Args:
@@ -71,6 +72,8 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         batch_invariant: tune every step of up to 64 tokens to one GEMM choice, so that where the
             generated kernel wins a sequence's sums do not depend on what shares its steps (False:
             decode batches of up to 16 only; faster at 32-64 tokens per step).
+        quant: weight quantization: a `QuantConfig`, a method name ("rtn", "gptq", "awq",
+            "smoothquant", "fp8", "mixed") or a dict of QuantConfig's fields; None: none.
     Returns:
         The written Artifact.
 
@@ -79,20 +82,25 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         >>> art.summary()["op_counts"]["attention"]                  # doctest: +SKIP
     """
     from llmc.passes.pipeline import pipeline
+    from llmc.passes.quantize.config import QuantConfig
+    quant = QuantConfig.coerce(quant)  # bad options fail here, before capture
     if output is not None:
         check_output(Path(output))
     bar = _Progress(progress)
     with bar:
         bar.step("capturing with torch.export")
         graph, source, tok_files = capture(model, example_inputs, dtype, dynamic)
-        plist = pipeline(list(passes or []), before=before, after=after, options=options)
+        plist = pipeline(list(passes or []), before=before, after=after, options={**options, "quant": quant})
         bar.step(f"running {len(plist)} passes")
-        ctx = PassContext(options=dict(options))
+        ctx = PassContext(options=dict(options), state={"status": bar.step})
+        if tok_files:
+            ctx.state["tokenizer_dir"] = str(tok_files[0].parent)
         graph = PassManager(plist, verify=verify, dump_dir=dump_ir,
                             progress=lambda p: bar.step(f"pass {p.name}")).run(graph, ctx)
         out = Path(output) if output is not None else Path(tempfile.mkdtemp(prefix="llmc-")) / "model.llmc"
         bar.step(f"writing {out}")
-        opts = {"dtype": dtype, **{k: v for k, v in options.items() if isinstance(v, (str, int, float, bool))}}
+        opts = {"dtype": dtype, **{k: v for k, v in options.items() if isinstance(v, (str, int, float, bool))},
+                **({"quant": quant.method} if quant is not None else {})}
         tuning = _autotune(graph, bar, batch_invariant) if tune and torch.cuda.is_available() else {}
         kernels, sources = _kernel_listing(graph, tuning)
         art = save_artifact(graph, out, source, opts, tok_files, tuning=tuning, kernels=sources, kernel_list=kernels)
@@ -134,6 +142,8 @@ def _autotune(graph: Graph, bar, batch_invariant: bool = True) -> dict:
         return {}
     tuner, seen = Tuner(joint=JOINT_BUCKETS if batch_invariant else DECODE_JOINT_BUCKETS), set()
     for n in graph.nodes:
+        if n.op == "qlinear":
+            _tune_qlinear(graph, n, tuner, seen, bar)
         if n.op not in ("linear", "linear_act"):
             continue
         w = graph.weights[n.inputs[1].name]
@@ -148,6 +158,27 @@ def _autotune(graph: Graph, bar, batch_invariant: bool = True) -> dict:
         for m in M_BUCKETS[:-1]:
             mm.linear(torch.randn(m, w.shape[1], dtype=w.dtype, device="cuda"), wc, b, epi, tuner=tuner)
     return tuner.to_json()
+
+
+def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar) -> None:
+    """Tune a quantized linear's kernel per token bucket (its key holds the format and shape)."""
+    from llmc.codegen import qmatmul as qmm
+    from llmc.codegen.autotune import M_BUCKETS
+    from llmc.ir.ops import _qlinear_operands
+    from llmc.ir.quant import QuantFormat
+    from llmc.ir.types import torch_dtype
+    fmt = QuantFormat.from_attrs(n.attrs)
+    qw, sc, zeros, bias = _qlinear_operands([None] + [graph.weights[v.name] for v in n.inputs[1:]], n.attrs)
+    key = (fmt, tuple(qw.shape), n.attrs["act"], bias is not None, n.inputs[0].type.dtype)
+    if key in seen:
+        return
+    seen.add(key)
+    bar.step(f"tuning {fmt.label} linear {list(qw.shape)}")
+    p = qmm.prepare(fmt, qw.cuda(), sc.cuda(), zeros.cuda() if zeros is not None else None)
+    b = bias.cuda() if bias is not None else None
+    for m in M_BUCKETS[:-1]:
+        x = torch.randn(m, p.in_features, dtype=torch_dtype(n.inputs[0].type.dtype), device="cuda")
+        qmm.qlinear(x, p, b, n.attrs["act"], tuner=tuner)
 
 
 def _kernel_listing(graph: Graph, tuning: dict | None = None) -> tuple[list[dict], dict[str, str]]:

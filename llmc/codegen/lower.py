@@ -243,6 +243,29 @@ class Plan:
     def _op_linear_act(self, n):
         return self._linear(n, ACT_EPILOGUE[n.attrs["act"]])
 
+    def _op_qlinear(self, n):
+        """A quantized linear: the weight is repacked once into the kernel's layout (`qmatmul.prepare`),
+        then every step runs the generated kernel (dequantization in its main loop; for W8A8 and FP8 a
+        per-token activation quantization kernel first)."""
+        from llmc.codegen import qmatmul as qmm
+        from llmc.ir.ops import _qlinear_operands
+        from llmc.ir.quant import QuantFormat
+        fmt, act, tuner = QuantFormat.from_attrs(n.attrs), n.attrs["act"], self.tuner
+        qw, sc, zeros, bias = _qlinear_operands([None] + [v.name for v in n.inputs[1:]], n.attrs)
+        label = f"{fmt.label}" + (f"+{act}" if act else "")
+        if self.device.type == "meta":  # a listing only (`llmc inspect --kernels`)
+            return Step(n, lambda x, h: None, "triton:qlinear", label)
+        if fmt.kind == "fp8" and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise LLMCError(f"this artifact has FP8 weights, and {torch.cuda.get_device_name(self.device)} has no FP8 "
+                            "matrix units (compute capability 8.9+: Ada, Hopper); compile with --quant smoothquant "
+                            "(int8) or rtn instead, or run with --backend reference")
+        prepared = qmm.prepare(fmt, self.params[qw], self.params[sc], self.params[zeros] if zeros else None)
+        bias_name = bias
+
+        def fn(x, h, out=None):
+            return qmm.qlinear(x[0], prepared, self.params[bias_name] if bias_name else None, act, tuner=tuner, out=out)
+        return Step(n, fn, "triton:qlinear", label, into=lambda x, h, outs: fn(x, h, outs[0]))
+
     def _op_rms_norm(self, n):
         from llmc.codegen.norm import rms_norm
         eps, wfc = n.attrs["eps"], n.attrs["weight_first_cast"]

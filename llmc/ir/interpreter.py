@@ -42,7 +42,10 @@ class Interpreter:
         self.params = {p.name: graph.weights[p.name].to(self.device) for p in graph.params}
         self.state: dict = {}
 
-    def run(self, inputs: Mapping[str, torch.Tensor] | None = None, **kw: torch.Tensor) -> list[torch.Tensor]:
+    def run(self, inputs: Mapping[str, torch.Tensor] | None = None, observe=None,
+            **kw: torch.Tensor) -> list[torch.Tensor]:
+        """Run the graph. `observe(node, operands)`, when given, sees every node's operand tensors before
+        the node runs (calibration collects activation statistics this way)."""
         g = self.graph
         inputs = {**(inputs or {}), **kw}
         missing = [v.name for v in g.inputs if v.name not in inputs]
@@ -57,8 +60,11 @@ class Interpreter:
                 last_use[v.name] = i
         keep = {v.name for v in g.outputs} | set(self.params)
         for i, n in enumerate(g.nodes):
+            args = [vals[v.name] for v in n.inputs]
+            if observe is not None:
+                observe(n, args)
             try:
-                out = get_op(n.op).ref([vals[v.name] for v in n.inputs], n.attrs, env)
+                out = get_op(n.op).ref(args, n.attrs, env)
             except Exception as e:
                 raise IRError(f"{n.op} failed in the interpreter: {e}\n{ir_context(g, n)}") from e
             outs = out if isinstance(out, (tuple, list)) else (out,)

@@ -37,6 +37,7 @@ class PassContext:
     options: dict[str, Any] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
     explain: list[str] = field(default_factory=list)  # why a fusion declined a candidate
+    state: dict[str, Any] = field(default_factory=dict)  # what one pass hands a later one (calibration statistics)
 
     def note(self, msg: str) -> None:
         self.log.append(msg)

@@ -28,11 +28,32 @@ def default_passes(options: dict | None = None) -> list[Pass]:
         # phase 1: flatten tokens, attention onto the paged KV cache
         *([PagedKV(kv_cache_dtype=opts.get("kv_cache_dtype", "auto"))] if opts.get("paged_kv", True) else []),
         # phase 2: quantization: plan, calibrate, materialize             (quantize/*)
+        *quantize_passes(opts.get("quant")),
         # phase 3: fusion: horizontal, then vertical
         *([FuseParallelLinears(), FuseAddRmsNorm(), FuseRopeKVWrite(), FuseLinearEpilogue(), FuseElementwise(),
            DeadCode()] if opts.get("fuse", True) else []),
         # phase 4: lower and plan memory                                  (codegen)
     ]
+
+
+def quantize_passes(quant) -> list[Pass]:
+    """Phase 2 for a QuantConfig (or a method name, or a dict of its options): the precision plan,
+    calibration where the method needs it, and the method's materializing pass."""
+    from llmc.passes.quantize.config import QuantConfig
+    cfg = QuantConfig.coerce(quant)
+    if cfg is None:
+        return []
+    from llmc.passes.quantize.assign import AssignPrecision
+    from llmc.passes.quantize.awq import AWQQuantize
+    from llmc.passes.quantize.calibrate import Calibrate
+    from llmc.passes.quantize.fp8 import FP8Quantize
+    from llmc.passes.quantize.gptq import GPTQQuantize
+    from llmc.passes.quantize.mixed import MixedPrecision
+    from llmc.passes.quantize.rtn import RTNQuantize
+    from llmc.passes.quantize.smoothquant import SmoothQuantize
+    method = {"rtn": RTNQuantize, "gptq": GPTQQuantize, "awq": AWQQuantize, "smoothquant": SmoothQuantize,
+              "fp8": FP8Quantize, "mixed": MixedPrecision}[cfg.method]
+    return [AssignPrecision(cfg), *([Calibrate(cfg)] if cfg.needs_calibration else []), method(cfg)]
 
 
 def pipeline(extra: list[Pass] | None = None, before: str | None = None, after: str | None = None,

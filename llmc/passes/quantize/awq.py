@@ -10,9 +10,14 @@ instead of ``M N K`` (calibration sets have far more tokens M than input channel
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from llmc.ir.quant import QuantFormat, QuantizedWeight, quantize_rtn
+from llmc.passes.manager import register_pass
+from llmc.passes.quantize.materialize import QuantizePass, entry_format, fold_input_scale, linear_name, scale_dtype
 
 
 def awq_search(ws: list[torch.Tensor], x: torch.Tensor, fmt: QuantFormat, *, grid: int = 20,
@@ -149,3 +154,40 @@ def _require_int(fmt: QuantFormat) -> None:
     if fmt.kind != "int":
         raise ValueError(f"AWQ scales weight-only int formats (kind 'int', 4 or 8 bits), not {fmt.label}; "
                          "for W8A8 or FP8, whose activations are quantized too, use SmoothQuant")
+
+
+@register_pass
+@dataclass
+class AWQQuantize(QuantizePass):
+    """Searches one scale per group of linears that read one input (q/k/v, gate/up, down), folds 1/s
+    into the input's producer (the norm's weight; up_proj's rows for down_proj), then stores
+    ``Q(W * s)`` with a clipping range searched per row and group. An input whose producer cannot
+    absorb a scale (o_proj's: the attention output) keeps s = 1 and only the clip search."""
+
+    name: ClassVar[str] = "quantize_awq"
+    method: ClassVar[str] = "awq"
+    clip: bool = True
+
+    def input_scale(self, g, ctx, x, items):
+        rows = self.stats(ctx, x).rows_sample()
+        fmt = entry_format(items[0][1])
+        s, alpha = awq_search([self.weight(g, n) for n, _ in items], rows, fmt, scale_dtype=scale_dtype(g, items[0][0]))
+        if alpha == 0:
+            return None
+        where = fold_input_scale(g, x, [n for n, _ in items], s)
+        if where is None:
+            ctx.note(f"{self.name}: %{x.name} ({', '.join(linear_name(n) for n, _ in items)}): its producer cannot "
+                     "take a scale; s = 1")
+            return None
+        return s
+
+    def quantize_group(self, g, ctx, x, items, s):
+        rows = self.stats(ctx, x).rows_sample()
+        out = []
+        for n, e in items:
+            w, fmt, sd = self.weight(g, n), entry_format(e), scale_dtype(g, n)
+            ones = torch.ones(w.shape[1])
+            s_n = s if s is not None else ones
+            clip = awq_clip_search(w, rows, fmt, s=s_n, scale_dtype=sd) if self.clip else None
+            out.append((n, awq_quantize(w, s_n, fmt, clip=clip, scale_dtype=sd)))
+        return out

@@ -6,10 +6,15 @@ data stay close even where single weights cannot.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from llmc.errors import CompileError
 from llmc.ir.quant import QuantFormat, QuantizedWeight, int_scales, pack, quantize_int_with
+from llmc.passes.manager import register_pass
+from llmc.passes.quantize.materialize import QuantizePass, entry_format, scale_dtype
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, fmt: QuantFormat, *, damp: float = 0.01,
@@ -122,3 +127,18 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
         raise CompileError(f"GPTQ: the damped Hessian is not positive definite (Cholesky failed at column "
                            f"{int(info)}); raise the damping (damp={damp}) or calibrate on more tokens")
     return U.float()
+
+
+@register_pass
+@dataclass
+class GPTQQuantize(QuantizePass):
+    """Each planned linear by `gptq_quantize` with its input's calibration Hessian."""
+
+    name: ClassVar[str] = "quantize_gptq"
+    method: ClassVar[str] = "gptq"
+
+    def quantize_group(self, g, ctx, x, items, s):
+        h = self.stats(ctx, x).gptq_hessian()
+        return [(n, gptq_quantize(self.weight(g, n), h, entry_format(e), damp=self.config.damp,
+                                  act_order=self.config.act_order, scale_dtype=scale_dtype(g, n)))
+                for n, e in items]

@@ -7,9 +7,14 @@ difficulty"). alpha sets how much moves.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from llmc.ir.quant import QuantFormat, QuantizedWeight, quantize_rtn
+from llmc.passes.manager import register_pass
+from llmc.passes.quantize.materialize import QuantizePass, entry_format, fold_input_scale, linear_name
 
 EPS = 1e-5  # floor for the statistics and the scales: a dead channel must not give s = 0 or 1/0
 
@@ -59,3 +64,31 @@ def smoothquant_quantize(w: torch.Tensor, s: torch.Tensor,
         raise ValueError(f"SmoothQuant smooths activations for formats that quantize them (w8a8, fp8), not the "
                          f"weight-only {fmt.label}, whose activations stay in the model dtype; use AWQ or GPTQ")
     return quantize_rtn(w.float() * s.float(), fmt)
+
+
+@register_pass
+@dataclass
+class SmoothQuantize(QuantizePass):
+    """W8A8 with activation outliers migrated into the weights: per group of linears reading one
+    input, s from the calibration max |x| and the weights (strength alpha), 1/s folded into the
+    input's producer, int8 weights of ``W * s`` per channel. Where the producer cannot take s
+    (o_proj's input), the layer is plain per-channel int8 over unsmoothed activations."""
+
+    name: ClassVar[str] = "quantize_smoothquant"
+    method: ClassVar[str] = "smoothquant"
+
+    def input_scale(self, g, ctx, x, items):
+        s = smoothquant_scales(self.stats(ctx, x).abs_max.cpu(), [self.weight(g, n) for n, _ in items],
+                               self.config.alpha)
+        if fold_input_scale(g, x, [n for n, _ in items], s) is None:
+            ctx.note(f"{self.name}: %{x.name} ({', '.join(linear_name(n) for n, _ in items)}): its producer cannot "
+                     "take a scale; not smoothed")
+            return None
+        return s
+
+    def quantize_group(self, g, ctx, x, items, s):
+        out = []
+        for n, e in items:
+            w = self.weight(g, n)
+            out.append((n, smoothquant_quantize(w, s if s is not None else torch.ones(w.shape[1]), entry_format(e))))
+        return out

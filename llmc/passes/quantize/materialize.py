@@ -1,0 +1,153 @@
+"""What the quantization passes share: which linears a plan covers, replacing a linear by a `qlinear`,
+and folding a per-input-channel scale into the op that produces a linear's input.
+
+The plan (`graph.meta["quant_plan"]`, written by assign.py, shown by `llmc inspect`) maps each linear,
+by module name (its weight param's name without ``.weight``), to a method and a format (None: kept
+in the model dtype). Each method's pass (rtn.py, gptq.py, awq.py, smoothquant.py, fp8.py, mixed.py)
+materializes the linears planned for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from llmc.ir.graph import Graph, Node, Value
+from llmc.ir.quant import QuantFormat, QuantizedWeight
+from llmc.passes.manager import Pass, PassContext, PassResult
+from llmc.passes.quantize.config import QuantConfig
+
+PLAN = "quant_plan"
+
+
+def linear_name(node: Node) -> str:
+    return node.inputs[1].name.removesuffix(".weight")
+
+
+def quantizable_linears(g: Graph) -> list[Node]:
+    """Dense linears over a float param weight of an even number of input features."""
+    return [n for n in g.nodes if n.op == "linear" and n.inputs[1].kind == "param"
+            and all(v.kind == "param" for v in n.inputs[2:])
+            and g.weights[n.inputs[1].name].dtype.is_floating_point and g.weights[n.inputs[1].name].dim() == 2]
+
+
+def planned(g: Graph, method: str | None = None) -> list[tuple[Node, dict]]:
+    """(node, plan entry) of the linears the plan quantizes (with `method`, if given), in graph order."""
+    plan = g.meta.get(PLAN) or {}
+    entries = plan.get("linears", {})
+    out = []
+    for n in quantizable_linears(g):
+        e = entries.get(linear_name(n))
+        if e and e.get("format") and (method is None or e["method"] == method):
+            out.append((n, e))
+    return out
+
+
+def entry_format(e: dict) -> QuantFormat:
+    return QuantFormat(**e["format"])
+
+
+def by_input(nodes: list[tuple[Node, Any]]) -> dict[Value, list[tuple[Node, Any]]]:
+    """Group linears by the value they read (q/k/v, gate/up): they share input statistics and scales."""
+    groups: dict[Value, list] = {}
+    for item in nodes:
+        groups.setdefault(item[0].inputs[0], []).append(item)
+    return groups
+
+
+def replace_with_qlinear(g: Graph, node: Node, qw: QuantizedWeight) -> Node:
+    """Put a qlinear over `qw`'s tensors (and the node's bias) in place of the dense linear `node`."""
+    base = linear_name(node)
+    ins = [node.inputs[0]] + [g.add_param(g.fresh(f"{base}.{role}"), t.contiguous())
+                              for role, t in zip(("qweight", "scales", "zeros"), qw.tensors())]
+    ins += node.inputs[2:]  # the bias stays as it is
+    q = g.make_node("qlinear", ins, {**qw.fmt.attrs(qw.in_features), "act": ""}, meta=dict(node.meta))
+    g.insert_before(node, q)
+    g.replace_uses(node.out, q.out)
+    g.remove_nodes([node])
+    return q
+
+
+def fold_input_scale(g: Graph, x: Value, readers: list[Node], s: torch.Tensor) -> str | None:
+    """Make the producer of `x` emit ``x / s`` (per channel of x's last dim), exactly, by scaling its
+    own weights, so that `readers` can take ``W * s``. Returns what was scaled, or None when x's
+    producer cannot absorb the scale (then nothing changes): an rms_norm's weight, or the rows of the
+    `up` linear that multiplies into a SwiGLU product (``silu(gate) * up``)."""
+    users = g.users()
+    if set(users.get(x, [])) - set(readers) or x in g.outputs or x.producer is None:
+        return None
+    p = x.producer
+    if p.op == "rms_norm" and p.inputs[1].kind == "param" and len(users.get(p.inputs[1], [])) == 1:
+        _scale_param(g, p.inputs[1].name, 1 / s)
+        return p.inputs[1].name
+    if p.op in ("silu_mul", "mul"):
+        up = p.inputs[1]
+        if p.op == "mul" and up.producer is not None and up.producer.op == "silu":
+            up = p.inputs[0]
+        lin = up.producer
+        if (lin is not None and lin.op == "linear" and all(v.kind == "param" for v in lin.inputs[1:])
+                and users.get(up, []) == [p] and all(len(users.get(v, [])) == 1 for v in lin.inputs[1:])):
+            _scale_param(g, lin.inputs[1].name, (1 / s)[:, None])
+            if len(lin.inputs) > 2:
+                _scale_param(g, lin.inputs[2].name, 1 / s)
+            return lin.inputs[1].name
+    return None
+
+
+def _scale_param(g: Graph, name: str, factor: torch.Tensor) -> None:
+    t = g.weights[name]
+    g.weights[name] = (t.float() * factor.to(t.device)).to(t.dtype).contiguous()
+
+
+def scale_dtype(g: Graph, node: Node) -> torch.dtype:
+    """Int scales are stored in the activations' dtype (what the kernels multiply in)."""
+    from llmc.ir.types import torch_dtype
+    return torch_dtype(node.inputs[0].type.dtype)
+
+
+@dataclass
+class QuantizePass(Pass):
+    """Base of the per-method passes: quantizes each linear the plan gives `method`, group by group
+    (the linears that read one input are passed together, for the methods that scale them jointly).
+
+    Every group's input scale is chosen and folded (`input_scale`) before any group is quantized: a
+    scale for down_proj's input lands in up_proj's rows, which must still be dense then."""
+
+    method: ClassVar[str] = ""
+    config: QuantConfig = QuantConfig()
+
+    def run(self, g: Graph, ctx: PassContext) -> PassResult:
+        groups = by_input(planned(g, self.method))
+        if not groups:
+            return PassResult(g, False)
+        scales = {x: self.input_scale(g, ctx, x, items) for x, items in groups.items()}
+        done = 0
+        for x, items in groups.items():
+            for node, qw in self.quantize_group(g, ctx, x, items, scales[x]):
+                replace_with_qlinear(g, node, qw)
+                done += 1
+        g.remove_unused_params()
+        return PassResult(g, True, {"quantized": done})
+
+    def input_scale(self, g: Graph, ctx: PassContext, x: Value, items: list[tuple[Node, dict]]) -> torch.Tensor | None:
+        """A per-channel scale s for the group's input, already folded into x's producer (x arrives as
+        x / s; the group's weights are to be taken as W * s), or None."""
+        return None
+
+    def quantize_group(self, g: Graph, ctx: PassContext, x: Value, items: list[tuple[Node, dict]],
+                       s: torch.Tensor | None) -> list[tuple[Node, QuantizedWeight]]:
+        raise NotImplementedError
+
+    @staticmethod
+    def weight(g: Graph, node: Node) -> torch.Tensor:
+        return g.weights[node.inputs[1].name]
+
+    @staticmethod
+    def stats(ctx: PassContext, x: Value):
+        from llmc.passes.quantize.calibrate import STATS
+        try:
+            return ctx.state[STATS][x.name]
+        except KeyError:
+            raise RuntimeError(f"no calibration statistics for %{x.name}: the calibrate pass must run before "
+                               "this one") from None

@@ -1,0 +1,118 @@
+"""Automatic per-layer mixed precision under a bits budget.
+
+Every group of linears that read one input (q/k/v, gate/up, o, down: a group shares a format, so
+that it still fuses into one GEMM) gets one of three candidates: int4 g128, int8 per channel (both
+by GPTQ) or the model dtype. Its sensitivity to each is measured on the calibration data as the
+output error the quantized weight causes, ``E = mean_t ||x_t (W - Q)^T||^2 = tr(D H D^T) / 2`` with
+``H = 2 X^T X / tokens`` (GPTQ's Hessian). The choice minimises the summed error subject to the
+average bits per weight (scales included, over all planned linears) staying within the budget:
+starting from int4 everywhere, the upgrade with the most error removed per extra bit is taken while
+it fits (the greedy solution of this multiple-choice knapsack, exact on its convex hull).
+The chosen plan, with each group's measured errors, replaces the candidates in the artifact's plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from llmc.ir.quant import QuantFormat
+from llmc.passes.manager import PassResult, register_pass
+from llmc.passes.quantize.assign import fit_format
+from llmc.passes.quantize.gptq import gptq_quantize
+from llmc.passes.quantize.materialize import QuantizePass, by_input, linear_name, planned, replace_with_qlinear, scale_dtype
+
+CANDIDATES = (QuantFormat("int", 4, 128), QuantFormat("int", 8, 0), None)  # None: the model dtype
+
+
+def output_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
+    d = (w.float() - q.float()).double()
+    return float(((d @ h.double()) * d).sum() / 2)
+
+
+def choose(groups: list[dict], budget: float) -> list[int]:
+    """The candidate index per group minimising the summed error within `budget` average bits.
+
+    Each group: {"params": n, "bits": [bits per candidate], "error": [error per candidate]},
+    candidates in increasing bits."""
+    pick = [0] * len(groups)
+    total = sum(g["params"] for g in groups)
+    used = sum(g["bits"][0] * g["params"] for g in groups)
+    while True:
+        best, best_gain = None, 0.0
+        for i, g in enumerate(groups):
+            j = pick[i]
+            for nxt in range(j + 1, len(g["bits"])):  # the best next step on this group's hull
+                cost = (g["bits"][nxt] - g["bits"][j]) * g["params"]
+                if used + cost > budget * total + 1e-6:
+                    continue
+                gain = (g["error"][j] - g["error"][nxt]) / max(cost, 1e-12)
+                if gain > best_gain:
+                    best, best_gain = (i, nxt, cost), gain
+        if best is None:
+            return pick
+        i, nxt, cost = best
+        pick[i], used = nxt, used + cost
+
+
+@register_pass
+@dataclass
+class MixedPrecision(QuantizePass):
+    name: ClassVar[str] = "quantize_mixed"
+    method: ClassVar[str] = "mixed"
+
+    def run(self, g, ctx):
+        groups = by_input(planned(g, self.method))
+        if not groups:
+            return PassResult(g, False)
+        plan = g.meta["quant_plan"]
+        measured, units = [], []
+        for x, items in groups.items():
+            h = self.stats(ctx, x).gptq_hessian()
+            options = []
+            for cand in CANDIDATES:
+                if cand is None:
+                    options.append((None, [None] * len(items), 0.0))
+                    continue
+                qws, err = [], 0.0
+                for n, _ in items:
+                    w = self.weight(g, n)
+                    fmt, _ = fit_format(cand, w.shape[1])
+                    qw = gptq_quantize(w, h, fmt, damp=self.config.damp, act_order=self.config.act_order,
+                                       scale_dtype=scale_dtype(g, n))
+                    qws.append(qw)
+                    err += output_error(w, qw.dequantize(), h)
+                options.append((cand, qws, err))
+            params = sum(self.weight(g, n).numel() for n, _ in items)
+            bits = []
+            for cand, qws, _ in options:
+                per = [plan["linears"][linear_name(n)] for n, _ in items]
+                if cand is None:
+                    bits.append(sum(8 * self.weight(g, n).element_size() * e["params"] for (n, _), e in zip(items, per))
+                                / params)
+                else:
+                    bits.append(sum(q.fmt.bits_per_weight(q.in_features, self.weight(g, n).element_size())
+                                    * self.weight(g, n).numel() for (n, _), q in zip(items, qws)) / params)
+            measured.append(options)
+            units.append({"params": params, "bits": bits, "error": [o[2] for o in options]})
+        pick = choose(units, self.config.bits_budget)
+        done = 0
+        for (x, items), options, unit, j in zip(groups.items(), measured, units, pick):
+            cand, qws, _ = options[j]
+            for (n, _), qw in zip(items, qws):
+                e = plan["linears"][linear_name(n)]
+                e["errors"] = {("dense" if c is None else c.label): round(err, 6) for c, _, err in options}
+                if qw is None:
+                    e.update(format=None, bits=unit["bits"][j], note="mixed: kept in the model dtype")
+                    continue
+                e.update(format={"kind": qw.fmt.kind, "bits": qw.fmt.bits, "group_size": qw.fmt.group_size,
+                                 "has_zeros": qw.fmt.has_zeros},
+                         bits=round(qw.fmt.bits_per_weight(qw.in_features, self.weight(g, n).element_size()), 4),
+                         note=f"mixed: {qw.fmt.label}")
+                replace_with_qlinear(g, n, qw)
+                done += 1
+        chosen = [e for e in plan["linears"].values() if not e["note"].startswith("skipped")]
+        plan["avg_bits"] = round(sum(e["bits"] * e["params"] for e in chosen) / sum(e["params"] for e in chosen), 4)
+        g.remove_unused_params()
+        return PassResult(g, True, {"quantized": done})
