@@ -1,0 +1,115 @@
+"""Quantized decode on one GPU at a model shape (default Llama-3-8B, random bf16 weights): the same
+random model compiled unquantized and with each `--quant` method, side by side in one run.
+
+For each: weights file size, batch-1 engine decode tok/s (greedy, `--new` tokens after a 128-token
+prompt, prefill excluded) and batch-16 decode tok/s, the ratio to bf16, and the share of the
+memory roofline at batch 1 (bytes of the weights each step reads / measured copy bandwidth).
+
+    python3 benchmarks/quant_decode_bench.py [--shape 8b] [--quant rtn4,fp8,smoothquant] [--new 128] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# speed does not depend on how the codes were found: W8A8 int8 is SmoothQuant with a token of
+# calibration (the random model has nothing to calibrate)
+FORMATS = {"rtn4": {"method": "rtn", "wbits": 4}, "rtn8": {"method": "rtn", "wbits": 8}, "fp8": {"method": "fp8"},
+           "w8a8": "w8a8"}
+
+
+def decode_rate(llm, prompt, new: int, batch: int) -> float:
+    from decode_bench import sync
+    from llmc.runtime.engine import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompts = [prompt[:-1] + [i] for i in range(batch)]
+    llm.generate(prompts, params)  # warm-up: kernels, graphs
+    sync()
+    t = time.perf_counter()
+    llm.generate(prompts, one)
+    sync()
+    prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate(prompts, params)
+    sync()
+    return batch * (new - 1) / (time.perf_counter() - t - prefill)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="8b")
+    ap.add_argument("--quant", default="rtn4,rtn8,fp8,w8a8")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args()
+    import llmc
+    from decode_bench import SHAPES, bandwidth
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from llmc.runtime.engine import LLM
+    work = Path(tempfile.mkdtemp())
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SHAPES[a.shape], architectures=["LlamaForCausalLM"])
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        m = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    m.save_pretrained(str(work / "model"))
+    from llmc.frontend.hf import TOKENIZER_FILES
+    from llmc.models import builtin_dir
+    for f in TOKENIZER_FILES:  # a tokenizer for SmoothQuant's calibration text (ids below any vocab here)
+        if (builtin_dir("tiny-py") / f).is_file():
+            (work / "model" / f).write_bytes((builtin_dir("tiny-py") / f).read_bytes())
+    del m
+    bw = bandwidth()
+    prompt = torch.randint(0, cfg.vocab_size, (128,)).tolist()
+    rows = []
+    for name in ["bf16"] + a.quant.split(","):
+        t = time.time()
+        quant = None if name == "bf16" else FORMATS[name]
+        if quant == "w8a8":
+            quant = {"method": "smoothquant", "calib_samples": 1, "calib_len": 16}
+        try:
+            art = llmc.compile(work / "model", work / f"{name}.llmc", dtype="bfloat16", quant=quant)
+        except Exception as e:  # a method that cannot run here is reported, the others go on
+            rows.append({"config": name, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
+        compile_s = time.time() - t
+        weights = sum(p.stat().st_size for p in art.path.glob("*.safetensors"))
+        embed = cfg.vocab_size * cfg.hidden_size * 2  # the input table is gathered, not read, per step
+        llm = LLM(art, max_num_seqs=16, num_blocks=1024)
+        row = {"config": name, "compile_s": round(compile_s), "weights_GiB": weights / 2**30,
+               "b1_tok_s": decode_rate(llm, prompt, a.new, 1), "b16_tok_s": decode_rate(llm, prompt, a.new, 16)}
+        row["roofline_b1_tok_s"] = bw / (weights - embed)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del llm, art
+    base = rows[0]
+    for r in rows:
+        if "error" not in r:
+            r.update(b1_x=r["b1_tok_s"] / base["b1_tok_s"], b16_x=r["b16_tok_s"] / base["b16_tok_s"],
+                     weights_x=r["weights_GiB"] / base["weights_GiB"], b1_of_roofline=r["b1_tok_s"] / r["roofline_b1_tok_s"])
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    Path(a.out, "quant_decode_bench.json").write_text(json.dumps({"shape": a.shape, "gpu": gpu,
+                                                                  "bw_TBps": bw / 1e12, "rows": rows}, indent=1))
+    print(f"# {a.shape}, {gpu}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{'config':8s} {'GiB':>6s} {'x':>5s} {'b1 tok/s':>9s} {'x':>5s} {'roofl':>6s} {'b16 tok/s':>10s} {'x':>5s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['config']:8s} error: {r['error'][:90]}")
+            continue
+        print(f"{r['config']:8s} {r['weights_GiB']:6.2f} {r['weights_x']:5.2f} {r['b1_tok_s']:9.1f} {r['b1_x']:5.2f} "
+              f"{r['b1_of_roofline']:6.0%} {r['b16_tok_s']:10.1f} {r['b16_x']:5.2f}")
+
+
+if __name__ == "__main__":
+    main()
