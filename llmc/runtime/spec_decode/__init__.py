@@ -12,6 +12,7 @@ k + 1 tokens, and blocks past the accepted tokens are freed after the step).
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,10 +71,11 @@ class SpecDecoder:
         self.q: dict[int, torch.Tensor | None] = {}  # seq_id -> the draft distributions of its proposal
         self.steps = 0  # verified proposals
         self.proposed = self.accepted = 0  # proposed tokens, and those the target kept
-        self.plain_s: dict[int, float] = {}  # decode steps without speculation: seconds, by batch bucket
+        # by batch bucket, the latest measurements (medians are used: a step that captured a CUDA graph or
+        # compiled a kernel takes many times its usual time, and must not decide anything)
+        self.plain_s: dict[int, deque] = {}  # decode steps without speculation: seconds
         self.since_plain: dict[int, int] = {}  # speculative steps since the bucket's last plain one
-        # seconds per generated token, by batch bucket: [plain steps, speculative steps] (see `_paying`)
-        self.per_token: dict[int, list[float | None]] = {}
+        self.per_token: dict[int, tuple[deque, deque]] = {}  # seconds per token: plain, speculative steps
         self.since_spec: dict[int, int] = {}  # plain steps since the bucket's last speculative one
         self._accepted_seen = 0
 
@@ -121,6 +123,8 @@ class SpecDecoder:
     # batch size without a plain one, one step goes without speculation to keep the reference current.
     CALIBRATE = 64
     COST_EMA = 0.1
+    WARM = 3  # measurements of a kind in a bucket before they decide (the first plain steps calibrate)
+    KEEP = 9  # measurements kept per kind and bucket
 
     @staticmethod
     def _bucket(n: int) -> int:
@@ -130,7 +134,7 @@ class SpecDecoder:
         if self.chooser.is_fixed:
             return False
         b = self._bucket(n)
-        return b not in self.plain_s or self.since_plain.get(b, 0) >= self.CALIBRATE
+        return len(self.plain_s.get(b, ())) < self.WARM or self.since_plain.get(b, 0) >= self.CALIBRATE
 
     def _paying(self, n: int) -> bool:
         """Whether speculation gives more tokens per second than plain decoding at this batch size, as
@@ -140,8 +144,8 @@ class SpecDecoder:
         if self.chooser.is_fixed:
             return True
         b = self._bucket(n)
-        plain, spec = self.per_token.get(b, (None, None))
-        if plain is None or spec is None or spec <= plain:
+        plain, spec = self.per_token.get(b, ((), ()))
+        if len(plain) < self.WARM or len(spec) < self.WARM or _median(spec) <= _median(plain):
             return True
         self.since_spec[b] = self.since_spec.get(b, 0) + 1
         if self.since_spec[b] >= self.CALIBRATE:
@@ -157,16 +161,15 @@ class SpecDecoder:
         n = len(out.scheduled)
         b = self._bucket(n)
         spec = [e for e in out.scheduled if e.spec]
-        rates = self.per_token.setdefault(b, [None, None])
-        i, spt = (1, (propose_s + step_s) / (n + gained)) if spec else (0, step_s / n)
-        rates[i] = spt if rates[i] is None else rates[i] + 0.25 * (spt - rates[i])
+        plain_t, spec_t = self.per_token.setdefault(b, (deque(maxlen=self.KEEP), deque(maxlen=self.KEEP)))
         if not spec:
-            old = self.plain_s.get(b)
-            self.plain_s[b] = step_s if old is None else old + 0.25 * (step_s - old)
+            plain_t.append(step_s / n)
+            self.plain_s.setdefault(b, deque(maxlen=self.KEEP)).append(step_s)
             self.since_plain[b] = 0
             return
+        spec_t.append((propose_s + step_s) / (n + gained))
         self.since_plain[b] = self.since_plain.get(b, 0) + 1
-        plain = self.plain_s.get(b)
+        plain = _median(self.plain_s[b]) if self.plain_s.get(b) else None
         if plain:
             k = sum(len(e.spec) for e in spec) / len(spec)
             c = min(4.0, max(0.01, ((propose_s + step_s) / plain - 1) / k))
@@ -192,6 +195,11 @@ class SpecDecoder:
         self.q.pop(seq.seq_id, None)
         self.chooser.release(seq)
         self.proposer.release(seq)
+
+
+def _median(xs) -> float:
+    v = sorted(xs)
+    return v[len(v) // 2]
 
 
 __all__ = ["SpecConfig", "SpecDecoder", "Proposal", "Proposer", "plain_greedy"]
