@@ -23,6 +23,7 @@ CONFIGS = {
     "bf16": None,
     "rtn4": {"method": "rtn", "wbits": 4},
     "gptq4": {"method": "gptq", "wbits": 4},
+    "gptq4-actorder": {"method": "gptq", "wbits": 4, "act_order": True},
     "awq4": {"method": "awq", "wbits": 4},
     "rtn8": {"method": "rtn", "wbits": 8},
     "gptq8": {"method": "gptq", "wbits": 8},

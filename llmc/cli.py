@@ -125,7 +125,7 @@ def _load_plugins(files: tuple[str, ...]) -> None:
 @click.option("--zero-point", is_flag=True, help="Asymmetric int weights with stored zero points.")
 @click.option("--calib", default="builtin:heldout", show_default=True, metavar="FILE.txt|builtin:heldout",
               help="Calibration text for gptq, awq, smoothquant and mixed.")
-@click.option("--calib-samples", type=int, default=32, show_default=True, metavar="N",
+@click.option("--calib-samples", type=int, default=128, show_default=True, metavar="N",
               help="Calibration windows (of 256 tokens).")
 @click.option("--bits-budget", type=float, default=4.5, show_default=True, metavar="B",
               help="mixed: average bits per quantized weight, scales included.")

@@ -28,8 +28,8 @@ def run_block(n, tmp_path, monkeypatch):
     return ns
 
 
-def test_three_examples_documented():
-    assert sorted(BLOCKS) == [1, 2, 3]
+def test_four_examples_documented():
+    assert sorted(BLOCKS) == [1, 2, 3, 4]
     assert [title for _, title, _ in BLOCKS[3]] == ["my_kernels/my_swiglu.py.jinja", "my_swiglu.py", "compare.py", ""]
 
 
@@ -43,6 +43,12 @@ def test_example_1_activation_by_example(tmp_path, monkeypatch):
 def test_example_2_fold_scale(tmp_path, monkeypatch):
     ns = run_block(2, tmp_path, monkeypatch)
     assert ns["art"].graph.op_counts() == {"linear": 1}
+
+
+def test_example_4_own_quantization(tmp_path, monkeypatch):
+    ns = run_block(4, tmp_path, monkeypatch)
+    assert ns["art"].graph.op_counts() == {"qlinear": 1}
+    assert float((ns["y"] - ns["proj"](ns["x"])).norm() / ns["proj"](ns["x"]).norm()) < 0.02
 
 
 def test_example_3_user_triton_kernel_plugin(tmp_path):
