@@ -172,15 +172,21 @@ def int_scales(w: torch.Tensor, fmt: QuantFormat, scale_dtype: torch.dtype) -> t
     Scales are rounded to `scale_dtype` here, so codes are computed against the stored scale."""
     n, k = w.shape
     wg = w.float().reshape(n, fmt.groups(k), -1)
+    return range_scales(wg.amin(-1), wg.amax(-1), fmt, scale_dtype)
+
+
+def range_scales(lo: torch.Tensor, hi: torch.Tensor, fmt: QuantFormat,
+                 scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scales (and zero points) whose grid spans [lo, hi] per group (symmetric: [-max|.|, max|.|])."""
     qmax = (1 << fmt.bits) - 1
     if fmt.has_zeros:
-        lo = wg.amin(-1).clamp(max=0)
-        hi = wg.amax(-1).clamp(min=0)
+        lo, hi = lo.clamp(max=0), hi.clamp(min=0)
         s = ((hi - lo) / qmax).clamp_min(1e-10).to(scale_dtype)
         z = torch.round(-lo / s.float()).clamp(0, qmax).to(torch.uint8)
         return s, z
     half = 1 << (fmt.bits - 1)
-    s = (wg.abs().amax(-1) / (half - 1)).clamp_min(1e-10).to(scale_dtype)  # codes -half+1 .. half-1 around half
+    amax = torch.maximum(lo.abs(), hi.abs())
+    s = (amax / (half - 1)).clamp_min(1e-10).to(scale_dtype)  # codes -half+1 .. half-1 around half
     return s, None
 
 

@@ -21,7 +21,7 @@ from llmc.passes.quantize.materialize import QuantizePass, entry_format, fold_in
 
 
 def awq_search(ws: list[torch.Tensor], x: torch.Tensor, fmt: QuantFormat, *, grid: int = 20,
-               scale_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, float]:
+               scale_dtype: torch.dtype = torch.bfloat16, duo: bool = False) -> tuple[torch.Tensor, float]:
     """Search the per-input-channel AWQ scales for the linears that read one input x ("search scale").
 
     For each alpha in ``linspace(0, 1, grid)``: ``s = mean|x|^alpha``, normalised to
@@ -37,6 +37,8 @@ def awq_search(ws: list[torch.Tensor], x: torch.Tensor, fmt: QuantFormat, *, gri
         fmt: the int format the weights will be stored in.
         grid: number of alpha values tried.
         scale_dtype: the dtype scales are stored in (the search rounds like the final weights will).
+        duo: ``s = mean|x|^alpha / mean|W|^(1 - alpha)`` (AutoAWQ's default "duo scaling", with
+            |W| relative to its group's max), instead of ``mean|x|^alpha``.
 
     Returns:
         (s [K] fp32, alpha). The caller divides the op producing x by s (a norm's weight, or the
@@ -48,21 +50,39 @@ def awq_search(ws: list[torch.Tensor], x: torch.Tensor, fmt: QuantFormat, *, gri
         >>> s.shape, 0 <= alpha <= 1
         (torch.Size([128]), True)
     """
+    _, s, alpha = _search(ws, x, fmt, grid, scale_dtype, duo)
+    return s, alpha
+
+
+def _search(ws, x, fmt, grid, scale_dtype, duo):
+    """(error, s, alpha) of the best grid point."""
     _require_int(fmt)
     if grid < 1:
         raise ValueError(f"AWQ's scale search needs at least one grid point, not {grid}")
     xf = x.reshape(-1, x.shape[-1]).float()
     x_mean = xf.abs().mean(0)  # [K]
     gram = xf.T @ xf  # [K, K]
+    w_mean = _weight_scale(ws, fmt) if duo else None
     best_err, best_s, best_alpha = float("inf"), None, 0.0
     for alpha in torch.linspace(0, 1, grid).tolist():
         s = x_mean.pow(alpha).clamp_min(1e-4)  # a channel that is always 0 would get s = 0
+        if duo:
+            s = (s / (w_mean.pow(1 - alpha) + 1e-4)).clamp_min(1e-4)
         s = s / (s.max() * s.min()).sqrt()
         err = sum(_output_error(w.float() - awq_quantize(w, s, fmt, scale_dtype=scale_dtype).dequantize() / s, gram)
                   for w in ws)
         if err < best_err:
             best_err, best_s, best_alpha = err, s, alpha
-    return best_s, best_alpha
+    return best_err, best_s, best_alpha
+
+
+def _weight_scale(ws, fmt) -> torch.Tensor:
+    """Mean over output rows of |W| relative to its group's max, per input channel (the weight side of
+    AutoAWQ's "duo scaling": channels whose weights are small within their group can take more scale)."""
+    w = torch.cat([w.float() for w in ws])
+    g = fmt.group_size or w.shape[1]
+    wg = w.abs().reshape(w.shape[0], -1, g)
+    return (wg / wg.amax(-1, keepdim=True).clamp_min(1e-10)).reshape(w.shape).mean(0)
 
 
 def awq_clip_search(w: torch.Tensor, x: torch.Tensor, fmt: QuantFormat, *, s: torch.Tensor | None = None,
@@ -171,8 +191,10 @@ class AWQQuantize(QuantizePass):
     def input_scale(self, g, ctx, x, items):
         rows = self.stats(ctx, x).rows_sample()
         fmt = entry_format(items[0][1])
-        s, alpha = awq_search([self.weight(g, n) for n, _ in items], rows, fmt, scale_dtype=scale_dtype(g, items[0][0]))
-        if alpha == 0:
+        ws, sd = [self.weight(g, n) for n, _ in items], scale_dtype(g, items[0][0])
+        _, s, alpha, duo = min(((*_search(ws, rows, fmt, 20, sd, duo), duo) for duo in (False, True)),
+                               key=lambda r: r[0])
+        if alpha == 0 and not duo:  # s = 1: plain RTN is best here
             return None
         where = fold_input_scale(g, x, [n for n, _ in items], s)
         if where is None:

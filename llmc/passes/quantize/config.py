@@ -41,6 +41,7 @@ class QuantConfig:
         act_order: gptq: quantize columns in order of decreasing activation energy.
         damp: gptq: Hessian damping, relative to its mean diagonal. 0.1 rather than the paper's 0.01:
             on tiny-py with 32k calibration tokens, 0.01 fits the calibration text and loses on other text.
+        scale_search: gptq, mixed: shrink factors of each group's range tried (0: min-max scales).
         alpha: smoothquant: migration strength.
         skip: linears kept in the model dtype, by name suffix (the LM head by default).
     """
@@ -55,6 +56,7 @@ class QuantConfig:
     bits_budget: float = 4.5
     act_order: bool = False
     damp: float = 0.1
+    scale_search: int = 20
     alpha: float = 0.5
     skip: tuple[str, ...] = ("lm_head",)
 

@@ -12,14 +12,14 @@ from typing import ClassVar
 import torch
 
 from llmc.errors import CompileError
-from llmc.ir.quant import QuantFormat, QuantizedWeight, int_scales, pack, quantize_int_with
+from llmc.ir.quant import QuantFormat, QuantizedWeight, int_scales, pack, quantize_int_with, range_scales
 from llmc.passes.manager import register_pass
 from llmc.passes.quantize.materialize import QuantizePass, entry_format, scale_dtype
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, fmt: QuantFormat, *, damp: float = 0.01,
-                  act_order: bool = False, block_size: int = 128,
-                  scale_dtype: torch.dtype = torch.bfloat16) -> QuantizedWeight:
+                  act_order: bool = False, block_size: int = 128, scale_dtype: torch.dtype = torch.bfloat16,
+                  search: int = 0) -> QuantizedWeight:
     """Quantize w [N, K] into an int format, minimising ``||X W^T - X Q^T||`` on calibration inputs X.
 
     The paper's three steps: columns are quantized in a fixed order (step 1, "arbitrary order");
@@ -48,6 +48,10 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, fmt: QuantFormat, *, d
         act_order: quantize columns in order of decreasing ``H_ii`` (with static groups).
         block_size: columns per lazy batch-update; changes speed, not the result (up to rounding).
         scale_dtype: the dtype scales are stored in; codes are computed against the stored scales.
+        search: 0: min-max scales; n > 0: each row's group range is shrunk by the best of n factors in
+            [0.8, 1] ("mse" in the reference implementation; here the squared rounding error of the
+            group's columns weighted by ``H_ii``), so that a group's few large weights do not coarsen
+            the grid for the rest.
 
     Returns:
         The `QuantizedWeight`; its `dequantize()` is the quantized weight.
@@ -80,7 +84,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, fmt: QuantFormat, *, d
     zeros = torch.empty(n, n_groups, dtype=torch.uint8, device=W.device) if fmt.has_zeros else None
     order = None
     if act_order:
-        scales, zeros = int_scales(W, fmt, scale_dtype)  # static groups, from the original weights
+        scales, zeros = group_scales(W, fmt, scale_dtype, search, H.diagonal().float())  # static groups
         perm = torch.argsort(H.diagonal(), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
         order = perm.tolist()
@@ -100,7 +104,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, fmt: QuantFormat, *, d
                 cur = W1[:, i:min(col + g, i2) - i1]
                 if col + g > i2:  # the group outruns the block: its later columns still lack this block's update
                     cur = torch.cat([cur, W[:, i2:col + g] - Err1[:, :i] @ U[i1:col, i2:col + g]], dim=1)
-                s, z = int_scales(cur, fmt, scale_dtype)
+                s, z = group_scales(cur, fmt, scale_dtype, search, H.diagonal()[col:col + cur.shape[1]].float())
                 scales[:, grp:grp + 1] = s
                 if zeros is not None:
                     zeros[:, grp:grp + 1] = z
@@ -116,6 +120,32 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, fmt: QuantFormat, *, d
     if act_order:
         Q = Q[:, torch.argsort(perm)]
     return QuantizedWeight(fmt, pack(fmt, Q), scales, zeros)
+
+
+def group_scales(w: torch.Tensor, fmt: QuantFormat, scale_dtype: torch.dtype, search: int,
+                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-group scales (and zeros) of w [N, C]: min-max (`search` 0), or per row and group the shrink
+    factor, of `search` in [0.8, 1], with the least rounding error sum((w - Q(w))^2 * weight)."""
+    if not search:
+        return int_scales(w, fmt, scale_dtype)
+    n, c = w.shape
+    wg = w.float().reshape(n, fmt.groups(c), -1)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    wt = weight.reshape(1, wg.shape[1], -1)
+    s = z = best = None
+    for p in torch.linspace(1.0, 0.8, search).tolist():
+        sp, zp = range_scales(lo * p, hi * p, fmt, scale_dtype)
+        q = quantize_int_with(w, fmt, sp, zp).float().reshape(wg.shape)
+        zero = zp.float()[..., None] if zp is not None else float(1 << (fmt.bits - 1))
+        err = (((q - zero) * sp.float()[..., None] - wg) ** 2 * wt).sum(-1)
+        if best is None:
+            s, z, best = sp, zp, err
+            continue
+        better = err < best
+        best = torch.where(better, err, best)
+        s = torch.where(better, sp, s)
+        z = torch.where(better, zp, z) if z is not None else None
+    return s, z
 
 
 def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
@@ -140,5 +170,6 @@ class GPTQQuantize(QuantizePass):
     def quantize_group(self, g, ctx, x, items, s):
         h = self.stats(ctx, x).gptq_hessian()
         return [(n, gptq_quantize(self.weight(g, n), h, entry_format(e), damp=self.config.damp,
-                                  act_order=self.config.act_order, scale_dtype=scale_dtype(g, n)))
+                                  act_order=self.config.act_order, scale_dtype=scale_dtype(g, n),
+                                  search=self.config.scale_search))
                 for n, e in items]

@@ -80,7 +80,7 @@ class MixedPrecision(QuantizePass):
                     w = self.weight(g, n)
                     fmt, _ = fit_format(cand, w.shape[1])
                     qw = gptq_quantize(w, h, fmt, damp=self.config.damp, act_order=self.config.act_order,
-                                       scale_dtype=scale_dtype(g, n))
+                                       scale_dtype=scale_dtype(g, n), search=self.config.scale_search)
                     qws.append(qw)
                     err += output_error(w, qw.dequantize(), h)
                 options.append((cand, qws, err))
