@@ -17,7 +17,8 @@ import torch
 
 from llmc.ir.quant import QuantFormat, QuantizedWeight, quantize_rtn
 from llmc.passes.manager import register_pass
-from llmc.passes.quantize.materialize import QuantizePass, entry_format, fold_input_scale, linear_name, scale_dtype
+from llmc.passes.quantize.materialize import (QuantizePass, entry_format, fold_input_scale, head_tie, linear_name,
+                                              scale_dtype)
 
 
 def awq_search(ws: list[torch.Tensor], x: torch.Tensor, fmt: QuantFormat, *, grid: int = 20,
@@ -54,8 +55,9 @@ def awq_search(ws: list[torch.Tensor], x: torch.Tensor, fmt: QuantFormat, *, gri
     return s, alpha
 
 
-def _search(ws, x, fmt, grid, scale_dtype, duo):
-    """(error, s, alpha) of the best grid point."""
+def _search(ws, x, fmt, grid, scale_dtype, duo, tie=None):
+    """(error, s, alpha) of the best grid point; `tie` projects each candidate s onto the scales the
+    input's producer can take."""
     _require_int(fmt)
     if grid < 1:
         raise ValueError(f"AWQ's scale search needs at least one grid point, not {grid}")
@@ -68,6 +70,8 @@ def _search(ws, x, fmt, grid, scale_dtype, duo):
         s = x_mean.pow(alpha).clamp_min(1e-4)  # a channel that is always 0 would get s = 0
         if duo:
             s = (s / (w_mean.pow(1 - alpha) + 1e-4)).clamp_min(1e-4)
+        if tie is not None:
+            s = tie(s)
         s = s / (s.max() * s.min()).sqrt()
         err = sum(_output_error(w.float() - awq_quantize(w, s, fmt, scale_dtype=scale_dtype).dequantize() / s, gram)
                   for w in ws)
@@ -179,10 +183,11 @@ def _require_int(fmt: QuantFormat) -> None:
 @register_pass
 @dataclass
 class AWQQuantize(QuantizePass):
-    """Searches one scale per group of linears that read one input (q/k/v, gate/up, down), folds 1/s
-    into the input's producer (the norm's weight; up_proj's rows for down_proj), then stores
-    ``Q(W * s)`` with a clipping range searched per row and group. An input whose producer cannot
-    absorb a scale (o_proj's: the attention output) keeps s = 1 and only the clip search."""
+    """Searches one scale per group of linears that read one input (q/k/v, gate/up, o, down), folds
+    1/s into the input's producer (the norm's weight; v_proj's rows for o_proj, one scale per KV head
+    and dim; up_proj's rows for down_proj), then stores ``Q(W * s)`` with a clipping range searched
+    per row and group. An input whose producer cannot absorb a scale keeps s = 1 and only the clip
+    search."""
 
     name: ClassVar[str] = "quantize_awq"
     method: ClassVar[str] = "awq"
@@ -192,7 +197,8 @@ class AWQQuantize(QuantizePass):
         rows = self.stats(ctx, x).rows_sample()
         fmt = entry_format(items[0][1])
         ws, sd = [self.weight(g, n) for n, _ in items], scale_dtype(g, items[0][0])
-        _, s, alpha, duo = min(((*_search(ws, rows, fmt, 20, sd, duo), duo) for duo in (False, True)),
+        tie = head_tie(g, x)
+        _, s, alpha, duo = min(((*_search(ws, rows, fmt, 20, sd, duo, tie), duo) for duo in (False, True)),
                                key=lambda r: r[0])
         if alpha == 0 and not duo:  # s = 1: plain RTN is best here
             return None

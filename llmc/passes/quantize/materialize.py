@@ -69,14 +69,62 @@ def replace_with_qlinear(g: Graph, node: Node, qw: QuantizedWeight) -> Node:
     return q
 
 
+def attention_v_linear(g: Graph, x: Value) -> tuple[Node, int, int, int] | None:
+    """(v_proj, query heads, KV heads, head dim) when x is the attention output flattened over heads,
+    ``reshape(transpose(attention(q, k, v)))`` with ``v = transpose(reshape(v_proj(h)))``, every link
+    used once; else None. Attention is linear in v: scaling v_proj's rows scales the output's."""
+    users = g.users()
+
+    def only(v: Value, op: str | tuple) -> Node | None:
+        n = v.producer
+        ok = n is not None and n.op in ((op,) if isinstance(op, str) else op) and v not in g.outputs
+        return n if ok and len(users.get(v, [])) == 1 else None
+    r = x.producer
+    t = only(r.inputs[0], "transpose") if r is not None and r.op == "reshape" else None
+    att = only(t.inputs[0], ("paged_attention", "attention")) if t is not None else None
+    vt = only(att.inputs[2], "transpose") if att is not None else None
+    vr = only(vt.inputs[0], "reshape") if vt is not None else None
+    lin = only(vr.inputs[0], "linear") if vr is not None else None
+    if lin is None or not all(v.kind == "param" and len(users.get(v, [])) == 1 for v in lin.inputs[1:]):
+        return None
+    hq, hkv, d = att.inputs[0].type.shape[1], att.inputs[2].type.shape[1], att.inputs[2].type.shape[3]
+    if not all(isinstance(n, int) for n in (hq, hkv, d)) or hq % hkv or x.type.shape[-1] != hq * d:
+        return None
+    return lin, hq, hkv, d
+
+
+def head_tie(g: Graph, x: Value):
+    """For an attention output x (see `attention_v_linear`): the projection of a per-channel scale onto
+    the scales v_proj's rows can give, one per (KV head, dim), shared by the query heads of a group.
+    None for any other x."""
+    info = attention_v_linear(g, x)
+    if info is None:
+        return None
+    _, hq, hkv, d = info
+    rep = hq // hkv
+    return lambda s: s.reshape(hkv, rep, d).mean(1, keepdim=True).expand(hkv, rep, d).reshape(-1)
+
+
 def fold_input_scale(g: Graph, x: Value, readers: list[Node], s: torch.Tensor) -> str | None:
     """Make the producer of `x` emit ``x / s`` (per channel of x's last dim), exactly, by scaling its
     own weights, so that `readers` can take ``W * s``. Returns what was scaled, or None when x's
-    producer cannot absorb the scale (then nothing changes): an rms_norm's weight, or the rows of the
-    `up` linear that multiplies into a SwiGLU product (``silu(gate) * up``)."""
+    producer cannot absorb the scale (then nothing changes): an rms_norm's weight, the rows of the
+    `up` linear that multiplies into a SwiGLU product (``silu(gate) * up``), or v_proj's rows under an
+    attention output (s tied across each KV group's query heads: `head_tie`)."""
     users = g.users()
     if set(users.get(x, [])) - set(readers) or x in g.outputs or x.producer is None:
         return None
+    info = attention_v_linear(g, x)
+    if info is not None:
+        lin, hq, hkv, d = info
+        per_head = s.reshape(hkv, hq // hkv, d)
+        if not torch.allclose(per_head, per_head[:, :1].expand_as(per_head)):
+            return None  # not one scale per (KV head, dim): v_proj's rows cannot carry it
+        t = per_head[:, 0].reshape(-1)
+        _scale_param(g, lin.inputs[1].name, (1 / t)[:, None])
+        if len(lin.inputs) > 2:
+            _scale_param(g, lin.inputs[2].name, 1 / t)
+        return lin.inputs[1].name
     p = x.producer
     if p.op == "rms_norm" and p.inputs[1].kind == "param" and len(users.get(p.inputs[1], [])) == 1:
         _scale_param(g, p.inputs[1].name, 1 / s)

@@ -14,7 +14,7 @@ import torch
 
 from llmc.ir.quant import QuantFormat, QuantizedWeight, quantize_rtn
 from llmc.passes.manager import register_pass
-from llmc.passes.quantize.materialize import QuantizePass, entry_format, fold_input_scale, linear_name
+from llmc.passes.quantize.materialize import QuantizePass, entry_format, fold_input_scale, head_tie, linear_name
 
 EPS = 1e-5  # floor for the statistics and the scales: a dead channel must not give s = 0 or 1/0
 
@@ -80,6 +80,8 @@ class SmoothQuantize(QuantizePass):
     def input_scale(self, g, ctx, x, items):
         s = smoothquant_scales(self.stats(ctx, x).abs_max.cpu(), [self.weight(g, n) for n, _ in items],
                                self.config.alpha)
+        tie = head_tie(g, x)
+        s = tie(s) if tie is not None else s
         if fold_input_scale(g, x, [n for n, _ in items], s) is None:
             ctx.note(f"{self.name}: %{x.name} ({', '.join(linear_name(n) for n, _ in items)}): its producer cannot "
                      "take a scale; not smoothed")
