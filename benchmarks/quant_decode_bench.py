@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--shape", default="8b")
     ap.add_argument("--quant", default="rtn4,rtn8,fp8,w8a8")
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--no-tune", action="store_true", help="compile without GEMM tuning (default tiles)")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     import llmc
@@ -77,7 +78,8 @@ def main() -> None:
         if quant == "w8a8":
             quant = {"method": "smoothquant", "calib_samples": 1, "calib_len": 16}
         try:
-            art = llmc.compile(work / "model", work / f"{name}.llmc", dtype="bfloat16", quant=quant)
+            art = llmc.compile(work / "model", work / f"{name}.llmc", dtype="bfloat16", quant=quant,
+                               tune=not a.no_tune)
         except Exception as e:  # a method that cannot run here is reported, the others go on
             rows.append({"config": name, "error": f"{type(e).__name__}: {e}"[:300]})
             print(json.dumps(rows[-1]), flush=True)
@@ -91,7 +93,11 @@ def main() -> None:
         row["roofline_b1_tok_s"] = bw / (weights - embed)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        Path(a.out, "quant_decode_bench.partial.jsonl").open("a").write(json.dumps(row) + "\n")
         del llm, art
+        for p in work.glob(f"{name}.llmc/*.safetensors"):  # the disk holds a few 8B artifacts at most
+            p.unlink()
     base = rows[0]
     for r in rows:
         if "error" not in r:
