@@ -84,6 +84,11 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
     from llmc.passes.pipeline import pipeline
     from llmc.passes.quantize.config import QuantConfig
     quant = QuantConfig.coerce(quant)  # bad options fail here, before capture
+    if quant is not None and quant.method == "fp8" and torch.cuda.is_available() \
+            and torch.cuda.get_device_capability() < (8, 9):
+        raise CompileError(f"--quant fp8: {torch.cuda.get_device_name()} has no FP8 matrix units (compute capability "
+                           "8.9+: Ada, Hopper); use --quant smoothquant (int8) or rtn, or compile where the model will "
+                           "run on such a GPU")
     if output is not None:
         check_output(Path(output))
     bar = _Progress(progress)

@@ -143,6 +143,15 @@ def test_bad_quant_options_fail_before_writing(llama_dir, tmp_path):
     assert not out.exists()
 
 
+def test_fp8_on_a_gpu_without_fp8_is_a_clear_error(llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
+    with pytest.raises(CompileError, match="A100 has no FP8"):
+        llmc.compile(llama_dir, tmp_path / "f.llmc", quant="fp8")
+    assert not (tmp_path / "f.llmc").exists()
+
+
 def test_cli_compile_quant_and_inspect_plan(llama_dir, tmp_path):
     from llmc.cli import main
     out = tmp_path / "c.llmc"
