@@ -72,16 +72,22 @@ def quantized(fmt, n, k, g):
                                         for t in (qw.qweight, qw.scales, qw.zeros)))
 
 
-def close(out, ref, dtype):
+# On a GPU, FP8 tensor cores add the products of one MMA instruction (32 along K) at reduced
+# precision before each promotion into the fp32 accumulator (max_num_imprecise_acc=32), ~2^-13
+# relative per partial sum: fp32 x is then held to 1e-3 against the exact reference, not 1e-4.
+FP8_GPU_TOL = 1e-3
+
+
+def close(out, ref, dtype, kind=""):
     assert out.dtype == ref.dtype == dtype and out.shape == ref.shape
-    tol = TOL[dtype]
+    tol = max(TOL[dtype], FP8_GPU_TOL) if kind == "fp8" and not INTERPRETED else TOL[dtype]
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
 def run_and_check(qw, x, b=None, act="", **kw):
     p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
     y = qlinear(x, p, b, act, **kw)
-    close(y, reference(x, qw.fmt, qw.qweight, qw.scales, qw.zeros, b, act), x.dtype)
+    close(y, reference(x, qw.fmt, qw.qweight, qw.scales, qw.zeros, b, act), x.dtype, qw.fmt.kind)
     return y
 
 
