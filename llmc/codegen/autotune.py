@@ -219,3 +219,17 @@ class Tuner:
         if not path.exists():
             return cls()
         return cls.from_json(json.loads(path.read_text()))
+
+
+def timing_io(group, k: int, n: int, dtype, device):
+    """A function giving (x [m, k], y [m, n]) for every bucket of `group`: a GEMM choice's timing
+    inputs, made on the first call (only when the choice is timed now, not when it is recorded)."""
+    import torch
+    made: list = []
+
+    def io():
+        if not made:
+            made.extend((torch.randn(bucket_size(g), k, dtype=dtype, device=device),
+                         torch.empty(bucket_size(g), n, dtype=dtype, device=device)) for g in group)
+        return made
+    return io

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from llmc.codegen.autotune import JOINT_MARGIN, Tuner, bucket_size, m_bucket
+from llmc.codegen.autotune import JOINT_MARGIN, Tuner, bucket_size, m_bucket, timing_io
 from llmc.codegen.elementwise import (HELPERS, UNARY_OPS, _freeze_attrs, cast_expr, cast_helpers, compiled,
                                       interpreting, op_expr)
 from llmc.codegen.kernels import KernelSpec, tile_counters
@@ -193,13 +193,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
     elif config is None:
         bucket = m_bucket(M)
         group = tuner.joint if bucket in tuner.joint else (bucket,)
-        made: list = []
-
-        def io():  # inputs for every bucket of the group, made only if the choice is timed now
-            if not made:
-                made.extend((torch.randn(bucket_size(g), K, dtype=x2.dtype, device=x2.device),
-                             torch.empty(bucket_size(g), N, dtype=x2.dtype, device=x2.device)) for g in group)
-            return made
+        io = timing_io(group, K, N, x2.dtype, x2.device)
         config = tuner.choose(spec.key(N, K), group, candidates(bucket, len(group) > 1),
                               bench=lambda cfg: [_launch(spec, xi, w, b, yi, cfg) for xi, yi in io()],
                               baseline=lambda: [reference(xi, w, b, spec.epilogue) for xi, _ in io()],

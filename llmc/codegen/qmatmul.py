@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import triton
 
-from llmc.codegen.autotune import Tuner, bucket_size, m_bucket
+from llmc.codegen.autotune import Tuner, bucket_size, m_bucket, timing_io
 from llmc.codegen.elementwise import HELPERS, cast_expr, cast_helpers, compiled, interpreting, op_expr
 from llmc.codegen.kernels import KernelSpec, tile_counters
 from llmc.codegen.matmul import MAX_M_TILES, m_tiles, triton_cdiv
@@ -515,13 +515,7 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
     elif config is None:
         bucket = m_bucket(M)
         group = tuner.joint if bucket in tuner.joint else (bucket,)
-        made: list = []
-
-        def io():  # inputs for every bucket of the group, made only if the choice is timed now
-            if not made:
-                made.extend((torch.randn(bucket_size(g), K, dtype=x2.dtype, device=x2.device),
-                             torch.empty(bucket_size(g), N, dtype=x2.dtype, device=x2.device)) for g in group)
-            return made
+        io = timing_io(group, K, N, x2.dtype, x2.device)
         config = tuner.choose(spec.key(N, K), group, candidates(bucket, N, kw, pack, len(group) > 1),
                               bench=lambda cfg: [_launch(spec, xi, prepared, b, yi, cfg) for xi, yi in io()])
     _launch(spec, x2, prepared, b, y.view(-1, N), config)
