@@ -632,5 +632,160 @@ def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend,
     click.echo(f"perplexity  {res.perplexity:.4f}")
 
 
+@main.command()
+@click.argument("artifact", type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", default=8000, show_default=True, help="TCP port to listen on.")
+@click.option("--api-key", default=None, envvar="LLMC_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1 (env LLMC_API_KEY). /health and /metrics stay open.")
+@click.option("--served-model-name", default=None, metavar="NAME",
+              help="The model name clients send and /v1/models lists (default: the artifact's directory name).")
+@click.option("--chat-template", "chat_template", type=click.Path(), default=None, metavar="FILE",
+              help="A Jinja chat template (over `messages`, `add_generation_prompt`, `bos_token`, `eos_token`) "
+                   "replacing the artifact's, or giving one to a model without.")
+@click.option("--max-queue", type=int, default=None, metavar="N",
+              help="Most requests waiting for the engine; more are answered 503 with Retry-After (default: no limit).")
+@click.option("--shutdown-timeout", type=float, default=30.0, show_default=True, metavar="S",
+              help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them.")
+@click.option("--backend", type=click.Choice(["auto", "cuda", "triton-interpret", "reference"]), default="auto",
+              show_default=True, help="auto: cuda when a GPU is present, else reference (the interpreter). "
+                                      "triton-interpret: the generated kernels on the CPU (slow; for testing).")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
+@click.option("--max-num-seqs", default=_ENGINE.max_num_seqs, show_default=True, help="Sequences batched per step.")
+@click.option("--max-num-batched-tokens", default=_ENGINE.max_num_batched_tokens, show_default=True,
+              help="Token budget per step.")
+@click.option("--block-size", default=_ENGINE.block_size, show_default=True,
+              help="KV cache slots per block (a power of two on the kernel backends).")
+@click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory).")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default=None,
+              help="Override the artifact's KV cache dtype.")
+@click.option("--spec", "spec_method", type=click.Choice(["off", "ngram", "draft", "multi"]), default=None,
+              help="Speculative decoding, as for `llmc run`.")
+@click.option("--draft", "draft_path", type=click.Path(), default=None, help="The draft artifact for --spec draft.")
+@click.option("--spec-tokens", default="auto", show_default=True, metavar="K|auto",
+              help="Tokens proposed per step (1-16), or auto.")
+@_plugin_option
+def serve(artifact, host, port, api_key, served_model_name, chat_template, max_queue, shutdown_timeout, backend,
+          device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, spec_method,
+          draft_path, spec_tokens, plugins):
+    """Serve ARTIFACT over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
+    plus /health and /metrics (Prometheus).
+
+    \b
+    llmc serve tiny.llmc --port 8000
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 16}'
+
+    One engine loop serves every request. SIGTERM or Ctrl-C stops accepting, lets in-flight requests
+    finish (up to --shutdown-timeout), aborts the rest and exits 0.
+    """
+    import llmc
+    _check_engine_options(backend, device, {"--max-num-seqs": max_num_seqs, "--block-size": block_size,
+                                            "--max-num-batched-tokens": max_num_batched_tokens,
+                                            "--num-blocks": num_blocks, "--max-queue": max_queue})
+    if not 0 < port < 65536:
+        raise RequestError(f"--port must be in 1-65535, got {port}")
+    template = None
+    if chat_template is not None:
+        path = Path(chat_template)
+        if not path.is_file():
+            raise RequestError(f"--chat-template {path}: " + ("no such file" if not path.exists() else "not a file"))
+        template = path.read_text(encoding="utf-8")
+    speculative = _speculative(spec_method, draft_path, spec_tokens)
+    if backend == "triton-interpret":
+        _use_triton_interpreter()
+    _load_plugins(plugins)
+    from llmc.runtime.async_engine import AsyncLLM
+    from llmc.serve.app import create_app
+    art = llmc.load(artifact)
+    name = served_model_name or Path(art.path).name.removesuffix(".llmc")
+    llm = AsyncLLM(art, speculative=speculative, max_num_seqs=max_num_seqs,
+                   max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
+                   kv_cache_dtype=kv_cache_dtype, backend=backend, device=device)
+    try:
+        app = create_app(llm, name, api_key=api_key, chat_template=template, max_queue=max_queue,
+                         shutdown_timeout=shutdown_timeout)
+    except BaseException:
+        llm.shutdown()
+        raise
+    click.echo(f"serving {art.path} as {name!r} on http://{host}:{port}/v1", err=True)
+    if not _run_server(app, host, port, shutdown_timeout):
+        llm.shutdown()
+        raise LLMCError(f"the server did not start on {host}:{port} (is the port in use?)")
+
+
+def _run_server(app, host: str, port: int, shutdown_timeout: float) -> bool:
+    """Run uvicorn until SIGTERM/SIGINT (a second SIGINT forces the exit); True if it started. uvicorn
+    re-raises the caught signal after its graceful shutdown, which would end the process by that
+    signal; a graceful shutdown is a success, so the signal is not recorded and the command returns."""
+    import signal
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            self.force_exit = self.force_exit or (self.should_exit and sig == signal.SIGINT)
+            self.should_exit = True
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                   timeout_graceful_shutdown=shutdown_timeout))
+    server.run()
+    return server.started
+
+
+@main.group()
+def bench():
+    """Benchmarks of llmc: `llmc bench serve` measures a running server."""
+
+
+@bench.command("serve")
+@click.option("--url", required=True, metavar="URL",
+              help="The OpenAI-compatible server's root, e.g. http://127.0.0.1:8000 (`llmc serve`).")
+@click.option("--workload", default="mixed", show_default=True, metavar="mixed|short",
+              help="mixed: prompts of U[64, 1024] and outputs of U[64, 512] tokens (llmc's throughput mix; seed 0 "
+                   "gives its exact requests), cut from the shipped held-out text. short: 32-token prompts, "
+                   "32 output tokens.")
+@click.option("--request-rate", default="inf", show_default=True, metavar="R|inf",
+              help="Requests per second, arriving as a Poisson process; inf: all at once.")
+@click.option("--num-requests", type=int, default=None, metavar="N", help="Default: 256 (mixed), 32 (short).")
+@click.option("--max-concurrency", type=int, default=None, metavar="N",
+              help="Most requests in flight at once (default: no limit).")
+@click.option("--model", default=None, help="Model name to request (default: the first in GET /v1/models).")
+@click.option("--api-key", default="EMPTY", show_default=True, help="Bearer token for the server.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the workload and the arrival times.")
+@click.option("--tokenizer", default=None, metavar="PATH",
+              help="Count prompt lengths in this tokenizer (a tokenizer.json, or a model or artifact directory); "
+                   "default: the built-in tiny-py's.")
+@click.option("--timeout", type=float, default=600.0, show_default=True,
+              help="Seconds one request may take before it counts as failed.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object: counts, errors, duration_s, request/output/total throughput, token "
+                   "totals, and mean/p50/p90/p99 of ttft_ms, tpot_ms, itl_ms, e2e_ms.")
+def bench_serve(url, workload, request_rate, num_requests, max_concurrency, model, api_key, seed, tokenizer,
+                timeout, as_json):
+    """Measure a running OpenAI-compatible server: streamed completions at a request rate; reports
+    throughput and TTFT / TPOT / ITL / end-to-end latency percentiles.
+
+    \b
+    llmc bench serve --url http://127.0.0.1:8000 --workload short
+    llmc bench serve --url http://127.0.0.1:8000 --request-rate 8 --num-requests 200 --json
+    """
+    import math
+
+    from llmc.serve import bench as sb
+    try:
+        rate = float(request_rate)
+    except ValueError:
+        raise sb.BenchError(f"--request-rate must be a number of requests per second or inf, not "
+                            f"{request_rate!r}") from None
+    if math.isnan(rate):
+        raise sb.BenchError("--request-rate must be a number of requests per second or inf, not nan")
+    res = sb.bench_serve(url, workload, num_requests=num_requests, request_rate=rate, model=model, api_key=api_key,
+                         seed=seed, max_concurrency=max_concurrency, tokenizer=tokenizer, timeout=timeout,
+                         progress=sys.stderr.isatty())
+    click.echo(json.dumps(res) if as_json else sb.format_report(res))
+    if not res["completed"]:
+        raise sb.BenchError(f"all {res['failed']} requests failed; the first: {res['errors'][0]}")
+
+
 if __name__ == "__main__":
     main()

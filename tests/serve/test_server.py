@@ -1,0 +1,332 @@
+"""`llmc serve` end to end: the real server in a subprocess, driven by the official `openai` client.
+
+Completions and chat, streamed and not, n > 1, stop strings, seeds, logprobs; 32 concurrent streams
+with some cancelled midway (every KV block comes back, read off /metrics); each error case answers
+its status and OpenAI-shaped body while another request streams on; /metrics parses and counts the
+requests made; --max-queue answers 503 with Retry-After; SIGTERM lets a stream finish and exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import llmc
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "sk-test"
+TEMPLATE = ("{% for m in messages %}# {{ m.role }}: {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}# assistant:\n{% endif %}")
+PROMPTS = ["def fibonacci(n):", "import os\n\n", "class Stack:\n    def __init__(self):", "for i in range(",
+           "with open(path) as f:", "    def __repr__(self):", "try:\n    import json", "return sorted("]
+
+
+def http(method: str, url: str, body: bytes | dict | None = None, headers: dict | None = None):
+    """(status, headers, parsed JSON or text) of one plain HTTP request, errors included."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            status, hdrs, raw = r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, hdrs, raw = e.code, dict(e.headers), e.read().decode()
+    try:
+        return status, {k.lower(): v for k, v in hdrs.items()}, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, hdrs, raw
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m llmc.cli serve ...` in a subprocess, up once /health answers."""
+
+    def __init__(self, artifact: Path, *args: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmc.cli", "serve", str(artifact), "--port", str(self.port), "--backend",
+             "reference", "--device", "cpu", "--block-size", "4", *args],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+            try:
+                if http("GET", self.url + "/health")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("the server did not answer /health within 60 s")
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics as `name{label=value,...}` -> value."""
+        text = http("GET", self.url + "/metrics")[2]
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+        return out
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("serve") / "tiny-py.llmc"
+    llmc.compile("builtin:tiny-py", out, dtype="float32")
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(artifact, tmp_path_factory):
+    template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    s = Server(artifact, "--max-num-seqs", "8", "--num-blocks", "160", "--api-key", KEY,
+               "--served-model-name", "tiny", "--chat-template", str(template))
+    yield s
+    assert s.stop() == 0
+
+
+def _stream_text(stream) -> tuple[list[str], list, object]:
+    """Per choice index its streamed text, the finish reasons, and the usage chunk (if any)."""
+    texts, reasons, usage = {}, {}, None
+    for ch in stream:
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            piece = c.text if hasattr(c, "text") else (c.delta.content or "")
+            texts[c.index] = texts.get(c.index, "") + piece
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    return [texts[i] for i in sorted(texts)], [reasons.get(i) for i in sorted(texts)], usage
+
+
+def test_models_health_and_completion(server, artifact):
+    c = server.client()
+    assert http("GET", server.url + "/health")[2] == {"status": "ok"}
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+    r = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    want = llmc.LLM(artifact, backend="reference", device="cpu", block_size=4, num_blocks=160).generate(PROMPTS[0], llmc.SamplingParams(temperature=0, max_tokens=12))[0]
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids) and r.usage.completion_tokens == len(want.token_ids)
+
+
+def test_stream_equals_whole_for_a_seed(server):
+    c = server.client()
+    kw = dict(model="tiny", prompt=PROMPTS[2], max_tokens=20, temperature=0.9, top_p=0.95, seed=11, n=2,
+              extra_body={"top_k": 50})
+    whole = c.completions.create(**kw)
+    again = c.completions.create(**kw)
+    assert [ch.text for ch in whole.choices] == [ch.text for ch in again.choices]  # seeded: reproducible
+    assert whole.choices[0].text != whole.choices[1].text  # sample i uses seed + i
+    texts, reasons, usage = _stream_text(c.completions.create(**kw, stream=True,
+                                                              stream_options={"include_usage": True}))
+    assert texts == [ch.text for ch in whole.choices]
+    assert reasons == [ch.finish_reason for ch in whole.choices]
+    assert usage.completion_tokens == whole.usage.completion_tokens == 40
+
+
+def test_prompt_lists_token_ids_echo_and_stop(server):
+    c = server.client()
+    base = c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=24, temperature=0).choices[0].text
+    stop = base[len(base) // 2:len(base) // 2 + 3]
+    r = c.completions.create(model="tiny", prompt=[PROMPTS[1], PROMPTS[3]], max_tokens=24, temperature=0, n=2,
+                             stop=[stop])
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text == base[:base.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    ids = c.completions.create(model="tiny", prompt=[[1, 2, 3, 4]], max_tokens=5, temperature=0, echo=True)
+    assert len(ids.choices) == 1 and ids.usage.prompt_tokens == 4
+    echo = c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=24, temperature=0, echo=True)
+    assert echo.choices[0].text == PROMPTS[1] + base
+
+
+def test_logprobs(server):
+    c = server.client()
+    r = c.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=10, temperature=0, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == r.usage.completion_tokens == 10
+    assert all(v <= 0 for v in lp.token_logprobs) and "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[-1] == len(r.choices[0].text) - len(lp.tokens[-1])
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                     temperature=0, logprobs=True)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6 and "".join(t.token for t in content) == chat.choices[0].message.content
+
+
+def test_chat_stream_equals_whole(server):
+    c = server.client()
+    kw = dict(model="tiny", messages=[{"role": "system", "content": "write python"},
+                                      {"role": "user", "content": [{"type": "text", "text": "a stack"}]}],
+              max_tokens=16, temperature=0.8, seed=3, n=2)
+    whole = c.chat.completions.create(**kw)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 32
+    texts, reasons, _ = _stream_text(c.chat.completions.create(**kw, stream=True))
+    assert texts == [ch.message.content for ch in whole.choices]
+    assert reasons == [ch.finish_reason for ch in whole.choices]
+
+
+def test_concurrent_streams_with_cancels_return_every_block(server):
+    async def one(client, i):
+        kw = dict(model="tiny", prompt=PROMPTS[i % 8], max_tokens=8 + i % 8, temperature=0)
+        if i % 5 == 3:  # goes away after two chunks; its blocks must come back
+            stream = await client.completions.create(**{**kw, "max_tokens": 200}, stream=True,
+                                                     extra_body={"ignore_eos": True})
+            got = 0
+            async for _ in stream:
+                got += 1
+                if got == 2:
+                    break
+            await stream.close()
+            return None
+        text = ""
+        async for ch in await client.completions.create(**kw, stream=True):
+            text += ch.choices[0].text if ch.choices else ""
+        return text
+
+    async def main():
+        async with server.async_client() as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    texts = asyncio.run(main())
+    c = server.client()
+    for i, text in enumerate(texts):
+        if text is not None:
+            want = c.completions.create(model="tiny", prompt=PROMPTS[i % 8], max_tokens=8 + i % 8, temperature=0)
+            assert text == want.choices[0].text, i
+    deadline = time.monotonic() + 10
+    while True:
+        m = server.metrics()
+        if m["llmc_kv_blocks_used"] == 0 and m["llmc_requests_running"] == 0 and m["llmc_requests_waiting"] == 0:
+            break
+        assert time.monotonic() < deadline, f"blocks still in use: {m['llmc_kv_blocks_used']}"
+        time.sleep(0.1)
+    assert m["llmc_request_finished_total{reason=abort}"] >= 6
+
+
+ERRORS = [  # (body or raw bytes, headers, status, param)
+    (b'{"model": "tiny", "prompt": ', {}, 400, None),
+    ({"model": "tiny", "prompt": "x", "bogus": 1}, {}, 400, "bogus"),
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, {}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "top_p": 1.5}, {}, 400, "top_p"),
+    ({"model": "tiny", "prompt": "x", "n": 0}, {}, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "presence_penalty": 3}, {}, 400, "presence_penalty"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 5000}, {}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x " * 1100, "max_tokens": 1}, {}, 400, "prompt"),
+    ({"model": "tiny", "prompt": [], "max_tokens": 1}, {}, 400, "prompt"),
+    ({"model": "tiny", "prompt": [[99999]], "max_tokens": 1}, {}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 3}, {}, 400, "logprobs"),
+    ({"model": "gpt-4", "prompt": "x"}, {}, 404, "model"),
+    ({"model": "tiny", "prompt": "x"}, {"Authorization": "Bearer wrong"}, 401, None),
+    ({"model": "tiny", "prompt": "x"}, {"Authorization": ""}, 401, None),
+]
+
+
+def test_errors_answer_in_openai_shape_while_others_stream(server):
+    c = server.client()
+    stream = c.completions.create(model="tiny", prompt=PROMPTS[5], max_tokens=40, temperature=0, stream=True,
+                                  extra_body={"ignore_eos": True})
+    text = next(iter(stream)).choices[0].text
+    for body, headers, status, param in ERRORS:
+        code, _, reply = http("POST", server.url + "/v1/completions", body,
+                              {"Authorization": f"Bearer {KEY}", **headers})
+        assert code == status, (body, reply)
+        err = reply["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+        assert err["param"] == param, err
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], logprobs=True,
+                                  top_logprobs=2)
+    text += "".join(ch.choices[0].text for ch in stream if ch.choices)
+    want = c.completions.create(model="tiny", prompt=PROMPTS[5], max_tokens=40, temperature=0,
+                                extra_body={"ignore_eos": True})
+    assert text == want.choices[0].text
+
+
+def test_metrics_count_the_requests_made(server):
+    before = server.metrics()
+    c = server.client()
+    c.completions.create(model="tiny", prompt="x = ", max_tokens=3)
+    list(c.completions.create(model="tiny", prompt="x = ", max_tokens=3, stream=True))
+    c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="tiny", prompt="x", temperature=-2)
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="nope", prompt="x")
+    after = server.metrics()
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert delta("llmc_http_requests_total{endpoint=/v1/completions,status=200}") == 2
+    assert delta("llmc_http_requests_total{endpoint=/v1/chat/completions,status=200}") == 1
+    assert delta("llmc_http_requests_total{endpoint=/v1/completions,status=400}") == 1
+    assert delta("llmc_http_requests_total{endpoint=/v1/completions,status=404}") == 1
+    assert delta("llmc_generation_tokens_total") == 9
+    assert delta("llmc_e2e_request_latency_seconds_count") == 3
+    assert delta("llmc_time_to_first_token_seconds_count") == 3
+    for name in ("llmc_kv_blocks_total", "llmc_prefix_cache_hit_rate", "llmc_preemptions_total",
+                 "llmc_prompt_tokens_total", "llmc_inter_token_latency_seconds_count",
+                 "llmc_request_queue_time_seconds_count"):
+        assert name in after
+    assert after["llmc_kv_blocks_total"] == 160
+
+
+def test_queue_full_no_template_and_graceful_sigterm(artifact):
+    s = Server(artifact, "--max-num-seqs", "1", "--num-blocks", "64", "--max-queue", "2")
+    try:
+        c = s.client()
+        with pytest.raises(openai.BadRequestError, match="--chat-template"):
+            c.chat.completions.create(model="tiny-py", messages=[{"role": "user", "content": "x"}])
+        kw = dict(model="tiny-py", max_tokens=60, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        first = c.completions.create(prompt=PROMPTS[0], **kw)
+        head = next(iter(first))  # running: it holds the one sequence slot
+        queued = [c.completions.create(prompt=p, **kw) for p in PROMPTS[1:3]]  # waiting for that slot
+        code, headers, reply = http("POST", s.url + "/v1/completions", {"model": "tiny-py", "prompt": "x",
+                                                                        "max_tokens": 2})
+        assert code == 503 and headers["retry-after"] and reply["error"]["code"] == "queue_full"
+        for q in queued:
+            q.close()
+        s.proc.send_signal(signal.SIGTERM)  # in flight: `first` finishes before the server exits
+        rest = list(first)
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert len(head.choices[0].text + "".join(ch.choices[0].text for ch in rest)) > 0
+        assert s.proc.wait(30) == 0
+    finally:
+        s.stop()
