@@ -370,6 +370,45 @@ def _check_tokens(items: list[_Prompt], params: list, art) -> None:
                                f"0 to {vocab - 1}")
 
 
+def _engine_options(seqs_help: str = "Sequences batched per step.", speculative: bool = True):
+    """The engine options that `run`, `eval` and `serve` share: EngineConfig's fields and speculation."""
+    opts = [
+        click.option("--backend", type=click.Choice(["auto", "cuda", "triton-interpret", "reference"]),
+                     default="auto", show_default=True,
+                     help="auto: cuda when a GPU is present, else reference (the interpreter). "
+                          "triton-interpret: the generated kernels on the CPU (slow; for testing)."),
+        click.option("--device", default=None, help="cpu or cuda (default: cuda when present)."),
+        click.option("--max-num-seqs", default=_ENGINE.max_num_seqs, show_default=True, help=seqs_help),
+        click.option("--max-num-batched-tokens", default=_ENGINE.max_num_batched_tokens, show_default=True,
+                     help="Token budget per step (a longer prompt is computed in chunks)."),
+        click.option("--block-size", default=_ENGINE.block_size, show_default=True,
+                     help="KV cache slots per block (a power of two on the kernel backends)."),
+        click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory)."),
+        click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default=None,
+                     help="Override the artifact's KV cache dtype."),
+    ]
+    if speculative:
+        opts += [
+            click.option("--spec", "spec_method", type=click.Choice(["off", "ngram", "draft", "multi"]), default=None,
+                         help="Speculative decoding: ngram (prompt lookup: propose what followed the last few tokens "
+                              "earlier in the text), draft (a small model, --draft) or multi (prompt lookup's guesses "
+                              "checked by the draft, then by the target). Verification is lossless: the output is "
+                              "what decoding without speculation gives (greedy) or follows the same distribution "
+                              "(sampling). Default: draft when --draft is given, else off."),
+            click.option("--draft", "draft_path", type=click.Path(), default=None,
+                         help="The draft artifact for --spec draft: a compiled model with the same tokenizer."),
+            click.option("--spec-tokens", default="auto", show_default=True, metavar="K|auto",
+                         help="Tokens proposed per step (1-16), or auto: per sequence from its acceptance so far, "
+                              "and none when more than 32 sequences decode at once."),
+        ]
+
+    def apply(f):
+        for opt in reversed(opts):
+            f = opt(f)
+        return f
+    return apply
+
+
 @main.command()
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", default=None, help="The prompt text.")
@@ -393,28 +432,7 @@ def _check_tokens(items: list[_Prompt], params: list, art) -> None:
                    "per new piece ({\"index\": prompt, \"completion\": i, \"delta\": text, \"token_ids\": [...], "
                    "\"finished\": ...}). Several prompts (or n > 1) in plain text: each completion whole as it "
                    "finishes, in the order they finish, under its --- prompt N --- line.")
-@click.option("--backend", type=click.Choice(["auto", "cuda", "triton-interpret", "reference"]), default="auto",
-              show_default=True, help="auto: cuda when a GPU is present, else reference (the interpreter). "
-                                      "triton-interpret: the generated kernels on the CPU (slow; for testing).")
-@click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
-@click.option("--max-num-seqs", default=_ENGINE.max_num_seqs, show_default=True, help="Sequences batched per step.")
-@click.option("--max-num-batched-tokens", default=_ENGINE.max_num_batched_tokens, show_default=True, help="Token budget per step.")
-@click.option("--block-size", default=_ENGINE.block_size, show_default=True,
-              help="KV cache slots per block (a power of two on the kernel backends).")
-@click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory).")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default=None,
-              help="Override the artifact's KV cache dtype.")
-@click.option("--spec", "spec_method", type=click.Choice(["off", "ngram", "draft", "multi"]), default=None,
-              help="Speculative decoding: ngram (prompt lookup: propose what followed the last few tokens earlier "
-                   "in the text), draft (a small model, --draft) or multi (prompt lookup's guesses checked by the "
-                   "draft, then by the target). Verification is lossless: the output is what "
-                   "decoding without speculation gives (greedy) or follows the same distribution (sampling). "
-                   "Default: draft when --draft is given, else off.")
-@click.option("--draft", "draft_path", type=click.Path(), default=None,
-              help="The draft artifact for --spec draft: a compiled model with the same tokenizer.")
-@click.option("--spec-tokens", default="auto", show_default=True, metavar="K|auto",
-              help="Tokens proposed per step (1-16), or auto: per sequence from its acceptance so far, and none "
-                   "when more than 32 sequences decode at once.")
+@_engine_options()
 @_plugin_option
 def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
         stop, as_json, stream, backend, device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
@@ -569,18 +587,7 @@ class _Printer:
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object: perplexity, nll (mean, nats per token), tokens (scored), windows, window, "
                    "artifact, dataset (the name, or the --text file).")
-@click.option("--backend", type=click.Choice(["auto", "cuda", "triton-interpret", "reference"]), default="auto",
-              show_default=True, help="auto: cuda when a GPU is present, else reference (the interpreter). "
-                                      "triton-interpret: the generated kernels on the CPU (slow; for testing).")
-@click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
-@click.option("--max-num-seqs", default=_ENGINE.max_num_seqs, show_default=True, help="Windows batched per step.")
-@click.option("--max-num-batched-tokens", default=_ENGINE.max_num_batched_tokens, show_default=True,
-              help="Token budget per step (a longer window is computed in chunks).")
-@click.option("--block-size", default=_ENGINE.block_size, show_default=True,
-              help="KV cache slots per block (a power of two on the kernel backends).")
-@click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory).")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default=None,
-              help="Override the artifact's KV cache dtype (to measure what a quantized cache costs).")
+@_engine_options("Windows batched per step.", speculative=False)
 @_plugin_option
 def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend, device, max_num_seqs,
              max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, plugins):
@@ -647,23 +654,7 @@ def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend,
               help="Most requests waiting for the engine; more are answered 503 with Retry-After (default: no limit).")
 @click.option("--shutdown-timeout", type=float, default=30.0, show_default=True, metavar="S",
               help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them.")
-@click.option("--backend", type=click.Choice(["auto", "cuda", "triton-interpret", "reference"]), default="auto",
-              show_default=True, help="auto: cuda when a GPU is present, else reference (the interpreter). "
-                                      "triton-interpret: the generated kernels on the CPU (slow; for testing).")
-@click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
-@click.option("--max-num-seqs", default=_ENGINE.max_num_seqs, show_default=True, help="Sequences batched per step.")
-@click.option("--max-num-batched-tokens", default=_ENGINE.max_num_batched_tokens, show_default=True,
-              help="Token budget per step.")
-@click.option("--block-size", default=_ENGINE.block_size, show_default=True,
-              help="KV cache slots per block (a power of two on the kernel backends).")
-@click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory).")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default=None,
-              help="Override the artifact's KV cache dtype.")
-@click.option("--spec", "spec_method", type=click.Choice(["off", "ngram", "draft", "multi"]), default=None,
-              help="Speculative decoding, as for `llmc run`.")
-@click.option("--draft", "draft_path", type=click.Path(), default=None, help="The draft artifact for --spec draft.")
-@click.option("--spec-tokens", default="auto", show_default=True, metavar="K|auto",
-              help="Tokens proposed per step (1-16), or auto.")
+@_engine_options()
 @_plugin_option
 def serve(artifact, host, port, api_key, served_model_name, chat_template, max_queue, shutdown_timeout, backend,
           device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, spec_method,
