@@ -29,6 +29,7 @@ from llmc.ir.serialize import graph_from_dict, graph_to_dict
 
 # Bumped on every change of the artifact layout: 2 added the typed model info.
 FORMAT_VERSION = 2
+DRAFT_DIR = "draft.llmc"  # a draft model's artifact, bundled inside its target's
 MANIFEST = "manifest.json"
 
 
@@ -137,6 +138,12 @@ class Artifact:
             raise ArtifactError(f"artifact {self.path} was compiled without the paged_kv pass, so it cannot run; "
                                 "recompile it with the default pipeline")
         return ModelInfo.from_json(d)
+
+    @property
+    def bundled_draft(self) -> Path | None:
+        """The draft model compiled into this artifact (`llmc compile TARGET --draft DRAFT`), if any."""
+        d = self.path / DRAFT_DIR
+        return d if (d / MANIFEST).is_file() else None
 
     @property
     def tokenizer_dir(self) -> Path | None:

@@ -130,10 +130,13 @@ def _load_plugins(files: tuple[str, ...]) -> None:
 @click.option("--bits-budget", type=float, default=4.5, show_default=True, metavar="B",
               help="mixed: average bits per quantized weight, scales included.")
 @click.option("--act-order", is_flag=True, help="gptq: quantize columns in order of decreasing activation energy.")
+@click.option("--draft", "draft_model", default=None, metavar="DRAFT",
+              help="Also compile DRAFT (a local HF directory or builtin:NAME with MODEL's tokenizer) into the "
+                   "artifact, for speculative decoding: `llmc run OUT.llmc --spec draft` then needs no --draft.")
 @_plugin_option
 def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_after, dump_ir, verify, explain_fusion,
             no_fuse, tune, batch_invariant, quant, wbits, group_size, zero_point, calib, calib_samples, bits_budget,
-            act_order, plugins):
+            act_order, draft_model, plugins):
     """Compile MODEL (a local Hugging Face directory or builtin:NAME) into an artifact."""
     import llmc
     from llmc.passes.manager import parse_pass_spec
@@ -145,7 +148,7 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
     art = llmc.compile(model, output, dtype=dtype, kv_cache_dtype=kv_cache_dtype, passes=extra,
                        before=pass_before, after=pass_after, dump_ir=dump_ir, verify=verify,
                        progress=sys.stderr.isatty(), fuse=not no_fuse, tune=tune, batch_invariant=batch_invariant,
-                       quant=qcfg)
+                       quant=qcfg, draft=draft_model)
     s = art.summary()
     if explain_fusion:
         reasons = art.compile_log.explain if art.compile_log else []
@@ -158,7 +161,8 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
                    "(--prompts with prompt_token_ids)", err=True)
     nbytes = sum(s["param_bytes_by_dtype"].values())
     click.echo(f"wrote {art.path}: {s['num_params'] / 1e6:.2f}M params ({nbytes / 2**20:.1f} MiB), "
-               f"{sum(s['op_counts'].values())} ops, passes: {', '.join(p.split('{')[0] for p in s['passes'])}")
+               f"{sum(s['op_counts'].values())} ops, passes: {', '.join(p.split('{')[0] for p in s['passes'])}"
+               + (f"; draft {draft_model} in {art.bundled_draft.name}" if art.bundled_draft else ""))
 
 
 @main.command()
@@ -460,9 +464,9 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
     _load_plugins(plugins)
     art = llmc.load(artifact)
     _check_tokens(items, params, art)
-    llm = LLM(art, speculative=_speculative(spec_method, draft_path, spec_tokens), max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-              block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, backend=backend,
-              device=device)
+    llm = LLM(art, speculative=_speculative(spec_method, draft_path, spec_tokens, art.bundled_draft),
+              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+              num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, backend=backend, device=device)
     out = _Printer(items, params, as_json, art.tokenizer_dir is not None)
     requests = [it.text if it.text is not None else it.token_ids for it in items]
     if stream:
@@ -476,15 +480,18 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
                    err=True)
 
 
-def _speculative(method: str | None, draft: str | None, tokens: str) -> dict | None:
-    """The `speculative` option of LLM from --spec / --draft / --spec-tokens."""
+def _speculative(method: str | None, draft: str | None, tokens: str, bundled: Path | None = None) -> dict | None:
+    """The `speculative` option of LLM from --spec / --draft / --spec-tokens (`bundled`: the target's own
+    draft, from `llmc compile --draft`, used when --draft is not given)."""
     method = method or ("draft" if draft else "off")
     if method == "off":
         if draft:
             raise RequestError("--draft is given but --spec is off; drop one of them")
         return None
+    draft = draft or (str(bundled) if bundled is not None and method in ("draft", "multi") else None)
     if method in ("draft", "multi") and not draft:
-        raise RequestError(f"--spec {method} needs --draft ART (a compiled draft model with the target's tokenizer)")
+        raise RequestError(f"--spec {method} needs --draft ART (a compiled draft model with the target's tokenizer), "
+                           "or a target compiled with `llmc compile TARGET --draft DRAFT`")
     if method == "ngram" and draft:
         raise RequestError("--draft is for --spec draft, not ngram")
     if tokens != "auto":
@@ -682,13 +689,13 @@ def serve(artifact, host, port, api_key, served_model_name, chat_template, max_q
         if not path.is_file():
             raise RequestError(f"--chat-template {path}: " + ("no such file" if not path.exists() else "not a file"))
         template = path.read_text(encoding="utf-8")
-    speculative = _speculative(spec_method, draft_path, spec_tokens)
     if backend == "triton-interpret":
         _use_triton_interpreter()
     _load_plugins(plugins)
     from llmc.runtime.async_engine import AsyncLLM
     from llmc.serve.app import create_app
     art = llmc.load(artifact)
+    speculative = _speculative(spec_method, draft_path, spec_tokens, art.bundled_draft)
     name = served_model_name or Path(art.path).name.removesuffix(".llmc")
     llm = AsyncLLM(art, speculative=speculative, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,

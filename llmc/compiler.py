@@ -56,7 +56,7 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
             passes: Sequence[Pass] | None = None, before: str | None = None, after: str | None = None,
             dynamic: dict | None = None, verify: bool = False, dump_ir: str | Path | None = None,
             progress: bool = False, tune: bool = True, batch_invariant: bool = True, quant=None,
-            **options) -> Artifact:
+            draft: str | Path | None = None, **options) -> Artifact:
     """Compile a model into an artifact.
 
     Args:
@@ -74,6 +74,10 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
             decode batches of up to 16 only; faster at 32-64 tokens per step).
         quant: weight quantization: a `QuantConfig`, a method name ("rtn", "gptq", "awq",
             "smoothquant", "fp8", "mixed") or a dict of QuantConfig's fields; None: none.
+        draft: a draft model for speculative decoding (a local HF directory or builtin:NAME with the
+            target's vocabulary), compiled with the same dtype and KV cache options into the artifact
+            (`draft.llmc` inside it), where `speculative={"method": "draft"}` and `llmc run --spec
+            draft` find it. It is not quantized.
     Returns:
         The written Artifact.
 
@@ -91,6 +95,8 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
                            "run on such a GPU")
     if output is not None:
         check_output(Path(output))
+    if draft is not None:
+        check_draft(model, draft)
     bar = _Progress(progress)
     with bar:
         bar.step("capturing with torch.export")
@@ -110,7 +116,30 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         kernels, sources = _kernel_listing(graph, tuning)
         art = save_artifact(graph, out, source, opts, tok_files, tuning=tuning, kernels=sources, kernel_list=kernels)
         art.compile_log = ctx  # fusion explanations and pass notes, for `llmc compile --explain-fusion`
-        return art
+    if draft is not None:
+        from llmc.artifact import DRAFT_DIR
+        keep = {k: v for k, v in options.items() if k in ("kv_cache_dtype", "fuse", "paged_kv")}
+        compile(draft, art.path / DRAFT_DIR, dtype=dtype, progress=progress, tune=tune,
+                batch_invariant=batch_invariant, **keep)
+    return art
+
+
+def check_draft(model: Any, draft: str | Path) -> None:
+    """A bundled draft must share the target's vocabulary (the verify step compares token ids): checked
+    from both config.json files before anything is captured."""
+    from llmc.frontend.hf import read_config
+    if isinstance(model, torch.nn.Module):
+        raise CompileError("--draft bundles a draft with a Hugging Face target; compile an nn.Module's draft apart")
+    (tdir, _), (ddir, _) = resolve_model(model), resolve_model(draft)
+    tv, dv = read_config(tdir).get("vocab_size"), read_config(ddir).get("vocab_size")
+    if tv != dv:
+        raise CompileError(f"the draft {draft} has a vocabulary of {dv} tokens and the target {tv}: a draft must "
+                           "share the target's tokenizer")
+    for name in ("tokenizer.json",):
+        t, d = tdir / name, ddir / name
+        if t.is_file() and d.is_file() and t.read_bytes() != d.read_bytes():
+            raise CompileError(f"the draft {draft} has another tokenizer ({name} differs from the target's): a draft "
+                               "must share the target's tokenizer")
 
 
 def check_output(out: Path) -> None:

@@ -124,7 +124,8 @@ class LLMEngine:
         self.stop = StopChecker(self.max_model_len, eos, self.decode)
         self.sampler = Sampler()
         self.spec = speculative if isinstance(speculative, SpecDecoder) or speculative is None else \
-            SpecDecoder.build(SpecConfig.from_options(speculative), self.info, self.max_model_len, self.sampler,
+            SpecDecoder.build(SpecConfig.from_options(speculative, artifact.bundled_draft), self.info,
+                              self.max_model_len, self.sampler,
                               {"backend": cfg.backend, "device": cfg.device, "block_size": cfg.block_size})
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()

@@ -39,18 +39,22 @@ class SpecConfig:
     max_ngram: int = 4
 
     @classmethod
-    def from_options(cls, options: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
+    def from_options(cls, options: dict[str, Any] | SpecConfig | None,
+                     bundled_draft: Path | None = None) -> SpecConfig | None:
+        """`options` as a SpecConfig; a draft method without a draft takes the target's bundled one."""
         if options is None or isinstance(options, SpecConfig):
             return options
         unknown = set(options) - set(cls.__dataclass_fields__)
         if unknown:
             raise LLMCError(f"unknown speculative options {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
         cfg = cls(**options)
+        if cfg.draft is None and bundled_draft is not None:
+            cfg.draft = bundled_draft
         if cfg.method not in METHODS:
             raise LLMCError(f"speculative method must be one of {', '.join(METHODS)}, not {cfg.method!r}")
         if cfg.method in ("draft", "multi") and cfg.draft is None:
             raise LLMCError(f"speculative method {cfg.method} needs a draft artifact (speculative={{'draft': PATH}}, "
-                            "`llmc run --draft ART`)")
+                            "`llmc run --draft ART`, or one bundled by `llmc compile TARGET --draft DRAFT`)")
         k = cfg.num_speculative_tokens
         if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16):
             raise LLMCError(f"num_speculative_tokens must be 1..16 or 'auto', not {k!r}")
