@@ -338,10 +338,6 @@ def _sampling_params(items: list[_Prompt], base: dict) -> list:
         unknown = set(it.fields) - known
         if unknown:
             raise RequestError(f"{it.where}: unknown sampling field(s) {sorted(unknown)}; known: {sorted(known)}")
-        lp = it.fields.get("logprobs", False)
-        if not isinstance(lp, bool):
-            raise RequestError(f"{it.where}: \"logprobs\" must be true or false (llmc gives the log-probability "
-                               f"of each chosen token, not of alternatives), got {lp!r}")
         p = SamplingParams(**{**base, **it.fields})
         try:
             p.validate()
@@ -430,7 +426,8 @@ def _engine_options(seqs_help: str = "Sequences batched per step.", speculative:
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per prompt: text, token_ids, finish_reason (and logprobs when a prompt "
-                   "asks for them, and a \"completions\" list of all n when it asks for n > 1).")
+                   "asks for them: true or 0 for each chosen token's, k > 0 also its k most likely alternatives as "
+                   "top_logprobs, token id -> logprob; and a \"completions\" list of all n when it asks for n > 1).")
 @click.option("--stream", is_flag=True,
               help="Print tokens as they are generated. One prompt: its text as it grows. --json: one JSON line "
                    "per new piece ({\"index\": prompt, \"completion\": i, \"delta\": text, \"token_ids\": [...], "
@@ -507,6 +504,18 @@ def _speculative(method: str | None, draft: str | None, tokens: str, bundled: Pa
     return {"method": method, "draft": draft, "num_speculative_tokens": tokens}
 
 
+def _top_json(top: list[dict]) -> list[dict]:
+    """Alternatives per token as JSON objects (token id as a string key; -inf, a filtered-out token, as null)."""
+    return [{str(t): (v if v != float("-inf") else None) for t, v in d.items()} for d in top]
+
+
+def _logprobs_json(p, c) -> dict:
+    """A completion's logprobs (and, asked for k > 0, its alternatives) for `--json`."""
+    if p.num_logprobs is None:
+        return {}
+    return {"logprobs": c.logprobs, **({"top_logprobs": _top_json(c.top_logprobs)} if p.num_logprobs else {})}
+
+
 class _Printer:
     """Writes `llmc run`'s results: whole, or streamed (see --stream); JSON or plain text.
 
@@ -544,8 +553,11 @@ class _Printer:
                 elif self.as_json and (c.delta_token_ids or c.delta_text or done):
                     row = {"index": i, "completion": c.index, "delta": c.delta_text,
                            "token_ids": list(c.delta_token_ids), "finished": done, "finish_reason": c.finish_reason}
-                    if self.params[i].logprobs:
-                        row["logprobs"] = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
+                    if self.params[i].num_logprobs is not None:
+                        new = len(c.delta_token_ids)
+                        row["logprobs"] = c.logprobs[len(c.logprobs) - new:]
+                        if self.params[i].num_logprobs:
+                            row["top_logprobs"] = _top_json(c.top_logprobs[len(c.top_logprobs) - new:])
                     click.echo(json.dumps(row))
                 elif not self.as_json and done and (i, c.index) not in printed:
                     printed.add((i, c.index))
@@ -559,12 +571,11 @@ class _Printer:
                "num_prompt_tokens": len(o.prompt_token_ids)}
         if it.token_ids is not None:
             row["prompt_token_ids"] = it.token_ids
-        if p.logprobs:
-            row["logprobs"] = o.outputs[0].logprobs
+        if p.num_logprobs is not None:
+            row.update(_logprobs_json(p, o.outputs[0]))
         if p.n > 1:
             row["completions"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
-                                   "finish_reason": c.finish_reason, **({"logprobs": c.logprobs} if p.logprobs else {})}
-                                  for c in o.outputs]
+                                   "finish_reason": c.finish_reason, **_logprobs_json(p, c)} for c in o.outputs]
         return row
 
     def _header(self, i: int, j: int) -> None:

@@ -66,7 +66,7 @@ def test_prompts_file_errors(art, tmp_path):
                          ('{"prompt_token_ids": [1, 320]}', "token id 320 is out of range"),
                          ('{"prompt": 5}', "\"prompt\" must be a non-empty string"),
                          ('""', "p.jsonl:1: \"prompt\" must be a non-empty string"),
-                         ('{"prompt": "x", "logprobs": 5}', "\"logprobs\" must be true or false"),
+                         ('{"prompt": "x", "logprobs": 21}', "p.jsonl:1: logprobs must be None (off) or an int"),
                          ('{"prompt": "x", "top_p": 0}', "p.jsonl:1: top_p")]:
         f.write_text(line + "\n")
         assert_clean_error(*cli("run", art, "--prompts", f), needle)
@@ -95,8 +95,12 @@ def test_json_n_logprobs_and_token_ids(art, tmp_path):
         {"prompt": PROMPT, "max_tokens": 4},
         {"prompt_token_ids": ids, "max_tokens": 4},
         {"prompt": PROMPT, "n": 3, "temperature": 1.0, "seed": 7, "logprobs": True, "max_tokens": 5},
+        {"prompt": PROMPT, "logprobs": 2, "max_tokens": 3},
     ]) + "\n")
-    text, by_ids, sampled = run_json(art, "--prompts", f)
+    text, by_ids, sampled, top = run_json(art, "--prompts", f)
+    assert len(top["top_logprobs"]) == len(top["logprobs"]) == 3
+    for lp, alts, tok in zip(top["logprobs"], top["top_logprobs"], top["token_ids"]):
+        assert len(alts) == 2 and max(alts.values()) >= lp and list(alts) == [str(tok), *list(alts)[1:]]
     assert by_ids["token_ids"] == text["token_ids"] and by_ids["prompt_token_ids"] == ids
     assert by_ids["text"] == text["text"] and by_ids["prompt"] is None
     assert "completions" not in text and "logprobs" not in text

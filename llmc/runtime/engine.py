@@ -28,7 +28,13 @@ __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOut
 
 @dataclass
 class CompletionOutput:
-    """One of the n samples of a request: totals so far, and what is new since the last output."""
+    """One of the n samples of a request: totals so far, and what is new since the last output.
+
+    With `SamplingParams(logprobs=k)`: `logprobs[i]` is the natural log-probability of `token_ids[i]`, and
+    with k > 0 `top_logprobs[i]` maps the k most likely token ids at that position to theirs, most likely
+    first (the chosen token among them only if it is one of the k). Both are of the distribution the token
+    was drawn from (see `SamplingParams`); a stream's new entries are the last `len(delta_token_ids)`.
+    """
 
     index: int
     text: str
@@ -37,6 +43,7 @@ class CompletionOutput:
     logprobs: list[float] | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -250,8 +257,9 @@ class LLMEngine:
         t1 = time.perf_counter()
         if out.scores_prompts:
             result = StepResult(logits=self._score_prompts(out, result.logits))
+        top = None
         if out.has_spec:
-            tokens, logprobs = self._postprocess_verify(out, result)
+            tokens, logprobs, top = self._postprocess_verify(out, result)
         elif not row_seqs:
             tokens, logprobs = [], None
         elif batch.greedy:
@@ -260,9 +268,9 @@ class LLMEngine:
             rows = result.logits if one_row_each else \
                 result.logits.repeat_interleave(torch.tensor(repeats, device=result.logits.device), dim=0)
             res = self.sampler(rows, row_seqs)
-            tokens, logprobs = res.token_ids, res.logprobs
+            tokens, logprobs, top = res.token_ids, res.logprobs, res.top
         t2 = time.perf_counter()
-        self.scheduler.update_after_step(out, tokens, logprobs, self.stop)
+        self.scheduler.update_after_step(out, tokens, logprobs, self.stop, top)
         t3 = time.perf_counter()
         # where a step's host time goes (waiting for the GPU falls in execute on the greedy path,
         # in sample otherwise)
@@ -296,9 +304,10 @@ class LLMEngine:
             i = j
         return logits[torch.tensor(keep, dtype=torch.int64, device=dev)]
 
-    def _postprocess_verify(self, out: SchedulerOutput, result) -> tuple[list, list | None]:
-        """Per sampled sequence its new tokens: a verified entry's k + 1 rows go to the speculative decoder
-        (the accepted tokens and one more); the other rows are sampled together, as in a plain step."""
+    def _postprocess_verify(self, out: SchedulerOutput, result) -> tuple[list, list, list]:
+        """Per sampled sequence its new tokens, their log-probabilities and alternatives: a verified entry's
+        k + 1 rows go to the speculative decoder (the accepted tokens and one more); the other rows are
+        sampled together, as in a plain step."""
         rows_of, r = [], 0  # per sampled entry: its first logits row
         for e in out.scheduled:
             if e.sample:
@@ -313,25 +322,28 @@ class LLMEngine:
             reps = torch.tensor([1 + len(e.forks) for e, _ in plain], device=result.logits.device)
             res = self.sampler(result.logits[idx].repeat_interleave(reps, dim=0),
                                [s for e, _ in plain for s in (e.seq, *e.forks)])
-            sampled = list(zip(res.token_ids, res.logprobs))
-        tokens, logprobs, j = [], [], 0
+            sampled = list(zip(res.token_ids, res.logprobs, res.top or [None] * len(res.token_ids)))
+        tokens, logprobs, top, j = [], [], [], 0
         for e, i in zip(entries, rows_of):
             if e.spec:
                 rows = slice(i, i + len(e.spec) + 1)
-                toks, lps = self.spec.verify(e.seq, e.spec, None if ids is not None else result.logits[rows],
-                                             ids[rows] if ids is not None else None)
+                toks, lps, tops = self.spec.verify(e.seq, e.spec, None if ids is not None else result.logits[rows],
+                                                   ids[rows] if ids is not None else None)
                 tokens.append(toks)
                 logprobs.append(lps if lps is not None else [0.0] * len(toks))
+                top.append(tops)
                 continue
             for _ in range(1 + len(e.forks)):
                 if ids is not None:
                     tokens.append(ids[i])
                     logprobs.append(0.0)
+                    top.append(None)
                 else:
                     tokens.append(sampled[j][0])
                     logprobs.append(sampled[j][1])
+                    top.append(sampled[j][2])
                     j += 1
-        return tokens, logprobs
+        return tokens, logprobs, top
 
     def _time(self, key: str, since: float) -> None:
         self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - since
@@ -344,10 +356,11 @@ class LLMEngine:
             text = s.output_text
             if s.params.stop and not s.is_finished:
                 text = _settled(text, s.params.stop_strings)
-            ids = s.output_token_ids
+            ids, k = s.output_token_ids, s.params.num_logprobs
             outs.append(CompletionOutput(i, text, ids[:], s.finish_reason,
-                                         s.output_logprobs[:] if s.params.logprobs else None,
-                                         text[sent_chars[i]:], ids[sent_tokens[i]:]))
+                                         s.output_logprobs[:] if k is not None else None,
+                                         text[sent_chars[i]:], ids[sent_tokens[i]:],
+                                         s.output_top_logprobs[:] if k else None))
             if len(text) > sent_chars[i]:
                 sent_chars[i] = len(text)
             sent_tokens[i] = len(ids)

@@ -12,7 +12,8 @@ Order (each step reads the previous one's output):
      agree with greedy's argmax (ties to the lowest id);
   7. draw: greedy rows take the argmax; others use `torch.multinomial` with the sequence's own
      generator, so a seeded request repeats whatever else is in the batch.
-The returned logprob is `log_softmax` of the processed logits at the chosen token.
+The returned logprob is `log_softmax` of the processed logits at the chosen token, and a row whose
+request asks for k alternatives (`SamplingParams.logprobs = k`) gets that row's k largest entries too.
 Everything is batched over rows except the per-row draw (each row may own a generator).
 """
 
@@ -29,6 +30,7 @@ from llmc.runtime.sequence import Sequence
 class SamplerOutput:
     token_ids: list[int]  # [N]
     logprobs: list[float]  # [N], log-probability of each chosen token
+    top: list[dict[int, float]] | None = None  # [N], each row's asked-for alternatives (None: none asked)
 
 
 class Sampler:
@@ -46,22 +48,23 @@ class Sampler:
             # the decode hot path: no filter or penalty can change an argmax, so skip the
             # vocabulary-wide passes; logprobs only when asked for
             tokens = logits.argmax(dim=-1)  # [N]; first maximum = lowest id on ties
-            if any(s.params.logprobs for s in seqs):
-                chosen = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
-                return SamplerOutput(tokens.tolist(), chosen.tolist())
+            if any(s.params.num_logprobs is not None for s in seqs):
+                logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+                chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+                return SamplerOutput(tokens.tolist(), chosen.tolist(), top_of(logprobs, seqs))
             ids = tokens.tolist()
             return SamplerOutput(ids, [0.0] * len(ids))
         logits = self.process(logits, seqs)
         logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
         tokens = self._draw(logits, seqs)  # [N]
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [N]
-        return SamplerOutput(tokens.tolist(), chosen.tolist())
+        return SamplerOutput(tokens.tolist(), chosen.tolist(), top_of(logprobs, seqs))
 
     @staticmethod
     def argmax_only(seqs: list[Sequence]) -> bool:
         """Whether each row's token is just its argmax, with no logprob asked: then the logits need
         not leave the device (the runner reduces them where they are)."""
-        return all(plain_greedy(s.params) and not s.params.logprobs for s in seqs)
+        return all(plain_greedy(s.params) and s.params.num_logprobs is None for s in seqs)
 
     def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Apply penalties, temperature and filters; returns new float32 logits [N, V]."""
@@ -113,8 +116,27 @@ def target_logprobs(logits: torch.Tensor, targets: list[int], num_top: int = 0
     chosen = (logits.gather(1, torch.tensor(targets, device=logits.device)[:, None]) - lse)[:, 0].tolist()
     if num_top <= 0:
         return chosen, []
-    values, ids = logits.topk(min(num_top, logits.shape[1]), dim=-1)  # [R, k]
-    return chosen, [dict(zip(i, v)) for i, v in zip(ids.tolist(), (values - lse).tolist())]
+    return chosen, top_logprobs(logits, [num_top] * len(targets), lse)
+
+
+def top_logprobs(rows: torch.Tensor, nums: list[int], lse: torch.Tensor | None = None) -> list[dict[int, float]]:
+    """Row i's `nums[i]` largest entries as token id -> value, largest first (an empty dict where nums[i] is
+    0); `lse` [R, 1] is subtracted from the values (then rows are logits, not log-probabilities). rows: [R, V].
+    One top-k over all rows: what one decode step costs beside its log-softmax."""
+    k = min(max(nums, default=0), rows.shape[1])
+    if k <= 0:
+        return [{} for _ in nums]
+    values, ids = rows.topk(k, dim=-1)  # [R, k], sorted descending
+    if lse is not None:
+        values = values - lse
+    return [dict(zip(i[:n], v[:n])) for i, v, n in zip(ids.tolist(), values.tolist(), nums)]
+
+
+def top_of(logprobs: torch.Tensor, seqs: list) -> list[dict[int, float]] | None:
+    """Each row's alternatives as its sequence asks for them (`SamplingParams.logprobs`); None if none asks.
+    logprobs: [N, V], the rows the chosen tokens' log-probabilities come from."""
+    nums = [s.params.num_logprobs or 0 for s in seqs]
+    return top_logprobs(logprobs, nums) if any(nums) else None
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -14,6 +14,9 @@ from numbers import Integral, Real
 from llmc.errors import RequestError
 
 
+MAX_LOGPROBS = 20  # most alternatives per generated token (OpenAI's chat top_logprobs limit)
+
+
 @dataclass
 class SamplingParams:
     """Sampling and stopping options of one request.
@@ -31,7 +34,12 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (finish_reason "stop").
         stop: strings that end generation; the output text is cut before the stop string.
         max_tokens: most tokens to generate (finish_reason "length").
-        logprobs: keep the log-probability of each chosen token.
+        logprobs: None (off), or k >= 0 (at most `MAX_LOGPROBS`): keep the log-probability of each
+            generated token, and with k > 0 also its k most likely alternatives (see
+            `CompletionOutput.top_logprobs`). Both are of the distribution the token was drawn from:
+            log-softmax of the logits after penalties, temperature and top-k/top-p/min-p (a greedy
+            request keeps temperature 1), so a filtered-out alternative has -inf. True means 0 and
+            False None (the older spelling).
         prompt_logprobs: None (off), or k >= 0: return the log-probability of every prompt token
             given the ones before it (of the model's raw distribution: log-softmax of the fp32
             logits, no temperature, penalty or filter), and with k > 0 also each position's k most
@@ -55,7 +63,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ()
     stop: str | tuple[str, ...] | list[str] = ()
     max_tokens: int = 16
-    logprobs: bool = False
+    logprobs: int | None = None
     prompt_logprobs: int | None = None
     ignore_eos: bool = False
     priority: int = 0
@@ -63,6 +71,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """`logprobs` as None (off) or k >= 0 alternatives per token (True is 0, False None)."""
+        lp = self.logprobs
+        return None if lp is None or lp is False else 0 if lp is True else int(lp)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -114,6 +128,13 @@ class SamplingParams:
         if self.seed is not None:
             _int(self.seed, "seed")
         _int(self.priority, "priority")
+        lp = self.logprobs
+        if lp is not None and not isinstance(lp, bool) and \
+                (not isinstance(lp, Integral) or not 0 <= lp <= MAX_LOGPROBS):
+            raise RequestError(
+                f"logprobs must be None (off) or an int from 0 to {MAX_LOGPROBS} (how many most likely "
+                f"alternatives to return beside each generated token's log-probability), got {lp!r}."
+            )
         if self.prompt_logprobs is not None:
             if isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, Integral) \
                     or self.prompt_logprobs < 0:

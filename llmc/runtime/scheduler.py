@@ -391,6 +391,7 @@ class Scheduler:
         token_ids: list[int] | list[list[int]],
         logprobs: list[float] | list[list[float]] | None = None,
         check_stop: StopFn | None = None,
+        top_logprobs: list[dict[int, float]] | list[list[dict[int, float]]] | None = None,
     ) -> list[Sequence]:
         """Record a finished step: advance computed tokens, fork siblings, append sampled tokens.
 
@@ -402,6 +403,7 @@ class Scheduler:
             logprobs: matching log-probabilities (same nesting), kept if the request asked for them.
             check_stop: e.g. a `StopChecker`; returns "stop"/"length"/None for a sequence. Checked after
                 each appended token: tokens after a stop are discarded.
+            top_logprobs: each token's alternatives (same nesting), kept if the request asked for them.
         Returns:
             the sequences that finished in this step.
         """
@@ -427,11 +429,14 @@ class Scheduler:
                     child.status = SequenceStatus.RUNNING
                     self.running.append(child)
             for i, target in enumerate(targets, start=first):
-                toks, lps = token_ids[i], logprobs[i] if logprobs is not None and target.params.logprobs else None
+                wants = target.params.num_logprobs
+                toks = token_ids[i]
+                lps = logprobs[i] if logprobs is not None and wants is not None else None
+                tops = top_logprobs[i] if top_logprobs is not None and wants else None
                 if not isinstance(toks, list):  # the common case: one token
-                    toks, lps = (toks,), None if lps is None else (lps,)
+                    toks, lps, tops = (toks,), None if lps is None else (lps,), None if tops is None else (tops,)
                 for j, tok in enumerate(toks):
-                    target.append_token(tok, None if lps is None else lps[j])
+                    target.append_token(tok, None if lps is None else lps[j], None if tops is None else tops[j])
                     reason = check_stop(target) if check_stop is not None else None
                     if reason is not None:
                         self.finish(target, reason)

@@ -98,6 +98,7 @@ class Sequence:
         self.spec_token_ids: list[int] = []  # speculated continuation to verify in the next step
         self._tokens: list[int] = list(self.prompt_token_ids)  # prompt + output, appended in place
         self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[dict[int, float]] = []  # per output token, when alternatives are asked
         self.prompt_logprobs = prompt_logprobs  # its request's, from SequenceGroup; None: not asked for
         # Incremental detokenization state (see stop.py): text of the output, and the token
         # window offsets that let a tokenizer's multi-token characters settle before we emit them.
@@ -156,11 +157,13 @@ class Sequence:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
 
-    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+    def append_token(self, token_id: int, logprob: float | None = None, top: dict[int, float] | None = None) -> None:
         self.output_token_ids.append(int(token_id))
         self._tokens.append(int(token_id))
         if logprob is not None:
             self.output_logprobs.append(float(logprob))
+        if top is not None:
+            self.output_top_logprobs.append(top)
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first `num_tokens` tokens (never fewer than the prompt): output past them is dropped,
@@ -171,6 +174,7 @@ class Sequence:
             del self.output_token_ids[len(self.output_token_ids) - drop:]
             del self._tokens[num_tokens:]
             del self.output_logprobs[min(len(self.output_logprobs), self.num_output_tokens):]
+            del self.output_top_logprobs[min(len(self.output_top_logprobs), self.num_output_tokens):]
         self.num_computed_tokens = min(self.num_computed_tokens, num_tokens - 1)
         self.read_offset = min(self.read_offset, num_tokens)
         self.prefix_offset = min(self.prefix_offset, max(self.read_offset - 5, 0))

@@ -4,11 +4,17 @@ The app never touches the scheduler: it validates and tokenizes a request, hands
 `AsyncLLM.generate`, and turns the `RequestOutput`s it streams back into OpenAI responses or SSE
 chunks. The app keeps a tokenizer of its own (not the engine's), so tokenizing here on the event
 loop never races the engine thread's detokenizing. A client that goes away mid-stream cancels the
-response task, which closes the `generate` iterator, which aborts the request and frees its blocks.
+response task, which closes the `generate` iterator, which aborts the request and frees its blocks; one
+that goes away while a non-streamed answer is being generated cancels its generation the same way.
+
+Log-probabilities are those the engine reports (`SamplingParams.logprobs`: of the distribution each token
+was drawn from); -inf (an alternative the request's filters removed) is sent as -9999.0, as vLLM does,
+since JSON has no infinity.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -65,6 +71,8 @@ class _Server:
         self.template = _compile_template(source) if source else None
         self.metrics = ServerMetrics(eng.stats)
         self.waiting = 0  # admitted requests with no output yet: what --max-queue bounds
+        # one token's text: asked for every alternative of every token, and fixed for a tokenizer
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: self.decode([t]))
 
     # -- prompts ----------------------------------------------------------------------------------
     def encode(self, text: str, param: str) -> list[int]:
@@ -161,12 +169,12 @@ def create_app(llm: AsyncLLM, served_model_name: str, *, api_key: str | None = N
         return P.ModelList(data=[P.ModelCard(id=srv.name, max_model_len=srv.max_len)])
 
     @app.post("/v1/completions")
-    async def post_completions(req: P.CompletionRequest):
-        return await completions(srv, req)
+    async def post_completions(req: P.CompletionRequest, request: Request):
+        return await completions(srv, req, request)
 
     @app.post("/v1/chat/completions")
-    async def post_chat(req: P.ChatCompletionRequest):
-        return await chat_completions(srv, req)
+    async def post_chat(req: P.ChatCompletionRequest, request: Request):
+        return await chat_completions(srv, req, request)
 
     return app
 
@@ -177,6 +185,10 @@ def _errors(app: FastAPI) -> None:
 
     def reply(status, message, type_, param=None, code=None, headers=None):
         return JSONResponse(P.error_body(message, type_, param, code), status, headers=headers)
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request, e: _ClientGone):
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it, /metrics counts it
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -285,8 +297,9 @@ def _check_model(srv: _Server, model: str) -> None:
                        "model", "model_not_found")
 
 
-def _sampling(srv: _Server, req: P._Sampling, max_tokens: int, logprobs: bool) -> SamplingParams:
-    """The request's SamplingParams, validated: a bad value is a 400 naming its field."""
+def _sampling(srv: _Server, req: P._Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The request's SamplingParams, validated: a bad value is a 400 naming its field. `logprobs`: None (off)
+    or how many alternatives per generated token."""
     if req.n > srv.max_num_seqs:
         raise APIError(400, f"n={req.n} samples run together and this server batches at most {srv.max_num_seqs} "
                             "sequences (--max-num-seqs); lower n", "n")
@@ -313,6 +326,35 @@ async def _all(coros) -> list:
     finally:
         for t in tasks:
             t.cancel()
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its non-streamed answer was ready."""
+
+
+async def _unless_gone(request: Request | None, coro):
+    """Await `coro` while the client waits for it: if the client disconnects first, `coro` is cancelled, which
+    aborts its engine requests and frees their blocks, and `_ClientGone` is raised."""
+    work = asyncio.ensure_future(coro)
+    if request is None:
+        return await work
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)  # its aborts are sent before this returns
+    if work.cancelled():
+        raise _ClientGone()
+    return work.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects: with the body read, the server's next ASGI message is that."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _final(srv: _Server, ids: list[int], params: SamplingParams) -> RequestOutput:
@@ -363,47 +405,69 @@ def _stream_error(e: Exception) -> str:
 
 
 def _token_texts(srv: _Server, ids: list[int]) -> list[str]:
-    return [srv.decode([t]) for t in ids]
+    return [srv.token_text(t) for t in ids]
 
 
-async def completions(srv: _Server, req: P.CompletionRequest):
+def _lp(value: float) -> float:
+    return max(value, -9999.0)  # JSON has no -inf
+
+
+def _legacy_top(srv: _Server, top: dict[int, float], chosen: int, chosen_lp: float) -> dict[str, float]:
+    """One token's entry of the legacy `top_logprobs`: its alternatives by text, most likely first, and the
+    chosen token (OpenAI: up to logprobs + 1 entries); of tokens with the same text, the likelier's."""
+    out: dict[str, float] = {}
+    for t, lp in {**top, chosen: chosen_lp}.items():
+        out.setdefault(srv.token_text(t), _lp(lp))
+    return out
+
+
+MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20  # OpenAI's limits
+
+
+async def completions(srv: _Server, req: P.CompletionRequest, request: Request | None = None):
     """POST /v1/completions: one engine request per prompt, n samples each (choice i * n + j)."""
     _check_model(srv, req.model)
-    if req.logprobs is not None and req.logprobs != 0:
-        raise APIError(400, f"logprobs={req.logprobs} asks for alternatives, and llmc returns the log-probability of "
-                            "each chosen token only: use logprobs=0", "logprobs")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise APIError(400, f"logprobs must be from 0 to {MAX_COMPLETION_LOGPROBS} (how many most likely tokens to "
+                            f"return beside each chosen one), got {req.logprobs}", "logprobs")
     raw = req.prompt
     items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     if not items:
         raise APIError(400, "prompt is an empty list; give a string, a list of strings or token ids", "prompt")
     prompts = [_Prompt(x, srv.encode(x, "prompt")) if isinstance(x, str) else _Prompt("", list(x)) for x in items]
-    want_lp = req.logprobs is not None
+    want_lp, k = req.logprobs is not None, req.logprobs or 0
     params = []
     for p in prompts:
         mt = req.max_tokens if req.max_tokens is not None else max(1, srv.max_len - len(p.ids))
-        sp = _sampling(srv, req, mt, want_lp)
+        sp = _sampling(srv, req, mt, req.logprobs)
         srv.check_prompt(p.ids, mt, "prompt")
         if req.echo and not p.text:
             p.text = srv.decode(p.ids)
         if req.echo and want_lp:
-            sp.prompt_logprobs = 0
+            sp.prompt_logprobs = k
         params.append(sp)
     srv.admit(len(prompts))
     n, rid, created = req.n, f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
     def logprobs(p: _Prompt, c, out: RequestOutput | None, ids: list[int], offset: int) -> P.CompletionLogprobs:
+        # the last len(ids) entries of the totals are those of `ids` (a stream's delta, or all)
         lps: list = list(c.logprobs[len(c.logprobs) - len(ids):]) if ids else []
+        tops: list = list(c.top_logprobs[len(c.top_logprobs) - len(ids):]) if ids and k else []
         if out is not None:  # echo: the prompt's tokens first, the first with no log-probability
             ids, lps = p.ids + ids, list(out.prompt_logprobs or [None] * len(p.ids)) + lps
+            tops = list(out.prompt_top_logprobs or [None] * len(p.ids)) + tops if k else []
         toks = _token_texts(srv, ids)
         offsets = []
         for t in toks:
             offsets.append(offset)
             offset += len(t)
-        return P.CompletionLogprobs(tokens=toks, token_logprobs=lps, top_logprobs=None, text_offset=offsets)
+        top = [None if d is None or lp is None else _legacy_top(srv, d, t, lp)
+               for d, t, lp in zip(tops, ids, lps)] if k else None
+        return P.CompletionLogprobs(tokens=toks, token_logprobs=[None if v is None else _lp(v) for v in lps],
+                                    top_logprobs=top, text_offset=offsets)
 
     if not req.stream:
-        outs = await _all(_final(srv, p.ids, sp) for p, sp in zip(prompts, params))
+        outs = await _unless_gone(request, _all(_final(srv, p.ids, sp) for p, sp in zip(prompts, params)))
         choices = []
         for i, (p, out) in enumerate(zip(prompts, outs)):
             for c in out.outputs:
@@ -467,7 +531,7 @@ def _messages(req: P.ChatCompletionRequest) -> list[dict]:
     return out
 
 
-async def chat_completions(srv: _Server, req: P.ChatCompletionRequest):
+async def chat_completions(srv: _Server, req: P.ChatCompletionRequest, request: Request | None = None):
     """POST /v1/chat/completions: the messages rendered by the chat template, then one engine request."""
     import jinja2
     _check_model(srv, req.model)
@@ -475,9 +539,12 @@ async def chat_completions(srv: _Server, req: P.ChatCompletionRequest):
         raise APIError(400, "this model has no chat template, so it cannot format messages: start the server with "
                             "--chat-template FILE (a Jinja template over `messages`), or use /v1/completions",
                        "messages", "no_chat_template")
-    if req.top_logprobs:
-        raise APIError(400, f"top_logprobs={req.top_logprobs} asks for alternatives, and llmc returns the "
-                            "log-probability of each chosen token only: use logprobs=true alone", "top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
+                       "top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    k = req.top_logprobs or 0
     tok = srv.tokenizer
     try:
         text = srv.template.render(messages=_messages(req), add_generation_prompt=req.add_generation_prompt,
@@ -489,20 +556,26 @@ async def chat_completions(srv: _Server, req: P.ChatCompletionRequest):
     mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if mt is None:
         mt = max(1, srv.max_len - len(ids))
-    params = _sampling(srv, req, mt, req.logprobs)
+    params = _sampling(srv, req, mt, k if req.logprobs else None)
     srv.check_prompt(ids, mt, "messages")
     srv.admit(1)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
+    def entry(t: int, lp: float) -> dict:
+        text = srv.token_text(t)
+        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode())}
+
     def logprobs(c, new: list[int]) -> P.ChatLogprobs | None:
         if not req.logprobs:
             return None
+        # the last len(new) entries of the totals are those of `new` (a stream's delta, or all)
         lps = c.logprobs[len(c.logprobs) - len(new):] if new else []
-        return P.ChatLogprobs(content=[P.ChatTokenLogprob(token=t, logprob=lp, bytes=list(t.encode()))
-                                       for t, lp in zip(_token_texts(srv, new), lps)])
+        tops = c.top_logprobs[len(c.top_logprobs) - len(new):] if new and k else [{}] * len(new)
+        return P.ChatLogprobs(content=[P.ChatTokenLogprob(**entry(t, lp), top_logprobs=[
+            P.TopLogprob(**entry(a, alp)) for a, alp in top.items()]) for t, lp, top in zip(new, lps, tops)])
 
     if not req.stream:
-        out = await _final(srv, ids, params)
+        out = await _unless_gone(request, _final(srv, ids, params))
         choices = [P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
                                 logprobs=logprobs(c, c.token_ids), finish_reason=c.finish_reason)
                    for c in out.outputs]

@@ -96,11 +96,17 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
 class ChatTokenLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
-    top_logprobs: list[dict[str, Any]] = []
+    top_logprobs: list[TopLogprob] = []
 
 
 class ChatLogprobs(BaseModel):

@@ -61,7 +61,7 @@ def test_greedy_accepts_the_argmax_chain_then_corrects():
     assert chain[2] == 4
     for m in range(k + 1):
         draft = chain[:m] + [(t + 1) % V for t in chain[m:k]]
-        tokens, logprobs = verify(logits, seq(temperature=0.0), draft, None, Sampler())
+        tokens, logprobs, _ = verify(logits, seq(temperature=0.0), draft, None, Sampler())
         assert tokens == chain[:m + 1]
         assert tokens == sequential_greedy(logits, seq(temperature=0.0), draft)[0]
         assert logprobs == [0.0] * (m + 1)  # logprobs not asked for, as the Sampler reports them
@@ -74,7 +74,7 @@ def test_greedy_penalty_sees_the_draft_token_before_it():
     logits[2, 7] = 1.0
     s = seq(prompt=(1, 0), temperature=0.0, repetition_penalty=2.0)
     # ... but after draft[0] = 5 the penalty halves its logit: 1.5 < 2.5, so row 1 picks 2
-    tokens, _ = verify(logits, s, [5, 5], None, Sampler())
+    tokens, _, _ = verify(logits, s, [5, 5], None, Sampler())
     assert tokens == [5, 2]
     assert tokens == sequential_greedy(logits, s, [5, 5])[0]
     assert verify(logits, s, [5, 2], None, Sampler())[0] == [5, 2, 7]
@@ -94,7 +94,7 @@ def test_greedy_equals_sequential_decoding_with_penalties_and_filters(trial):
         chain.append(Sampler()(logits[j:j + 1], [extended(s, chain)]).token_ids[0])
     m = trial % (k + 1)
     draft = chain[:m] + [(t + 1) % 12 for t in chain[m:k]]
-    tokens, logprobs = verify(logits, s, draft, None, Sampler())
+    tokens, logprobs, _ = verify(logits, s, draft, None, Sampler())
     expected_tokens, expected_logprobs = sequential_greedy(logits, s, draft)
     assert tokens == expected_tokens == chain[:m + 1]
     assert logprobs == pytest.approx(expected_logprobs, abs=1e-5)
@@ -148,7 +148,7 @@ def speculate(params, q, seed, n=N):
     for i in range(n):
         out, t = [], 0
         while len(out) < 3:
-            tokens, _ = verify(P[t:t + K + 1], s, drafts[t][i], None if q is None else q[t:t + K], sampler)
+            tokens, _, _ = verify(P[t:t + K + 1], s, drafts[t][i], None if q is None else q[t:t + K], sampler)
             out, t = out + tokens, t + len(tokens)
         counts[out[0], out[1], out[2]] += 1
     return counts.double()
@@ -204,7 +204,7 @@ def test_same_seed_same_tokens_and_the_seed_matters():
         s = seq(seed=seed)
         return [verify(logits, s, draft, q, Sampler()) for _ in range(8)]
     first = run(123)
-    assert 1 < len({len(tokens) for tokens, _ in first}), "acceptance must vary, or the uniforms go untested"
+    assert 1 < len({len(tokens) for tokens, _, _ in first}), "acceptance must vary, or the uniforms go untested"
     torch.manual_seed(0)
     assert run(123) == first
     # a seeded request draws only from its own generator: torch's default one is where it was
@@ -221,7 +221,7 @@ def test_logprobs_are_those_of_the_processed_rows(trial):
     draft = [int(torch.multinomial(q[j], 1, generator=g)) for j in range(k)]
     s = seq(output=[4, 4, 7], seed=trial, temperature=0.8, top_k=6, min_p=0.05,
             repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.2)
-    tokens, logprobs = verify(logits, s, draft, q, Sampler())
+    tokens, logprobs, _ = verify(logits, s, draft, q, Sampler())
     assert 1 <= len(tokens) <= k + 1 and tokens[:-1] == draft[:len(tokens) - 1]
     for j, (t, lp) in enumerate(zip(tokens, logprobs)):
         row = Sampler().process(logits[j:j + 1], [extended(s, tokens[:j])])[0]  # history: draft[:j]
@@ -234,14 +234,14 @@ def test_filtered_draft_tokens_zero_q_and_empty_residual():
         # token 4 is outside row 0's top 2: p = 0 rejects it even when q puts all its mass there
         q = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0]])
         for qq in (q, None):
-            tokens, _ = verify(logits, seq(seed=seed, top_k=2), [4], qq, Sampler())
+            tokens, _, _ = verify(logits, seq(seed=seed, top_k=2), [4], qq, Sampler())
             assert len(tokens) == 1 and tokens[0] in (0, 1)
         # q(x) = 0 for a token the target allows (not drawn from q): min(1, p/0) accepts it
-        tokens, _ = verify(logits, seq(seed=seed), [3], q, Sampler())
+        tokens, _, _ = verify(logits, seq(seed=seed), [3], q, Sampler())
         assert tokens[:1] == [3] and len(tokens) == 2
         # q == p: the residual max(0, p - q) is all zero, so the token after a rejection comes from p
         p0 = torch.softmax(Sampler().process(logits[:1], [seq(top_k=2)])[0], -1)
-        tokens, logprobs = verify(logits, seq(seed=seed, top_k=2), [4], p0[None], Sampler())
+        tokens, logprobs, _ = verify(logits, seq(seed=seed, top_k=2), [4], p0[None], Sampler())
         assert len(tokens) == 1 and tokens[0] in (0, 1) and all(lp > -10 for lp in logprobs)
     # k = 0: one token from row 0
     assert verify(logits[:1], seq(temperature=0.0), [], None, Sampler())[0] == [0]

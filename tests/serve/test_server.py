@@ -1,7 +1,8 @@
 """`llmc serve` end to end: the real server in a subprocess, driven by the official `openai` client.
 
-Completions and chat, streamed and not, n > 1, stop strings, seeds, logprobs; 32 concurrent streams
-with some cancelled midway (every KV block comes back, read off /metrics); each error case answers
+Completions and chat, streamed and not, n > 1, stop strings, seeds, logprobs with top-k alternatives;
+64 concurrent streams with some cancelled midway, and a non-streamed request whose client goes away (every
+KV block comes back, read off /metrics); each error case answers
 its status and OpenAI-shaped body while another request streams on; /metrics parses and counts the
 requests made; --max-queue answers 503 with Retry-After; SIGTERM lets a stream finish and exits 0.
 """
@@ -189,6 +190,53 @@ def test_logprobs(server):
     assert len(content) == 6 and "".join(t.token for t in content) == chat.choices[0].message.content
 
 
+def same(a, b) -> bool:
+    """Equal, floats to 1e-4: a prompt served from the prefix cache may round its logits apart."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and same(list(a.values()), list(b.values()))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-4
+    return a == b
+
+
+def test_top_logprobs_streamed_and_not(server):
+    """Completions logprobs=3 (legacy: up to 4 entries by text, the chosen one included) and chat
+    top_logprobs=2, each streamed and whole: the same tokens, log-probabilities and alternatives."""
+    c = server.client()
+    kw = dict(model="tiny", prompt=PROMPTS[6], max_tokens=10, temperature=0.7, seed=5, n=2, logprobs=3)
+    whole = c.completions.create(**kw)
+    parts: dict[int, list] = {0: [[], [], [], []], 1: [[], [], [], []]}
+    for ch in c.completions.create(**kw, stream=True):
+        for choice in ch.choices:
+            if choice.logprobs is not None:
+                got, lp = parts[choice.index], choice.logprobs
+                for field, acc in zip((lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset), got):
+                    acc += field
+    for choice in whole.choices:
+        lp = choice.logprobs
+        assert same(parts[choice.index], [lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset])
+        assert len(lp.top_logprobs) == len(lp.tokens) == 10
+        for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            values = list(top.values())
+            assert 3 <= len(top) <= 4 and top[tok] == v and values[:3] == sorted(values[:3], reverse=True)
+    echo = c.completions.create(model="tiny", prompt=PROMPTS[6], max_tokens=2, temperature=0, logprobs=2,
+                                echo=True).choices[0].logprobs
+    assert echo.top_logprobs[0] is None and echo.token_logprobs[0] is None
+    assert all(top[t] == v for t, v, top in zip(echo.tokens[1:], echo.token_logprobs[1:], echo.top_logprobs[1:]))
+
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "a queue"}], max_tokens=8, temperature=0,
+              logprobs=True, top_logprobs=2)
+    content = c.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = [t for ch in c.chat.completions.create(**kw, stream=True) for choice in ch.choices
+                if choice.logprobs is not None for t in choice.logprobs.content]
+    assert same([t.model_dump() for t in streamed], [t.model_dump() for t in content]) and len(content) == 8
+    for t in content:  # greedy: the chosen token is the most likely one
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob >= t.top_logprobs[1].logprob
+        assert t.top_logprobs[0].bytes == t.bytes == list(t.token.encode())
+
+
 def test_chat_stream_equals_whole(server):
     c = server.client()
     kw = dict(model="tiny", messages=[{"role": "system", "content": "write python"},
@@ -222,14 +270,17 @@ def test_concurrent_streams_with_cancels_return_every_block(server):
 
     async def main():
         async with server.async_client() as client:
-            return await asyncio.gather(*(one(client, i) for i in range(32)))
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
 
     texts = asyncio.run(main())
     c = server.client()
+    wants = {}  # request i depends on i % 8 alone
     for i, text in enumerate(texts):
         if text is not None:
-            want = c.completions.create(model="tiny", prompt=PROMPTS[i % 8], max_tokens=8 + i % 8, temperature=0)
-            assert text == want.choices[0].text, i
+            if i % 8 not in wants:
+                wants[i % 8] = c.completions.create(model="tiny", prompt=PROMPTS[i % 8], max_tokens=8 + i % 8,
+                                                    temperature=0).choices[0].text
+            assert text == wants[i % 8], i
     deadline = time.monotonic() + 10
     while True:
         m = server.metrics()
@@ -237,7 +288,28 @@ def test_concurrent_streams_with_cancels_return_every_block(server):
             break
         assert time.monotonic() < deadline, f"blocks still in use: {m['llmc_kv_blocks_used']}"
         time.sleep(0.1)
-    assert m["llmc_request_finished_total{reason=abort}"] >= 6
+    assert m["llmc_request_finished_total{reason=abort}"] >= 13
+
+
+def test_non_streamed_request_of_a_client_gone_is_aborted(server):
+    before = server.metrics().get("llmc_request_finished_total{reason=abort}", 0)
+    body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 500, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 10
+        while server.metrics()["llmc_kv_blocks_used"] == 0:  # generating: then the client goes away
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.02)
+    deadline = time.monotonic() + 10
+    while True:
+        m = server.metrics()
+        if m["llmc_kv_blocks_used"] == 0 and m["llmc_requests_running"] == 0:
+            break
+        assert time.monotonic() < deadline, f"blocks still in use: {m['llmc_kv_blocks_used']}"
+        time.sleep(0.05)
+    assert m["llmc_request_finished_total{reason=abort}"] == before + 1
+    assert m.get("llmc_http_requests_total{endpoint=/v1/completions,status=499}", 0) >= 1
 
 
 ERRORS = [  # (body or raw bytes, headers, status, param)
@@ -251,7 +323,8 @@ ERRORS = [  # (body or raw bytes, headers, status, param)
     ({"model": "tiny", "prompt": "x " * 1100, "max_tokens": 1}, {}, 400, "prompt"),
     ({"model": "tiny", "prompt": [], "max_tokens": 1}, {}, 400, "prompt"),
     ({"model": "tiny", "prompt": [[99999]], "max_tokens": 1}, {}, 400, "prompt"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 3}, {}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 6}, {}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "logprobs": -1}, {}, 400, "logprobs"),
     ({"model": "gpt-4", "prompt": "x"}, {}, 404, "model"),
     ({"model": "tiny", "prompt": "x"}, {"Authorization": "Bearer wrong"}, 401, None),
     ({"model": "tiny", "prompt": "x"}, {"Authorization": ""}, 401, None),
@@ -270,9 +343,10 @@ def test_errors_answer_in_openai_shape_while_others_stream(server):
         err = reply["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], err
         assert err["param"] == param, err
-    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
-        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], logprobs=True,
-                                  top_logprobs=2)
+    for chat_kw in ({"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}):
+        with pytest.raises(openai.BadRequestError, match="top_logprobs") as e:
+            c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], **chat_kw)
+        assert e.value.body["param"] == "top_logprobs"
     text += "".join(ch.choices[0].text for ch in stream if ch.choices)
     want = c.completions.create(model="tiny", prompt=PROMPTS[5], max_tokens=40, temperature=0,
                                 extra_body={"ignore_eos": True})

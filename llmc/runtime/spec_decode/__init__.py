@@ -180,20 +180,22 @@ class SpecDecoder:
             self.chooser.cost += self.COST_EMA * (c - self.chooser.cost)
 
     def verify(self, seq: Sequence, spec: list[int], rows: torch.Tensor | None,
-               row_tokens: list[int] | None) -> tuple[list[int], list[float] | None]:
-        """The new tokens of a verified sequence: `rows` are its k + 1 target logits rows, or, when the step
-        returned only argmax tokens (greedy), `row_tokens`."""
+               row_tokens: list[int] | None) -> tuple[list[int], list[float] | None, list[dict] | None]:
+        """The new tokens of a verified sequence, their log-probabilities and alternatives (see
+        `rejection.verify`): `rows` are its k + 1 target logits rows, or, when the step returned only argmax
+        tokens (greedy, nothing asked), `row_tokens`."""
         q = self.q.pop(seq.seq_id, None)
         if row_tokens is not None:
-            tokens, logprobs = accept_greedy(spec, row_tokens), None
+            tokens, logprobs, top = accept_greedy(spec, row_tokens), None, None
         else:
-            tokens, logprobs = verify(rows, seq, spec, q.to(rows.device) if q is not None else None, self.sampler)
+            tokens, logprobs, top = verify(rows, seq, spec, q.to(rows.device) if q is not None else None,
+                                           self.sampler)
         self.steps += 1
         self.proposed += len(spec)
         self.accepted += len(tokens) - 1
         self.chooser.observe(seq, len(spec), len(tokens) - 1)
         self.proposer.accepted(seq, len(tokens) - 1)
-        return tokens, logprobs
+        return tokens, logprobs, top
 
     def release(self, seq: Sequence) -> None:
         self.q.pop(seq.seq_id, None)

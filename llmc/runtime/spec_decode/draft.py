@@ -16,7 +16,7 @@ common prefix. K/V at position p depends only on tokens[:p + 1], so all of that 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -147,7 +147,7 @@ class DraftProposer:
             view = SimpleNamespace(params=d.params, token_ids=d.token_ids[:n],
                                    output_token_ids=d.output_token_ids[:len(d.output_token_ids) - len(h)],
                                    generator=d.generator)
-            tokens, _ = verify(rows_i, view, h, None, self.sampler)
+            tokens = verify(rows_i, view, h, None, self.sampler)[0]
             d.num_computed_tokens = d.num_tokens
             if not h:  # with hints in it, d holds tokens the target has not confirmed
                 bm.mark_computed(d)
@@ -190,7 +190,8 @@ class DraftProposer:
         a new sequence's blocks do not fit."""
         st = self.drafts.get(seq.seq_id)
         if st is None:
-            d = Sequence(seq.request_id, seq.prompt_token_ids, seq.params)
+            # the draft's own log-probabilities are never reported: asking none keeps its greedy steps argmax-only
+            d = Sequence(seq.request_id, seq.prompt_token_ids, replace(seq.params, logprobs=None))
             d.generator = seq.generator
             for t in seq.output_token_ids:
                 d.append_token(t)

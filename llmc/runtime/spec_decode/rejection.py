@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from llmc.runtime.sampler import Sampler, draw, plain_greedy
+from llmc.runtime.sampler import Sampler, draw, plain_greedy, top_of
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.sequence import Sequence
 
 
 def verify(logits: torch.Tensor, seq: Sequence, draft: list[int], q: torch.Tensor | None,
-           sampler: Sampler) -> tuple[list[int], list[float]]:
+           sampler: Sampler) -> tuple[list[int], list[float], list[dict[int, float]] | None]:
     """The tokens the target keeps of one sequence's draft, and one more.
 
     Args:
@@ -38,9 +38,11 @@ def verify(logits: torch.Tensor, seq: Sequence, draft: list[int], q: torch.Tenso
         sampler: the engine's sampler, whose `process` gives the target distributions.
 
     Returns:
-        (tokens, logprobs): the accepted draft prefix and then one more token (1..k + 1 tokens), and the
+        (tokens, logprobs, top): the accepted draft prefix and then one more token (1..k + 1 tokens), the
         log-probability of each under the processed target row that chose it, as `Sampler` reports it
-        (0.0 for a plain greedy request that asked for no logprobs).
+        (0.0 for a plain greedy request that asked for no logprobs), and, when the request asks for
+        alternatives (`SamplingParams.logprobs` = k > 0), each token's k most likely ones from that same
+        row (else None): what decoding one token at a time would report.
 
     Example:
         >>> seq = Sequence("r", [1, 2], SamplingParams(temperature=0.0))
@@ -61,11 +63,11 @@ def verify(logits: torch.Tensor, seq: Sequence, draft: list[int], q: torch.Tenso
         tokens = accept_greedy(draft, logits.argmax(dim=-1).tolist())  # first maximum = lowest id on ties
     else:
         tokens = _rejection_sample(torch.softmax(logits, dim=-1), draft, q, seq.generator)
-    if plain_greedy(params) and not params.logprobs:
-        return tokens, [0.0] * len(tokens)
+    if plain_greedy(params) and params.num_logprobs is None:
+        return tokens, [0.0] * len(tokens), None
     rows = torch.log_softmax(logits[:len(tokens)], dim=-1)  # [n + 1, V]
     chosen = torch.tensor(tokens, device=rows.device)
-    return tokens, rows.gather(1, chosen[:, None])[:, 0].tolist()
+    return tokens, rows.gather(1, chosen[:, None])[:, 0].tolist(), top_of(rows, [seq] * len(tokens))
 
 
 @dataclass
