@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU measurements still owed by the open issues, one step per argument, each writing its log and
+# JSON under OUT (never through a pipe: a step cut off by the device's time limit keeps what it wrote).
+#
+#   bash benchmarks/gpu_pending.sh OUT qmatmul        # issue 14: the quantized kernels compiled on the GPU
+#   bash benchmarks/gpu_pending.sh OUT quant-decode   # issue 14: 8B decode, bf16 vs int4 (then fp8, w8a8)
+#   bash benchmarks/gpu_pending.sh OUT spec-load      # issue 18: widened 8B target at batch 32 and 128
+#   bash benchmarks/gpu_pending.sh OUT widen-check    # issue 18: bf16 agreement of the widened target, 64k tokens
+#
+# Steps that need the widened target build it once under WIDE (default /tmp/wide: 13 GiB plus a 13 GiB
+# artifact; the device's disk holds about 50 GiB free).
+set -u
+OUT=${1:?usage: gpu_pending.sh OUT STEP...}
+shift
+WIDE=${WIDE:-/tmp/wide}
+export PYTHONPATH=${PYTHONPATH:-$(cd "$(dirname "$0")/.." && pwd)}
+mkdir -p "$OUT"
+
+widened() {
+    [ -d "$WIDE/w8b.llmc" ] && return
+    mkdir -p "$WIDE"
+    python3 scripts/widen_model.py builtin:tiny-py "$WIDE/w8b" --hidden 4096 --layers 32 --heads 32 \
+        --kv-heads 8 --intermediate 14336 --dtype bfloat16 >>"$OUT/widen.log" 2>&1
+    python3 -c "import llmc; llmc.compile('$WIDE/w8b', '$WIDE/w8b.llmc', dtype='bfloat16'); \
+llmc.compile('builtin:tiny-py-draft', '$WIDE/d.llmc', dtype='bfloat16')" >>"$OUT/widen.log" 2>&1
+}
+
+for step in "$@"; do
+    echo "== $step $(date -u +%T)"
+    case $step in
+        qmatmul)
+            TRITON_INTERPRET=0 python3 -m pytest -q tests/codegen/test_qmatmul.py >"$OUT/qmatmul.log" 2>&1
+            tail -3 "$OUT/qmatmul.log" ;;
+        quant-decode)
+            python3 benchmarks/quant_decode_bench.py --shape 8b --quant "${QUANT:-rtn4}" --new 128 \
+                --out "$OUT" >"$OUT/quant_decode.log" 2>&1
+            tail -8 "$OUT/quant_decode.log" ;;
+        spec-load)
+            widened
+            for b in 32 128; do
+                n=$((b == 32 ? 64 : 128))
+                python3 benchmarks/spec_bench.py --target "$WIDE/w8b.llmc" --draft "$WIDE/d.llmc" --dtype bfloat16 \
+                    --prompts $n --max-tokens 128 --batch $b --configs none,ngram,multi:auto,draft:auto \
+                    --out "$OUT" >"$OUT/spec_b$b.log" 2>&1
+                tail -6 "$OUT/spec_b$b.log"
+            done ;;
+        widen-check)
+            widened
+            python3 benchmarks/widen_check.py --bf16 "$WIDE/w8b" --tokens 65536 --out "$OUT" >"$OUT/widen_check.log" 2>&1
+            tail -8 "$OUT/widen_check.log" ;;
+        *)
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check)" ;;
+    esac
+done
