@@ -189,3 +189,19 @@ def prefill_graph_matches_eager(artifact, backend):
         assert dg.inputs["slot_mapping"][len(s.token_ids):].eq(-1).all()
         got = run({**dg.inputs, **runner.kv}).float()
         assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def paged_prefill_last_logits(g, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Run a paged graph's interpreter on two prompts (9 and 4 tokens) in one prefill step over 4-slot
+    blocks (the first sequence in blocks 0-2, the second in block 3) and return each one's last logits."""
+    from llmc.ir.interpreter import Interpreter
+    assert (len(a), len(b)) == (9, 4)
+    caches = {v.name: torch.zeros(v.type.shape[0], 8, 4, *v.type.shape[3:]) for v in g.inputs
+              if v.name.startswith("kv_cache.")}
+    (out,) = Interpreter(g).run(
+        input_ids=torch.cat([a, b]), positions=torch.cat([torch.arange(9), torch.arange(4)]),
+        query_start_loc=torch.tensor([0, 9, 13], dtype=torch.int32), seq_lens=torch.tensor([9, 4], dtype=torch.int32),
+        block_tables=torch.tensor([[0, 1, 2], [3, 0, 0]], dtype=torch.int32),
+        slot_mapping=torch.tensor(list(range(9)) + list(range(12, 16))),
+        logits_indices=torch.tensor([8, 12]), **caches)
+    return out

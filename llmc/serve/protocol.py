@@ -102,10 +102,7 @@ class TopLogprob(BaseModel):
     bytes: list[int] | None = None
 
 
-class ChatTokenLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
+class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = []
 
 

@@ -22,17 +22,10 @@ from llmc.codegen.norm import RmsNormSpec, rms_norm
 from llmc.codegen.sampling import argmax
 from llmc.errors import CompileError
 from llmc.ir.ops import get_op
+from tests.codegen.conftest import library_interpreted
 
 
-def _library_interpreted() -> bool:
-    if not interpreting():
-        return False
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-    return isinstance(tl.zeros, InterpretedFunction)
-
-
-INTERPRETED = _library_interpreted()
+INTERPRETED = library_interpreted()
 DEVICE = "cpu" if INTERPRETED else "cuda"
 pytestmark = pytest.mark.skipif(
     not INTERPRETED and (interpreting() or not torch.cuda.is_available()),

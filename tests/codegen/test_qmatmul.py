@@ -20,17 +20,10 @@ from llmc.codegen.qmatmul import QMatmulSpec, candidates, prepare, qlinear, quan
 from llmc.errors import CompileError
 from llmc.ir import quant
 from llmc.ir.quant import QuantFormat, quantize_rtn
+from tests.codegen.conftest import library_interpreted
 
 
-def _library_interpreted() -> bool:
-    if not interpreting():
-        return False
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-    return isinstance(tl.zeros, InterpretedFunction)
-
-
-INTERPRETED = _library_interpreted()
+INTERPRETED = library_interpreted()
 DEVICE = "cpu" if INTERPRETED else "cuda"
 pytestmark = pytest.mark.skipif(
     not INTERPRETED and (interpreting() or not torch.cuda.is_available()),

@@ -9,7 +9,7 @@ from llmc.ir.interpreter import Interpreter, run_graph
 from llmc.ir.printer import parse_graph
 from llmc.ir.verify import verify
 from llmc.passes import PassManager, pipeline
-from tests.conftest import hf_model
+from tests.conftest import hf_model, paged_prefill_last_logits
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +68,7 @@ def test_paged_graph_matches_hf_for_two_sequences(arch_dir):
     g = art.graph
     m = hf_model(arch_dir)
     a, b = torch.randint(0, 320, (9,)), torch.randint(0, 320, (4,))
-    BS, NB = 4, 8
-    caches = {v.name: torch.zeros(v.type.shape[0], NB, BS, *v.type.shape[3:]) for v in g.inputs
-              if v.name.startswith("kv_cache.")}
-    (out,) = Interpreter(g).run(
-        input_ids=torch.cat([a, b]), positions=torch.cat([torch.arange(9), torch.arange(4)]),
-        query_start_loc=torch.tensor([0, 9, 13], dtype=torch.int32), seq_lens=torch.tensor([9, 4], dtype=torch.int32),
-        block_tables=torch.tensor([[0, 1, 2], [3, 0, 0]], dtype=torch.int32),
-        slot_mapping=torch.tensor(list(range(9)) + list(range(12, 16))),
-        logits_indices=torch.tensor([8, 12]), **caches)
+    out = paged_prefill_last_logits(g, a, b)
     with torch.no_grad():
         ra, rb = m(input_ids=a[None]).logits[0, -1], m(input_ids=b[None]).logits[0, -1]
     assert rel_err(out[0], ra) <= 1e-4 and rel_err(out[1], rb) <= 1e-4

@@ -16,6 +16,7 @@ from llmc.errors import CompileError
 from llmc.frontend.hf import capture_hf
 from llmc.frontend.prequantized import Scheme, gptq_linear, read_prequantized
 from llmc.ir.interpreter import Interpreter
+from tests.conftest import paged_prefill_last_logits
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its eight
 LAYERS = 2
@@ -187,14 +188,7 @@ def test_compiled_paged_graph_matches_the_dequantized_model(checkpoint, oracle):
     g = llmc.compile(path, None, verify=True).graph
     assert "qlinear" in g.op_counts()
     a, b = torch.randint(0, 128, (9,)), torch.randint(0, 128, (4,))
-    caches = {v.name: torch.zeros(v.type.shape[0], 8, 4, *v.type.shape[3:]) for v in g.inputs
-              if v.name.startswith("kv_cache.")}
-    (out,) = Interpreter(g).run(
-        input_ids=torch.cat([a, b]), positions=torch.cat([torch.arange(9), torch.arange(4)]),
-        query_start_loc=torch.tensor([0, 9, 13], dtype=torch.int32), seq_lens=torch.tensor([9, 4], dtype=torch.int32),
-        block_tables=torch.tensor([[0, 1, 2], [3, 0, 0]], dtype=torch.int32),
-        slot_mapping=torch.tensor(list(range(9)) + list(range(12, 16))),
-        logits_indices=torch.tensor([8, 12]), **caches)
+    out = paged_prefill_last_logits(g, a, b)
     with torch.no_grad():
         ref = torch.stack([oracle(input_ids=a[None]).logits[0, -1], oracle(input_ids=b[None]).logits[0, -1]])
     assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5

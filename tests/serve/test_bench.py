@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from llmc.cli import main
 from llmc.serve.bench import (BenchError, build_workload, percentile, poisson_arrivals, resolve_tokenizer,
                               workload_lengths)
+from tests.test_cli import assert_clean_error
 
 QUEUE_DELAY = 0.03  # seconds before the response starts: a request waiting in the fake server's "queue"
 FIRST_DELAY = 0.06  # then seconds before the first chunk: its "prefill"
@@ -114,15 +115,6 @@ def bench_json(*args):
     lines = out.strip().splitlines()
     assert len(lines) == 1, out
     return json.loads(lines[0])
-
-
-def assert_clean_error(code, out, *needles):
-    assert code != 0, out
-    assert "Traceback" not in out, out
-    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), out
-    for n in needles:
-        assert n in out, out
 
 
 def test_figures_agree_with_the_fake_server(server):
