@@ -74,9 +74,12 @@ class QuantFormat:
             raise IRError(f"group size {self.group_size} does not divide the {k} input columns")
         return k // self.group_size
 
+    def to_json(self) -> dict:
+        """The fields as JSON (a precision plan's entry; `QuantFormat(**d)` reads it back)."""
+        return {"kind": self.kind, "bits": self.bits, "group_size": self.group_size, "has_zeros": self.has_zeros}
+
     def attrs(self, in_features: int) -> dict:
-        return {"kind": self.kind, "bits": self.bits, "group_size": self.group_size,
-                "has_zeros": self.has_zeros, "in_features": int(in_features)}
+        return {**self.to_json(), "in_features": int(in_features)}
 
     @classmethod
     def from_attrs(cls, a: dict) -> "QuantFormat":

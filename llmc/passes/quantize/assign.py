@@ -14,7 +14,7 @@ from typing import ClassVar
 from llmc.ir.quant import QuantFormat
 from llmc.passes.manager import Pass, PassContext, PassResult, register_pass
 from llmc.passes.quantize.config import QuantConfig
-from llmc.passes.quantize.materialize import PLAN, linear_name, quantizable_linears
+from llmc.passes.quantize.materialize import PLAN, linear_name, plan_entry, quantizable_linears
 
 
 def is_lm_head(g, node) -> bool:
@@ -25,10 +25,11 @@ def is_lm_head(g, node) -> bool:
     return tied or (vocab is not None and g.weights[w.name].shape[0] == vocab)
 
 
-def fit_format(fmt: QuantFormat, k: int) -> tuple[QuantFormat, str]:
-    """`fmt` as a layer with k input features can take it, and a note when it had to change."""
+def fit_format(fmt: QuantFormat, k: int) -> tuple[QuantFormat | None, str]:
+    """`fmt` as a layer with k input features can take it (None: it cannot, and stays dense), and a note
+    when it had to change."""
     if fmt.kind == "int" and fmt.bits == 4 and k % 2:
-        return fmt, f"int4 needs an even number of input features, not {k}: kept dense"
+        return None, f"int4 needs an even number of input features, not {k}: kept dense"
     if fmt.kind == "int" and fmt.group_size and k % fmt.group_size:
         per_channel = QuantFormat(fmt.kind, fmt.bits, 0, fmt.has_zeros)
         return per_channel, f"group size {fmt.group_size} does not divide {k} input features: per channel"
@@ -47,23 +48,14 @@ class AssignPrecision(Pass):
         for n in quantizable_linears(g):
             name = linear_name(n)
             w = g.weights[n.inputs[1].name]
-            n_out, k = w.shape
             skipped = [s for s in cfg.skip if name.endswith(s) or (s == "lm_head" and is_lm_head(g, n))]
             if skipped:
-                linears[name] = {"method": cfg.method, "format": None, "bits": 8 * w.element_size(),
-                                 "params": w.numel(), "note": f"skipped ({skipped[0]})"}
+                linears[name] = plan_entry(cfg.method, None, w, f"skipped ({skipped[0]})")
                 continue
-            fmt, note = fit_format(cfg.format(), k)
-            if note.endswith("kept dense"):
-                fmt_json, bits = None, 8 * w.element_size()
-            else:
-                fmt_json = {"kind": fmt.kind, "bits": fmt.bits, "group_size": fmt.group_size,
-                            "has_zeros": fmt.has_zeros}
-                bits = round(fmt.bits_per_weight(k, w.element_size()), 4)
+            fmt, note = fit_format(cfg.format(), w.shape[1])
             if note:
                 ctx.note(f"{self.name}: {name}: {note}")
-            linears[name] = {"method": cfg.method, "format": fmt_json, "bits": bits, "params": w.numel(),
-                             "note": note}
+            linears[name] = plan_entry(cfg.method, fmt, w, note)
         g.meta[PLAN] = {"method": cfg.method, "config": cfg.to_json(), "linears": linears,
                         "avg_bits": average_bits(linears)}
         return PassResult(g, True, {"planned": sum(1 for e in linears.values() if e["format"])})

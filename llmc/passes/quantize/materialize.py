@@ -48,6 +48,17 @@ def entry_format(e: dict) -> QuantFormat:
     return QuantFormat(**e["format"])
 
 
+def weight_bits(fmt: QuantFormat | None, w: torch.Tensor) -> float:
+    """Bits per weight of w stored in fmt, scales and zero points included (None: as it is)."""
+    return 8 * w.element_size() if fmt is None else fmt.bits_per_weight(w.shape[1], w.element_size())
+
+
+def plan_entry(method: str, fmt: QuantFormat | None, w: torch.Tensor, note: str) -> dict:
+    """One linear's entry in the plan: method, format (None: kept in the model dtype), bits, params, note."""
+    return {"method": method, "format": None if fmt is None else fmt.to_json(), "bits": round(weight_bits(fmt, w), 4),
+            "params": w.numel(), "note": note}
+
+
 def by_input(nodes: list[tuple[Node, Any]]) -> dict[Value, list[tuple[Node, Any]]]:
     """Group linears by the value they read (q/k/v, gate/up): they share input statistics and scales."""
     groups: dict[Value, list] = {}

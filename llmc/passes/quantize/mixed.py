@@ -21,7 +21,8 @@ from llmc.ir.quant import QuantFormat
 from llmc.passes.manager import PassResult, register_pass
 from llmc.passes.quantize.assign import fit_format
 from llmc.passes.quantize.gptq import gptq_quantize
-from llmc.passes.quantize.materialize import QuantizePass, by_input, linear_name, planned, replace_with_qlinear, scale_dtype
+from llmc.passes.quantize.materialize import (QuantizePass, by_input, linear_name, plan_entry, planned,
+                                              replace_with_qlinear, scale_dtype, weight_bits)
 
 CANDIDATES = (QuantFormat("int", 4, 128), QuantFormat("int", 8, 0), None)  # None: the model dtype
 
@@ -84,32 +85,24 @@ class MixedPrecision(QuantizePass):
                     qws.append(qw)
                     err += output_error(w, qw.dequantize(), h)
                 options.append((cand, qws, err))
-            params = sum(self.weight(g, n).numel() for n, _ in items)
-            bits = []
-            for cand, qws, _ in options:
-                per = [plan["linears"][linear_name(n)] for n, _ in items]
-                if cand is None:
-                    bits.append(sum(8 * self.weight(g, n).element_size() * e["params"] for (n, _), e in zip(items, per))
-                                / params)
-                else:
-                    bits.append(sum(q.fmt.bits_per_weight(q.in_features, self.weight(g, n).element_size())
-                                    * self.weight(g, n).numel() for (n, _), q in zip(items, qws)) / params)
+            ws = [self.weight(g, n) for n, _ in items]
+            params = sum(w.numel() for w in ws)
+            bits = [sum(weight_bits(None if q is None else q.fmt, w) * w.numel() for w, q in zip(ws, qws)) / params
+                    for _, qws, _ in options]
             measured.append(options)
             units.append({"params": params, "bits": bits, "error": [o[2] for o in options]})
         pick = choose(units, self.config.bits_budget)
         done = 0
-        for (x, items), options, unit, j in zip(groups.items(), measured, units, pick):
-            cand, qws, _ = options[j]
+        for items, options, j in zip(groups.values(), measured, pick):
+            _, qws, _ = options[j]
+            errors = {("dense" if c is None else c.label): round(err, 6) for c, _, err in options}  # the group's
             for (n, _), qw in zip(items, qws):
-                e = plan["linears"][linear_name(n)]
-                e["errors"] = {("dense" if c is None else c.label): round(err, 6) for c, _, err in options}
+                name = linear_name(n)
+                note = "mixed: " + ("kept in the model dtype" if qw is None else qw.fmt.label)
+                plan["linears"][name] = {**plan_entry(self.method, None if qw is None else qw.fmt, self.weight(g, n), note),
+                                         "errors": errors}
                 if qw is None:
-                    e.update(format=None, bits=unit["bits"][j], note="mixed: kept in the model dtype")
                     continue
-                e.update(format={"kind": qw.fmt.kind, "bits": qw.fmt.bits, "group_size": qw.fmt.group_size,
-                                 "has_zeros": qw.fmt.has_zeros},
-                         bits=round(qw.fmt.bits_per_weight(qw.in_features, self.weight(g, n).element_size()), 4),
-                         note=f"mixed: {qw.fmt.label}")
                 replace_with_qlinear(g, n, qw)
                 done += 1
         chosen = [e for e in plan["linears"].values() if not e["note"].startswith("skipped")]
