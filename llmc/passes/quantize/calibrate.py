@@ -33,6 +33,7 @@ class InputStats:
     abs_max: torch.Tensor | None = None
     xtx: torch.Tensor | None = None
     sample: list = field(default_factory=list)
+    rows_joined: torch.Tensor | None = None
 
     def add(self, x: torch.Tensor, stride: int) -> None:
         x = x.reshape(-1, self.k).float()
@@ -55,7 +56,10 @@ class InputStats:
         return (2 * self.xtx / max(1, self.tokens)).cpu()
 
     def rows_sample(self) -> torch.Tensor:
-        return torch.cat(self.sample)[:MAX_ROWS]
+        """At most MAX_ROWS rows of x, spread over the calibration tokens (joined once, when first asked)."""
+        if self.rows_joined is None:
+            self.rows_joined = torch.cat(self.sample)[:MAX_ROWS]
+        return self.rows_joined
 
 
 def calibration_windows(ctx: PassContext, cfg: QuantConfig) -> list[list[int]]:
