@@ -77,11 +77,16 @@ def main() -> None:
         torch.cuda.empty_cache()
     if a.bf16:
         base16 = load(src, torch.bfloat16)
-        own = (argmax_windows(base16, ids) == ref).float().mean().item()
+        own_hit = argmax_windows(base16, ids) == ref
         del base16
         wide = load(a.bf16, torch.bfloat16)
-        agree = (argmax_windows(wide, ids) == ref).float().mean().item()
-        res["bf16"] = {"tiny_py_bf16_agreement": own, "widened_bf16_agreement": agree, "ok": agree >= own}
+        wide_hit = argmax_windows(wide, ids) == ref
+        own, agree = own_hit.float().mean().item(), wide_hit.float().mean().item()
+        # paired counts: positions only one of the two bf16 models gets right (McNemar's test)
+        only_own, only_wide = int((own_hit & ~wide_hit).sum()), int((wide_hit & ~own_hit).sum())
+        z = (only_wide - only_own) / max(1.0, (only_own + only_wide) ** 0.5)
+        res["bf16"] = {"tiny_py_bf16_agreement": own, "widened_bf16_agreement": agree, "ok": agree >= own,
+                       "only_tiny_py_bf16_right": only_own, "only_widened_right": only_wide, "mcnemar_z": z}
     Path(a.out).mkdir(parents=True, exist_ok=True)
     Path(a.out, "widen_check.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
