@@ -21,6 +21,7 @@ targets need `--target` a widened 8B-shaped tiny-py (scripts/widen_model.py), wh
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -103,6 +104,7 @@ def main() -> None:
     ap.add_argument("--configs", default="none,ngram,draft:3,draft:auto")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per config; the median counts")
     ap.add_argument("--seeded", action="store_true", help="also check that seeded sampling repeats")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
@@ -121,14 +123,17 @@ def main() -> None:
         warm = prompts[:min(len(prompts), max(2, a.batch))]
         llm.generate(warm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))  # kernels, graphs
         s0 = llm.stats()
-        sync()
-        t = time.perf_counter()
-        if a.batch == 1:
-            outs = [llm.generate([p], greedy)[0].token_ids for p in prompts]
-        else:
-            outs = [o.token_ids for o in llm.generate(prompts, greedy)]
-        sync()
-        dt = time.perf_counter() - t
+        times = []
+        for _ in range(a.repeat):  # the median of a few runs: one short run is at the mercy of the host
+            sync()
+            t = time.perf_counter()
+            if a.batch == 1:
+                outs = [llm.generate([p], greedy)[0].token_ids for p in prompts]
+            else:
+                outs = [o.token_ids for o in llm.generate(prompts, greedy)]
+            sync()
+            times.append(time.perf_counter() - t)
+        dt = sorted(times)[len(times) // 2]
         s1 = llm.stats()
         steps = s1["steps"] - s0["steps"]
         prop = s1["spec_proposed_tokens"] - s0["spec_proposed_tokens"]
@@ -136,8 +141,10 @@ def main() -> None:
         vsteps = s1["spec_steps"] - s0["spec_steps"]
         base = base if base is not None else outs
         same = sum(x == y for o, b in zip(outs, base) for x, y in zip(o, b)) / sum(len(b) for b in base)
-        row = {"proposer": name, "tok_s": len(prompts) * a.max_tokens / dt, "seconds": dt, "steps": steps,
-               "tokens_per_step": len(prompts) * a.max_tokens / max(1, steps),
+        row = {"proposer": name, "tok_s": len(prompts) * a.max_tokens / dt, "seconds": dt,
+               "runs_s": [round(x, 4) for x in times], "steps": steps // a.repeat,
+               "tokens_per_step": a.repeat * len(prompts) * a.max_tokens / max(1, steps),
+               "preemptions": s1["num_preemptions"] - s0["num_preemptions"], "blocks_total": s1["blocks_total"],
                "acceptance": acc / prop if prop else None,
                "accepted_per_verify_step": acc / vsteps if vsteps else None,
                "spec_steps_share": vsteps / max(1, steps), "greedy_same_as_none": same}
@@ -149,6 +156,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         del llm
+        gc.collect()  # the next engine sizes its KV cache from free memory: this one must be gone
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     for r in rows:
         r["speedup"] = r["tok_s"] / rows[0]["tok_s"]
