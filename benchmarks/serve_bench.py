@@ -111,6 +111,15 @@ def main() -> None:
     cfg = LlamaConfig(**shape, architectures=["LlamaForCausalLM"])
     with torch.device(DEVICE):
         m = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    # greedy decoding must stay inside the tokenizer's vocabulary, or most tokens stream as empty
+    # text: zero LM-head rows give logit 0 there, below the largest random logit of the rest
+    # (the head keeps its full size and cost)
+    from transformers import AutoTokenizer
+    text_vocab = len(AutoTokenizer.from_pretrained(builtin_dir("tiny-py"), local_files_only=True))
+    head = m.lm_head.weight if not cfg.tie_word_embeddings else None
+    if head is not None:
+        with torch.no_grad():
+            head[text_vocab:] = 0
     m.save_pretrained(str(work / "hf"))
     del m
     empty_cache()

@@ -737,6 +737,9 @@ def _run_server(app, host: str, port: int, shutdown_timeout: float) -> bool:
 
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
                                    timeout_graceful_shutdown=shutdown_timeout))
+    # The engine thread waits for the GPU without the GIL and needs it back as soon as a step ends;
+    # by default the HTTP thread, busy streaming the last step's tokens, keeps it for up to 5 ms.
+    sys.setswitchinterval(0.0005)
     server.run()
     return server.started
 

@@ -231,6 +231,7 @@ class AsyncLLM:
                 self.engine.abort(stream.request_id)  # the ones not in the failed step, too
             self._fail_all(err)
             return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -238,15 +239,28 @@ class AsyncLLM:
             if out.finished:
                 del self._streams[out.request_id]
             if not stream.cancelled:
-                self._deliver(stream, out)
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        # one wake-up per event loop and step, not one per request: with a hundred streams the
+        # consumers' loop would otherwise spend the step's time being woken
+        for loop, items in by_loop.items():
+            self._deliver_all(loop, items)
 
     def _deliver(self, stream: _Stream, item: RequestOutput | BaseException) -> None:
+        self._deliver_all(stream.loop, [(stream, item)])
+
+    def _deliver_all(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
         try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # the consumer's event loop is closed: nobody will read this request
-            if not stream.cancelled and self._streams.get(stream.request_id) is stream:
-                stream.cancelled = True
-                self.engine.abort(stream.request_id)
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the consumers' event loop is closed: nobody will read these requests
+            for stream, _ in items:
+                if not stream.cancelled and self._streams.get(stream.request_id) is stream:
+                    stream.cancelled = True
+                    self.engine.abort(stream.request_id)
+
+
+def _put_all(items: list) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
 
     def _fail_all(self, err: BaseException) -> None:
         streams, self._streams = self._streams, {}
