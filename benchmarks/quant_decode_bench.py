@@ -28,21 +28,17 @@ FORMATS = {"rtn4": {"method": "rtn", "wbits": 4}, "rtn8": {"method": "rtn", "wbi
 
 
 def decode_rate(llm, prompt, new: int, batch: int) -> float:
+    """Generated tokens per second, end to end: a fresh 128-token prompt per sequence (its prefill
+    included, as in tools/llmc_bench.py's decode figure) and `new` greedy tokens."""
     from decode_bench import sync
     from llmc.runtime.engine import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    prompts = [prompt[:-1] + [i] for i in range(batch)]
-    llm.generate(prompts, params)  # warm-up: kernels, graphs
+    llm.generate([prompt[:-2] + [0, i] for i in range(batch)], params)  # warm-up: kernels, graphs
     sync()
     t = time.perf_counter()
-    llm.generate(prompts, one)
+    llm.generate([[(t + 1 + i) % 1000 for t in prompt] for i in range(batch)], params)  # no cache hit
     sync()
-    prefill = time.perf_counter() - t
-    t = time.perf_counter()
-    llm.generate(prompts, params)
-    sync()
-    return batch * (new - 1) / (time.perf_counter() - t - prefill)
+    return batch * new / (time.perf_counter() - t)
 
 
 def main() -> None:
