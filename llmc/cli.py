@@ -133,22 +133,31 @@ def _load_plugins(files: tuple[str, ...]) -> None:
 @click.option("--draft", "draft_model", default=None, metavar="DRAFT",
               help="Also compile DRAFT (a local HF directory or builtin:NAME with MODEL's tokenizer) into the "
                    "artifact, for speculative decoding: `llmc run OUT.llmc --spec draft` then needs no --draft.")
+@click.option("--tokenizer", "tokenizer", default=None, type=click.Path(), metavar="DIR",
+              help="For an ONNX model: the directory with its tokenizer files (and config.json); default: the "
+                   ".onnx file's directory.")
+@click.option("--check-ort", is_flag=True,
+              help="For an ONNX model: run the same token ids through onnxruntime and the compiled graph (llmc's "
+                   "interpreter) and report the largest logit difference.")
 @_plugin_option
 def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_after, dump_ir, verify, explain_fusion,
             no_fuse, tune, batch_invariant, quant, wbits, group_size, zero_point, calib, calib_samples, bits_budget,
-            act_order, draft_model, plugins):
-    """Compile MODEL (a local Hugging Face directory or builtin:NAME) into an artifact."""
+            act_order, draft_model, tokenizer, check_ort, plugins):
+    """Compile MODEL (a local Hugging Face directory, builtin:NAME or an ONNX file) into an artifact."""
     import llmc
     from llmc.passes.manager import parse_pass_spec
     from llmc.passes.quantize.config import QuantConfig
+    from llmc.compiler import is_onnx
     _load_plugins(plugins)
+    if check_ort and not is_onnx(model):
+        raise LLMCError("--check-ort compares with onnxruntime and needs an ONNX model (MODEL.onnx)")
     extra = [parse_pass_spec(s) for s in passes]
     qcfg = QuantConfig(quant, int(wbits), group_size, zero_point, calib, calib_samples, bits_budget=bits_budget,
                        act_order=act_order) if quant else None
     art = llmc.compile(model, output, dtype=dtype, kv_cache_dtype=kv_cache_dtype, passes=extra,
                        before=pass_before, after=pass_after, dump_ir=dump_ir, verify=verify,
                        progress=sys.stderr.isatty(), fuse=not no_fuse, tune=tune, batch_invariant=batch_invariant,
-                       quant=qcfg, draft=draft_model)
+                       quant=qcfg, draft=draft_model, tokenizer=tokenizer)
     s = art.summary()
     if explain_fusion:
         reasons = art.compile_log.explain if art.compile_log else []
@@ -157,12 +166,16 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
         if not reasons:
             click.echo("fusion: no candidate was declined")
     if art.tokenizer_dir is None:
+        hint = "; give them with --tokenizer DIR" if is_onnx(model) else ""
         click.echo(f"warning: {model} has no tokenizer files; the artifact will take token ids only "
-                   "(--prompts with prompt_token_ids)", err=True)
+                   f"(--prompts with prompt_token_ids){hint}", err=True)
     nbytes = sum(s["param_bytes_by_dtype"].values())
     click.echo(f"wrote {art.path}: {s['num_params'] / 1e6:.2f}M params ({nbytes / 2**20:.1f} MiB), "
                f"{sum(s['op_counts'].values())} ops, passes: {', '.join(p.split('{')[0] for p in s['passes'])}"
                + (f"; draft {draft_model} in {art.bundled_draft.name}" if art.bundled_draft else ""))
+    if check_ort:
+        from llmc.frontend.onnx_check import check_onnxruntime
+        click.echo(str(check_onnxruntime(model, art.graph)))
 
 
 @main.command()

@@ -27,17 +27,28 @@ def resolve_model(model: str | Path) -> tuple[Path, str]:
         except (ValueError, FileNotFoundError) as e:
             raise CompileError(str(e)) from None
     p = Path(s).expanduser()
-    if p.suffix == ".onnx":
-        raise CompileError(f"{p}: ONNX import is not available in this version of llmc; export the model "
-                           "as a Hugging Face directory or pass an nn.Module to llmc.compile")
+    if is_onnx(p):
+        raise CompileError(f"{p}: an ONNX model cannot be used here; give a Hugging Face directory or builtin:NAME")
     return p, str(p.resolve())
 
 
+def is_onnx(model: Any) -> bool:
+    """Whether a model argument names an ONNX file (compiled by llmc/frontend/onnx.py)."""
+    return isinstance(model, (str, Path)) and Path(str(model)).suffix.lower() == ".onnx"
+
+
 def capture(model: Any, example_inputs: Sequence[torch.Tensor] | None = None, dtype: str = "float32",
-            dynamic: dict | None = None) -> tuple[Graph, str, list[Path]]:
+            dynamic: dict | None = None, tokenizer: str | Path | None = None) -> tuple[Graph, str, list[Path]]:
     """Run the right frontend. Returns the graph, a source label and the tokenizer files to ship."""
     if dtype not in DTYPES:
         raise CompileError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if is_onnx(model):
+        from llmc.frontend.onnx import capture_onnx
+        path = Path(str(model)).expanduser()
+        g, tok_files = capture_onnx(path, DTYPES[dtype], tokenizer)
+        return g, str(path.resolve()), tok_files
+    if tokenizer is not None:
+        raise CompileError("--tokenizer is for ONNX models; a Hugging Face directory ships its own tokenizer files")
     if isinstance(model, torch.nn.Module):
         if example_inputs is None:
             raise CompileError("compiling an nn.Module needs example_inputs (a tuple of tensors)")
@@ -56,11 +67,12 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
             passes: Sequence[Pass] | None = None, before: str | None = None, after: str | None = None,
             dynamic: dict | None = None, verify: bool = False, dump_ir: str | Path | None = None,
             progress: bool = False, tune: bool = True, batch_invariant: bool = True, quant=None,
-            draft: str | Path | None = None, **options) -> Artifact:
+            draft: str | Path | None = None, tokenizer: str | Path | None = None, **options) -> Artifact:
     """Compile a model into an artifact.
 
     Args:
-        model: a local Hugging Face directory, `builtin:NAME`, or an `nn.Module` (with `example_inputs`).
+        model: a local Hugging Face directory, `builtin:NAME`, an ONNX file (`model.onnx`), or an
+            `nn.Module` (with `example_inputs`).
         output: the artifact directory to write; a temporary directory when None.
         dtype: float32, float16 or bfloat16.
         passes: extra passes, inserted `before`/`after` a named pass (default: at the end).
@@ -78,6 +90,7 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
             target's vocabulary), compiled with the same dtype and KV cache options into the artifact
             (`draft.llmc` inside it), where `speculative={"method": "draft"}` and `llmc run --spec
             draft` find it. It is not quantized.
+        tokenizer: for an ONNX model, the directory with its tokenizer files (default: beside the file).
     Returns:
         The written Artifact.
 
@@ -99,8 +112,8 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         check_draft(model, draft)
     bar = _Progress(progress)
     with bar:
-        bar.step("capturing with torch.export")
-        graph, source, tok_files = capture(model, example_inputs, dtype, dynamic)
+        bar.step("reading the ONNX graph" if is_onnx(model) else "capturing with torch.export")
+        graph, source, tok_files = capture(model, example_inputs, dtype, dynamic, tokenizer)
         plist = pipeline(list(passes or []), before=before, after=after, options={**options, "quant": quant})
         bar.step(f"running {len(plist)} passes")
         ctx = PassContext(options=dict(options), state={"status": bar.step})
@@ -128,8 +141,9 @@ def check_draft(model: Any, draft: str | Path) -> None:
     """A bundled draft must share the target's vocabulary (the verify step compares token ids): checked
     from both config.json files before anything is captured."""
     from llmc.frontend.hf import read_config
-    if isinstance(model, torch.nn.Module):
-        raise CompileError("--draft bundles a draft with a Hugging Face target; compile an nn.Module's draft apart")
+    if isinstance(model, torch.nn.Module) or is_onnx(model):
+        raise CompileError("--draft bundles a draft with a Hugging Face target; compile the draft of an "
+                           f"{'ONNX model' if is_onnx(model) else 'nn.Module'} apart")
     (tdir, _), (ddir, _) = resolve_model(model), resolve_model(draft)
     tv, dv = read_config(tdir).get("vocab_size"), read_config(ddir).get("vocab_size")
     if tv != dv:
