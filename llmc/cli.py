@@ -116,7 +116,7 @@ def _load_plugins(files: tuple[str, ...]) -> None:
               help="Quantize the linear layers' weights: rtn (round to nearest), gptq (Hessian error feedback), awq "
                    "(activation-aware scales), smoothquant (int8 weights and activations), fp8 (e4m3 weights and "
                    "activations), mixed (int4/int8/unquantized per layer under --bits-budget). The LM head stays "
-                   "unquantized. `llmc inspect` shows the plan.")
+                   "unquantized unless --quant-lm-head. `llmc inspect` shows the plan.")
 @click.option("--wbits", type=click.Choice(["4", "8"]), default="4", show_default=True,
               help="Weight bits for rtn, gptq and awq.")
 @click.option("--group-size", type=int, default=None, metavar="G",
@@ -130,6 +130,11 @@ def _load_plugins(files: tuple[str, ...]) -> None:
 @click.option("--bits-budget", type=float, default=4.5, show_default=True, metavar="B",
               help="mixed: average bits per quantized weight, scales included.")
 @click.option("--act-order", is_flag=True, help="gptq: quantize columns in order of decreasing activation energy.")
+@click.option("--quant-lm-head", is_flag=True,
+              help="Quantize the LM head with the other linears (its rounding error lands straight on the logits).")
+@click.option("--quant-embeddings", type=click.Choice(["int8"]), default=None,
+              help="Store the input embedding table as int8 rows with a scale each (with tied embeddings, only "
+                   "together with --quant-lm-head: the dense head would still need the table).")
 @click.option("--draft", "draft_model", default=None, metavar="DRAFT",
               help="Also compile DRAFT (a local HF directory or builtin:NAME with MODEL's tokenizer) into the "
                    "artifact, for speculative decoding: `llmc run OUT.llmc --spec draft` then needs no --draft.")
@@ -142,7 +147,7 @@ def _load_plugins(files: tuple[str, ...]) -> None:
 @_plugin_option
 def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_after, dump_ir, verify, explain_fusion,
             no_fuse, tune, batch_invariant, quant, wbits, group_size, zero_point, calib, calib_samples, bits_budget,
-            act_order, draft_model, tokenizer, check_ort, plugins):
+            act_order, quant_lm_head, quant_embeddings, draft_model, tokenizer, check_ort, plugins):
     """Compile MODEL (a local Hugging Face directory, builtin:NAME or an ONNX file) into an artifact."""
     import llmc
     from llmc.passes.manager import parse_pass_spec
@@ -152,8 +157,11 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
     if check_ort and not is_onnx(model):
         raise LLMCError("--check-ort compares with onnxruntime and needs an ONNX model (MODEL.onnx)")
     extra = [parse_pass_spec(s) for s in passes]
+    if (quant_lm_head or quant_embeddings) and not quant:
+        raise LLMCError("--quant-lm-head and --quant-embeddings go with --quant METHOD (e.g. --quant rtn)")
     qcfg = QuantConfig(quant, int(wbits), group_size, zero_point, calib, calib_samples, bits_budget=bits_budget,
-                       act_order=act_order) if quant else None
+                       act_order=act_order, skip=() if quant_lm_head else ("lm_head",),
+                       embeddings=quant_embeddings) if quant else None
     art = llmc.compile(model, output, dtype=dtype, kv_cache_dtype=kv_cache_dtype, passes=extra,
                        before=pass_before, after=pass_after, dump_ir=dump_ir, verify=verify,
                        progress=sys.stderr.isatty(), fuse=not no_fuse, tune=tune, batch_invariant=batch_invariant,
@@ -238,13 +246,18 @@ def _echo_quant_plan(plan: dict | None, per_linear: bool) -> None:
     click.echo(f"quantization  {plan['method']}: {plan['avg_bits']} bits per weight on average"
                + (f", calibrated on {plan['calibration']['tokens']} tokens of {plan['calibration']['source']}"
                   if plan.get("calibration") else ""))
+    tables = plan.get("embeddings", {})
     if not per_linear:
         for fmt in sorted(set(label.values())):
             click.echo(f"  {fmt:18s} {sum(1 for v in label.values() if v == fmt)} linears")
+        for name, e in tables.items():
+            click.echo(f"  {e['format']:18s} embedding table {name}")
         return
     for name, e in plan["linears"].items():
         errs = " ".join(f"{k}={v:.3g}" for k, v in e.get("errors", {}).items())
         click.echo(f"  {name:40s} {label[name]:18s} {e['bits']:7.3f}  {e['note']}" + (f"  [{errs}]" if errs else ""))
+    for name, e in tables.items():
+        click.echo(f"  {name:40s} {e['format']:18s} {e['bits']:7.3f}  embedding table")
 
 
 @dataclass

@@ -203,6 +203,17 @@ class Plan:
             return outs[0]
         return Step(n, lambda x, h: F.embedding(x[1], x[0]), "torch:embedding", into=into)
 
+    def _op_qembedding(self, n):
+        from llmc.ir.quant import qembedding_ref
+        dtype = torch_dtype(n.attrs["dtype"])
+
+        def into(x, h, outs):
+            flat = x[2].reshape(-1)
+            out = outs[0].view(-1, x[0].shape[1])
+            torch.mul(x[0].index_select(0, flat), x[1].index_select(0, flat)[:, None], out=out)
+            return outs[0]
+        return Step(n, lambda x, h: qembedding_ref(x[0], x[1], x[2], dtype), "torch:qembedding", into=into)
+
     def _linear(self, n, epilogue):
         from llmc.codegen import matmul as mm
         tuner, use_triton = self.tuner, self.triton_matmul

@@ -376,6 +376,10 @@ register_op("gather", "movement", ("x", "index"),
 
 register_op("embedding", "nn", ("weight", "ids"), _embedding_infer, lambda x, a, env: F.embedding(x[1], x[0]),
             traits=("no_fold",))
+register_op("qembedding", "nn", ("qweight", "scales", "ids"),
+            lambda ts, a: TensorType(ts[2].shape + (ts[0].shape[1],), a["dtype"]),
+            lambda x, a, env: _qembedding_ref(x, a), {"dtype": "float32"},
+            "rows of an int8 table at ids, each times its row's scale (a quantized embedding)", traits=("no_fold",))
 register_op("linear", "nn", ("x", "weight", "bias?"), _linear_infer,
             lambda x, a, env: F.linear(x[0], x[1], x[2] if len(x) > 2 else None), doc="x @ weight.T + bias",
             traits=("linear", "no_fold"))
@@ -463,6 +467,11 @@ register_op("linear_act", "nn", ("x", "weight", "bias?"), _linear_infer,
             lambda x, a, env: LINEAR_ACTS[a["act"]](F.linear(x[0], x[1], x[2] if len(x) > 2 else None)),
             {"act": REQUIRED}, "act(x @ weight.T + bias): a matmul with its activation epilogue",
             traits=("linear", "no_fold"))
+
+
+def _qembedding_ref(x, a):
+    from llmc.ir.quant import qembedding_ref
+    return qembedding_ref(x[0], x[1], x[2], torch_dtype(a["dtype"]))
 
 
 def _qlinear_operands(x: list, a: dict) -> tuple:

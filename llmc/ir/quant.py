@@ -220,3 +220,22 @@ def quantize_rtn(w: torch.Tensor, fmt: QuantFormat, scale_dtype: torch.dtype = t
         return QuantizedWeight(fmt, torch.round(wf / s).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), s)
     s = amax / FP8_MAX
     return QuantizedWeight(fmt, (wf / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s)
+
+
+# ---------------------------------------------------------------- quantized embedding tables
+
+def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An embedding table [V, H] as int8 codes [V, H] in [-127, 127] and one fp32 scale per row [V]
+    (absmax / 127): what a `qembedding` op gathers."""
+    wf = w.float()
+    s = (wf.abs().amax(dim=1) / 127).clamp_min(1e-10)
+    q = torch.round(wf / s[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, s
+
+
+def qembedding_ref(qweight: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Rows of the int8 table at ids, each times its scale, in `dtype`: [*ids.shape, H]."""
+    flat = ids.reshape(-1)
+    rows = qweight.index_select(0, flat).float() * scales.float().index_select(0, flat)[:, None]
+    return rows.to(dtype).reshape(*ids.shape, qweight.shape[1])

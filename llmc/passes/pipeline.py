@@ -53,7 +53,9 @@ def quantize_passes(quant) -> list[Pass]:
     from llmc.passes.quantize.smoothquant import SmoothQuantize
     method = {"rtn": RTNQuantize, "gptq": GPTQQuantize, "awq": AWQQuantize, "smoothquant": SmoothQuantize,
               "fp8": FP8Quantize, "mixed": MixedPrecision}[cfg.method]
-    return [AssignPrecision(cfg), *([Calibrate(cfg)] if cfg.needs_calibration else []), method(cfg)]
+    from llmc.passes.quantize.embedding import QuantizeEmbeddings
+    return [AssignPrecision(cfg), *([Calibrate(cfg)] if cfg.needs_calibration else []), method(cfg),
+            *([QuantizeEmbeddings(cfg)] if cfg.embeddings else [])]
 
 
 def pipeline(extra: list[Pass] | None = None, before: str | None = None, after: str | None = None,

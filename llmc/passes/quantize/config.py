@@ -43,7 +43,10 @@ class QuantConfig:
             on tiny-py with 32k calibration tokens, 0.01 fits the calibration text and loses on other text.
         scale_search: gptq, mixed: shrink factors of each group's range tried (0: min-max scales).
         alpha: smoothquant: migration strength.
-        skip: linears kept in the model dtype, by name suffix (the LM head by default).
+        skip: linears kept in the model dtype, by name suffix (the LM head by default; `--quant-lm-head`
+            empties it).
+        embeddings: "int8": the input embedding table as int8 rows with a scale each (embedding.py);
+            None: kept in the model dtype.
     """
 
     method: str = "rtn"
@@ -59,8 +62,11 @@ class QuantConfig:
     scale_search: int = 20
     alpha: float = 0.5
     skip: tuple[str, ...] = ("lm_head",)
+    embeddings: str | None = None
 
     def __post_init__(self):
+        if self.embeddings not in (None, "int8"):
+            raise CompileError(f"--quant-embeddings takes int8, not {self.embeddings!r}")
         if self.method not in METHODS:
             raise CompileError(f"--quant must be one of {', '.join(METHODS)}, not {self.method!r}")
         if self.wbits not in (4, 8):
