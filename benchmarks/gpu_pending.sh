@@ -3,7 +3,7 @@
 # JSON under OUT (never through a pipe: a step cut off by the device's time limit keeps what it wrote).
 #
 #   bash benchmarks/gpu_pending.sh OUT qmatmul        # issue 14: the quantized kernels compiled on the GPU
-#   bash benchmarks/gpu_pending.sh OUT quant-decode   # issue 14: 8B decode, bf16 vs int4 (then fp8, w8a8)
+#   bash benchmarks/gpu_pending.sh OUT quant-decode   # issue 14: 8B decode, bf16 vs int4 (QUANT=rtn4,rtn4-small,fp8,w8a8)
 #   bash benchmarks/gpu_pending.sh OUT spec-load      # issue 18: widened 8B target at batch 32 and 128
 #   bash benchmarks/gpu_pending.sh OUT widen-check    # issue 18: bf16 agreement of the widened target, 64k tokens
 #
@@ -32,8 +32,9 @@ for step in "$@"; do
             TRITON_INTERPRET=0 python3 -m pytest -q tests/codegen/test_qmatmul.py >"$OUT/qmatmul.log" 2>&1
             tail -3 "$OUT/qmatmul.log" ;;
         quant-decode)
-            python3 benchmarks/quant_decode_bench.py --shape 8b --quant "${QUANT:-rtn4}" --new 128 \
-                --out "$OUT" >"$OUT/quant_decode.log" 2>&1
+            rm -rf /tmp/tmp*  # earlier steps' 8B models: the disk holds few
+            python3 benchmarks/quant_decode_bench.py --shape 8b --quant "${QUANT:-rtn4,rtn4-small}" --new 128 \
+                --no-tune --out "$OUT" >"$OUT/quant_decode.log" 2>&1
             tail -8 "$OUT/quant_decode.log" ;;
         spec-load)
             widened

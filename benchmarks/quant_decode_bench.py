@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # speed does not depend on how the codes were found: W8A8 int8 is SmoothQuant with a token of
 # calibration (the random model has nothing to calibrate)
 FORMATS = {"rtn4": {"method": "rtn", "wbits": 4}, "rtn8": {"method": "rtn", "wbits": 8}, "fp8": {"method": "fp8"},
-           "w8a8": "w8a8"}
+           "w8a8": "w8a8",
+           # the LM head int4 too and the embedding table in int8 rows: the smallest artifact (quant_size.py)
+           "rtn4-small": {"method": "rtn", "wbits": 4, "skip": [], "embeddings": "int8"}}
 
 
 def decode_rate(llm, prompt, new: int, batch: int) -> float:
