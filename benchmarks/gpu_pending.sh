@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_pending.sh OUT quant-decode   # issue 14: 8B decode, bf16 vs int4 (QUANT=rtn4,rtn4-small,fp8,w8a8)
 #   bash benchmarks/gpu_pending.sh OUT spec-load      # issue 18: widened 8B target at batch 32 and 128
 #   bash benchmarks/gpu_pending.sh OUT widen-check    # issue 18: bf16 agreement of the widened target, 64k tokens
+#   bash benchmarks/gpu_pending.sh OUT onnx           # issue 19: 8B from its ONNX export against from its HF dir
 #
 # Steps that need the widened target build it once under WIDE (default /tmp/wide: 13 GiB plus a 13 GiB
 # artifact; the device's disk holds about 50 GiB free).
@@ -49,7 +50,11 @@ for step in "$@"; do
             widened
             python3 benchmarks/widen_check.py --bf16 "$WIDE/w8b" --tokens 65536 --out "$OUT" >"$OUT/widen_check.log" 2>&1
             tail -8 "$OUT/widen_check.log" ;;
+        onnx)
+            rm -rf /tmp/tmp*
+            python3 benchmarks/onnx_bench.py --shape 8b --new 256 --out "$OUT" >"$OUT/onnx_bench.log" 2>&1
+            tail -25 "$OUT/onnx_bench.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx)" ;;
     esac
 done
