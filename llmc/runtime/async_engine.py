@@ -257,11 +257,6 @@ class AsyncLLM:
                     stream.cancelled = True
                     self.engine.abort(stream.request_id)
 
-
-def _put_all(items: list) -> None:
-    for stream, item in items:
-        stream.queue.put_nowait(item)
-
     def _fail_all(self, err: BaseException) -> None:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
@@ -292,6 +287,11 @@ def _put_all(items: list) -> None:
                 self._deliver(cmd[1], LLMCError("the AsyncLLM was shut down; create a new one"))
             elif cmd[0] == "abort":
                 cmd[2].set_result(False)
+
+
+def _put_all(items: list) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
 
 
 def _as_llmc_error(e: BaseException, what: str) -> LLMCError:
