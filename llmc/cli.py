@@ -53,6 +53,7 @@ def main(ctx, debug):
     llmc compile builtin:tiny-py -o tiny.llmc      capture, optimise and save an artifact
     llmc run tiny.llmc --prompt "def add(a, b):"   generate text from an artifact
     llmc inspect tiny.llmc [--ir]                  what an artifact holds
+    llmc bench tiny.llmc [--workload decode]       throughput and latency of an artifact
     """
     ctx.ensure_object(dict)["debug"] = debug
 
@@ -770,9 +771,93 @@ def _run_server(app, host: str, port: int, shutdown_timeout: float) -> bool:
     return server.started
 
 
-@main.group()
+class _UnnamedContext(click.Context):
+    @property
+    def command_path(self) -> str:
+        return super().command_path.rstrip()
+
+
+class _UnnamedCommand(click.Command):
+    """A group's default command: its usage and hints name the group alone (`llmc bench [OPTIONS] ARTIFACT`)."""
+
+    context_class = _UnnamedContext
+
+
+class _DefaultGroup(click.Group):
+    """A group that runs `default` when its first argument names none of its commands: `llmc bench
+    ARTIFACT ...` runs the offline benchmark, `llmc bench serve ...` the serve subcommand."""
+
+    default: click.Command | None = None
+
+    def resolve_command(self, ctx, args):
+        if args and self.default is not None and self.get_command(ctx, args[0]) is None:
+            return "", self.default, args
+        return super().resolve_command(ctx, args)
+
+
+@main.group(cls=_DefaultGroup, subcommand_metavar="ARTIFACT|serve [ARGS]...")
 def bench():
-    """Benchmarks of llmc: `llmc bench serve` measures a running server."""
+    """Benchmarks of llmc.
+
+    \b
+    llmc bench ARTIFACT [--workload mixed|decode|prefill] [--num-requests N] [--json] [engine options]
+        an artifact offline, through llmc.LLM: throughput, TTFT and inter-token latency
+        (llmc bench ARTIFACT --help lists its options)
+    llmc bench serve --url URL [options]
+        a running OpenAI-compatible server (llmc serve)
+    """
+
+
+@click.command(cls=_UnnamedCommand)
+@click.argument("artifact", type=click.Path())
+@click.option("--workload", default="mixed", show_default=True, metavar="mixed|decode|prefill",
+              help="mixed: N requests at once, prompts of U[64, 1024] and outputs of U[64, 512] tokens (llmc's "
+                   "throughput mix; seed 0 gives its exact requests). decode: batch 1, a fresh 128-token prompt and "
+                   "256 new tokens, N runs. prefill: a fresh 2048-token prompt and 1 new token (time to first "
+                   "token), N runs. Prompts are cut from the shipped held-out text; greedy, ignore_eos; a prompt "
+                   "that does not fit the model's context with its output is shortened.")
+@click.option("--num-requests", type=int, default=None, metavar="N",
+              help="mixed: requests (default 256); decode, prefill: runs (default 3).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seeds the workload: the mixed lengths and where the prompts start in the text.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object: out_tok_s, ttft_ms_p50, ttft_ms_p99, itl_ms_p50, itl_ms_p99, gpu_busy "
+                   "(null off CUDA), duration_s, token totals and the settings.")
+@_engine_options()
+@_plugin_option
+def bench_artifact(artifact, workload, num_requests, seed, as_json, backend, device, max_num_seqs,
+                   max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, spec_method, draft_path,
+                   spec_tokens, plugins):
+    """Benchmark ARTIFACT offline through llmc.LLM: output tokens per second, time to first token and
+    inter-token latency (p50/p99, from the streamed outputs of every request), and on CUDA the fraction
+    of the time the GPU spends in the model's steps.
+
+    \b
+    llmc bench tiny.llmc
+    llmc bench tiny.llmc --workload decode --json
+    llmc bench tiny.llmc --workload prefill --num-requests 5 --spec ngram
+    """
+    import llmc
+    from llmc import bench as offline
+    _check_engine_options(backend, device, {"--max-num-seqs": max_num_seqs, "--block-size": block_size,
+                                            "--max-num-batched-tokens": max_num_batched_tokens,
+                                            "--num-blocks": num_blocks, "--num-requests": num_requests})
+    if workload not in offline.WORKLOADS:
+        raise offline.BenchError(f"--workload {workload!r} is not a workload; use one of "
+                                 f"{', '.join(offline.WORKLOADS)}")
+    if backend == "triton-interpret":
+        _use_triton_interpreter()
+    _load_plugins(plugins)
+    art = llmc.load(artifact)
+    res = offline.bench(art, workload, num_requests=num_requests, seed=seed,
+                        speculative=_speculative(spec_method, draft_path, spec_tokens, art.bundled_draft),
+                        progress=sys.stderr.isatty(), max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
+                        kv_cache_dtype=kv_cache_dtype, backend=backend, device=device)
+    click.echo(json.dumps(res) if as_json else offline.format_report(res))
+
+
+bench.default = bench_artifact
 
 
 @bench.command("serve")

@@ -44,7 +44,11 @@ overtaken only by requests arriving within aging_steps * (p_R - q_min) steps of 
 many — each of which finishes; blocks are freed as they finish, R reaches the head, is admitted
 without bypass, and is preempted only for sequences with a better key. `aging_steps=None` gives
 strict priority (FCFS within a priority), which *can* starve a low priority under a steady stream
-of higher ones. Requests that could never run (prompt or full length larger than the whole cache,
+of higher ones. A key never changes once a request has arrived, so each queue (`KeyedQueue`) keeps
+its order as sequences join and leave: no step sorts or scans the waiting requests, and a step's host
+work grows with the running batch, not with the queue (admission looks at the requests it admits,
+the head that stops it, and any it passes over because they wait for a prefix being computed).
+Requests that could never run (prompt or full length larger than the whole cache,
 prompt not shorter than max_model_len) are rejected in `add()` with `RequestError`.
 """
 
@@ -56,6 +60,7 @@ from typing import Literal
 
 from llmc.errors import RequestError
 from llmc.runtime.block_manager import BlockManager
+from llmc.runtime.keyed_queue import KeyedQueue
 from llmc.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
 
 StopFn = Callable[[Sequence], "str | None"]
@@ -171,9 +176,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.bm = block_manager
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
-        self.swapped: list[Sequence] = []
+        # in key order as sequences join and leave (keys are fixed at arrival): no step sorts a queue
+        self.waiting = KeyedQueue(self._key)
+        self.running = KeyedQueue(self._key)
+        self.swapped = KeyedQueue(self._key)
         self.groups: dict[str, SequenceGroup] = {}
         self._finished: list[SequenceGroup] = []
         self._step = 0
@@ -207,7 +213,7 @@ class Scheduler:
             seq.arrival, seq.arrival_step = self._arrivals, self._step
         self._arrivals += 1
         self.groups[group.request_id] = group
-        self.waiting.append(group.leader)
+        self.waiting.add(group.leader)
 
     def abort(self, request_id: str) -> bool:
         """Finish every sequence of the request with reason "abort", in any state."""
@@ -223,8 +229,7 @@ class Scheduler:
         """Mark `seq` finished ("stop", "length" or "abort") and free its blocks."""
         group = self.groups[seq.request_id]
         for queue in (self.waiting, self.running, self.swapped):
-            if seq in queue:
-                queue.remove(seq)
+            queue.discard(seq)
         self.bm.free(seq)
         seq.status, seq.finish_reason = SequenceStatus.for_reason(reason), reason
         if seq is group.leader and not group.forked:  # its siblings can never be forked now
@@ -283,7 +288,6 @@ class Scheduler:
         out, budget = SchedulerOutput(), self.config.max_num_batched_tokens
         entries: dict[int, ScheduledSeq] = {}  # seq_id -> entry, in scheduling order
 
-        self.running.sort(key=self._key)
         order = [s for s in self.running if not s.is_prefill] + [
             s for s in self.running if s.is_prefill
         ]
@@ -294,7 +298,7 @@ class Scheduler:
             if n == 0:
                 continue
             while seq.status is SequenceStatus.RUNNING and not self.bm.can_append(seq, n):
-                victim = max(self.running, key=self._key)
+                victim = self.running[-1]  # the worst key
                 budget += self._preempt(victim, entries, out)
             if seq.status is SequenceStatus.RUNNING:
                 entries[seq.seq_id] = self._entry(seq, n, self.bm.append_slots(seq, n))
@@ -303,7 +307,6 @@ class Scheduler:
         slots = sum(self._slots(s) for s in self.running)
         swapped_in: set[int] = set()
         if not out.preempted:
-            self.swapped.sort(key=self._key)
             while self.swapped and budget > 0:
                 seq = self.swapped[0]
                 n, need = self._num_new_tokens(seq, budget), self._slots(seq)
@@ -318,22 +321,23 @@ class Scheduler:
                 budget, slots = budget - n, slots + need
 
         if not out.preempted and not self.swapped:
-            self.waiting.sort(key=self._key)
-            for seq in list(self.waiting):
-                if budget <= 0 or seq in out.preempted:
-                    break  # a sequence preempted in this step waits at least one step
-                if self.bm.waits_for_prefix(seq):
-                    continue  # an admitted request is computing its prefix: share those blocks next step
+            preempted: set[int] = set()  # a sequence preempted in this step waits at least one step
+            i = 0  # walks the waiting queue in key order: admitted ones leave it, victims join behind
+            while i < len(self.waiting) and budget > 0:
+                seq = self.waiting[i]
+                if seq.seq_id in preempted or self.bm.waits_for_prefix(seq):
+                    i += 1  # waits_for_prefix: an admitted request is computing its prefix, shared next step
+                    continue
                 need = self._slots(seq)
                 while slots + need > self.config.max_num_seqs or not self.bm.can_allocate(seq):
                     # priority means the same whichever resource is short: preempt a worse running one
                     # never one swapped in by this step (its swap-out would run before its swap-in), and
                     # only for a better request, not a sibling of the same one
-                    victim = max((s for s in self.running if s.seq_id not in swapped_in), key=self._key,
-                                 default=None)
-                    if victim is None or self._key(victim)[:2] <= self._key(seq)[:2]:
+                    victim = next((s for s in reversed(self.running) if s.seq_id not in swapped_in), None)
+                    if victim is None or self.running.key(victim)[:2] <= self.waiting.key(seq)[:2]:
                         break
                     slots -= self._slots(victim)
+                    preempted.add(victim.seq_id)
                     # after a swap-in, by recompute: host blocks it freed may not be reused by a swap-out
                     # of the same step (swap-outs run first)
                     budget += self._preempt(victim, entries, out, allow_swap=not out.blocks_to_swap_in)
@@ -350,11 +354,11 @@ class Scheduler:
         out.scheduled = list(entries.values())
         return out
 
-    def _move(self, seq: Sequence, source: list[Sequence], status: SequenceStatus) -> None:
+    def _move(self, seq: Sequence, source: KeyedQueue, status: SequenceStatus) -> None:
         source.remove(seq)
         seq.status = status
         {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
-         SequenceStatus.SWAPPED: self.swapped}[status].append(seq)
+         SequenceStatus.SWAPPED: self.swapped}[status].add(seq)
 
     def _preempt(
         self, victim: Sequence, entries: dict[int, ScheduledSeq], out: SchedulerOutput,
@@ -427,7 +431,7 @@ class Scheduler:
                 for child in e.forks:
                     self.bm.fork(seq, child)
                     child.status = SequenceStatus.RUNNING
-                    self.running.append(child)
+                    self.running.add(child)
             for i, target in enumerate(targets, start=first):
                 wants = target.params.num_logprobs
                 toks = token_ids[i]

@@ -130,7 +130,12 @@ def build_workload(name: str, n: int, seed: int = 0, tokenizer: str | None = Non
         >>> [(r.prompt_tokens, r.max_tokens) for r in reqs]
         [(32, 32), (32, 32), (32, 32), (32, 32)]
     """
-    lengths = workload_lengths(name, n, seed)
+    return cut_prompts(workload_lengths(name, n, seed), seed, tokenizer)
+
+
+def cut_prompts(lengths: list[tuple[int, int]], seed: int = 0, tokenizer: str | None = None) -> list[PlannedRequest]:
+    """Requests of the given (prompt tokens, output tokens): consecutive, non-overlapping cuts of the
+    held-out text from a start that `seed` picks (see `build_workload`)."""
     text, offsets = _heldout_tokens(resolve_tokenizer(tokenizer))
     pos = random.Random(f"{seed}/start").randrange(len(offsets))
     out = []

@@ -1,12 +1,15 @@
 """Scheduler policies on hand-built scenarios, driven through the fake engine (conftest.py)."""
 
+from collections import Counter
+
 import pytest
 
 from llmc.errors import RequestError
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig
-from llmc.runtime.sequence import SequenceGroup, SequenceStatus
+from llmc.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
+from llmc.runtime.stop import StopChecker
 
 
 def cfg(**kw):
@@ -198,3 +201,71 @@ def test_prefix_cache_shared_across_requests(fake_engine):
     assert out.scheduled[0].num_new_tokens == 2 and eng.bm.stats.prefix_cache_hit_tokens == 12
     eng.run_until_done()
     eng.assert_drained()
+
+
+def _work_per_step(monkeypatch, queued: int, steps: int = 20) -> list[dict]:
+    """Per step: admission keys computed and sequences compared (a list scan, sort or `in` compares them)
+    with `queued` requests waiting; the first 200 requests, and every other step's urgent one, are the same
+    whatever `queued` is, so every step plans the same batch."""
+    counts: Counter = Counter()
+    real_key = Scheduler._key
+
+    def key(self, seq):
+        counts["keys"] += 1
+        return real_key(self, seq)
+
+    def eq(self, other):
+        counts["compares"] += 1
+        return self is other
+    monkeypatch.setattr(Scheduler, "_key", key)
+    monkeypatch.setattr(Sequence, "__eq__", eq)
+    sched = Scheduler(cfg(max_num_seqs=4, max_num_batched_tokens=32), BlockManager(num_blocks=10, block_size=4))
+    stop = StopChecker(64)
+    for i in range(queued):  # distinct prompts: no request waits for another's prefix
+        sched.add(SequenceGroup(f"q{i}", [i % 97 + 1, i % 89 + 1, 5, 6, 7], SamplingParams(
+            max_tokens=6 + i % 5, priority=i % 3)))
+    per_step = []
+    for step in range(steps):
+        counts.clear()
+        if step % 2:  # better than every running one, into a full batch: admission preempts the worst one
+            sched.add(SequenceGroup(f"new{step}", [9, step + 1], SamplingParams(max_tokens=1, priority=-2)))
+        out = sched.schedule()
+        sched.update_after_step(out, [7] * len(out.sampled_seqs), None, stop)
+        per_step.append({**counts, "admitted": sum(e.is_prefill for e in out.scheduled),
+                         "preempted": len(out.preempted), "finished": len(sched.pop_finished())})
+    return per_step
+
+
+def test_step_work_does_not_grow_with_the_waiting_queue(monkeypatch):
+    """Counted, not timed: a step with 5,000 requests waiting computes as many admission keys and compares
+    as many sequences as the same step with 200 waiting (no per-step sort or scan of the queue)."""
+    small = _work_per_step(monkeypatch, 200)
+    large = _work_per_step(monkeypatch, 5000)
+    assert large == small
+    assert sum(s["admitted"] for s in small) > 20 and sum(s["preempted"] for s in small) >= 5
+    assert sum(s["finished"] for s in small) > 10
+    assert max(s.get("keys", 0) for s in small) <= 16  # one per sequence joining a queue
+
+
+@pytest.mark.parametrize("aging", [None, 3])
+def test_admission_order_is_the_documented_key(aging):
+    """One sequence at a time, one token each: every step admits the waiting request with the smallest
+    (arrival_step + priority * aging_steps, arrival), or (priority, arrival) under strict priority."""
+    sched = Scheduler(cfg(max_num_seqs=1, aging_steps=aging), BlockManager(num_blocks=8, block_size=4))
+    stop = StopChecker(64)
+    expected, got, keys, arrivals = [], [], {}, 0
+    for step in range(40):
+        for j in range(step * 7 % 4):  # 0-3 arrivals a step, priorities 0-3: a backlog builds, so aging shows
+            prio = (step * 5 + j * 3) % 4
+            rid = f"r{arrivals}"
+            sched.add(SequenceGroup(rid, [1, 2], SamplingParams(max_tokens=1, priority=prio)))
+            keys[rid] = (prio, arrivals) if aging is None else (step + prio * aging, arrivals)
+            arrivals += 1
+        if keys:
+            expected.append(min(keys, key=keys.get))
+            del keys[expected[-1]]
+        out = sched.schedule()
+        got += [e.seq.request_id for e in out.scheduled if e.is_prefill]
+        sched.update_after_step(out, [3] * len(out.sampled_seqs), None, stop)
+    assert got == expected and len(got) == 39 and len(keys) == 21
+    assert [s.request_id for s in sched.waiting] == sorted(keys, key=keys.get)
