@@ -11,7 +11,8 @@ rounding (~1e-6 relative), so its greedy tokens are identical. The vocabulary st
 Usage::
 
     python3 scripts/widen_model.py SRC_DIR OUT_DIR --hidden 4096 --layers 32 --heads 32 \
-        --kv-heads 8 --intermediate 14336 [--head-dim 128] [--dtype bfloat16]
+        --kv-heads 8 --intermediate 14336 [--head-dim 128] [--dtype bfloat16] \
+        [--rounding {nearest,feedback}]
 
 or ``widen(src_dir, out_dir, hidden, layers, heads, kv_heads, intermediate, dtype, head_dim)``.
 
@@ -22,13 +23,15 @@ size, NH % NKV == 0, D / d an integer r, and enough KV heads for the GQA mapping
 Construction, step by step (``x[:h]`` are the "real" dims, the rest "padding"):
 
 1. **Embeddings / LM head.** ``E'[v, :h] = E[v]``, ``E'[v, h:] = 0``; same for an untied
-   ``lm_head``. The residual stream therefore starts with zero padding. Tied stays tied.
+   ``lm_head``. The residual stream therefore starts with zero padding. Tied stays tied (except
+   with feedback rounding, step 7).
 
 2. **RMSNorm** (``y = w * x / sqrt(mean(x^2) + eps)``, mean over the *whole* hidden size). With
    zero padding, ``mean_H(x^2) = (h/H) * mean_h(x^2)``, so with ``eps' = eps * h/H``:
    ``sqrt(mean_H + eps') = sqrt(h/H) * sqrt(mean_h + eps)`` exactly, i.e. the widened norm
    divides by ``sqrt(h/H)`` times the source's denominator. Compensate with
-   ``w'[:h] = w * sqrt(h/H)``; ``w'[h:] = 0`` keeps the padding zero after every norm.
+   ``w'[:h] = w * sqrt(h/H)`` (or in the linears that read the norm, step 7); ``w'[h:] = 0``
+   keeps the padding zero after every norm.
    LlamaConfig has one ``rms_norm_eps`` for all norms, and every norm sees the same padded
    residual, so ``rms_norm_eps' = rms_norm_eps * h / H`` is exact for all of them.
    Every projection reads only the real columns ``[:, :h]`` and writes only the real rows
@@ -65,10 +68,33 @@ Construction, step by step (``x[:h]`` are the "real" dims, the rest "padding"):
    nonzero residual, eps > 0) with o_proj and down_proj set to zero, so it adds exactly 0 to the
    residual. Their per-step cost equals a real layer's.
 
+7. **Rounding to a 16-bit dtype** (``--rounding``). The factors ``sqrt(h/H)`` and ``sqrt(D/d)`` are
+   irrational for most shapes, so a source whose weights are exactly bf16 cannot be widened into
+   exactly bf16 weights; each mode decides where the one extra rounding falls:
+
+   * ``nearest`` (the only mode for float32): the construction above, every scaled weight rounded
+     to nearest: the norm weights ``w * sqrt(h/H)`` and q_proj's rows ``* sqrt(D/d)``.
+   * ``feedback`` (default for bfloat16 and float16): every RMSNorm weight stays the source's
+     (padded), and its factor ``c = sqrt(h/H)`` moves into the linears that read its output:
+     q/k/v (input_layernorm), gate/up (post_attention_layernorm) and the LM head (final norm; the
+     LM head becomes an untied ``E * c`` while the embeddings stay ``E``). q_proj takes
+     ``c * sqrt(D/d)`` in one product. Each such matrix is rounded by `feedback_round`: GPTQ's
+     column-by-column error feedback with round-to-nearest as the quantiser and the Hessian of
+     that linear's inputs (the source's fp32 norm outputs on the calibration text of llmc's
+     quantization passes, see `calibration_hessians`), so the rounding error is small in the
+     linear's *outputs* rather than weight by weight. The rounding happens in the source's
+     coordinates (rows are placed afterwards), so it costs a source-sized pass whatever the
+     target's shape.
+
+   On the 8B shape ``sqrt(3/32)`` and ``sqrt(3)/4`` have the mantissas of hidden 1024 / head_dim
+   128's ``sqrt(3/8)`` and ``sqrt(3)/2`` (a power of two apart), so a hidden-1024 widening rounds
+   every weight the same way and is a small stand-in for the 8B one
+   (``benchmarks/widen_rounding.py`` measures both modes on it).
+
 Exactness: in exact arithmetic the widened model equals the source; in fp32 the differences are
-rounding (the sqrt factors, the different reduction lengths), ~1e-6 relative on logits. In bf16
-the scaled weights are rounded, so bf16 tokens can differ from the source's bf16 tokens as
-much as any re-rounding would; the fp32 check is the reference.
+rounding (the sqrt factors, the different reduction lengths), ~1e-6 relative on logits. In a
+16-bit dtype the scaled weights carry one extra rounding (step 7), so its tokens can differ from
+the source's tokens in that dtype; the fp32 check is the reference.
 
 The output is written tensor by tensor into safetensors shards, so an 8B-shaped model never
 needs more memory than one shard (default 2 GiB) plus a few tensors.
@@ -87,8 +113,16 @@ from pathlib import Path
 
 import torch
 
+from llmc.errors import LLMCError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXACT_ROPE_TYPES = ("default", "linear", "llama3")
+ROUNDINGS = ("nearest", "feedback")
+# The linears that read each norm's output: with feedback rounding they carry the norm's factor.
+NORM_READERS = {
+    "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+}
 COPY_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json",
@@ -170,6 +204,101 @@ def _source_tensors(src: Path):
     return where
 
 
+def feedback_round(w: torch.Tensor, hessian: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *,
+                   damp: float = 0.01, act_order: bool = True, block: int = 128) -> torch.Tensor:
+    """Round w [N, K] to `dtype` so that ``||X (Q - w)^T||`` is small for inputs X with ``X^T X ~ hessian``.
+
+    GPTQ's error feedback (Frantar et al. 2022; llmc/passes/quantize/gptq.py does the same for int
+    formats) with round-to-nearest `dtype` as the quantiser: columns are rounded one at a time, and
+    each column's error moves onto the columns not yet rounded through the upper Cholesky factor of
+    the damped inverse Hessian, one GEMM per block of `block` columns.
+
+    Args:
+        w: the weight [N, K] to round (any float dtype; the work is in fp64).
+        hessian: ``X^T X`` [K, K] of the calibration inputs X [M, K] (any positive multiple).
+        dtype: the dtype to round to.
+        damp: added to the diagonal as ``damp * mean(diag H)`` (GPTQ's 1%), so that H is invertible
+            and the feedback does not fit directions the calibration inputs barely visit.
+        act_order: round the columns in order of decreasing ``H_ii`` (the inputs with most energy
+            first, while most columns remain to absorb their error), else left to right.
+        block: columns per batched update (speed only).
+
+    Returns:
+        Q [N, K] in `dtype`.
+
+    Example:
+        >>> x, w = torch.randn(256, 16) @ torch.randn(16, 16), torch.randn(8, 16)
+        >>> feedback_round(w, x.T @ x).dtype
+        torch.bfloat16
+    """
+    n, k = w.shape
+    perm = torch.argsort(hessian.diagonal(), descending=True) if act_order else torch.arange(k, device=w.device)
+    Wt = w.double().t()[perm].contiguous()  # [K, N]: w's columns in rounding order, each row contiguous
+    H = hessian.double()[perm][:, perm]
+    H.diagonal().add_(damp * H.diagonal().mean())
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)  # [K, K]
+    Qt = torch.empty(k, n, dtype=dtype, device=w.device)
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        W1, E1 = Wt[i1:i2].clone(), torch.zeros_like(Wt[i1:i2])  # [B, N]: the block, its scaled errors
+        for i in range(i2 - i1):
+            j = i1 + i
+            Qt[j] = W1[i].to(dtype)
+            E1[i] = (W1[i] - Qt[j].double()) / U[j, j]
+            W1[i + 1:].addr_(U[j, j + 1:i2], E1[i], alpha=-1)
+        Wt[i2:].addmm_(U[i1:i2, i2:].t(), E1, alpha=-1)
+    return Qt[torch.argsort(perm)].t()
+
+
+def calibration_hessians(src_dir, samples: int = 128) -> dict[str, torch.Tensor]:
+    """``X^T X`` [h, h] (fp64) of every RMSNorm's output, by module name, running the source in fp32
+    over the calibration text of llmc's quantization passes (``builtin:heldout``: the second half of
+    the held-out text, `samples` windows of 256 tokens; benchmarks read its beginning)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmc.passes.manager import PassContext
+    from llmc.passes.quantize.calibrate import calibration_windows
+    from llmc.passes.quantize.config import QuantConfig
+
+    windows = calibration_windows(PassContext(state={"tokenizer_dir": str(src_dir)}),
+                                  QuantConfig(calib_samples=samples))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32, local_files_only=True)
+    model = model.to(device).eval()
+    hessians: dict[str, torch.Tensor] = {}
+
+    def observe(name):
+        def hook(module, args, out):
+            x = out.reshape(-1, out.shape[-1]).double()  # [tokens, h]
+            hessians[name] = hessians[name] + x.T @ x if name in hessians else x.T @ x
+        return hook
+
+    for name, module in model.named_modules():
+        if name.endswith("layernorm") or name == "model.norm":
+            module.register_forward_hook(observe(name))
+    with torch.no_grad():
+        for i in range(0, len(windows), 8):
+            model(torch.tensor(windows[i:i + 8], device=device))
+    return {k: v.cpu() for k, v in hessians.items()}
+
+
+def feedback_weights(get, p: Plan, tied: bool, dtype: torch.dtype,
+                     hessians: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every linear that reads a norm's output times that norm's factor (q_proj also times
+    ``sqrt(D/d)``), rounded by `feedback_round`; by source name, the LM head as ``lm_head.weight``
+    (``E * c`` when the source ties it to the embeddings)."""
+    c, q = math.sqrt(p.h / p.H), math.sqrt(p.D / p.d)
+    jobs = [("lm_head.weight", "model.embed_tokens.weight" if tied else "lm_head.weight", c, "model.norm")]
+    for layer in range(p.L):
+        pre = f"model.layers.{layer}."
+        for norm, linears in NORM_READERS.items():
+            for lin in linears:
+                name = pre + lin + ".weight"
+                jobs.append((name, name, c * q if lin.endswith("q_proj") else c, pre + norm))
+    return {name: feedback_round(get(src).double() * f, hessians[norm], dtype)
+            for name, src, f, norm in jobs}
+
+
 def _check_config(cfg) -> None:
     if cfg.model_type != "llama":
         raise ValueError(f"only Llama models are supported, got model_type={cfg.model_type!r}")
@@ -185,7 +314,7 @@ def _check_config(cfg) -> None:
 
 def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
           dtype: torch.dtype = torch.float32, head_dim: int | None = None,
-          shard_bytes: int = 2 << 30) -> Path:
+          shard_bytes: int = 2 << 30, rounding: str | None = None, calib_samples: int = 128) -> Path:
     """Write a function-preserving widening of the Llama at ``src_dir`` to ``out_dir``.
 
     Args:
@@ -195,13 +324,28 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
         dtype: dtype of the written weights (computed in fp32, then cast).
         head_dim: target head dim; default ``hidden // heads``. Must be a multiple of the source's.
         shard_bytes: maximum size of one safetensors shard.
+        rounding: ``"nearest"`` or ``"feedback"`` (step 7 of the module docstring); default
+            feedback for a 16-bit dtype, nearest for float32 (the only mode there).
+        calib_samples: feedback rounding: calibration windows of 256 tokens.
 
     Returns:
-        ``out_dir`` as a Path. Raises ``ValueError`` for an impossible target shape.
+        ``out_dir`` as a Path. Raises ``ValueError`` for an impossible target shape or rounding.
+
+    Example:
+        >>> from llmc.models import builtin_dir
+        >>> widen(builtin_dir("tiny-py"), "/tmp/wide", 1024, 8, 8, 2, 2048, torch.bfloat16)  # doctest: +SKIP
+        PosixPath('/tmp/wide')
     """
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
+    if rounding is None:
+        rounding = "nearest" if dtype == torch.float32 else "feedback"
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, not {rounding!r}")
+    if rounding == "feedback" and dtype == torch.float32:
+        raise ValueError("feedback rounding is for a 16-bit dtype; float32 keeps the factors in the norms "
+                         "(rounding 'nearest')")
     src, out = Path(src_dir), Path(out_dir)
     cfg = LlamaConfig.from_pretrained(src, local_files_only=True)
     _check_config(cfg)
@@ -217,11 +361,20 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
     src_t = _source_tensors(src)
     V = src_t["model.embed_tokens.weight"].get_slice("model.embed_tokens.weight").get_shape()[0]
 
-    def get(name: str) -> torch.Tensor:
+    def raw(name: str) -> torch.Tensor:
         return src_t[name].get_tensor(name).to(torch.float32)
 
-    norm_scale = math.sqrt(p.h / p.H)
-    q_scale = math.sqrt(p.D / p.d)
+    feedback = rounding == "feedback"
+    if feedback:  # the factors live in the rounded linears; the norms are the source's
+        scaled = feedback_weights(raw, p, tied, dtype, calibration_hessians(src, calib_samples))
+        norm_scale = q_scale = 1.0
+
+        def get(name: str) -> torch.Tensor:
+            return scaled[name].float() if name in scaled else raw(name)
+    else:
+        get = raw
+        norm_scale = math.sqrt(p.h / p.H)
+        q_scale = math.sqrt(p.D / p.d)
     idx = p.dim_index()
     src_rows = torch.arange(p.d)
 
@@ -283,7 +436,7 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
              else (lambda n=spre: pad(get(n + "mlp.down_proj.weight"), (p.H, p.I)))),
         ]
     entries.append(("model.norm.weight", (p.H,), lambda: norm(get("model.norm.weight"))))
-    if not tied:
+    if not tied or feedback:
         entries.append(("lm_head.weight", (V, p.H), lambda: pad(get("lm_head.weight"), (V, p.H))))
 
     # Assign shards by size, then build and write one shard at a time.
@@ -324,6 +477,7 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
     new.num_attention_heads, new.num_key_value_heads = p.NH, p.NKV
     new.head_dim, new.intermediate_size = p.D, p.I
     new.rms_norm_eps = cfg.rms_norm_eps * p.h / p.H
+    new.tie_word_embeddings = tied and not feedback
     new.architectures = ["LlamaForCausalLM"]
     new.dtype = dtype
     new.save_pretrained(out)
@@ -339,6 +493,9 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
         "q_head_map": p.q_map, "kv_head_map": p.kv_map,
         "extra_layers": list(range(p.L, p.Lt)),
         "dtype": str(dtype).removeprefix("torch."),
+        "rounding": rounding,
+        **({"calibration": {"text": "builtin:heldout", "windows": calib_samples, "window_tokens": 256}}
+           if feedback else {}),
         "note": "function-preserving widening (scripts/widen_model.py); extra layers have zero "
                 "o_proj/down_proj; logits equal the source's up to float rounding in fp32",
     }, indent=2) + "\n")
@@ -356,6 +513,11 @@ def main(argv=None) -> int:
     ap.add_argument("--intermediate", type=int, required=True)
     ap.add_argument("--head-dim", type=int, default=None, help="default: hidden // heads")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--rounding", choices=ROUNDINGS, default=None,
+                    help="where a 16-bit dtype's extra rounding falls (module docstring, step 7); "
+                         "default: feedback for bfloat16/float16, nearest for float32")
+    ap.add_argument("--calib-samples", type=int, default=128,
+                    help="feedback rounding: calibration windows of 256 tokens")
     ap.add_argument("--shard-gb", type=float, default=2.0, help="max safetensors shard size (GiB)")
     a = ap.parse_args(argv)
     src = a.src_dir
@@ -366,8 +528,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         out = widen(src, a.out_dir, a.hidden, a.layers, a.heads, a.kv_heads, a.intermediate,
-                    dtype=DTYPES[a.dtype], head_dim=a.head_dim, shard_bytes=int(a.shard_gb * (1 << 30)))
-    except ValueError as e:
+                    dtype=DTYPES[a.dtype], head_dim=a.head_dim, shard_bytes=int(a.shard_gb * (1 << 30)),
+                    rounding=a.rounding, calib_samples=a.calib_samples)
+    except (ValueError, LLMCError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
