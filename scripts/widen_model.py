@@ -245,7 +245,7 @@ def feedback_round(w: torch.Tensor, hessian: torch.Tensor, dtype: torch.dtype = 
             j = i1 + i
             Qt[j] = W1[i].to(dtype)
             E1[i] = (W1[i] - Qt[j].double()) / U[j, j]
-            W1[i + 1:].addr_(U[j, j + 1:i2], E1[i], alpha=-1)
+            W1[i + 1:].addmm_(U[j, j + 1:i2, None], E1[i:i + 1], alpha=-1)  # rank 1; addr_ is slower
         Wt[i2:].addmm_(U[i1:i2, i2:].t(), E1, alpha=-1)
     return Qt[torch.argsort(perm)].t()
 

@@ -6,7 +6,8 @@ construction (zero-padded residual with rescaled norms and eps, head_dim x2 with
 respaced and q rescaled, a GQA group size 3 -> 2 that needs each source KV head copied into two
 target KV heads, MLP padding, 2 appended zero-output layers) is exercised. fp32 on CPU, ~15 s.
 The bf16 tests check the feedback rounding (step 7): norms and embeddings kept exactly, the factors
-in the linears, rounded with error feedback to a lower output error than round-to-nearest's.
+in the linears, rounded with error feedback to a lower output error than round-to-nearest's
+(~30 s more: one bf16 widening calibrated on 4,096 tokens).
 """
 
 from __future__ import annotations
@@ -210,6 +211,7 @@ def test_feedback_round_beats_nearest_on_tiny_py():
     text = heldout_text_path().read_text()
     fit = tok.encode(text[len(text) // 2:][:60_000], add_special_tokens=False)[:4096]  # calibration half
     new = tok.encode(text[:20_000], add_special_tokens=False)[:1024]  # what the benchmarks read
+    model.model.layers = model.model.layers[:2]  # only layer 1's inputs are needed
     layer = model.model.layers[1]
     xs = {norm: [] for norm in wm.NORM_READERS}
     for norm in xs:
