@@ -39,7 +39,7 @@ for step in "$@"; do
             tail -8 "$OUT/quant_decode.log" ;;
         spec-load)
             widened
-            for b in 32 128; do
+            for b in ${SPEC_BATCHES:-32 128}; do
                 n=$((b == 32 ? 64 : 128))
                 python3 benchmarks/spec_bench.py --target "$WIDE/w8b.llmc" --draft "$WIDE/d.llmc" --dtype bfloat16 \
                     --prompts $n --max-tokens 128 --batch $b --configs none,ngram,multi:auto,draft:auto \

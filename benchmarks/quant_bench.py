@@ -30,7 +30,7 @@ import triton
 
 from llmc.codegen import matmul as mm
 from llmc.codegen import qmatmul as qm
-from llmc.codegen.autotune import Tuner, m_bucket
+from llmc.codegen.autotune import DECODE_JOINT_BUCKETS, JOINT_BUCKETS, Tuner, m_bucket
 from llmc.ir.quant import QuantFormat, quantize_activations, quantize_rtn
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -52,6 +52,9 @@ def parse_args():
     ap.add_argument("--reps", type=int, default=30, help="graph replays timed per measurement (median)")
     ap.add_argument("--no-tune", action="store_true", help="the kernels' default configs, untimed")
     ap.add_argument("--hot", action="store_true", help="time one weight copy (hot in L2 when it fits)")
+    ap.add_argument("--no-batch-invariant", action="store_true",
+                    help="tune as `llmc compile --no-batch-invariant` does: 1 to 4 tokens share one choice (where "
+                         "int4 can take the GEMV kernel), larger buckets their own")
     return ap.parse_args()
 
 
@@ -182,7 +185,8 @@ def main():
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    tuners = {meth: None if args.no_tune else Tuner() for meth in methods}
+    joint = DECODE_JOINT_BUCKETS if args.no_batch_invariant else JOINT_BUCKETS
+    tuners = {meth: None if args.no_tune else Tuner(joint=joint) for meth in methods}
     records, errors = [], []
     t0 = time.time()
     for name, (n, k) in shapes.items():

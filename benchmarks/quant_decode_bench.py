@@ -49,6 +49,10 @@ def main() -> None:
     ap.add_argument("--quant", default="rtn4,rtn8,fp8,w8a8")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--no-tune", action="store_true", help="compile without GEMM tuning (default tiles)")
+    ap.add_argument("--no-batch-invariant", action="store_true",
+                    help="compile the quantized models with --no-batch-invariant (int4 then takes the GEMV kernel at 1-4 "
+                         "tokens per step)")
+    ap.add_argument("--bf16-no-tune", action="store_true", help="the bf16 baseline untuned (cuBLAS for every GEMM)")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     import llmc
@@ -77,12 +81,16 @@ def main() -> None:
             quant = {"method": "smoothquant", "calib_samples": 1, "calib_len": 16}
         try:
             art = llmc.compile(work / "model", work / f"{name}.llmc", dtype="bfloat16", quant=quant,
-                               tune=not a.no_tune)
+                               tune=not a.no_tune and not (name == "bf16" and a.bf16_no_tune),
+                               batch_invariant=not (a.no_batch_invariant and name != "bf16"))
         except Exception as e:  # a method that cannot run here is reported, the others go on
             rows.append({"config": name, "error": f"{type(e).__name__}: {e}"[:300]})
             print(json.dumps(rows[-1]), flush=True)
             continue
         compile_s = time.time() - t
+        if (art.path / "tuning.json").exists():  # the kernel choices, for reading beside the figures
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            Path(a.out, f"{name}_tuning.json").write_text((art.path / "tuning.json").read_text())
         weights = sum(p.stat().st_size for p in art.path.glob("*.safetensors"))
         embed = cfg.vocab_size * cfg.hidden_size * 2  # the input table is gathered, not read, per step
         llm = LLM(art, max_num_seqs=16, num_blocks=1024)

@@ -111,8 +111,9 @@ def _load_plugins(files: tuple[str, ...]) -> None:
 @click.option("--batch-invariant/--no-batch-invariant", default=True, show_default=True,
               help="Tune every step of up to 64 tokens to one GEMM choice: where that is the generated kernel, a "
                    "sequence's sums do not depend on the requests it shares steps with (where cuBLAS wins, it picks "
-                   "its kernels per size, as under torch). --no-batch-invariant: only decode batches of up to 16 "
-                   "share one; steps of 17-64 tokens get faster tiles of their own.")
+                   "its kernels per size, as under torch). --no-batch-invariant: only steps of up to 4 tokens "
+                   "share one (int4 weights may take a GEMV kernel there, where it times faster); larger steps get "
+                   "faster tiles of their own.")
 @click.option("--quant", type=click.Choice(["rtn", "gptq", "awq", "smoothquant", "fp8", "mixed"]), default=None,
               help="Quantize the linear layers' weights: rtn (round to nearest), gptq (Hessian error feedback), awq "
                    "(activation-aware scales), smoothquant (int8 weights and activations), fp8 (e4m3 weights and "

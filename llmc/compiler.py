@@ -83,7 +83,8 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
             cuBLAS and save the choices in tuning.json (reused at load, never retuned).
         batch_invariant: tune every step of up to 64 tokens to one GEMM choice, so that where the
             generated kernel wins a sequence's sums do not depend on what shares its steps (False:
-            decode batches of up to 16 only; faster at 32-64 tokens per step).
+            steps of up to 4 tokens only, where int4 weights may take the GEMV kernel; faster at 8-64
+            tokens per step).
         quant: weight quantization: a `QuantConfig`, a method name ("rtn", "gptq", "awq",
             "smoothquant", "fp8", "mixed") or a dict of QuantConfig's fields; None: none.
         draft: a draft model for speculative decoding (a local HF directory or builtin:NAME with the

@@ -13,7 +13,8 @@ for prefill). The buckets of 1 to 64 tokens share one choice (`JOINT_BUCKETS`): 
 generated kernel, every step of up to 64 tokens runs the same 16-row tiles, so a sequence's sums are
 bitwise the same alone or among others; a tie goes to it (`JOINT_MARGIN`). Where cuBLAS wins for
 the group by more, cuBLAS picks its own kernels per size, as under torch (`llmc compile
---no-batch-invariant`: only 1 to 16 share, `DECODE_JOINT_BUCKETS`). Timing needs a GPU: on CPU and
+--no-batch-invariant`: only 1 to 4 share, `DECODE_JOINT_BUCKETS`, where int4 weights can take the
+FMA-pipe GEMV of qmatmul.py). Timing needs a GPU: on CPU and
 under the interpreter the first (default) candidate is returned untimed and nothing is recorded,
 so a CPU compile never writes choices it did not measure.
 The cuBLAS time is kept beside the best Triton time so the lowering can keep cuBLAS where it wins.
@@ -41,7 +42,7 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # only decode batches of up to 16 share; 32 and 64 get taller tiles of their own (faster at those
 # sizes, not invariant).
 JOINT_BUCKETS = ("1", "2", "4", "8", "16", "32", "64")
-DECODE_JOINT_BUCKETS = ("1", "2", "4", "8", "16")
+DECODE_JOINT_BUCKETS = ("1", "2", "4")
 # cuBLAS wins a single bucket only when the generated kernel is not 3% faster (`margin` 0.97: a tie
 # keeps the library); it wins a joint group only when it is 3% faster than the generated kernel, as
 # only the generated kernel keeps a row's sums the same at every batch size (cuBLAS picks kernels,

@@ -20,6 +20,13 @@ that dequantizes each weight tile in registers.
   per weight, and closer to the reference than a weight rounded to bf16. Per-channel scales, bias
   and act are applied once, in the epilogue. `SWAP_AB` configs compute (W x.T), making the weight
   tile the MMA's tall operand: Hopper's wgmma takes it from registers, where it was dequantized.
+- int4 at 1 to 4 tokens can also stream through `qgemv_int4.py.jinja` (`QGemvSpec`), on the FMA pipes:
+  each int32 word of codes yields its 8 codes with one shift and 8 LOP3s (the and-or into 2^23's
+  exponent), one subtraction or FMA each, and one FMA per row of x. It is offered to the tuner only
+  where every token count sharing the choice fits it (`llmc compile --no-batch-invariant`: 1 to 4
+  share), so a row's sums still never depend on its batch within a group. On the H200 it is not yet
+  faster than the tensor-core kernel (8B o_proj 11.3 against 10.2 us, gate/up 57.8 against 43.0 us
+  at batch 1; benchmarks/RESULTS.md), so the tuner keeps the latter there.
 - ``w8a8``: `quantize_act` writes int8 codes and a per-token scale; the GEMM dots int8 into int32
   (exact, so split-K partials add exactly too) and applies both scales in the epilogue.
 - ``fp8``: the same with e4m3 codes and fp32 accumulation.
@@ -53,6 +60,7 @@ MAX_RUN = 64
 MIN_RUN = 16  # the shortest K a tensor-core dot takes
 # programs a decode launch aims at (the splits of the default config): ~4 per SM of an H200
 TARGET_PROGRAMS = 512
+GEMV_ROWS = 4  # the most rows of x `qgemv_int4` takes (past it the FMA pipes, not HBM, set the pace)
 
 
 # -- the kernel's weight layout --------------------------------------------------------------------
@@ -329,6 +337,47 @@ class QMatmulSpec(KernelSpec):
 
 
 @dataclass(frozen=True)
+class QGemvSpec(KernelSpec):
+    """y = act(x @ W.T + b) for 1 to `GEMV_ROWS` rows of x and an int4 W whose groups hold whole pack
+    tiles (or per-channel scales): the FMA-pipe weight stream of `qgemv_int4.py.jinja`."""
+
+    template = "qgemv_int4.py.jinja"
+    group_size: int
+    has_zeros: bool
+    run: int
+    dtype: str
+    has_bias: bool
+    act: str = ""
+    joined: bool = False  # a word's 4 bytes joined into one [.., 4] operand against 4 contiguous x
+
+    def context(self) -> dict[str, Any]:
+        helpers: set[str] = set()
+        act_lines = _act_lines(self.act, helpers)
+        grouped = bool(self.group_size)
+        corr = " - z * xs@[None, :]" if self.has_zeros else ""
+        # a word's 8 products (less zero x the word's x sum) take the group's scale in one FMA
+        row_update = f"acc@ = tl.fma(p@{corr}, s, acc@)" if grouped else f"acc@ += p@{corr}"
+        fmt = QuantFormat("int", 4, self.group_size, self.has_zeros)
+        summary = "x @ W.T" + (" + b" if self.has_bias else "")
+        planes = [{"src": "w" if b < 2 else "w_hi", "p": 8 * (b % 2) + 4 * half, "col": b + half * self.run,
+                   "mult": float(1 << (8 * (b % 2) + 4 * half)), "first": not b and not half,
+                   "what": f"byte {b}, {'high' if half else 'low'} nibble: columns c0 + {b + half * self.run}"}
+                  for b in range(4) for half in range(2)]
+        return {"max_rows": GEMV_ROWS, "planes": planes, "joined": self.joined, "run": self.run, "words": self.run // 4, "pack": 2 * self.run,
+                "group_size": self.group_size, "grouped": grouped, "has_zeros": self.has_zeros,
+                "has_bias": self.has_bias, "zero": 0 if self.has_zeros else 8, "row_update": row_update,
+                "act_lines": act_lines, "store_cast": cast_expr("acc", self.dtype), "label": fmt.label,
+                "summary": f"{self.act}({summary})" if self.act else summary,
+                "helpers": [HELPERS[h] for h in sorted(helpers)] + cast_helpers([self.dtype])}
+
+
+def gemv_fits(p: PreparedQWeight) -> bool:
+    """Whether `qgemv_int4` takes this weight: int4 with per-channel scales or groups of whole pack tiles."""
+    f = p.fmt
+    return f.kind == "int" and f.bits == 4 and (not f.group_size or f.group_size % p.pack == 0)
+
+
+@dataclass(frozen=True)
 class QuantizeActSpec(KernelSpec):
     """Per-token dynamic quantization of x [M, K] (`dtype`) to int8 (`kind` "w8a8") or e4m3 ("fp8") codes."""
 
@@ -400,6 +449,19 @@ def _split(n: int, kw: int, bn: int, bk: int, scale: float = 1.0) -> int:
     return s
 
 
+# (BLOCK_N, BLOCK_W words, K split as a multiple of `_split`'s, warps, stages, JOINED) of `qgemv_int4`:
+# the fastest of a sweep on the H200 (benchmarks/gemv_sweep.py), the default first
+GEMV_TILES = ((64, 32, 1, 4, 3, True), (16, 32, 1, 4, 3, True), (64, 32, 1, 4, 3, False), (32, 32, 1, 4, 3, False),
+              (64, 16, 1, 4, 3, True))
+
+
+def gemv_candidates(n: int, kw: int) -> list[dict]:
+    """`qgemv_int4` configs for a weight of n rows and kw (padded) columns."""
+    out = [{"GEMV": True, "JOINED": joined, "BLOCK_N": bn, "BLOCK_W": bw, "SPLIT_K": _split(n, kw, bn, 8 * bw, scale),
+            "num_warps": w, "num_stages": st} for bn, bw, scale, w, st, joined in GEMV_TILES]
+    return [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]
+
+
 def candidates(bucket: str, n: int, kw: int, pack: int = 0, shared: bool = True) -> list[dict]:
     """Configs to try for an M bucket and a weight of n rows and kw columns, the default first (what
     CPU, interpreter and an untuned GPU use).
@@ -446,9 +508,34 @@ def quantize_act(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor
     return q.view(x.shape), s.view(*x.shape[:-1], 1)
 
 
+def _launch_gemv(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Tensor | None,
+                 y2: torch.Tensor, cfg: dict) -> None:
+    """One `qgemv_int4` call on rows x2 [M <= GEMV_ROWS, K]."""
+    M, N, K = x2.shape[0], p.out_features, p.in_features
+    if M > GEMV_ROWS or not gemv_fits(p):
+        raise CompileError(f"qlinear: the GEMV kernel takes int4 weights in whole pack tiles and up to {GEMV_ROWS} "
+                           f"rows, not {p.fmt.label} at {M} rows")
+    gspec = QGemvSpec(spec.group_size, spec.has_zeros, spec.run, spec.dtype, spec.has_bias, spec.act,
+                      bool(cfg.get("JOINED")))
+    split_k = cfg["SPLIT_K"]
+    grid = (triton_cdiv(N, cfg["BLOCK_N"]), split_k)
+    ws = torch.empty((split_k, M, N) if split_k > 1 else (1,), device=x2.device, dtype=torch.float32)
+    counts = tile_counters(x2.device, grid[0]) if split_k > 1 else ws
+    w32 = p.qweight.view(torch.int32)
+    zeros = (p.zeros,) if p.zeros is not None else ()
+    bias = (b,) if b is not None else ()
+    compiled(gspec).qgemv_kernel[grid](
+        x2, w32, p.scales, *zeros, *bias, y2, ws, counts,
+        x2.stride(0), w32.stride(0), p.scales.stride(0), *(z.stride(0) for z in zeros), y2.stride(0),
+        M, N, K, w32.shape[1], ROWS=M, BLOCK_N=cfg["BLOCK_N"], BLOCK_W=cfg["BLOCK_W"], SPLIT_K=split_k,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
 def _launch(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Tensor | None, y2: torch.Tensor,
             cfg: dict) -> None:
     """One qlinear call on rows x2 [M, K]: the activation codes first for w8a8 / fp8, then the GEMM."""
+    if cfg.get("GEMV"):
+        return _launch_gemv(spec, x2, p, b, y2, cfg)
     M, N, K = x2.shape[0], p.out_features, p.in_features
     sx: tuple = ()
     if spec.kind != "int":
@@ -516,7 +603,10 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
         bucket = m_bucket(M)
         group = tuner.joint if bucket in tuner.joint else (bucket,)
         io = timing_io(group, K, N, x2.dtype, x2.device)
-        config = tuner.choose(spec.key(N, K), group, candidates(bucket, N, kw, pack, len(group) > 1),
+        cands = candidates(bucket, N, kw, pack, len(group) > 1)
+        if gemv_fits(prepared) and max(map(bucket_size, group)) <= GEMV_ROWS:
+            cands += gemv_candidates(N, kw)  # only where every M sharing the choice fits it
+        config = tuner.choose(spec.key(N, K), group, cands,
                               bench=lambda cfg: [_launch(spec, xi, prepared, b, yi, cfg) for xi, yi in io()])
     _launch(spec, x2, prepared, b, y.view(-1, N), config)
     return y

@@ -278,3 +278,78 @@ def test_source_names_its_layout_and_bytes():
     assert "def qmatmul_kernel(" in src and "nibble planes of 64 columns" in src and "0.5NK" in src
     # symmetric int4: the zero point 8 folded into the constants (the low plane: the byte less 16 x the high)
     assert "_dequant(codes >> 4, 8388616.0)" in src and "_dequant(codes, 8388744.0)" in src
+
+
+# ------------------------------------------------------------------------------------- int4 GEMV
+
+GEMV_FORMATS = {"int4-g128": QuantFormat("int", 4, 128), "int4-g128-zp": QuantFormat("int", 4, 128, True),
+                "int4-ch": QuantFormat("int", 4), "int4-ch-zp": QuantFormat("int", 4, 0, True),
+                "int4-g256": QuantFormat("int", 4, 256)}
+
+
+def gemv_cfg(joined, split_k=1, block_n=16, block_w=16):
+    return {"GEMV": True, "JOINED": joined, "BLOCK_N": block_n, "BLOCK_W": block_w, "SPLIT_K": split_k,
+            "num_warps": 4, "num_stages": 2}
+
+
+@pytest.mark.parametrize("joined", [False, True])
+@pytest.mark.parametrize("name", list(GEMV_FORMATS))
+def test_gemv_formats(name, joined):
+    """Both GEMV variants against the reference: 1 to 4 rows, bias and act, one split and several
+    (N = 72: a ragged last tile of rows; K = 512 over splits of 2 words tiles)."""
+    g = gen("gemv", name, joined)
+    qw = quantized(GEMV_FORMATS[name], 72, 512, g)
+    for M, dtype, has_bias, act, split_k in ((1, torch.float32, False, "", 1), (3, torch.float32, True, "silu", 2),
+                                             (4, torch.bfloat16, False, "", 4), (2, torch.bfloat16, True, "", 1)):
+        b = rand(72, dtype=dtype, g=g) if has_bias else None
+        run_and_check(qw, rand(M, 512, dtype=dtype, g=g), b, act, config=gemv_cfg(joined, split_k))
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_gemv_rows_alone_equal_rows_together(joined):
+    """A row's sums are the same whatever else shares the launch (rows share loads, never sums), and
+    a K split sums its partials in split order: bitwise equal results."""
+    g = gen("gemv-rows", joined)
+    qw = quantized(GEMV_FORMATS["int4-g128"], 48, 1024, g)
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    x = rand(4, 1024, dtype=torch.bfloat16, g=g)
+    cfg = gemv_cfg(joined, split_k=2)
+    together = qlinear(x, p, config=cfg)
+    for m in (1, 2, 3):
+        assert torch.equal(qlinear(x[:m], p, config=cfg), together[:m])
+        assert torch.equal(qlinear(x[m:m + 1], p, config=cfg), together[m:m + 1])
+
+
+def test_gemv_refuses_what_it_cannot_stream():
+    g = gen("gemv-refuse")
+    qw = quantized(FORMATS["int4-g64"], 32, 256, g)  # two groups per 128-column pack tile
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    assert not qm.gemv_fits(p)
+    with pytest.raises(CompileError, match="GEMV"):
+        qlinear(rand(1, 256, g=g), p, config=gemv_cfg(True))
+    qw = quantized(GEMV_FORMATS["int4-g128"], 32, 256, g)
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    with pytest.raises(CompileError, match="up to 4 rows"):
+        qlinear(rand(5, 256, g=g), p, config=gemv_cfg(True))
+
+
+def test_gemv_is_a_candidate_only_where_every_sharing_bucket_fits(monkeypatch):
+    """Batch-invariant tuning (1..64 share) never offers the GEMV; `--no-batch-invariant` (1..4
+    share) offers it for int4 weights it fits, and the choice is recorded for all three buckets."""
+    offered = []
+
+    def fake_choose(self, key, buckets, cands, bench, baseline=None, margin=0.97):
+        offered.append((tuple(buckets), any(c.get("GEMV") for c in cands)))
+        return dict(cands[0])
+
+    monkeypatch.setattr(Tuner, "choose", fake_choose)
+    g = gen("gemv-cands")
+    qw = quantized(GEMV_FORMATS["int4-g128"], 32, 256, g)
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    x = rand(1, 256, g=g)
+    qlinear(x, p, tuner=Tuner(device="test-gpu"))
+    qlinear(x, p, tuner=Tuner(device="test-gpu", joint=autotune.DECODE_JOINT_BUCKETS))
+    qlinear(rand(8, 256, g=g), p, tuner=Tuner(device="test-gpu", joint=autotune.DECODE_JOINT_BUCKETS))
+    assert offered == [(autotune.JOINT_BUCKETS, False), (("1", "2", "4"), True), (("8",), False)]
+    for c in qm.gemv_candidates(4096, 4096):
+        assert c["GEMV"] and 4096 % (8 * c["BLOCK_W"] * c["SPLIT_K"]) == 0
