@@ -335,6 +335,17 @@ class Plan:
             return self._attend(x[0], x[3], x[4], x[5], x[6], scale, attrs, h, outs[0] if outs else None)
         return Step(n, fn, "triton:kv_write+triton:paged_attention", into=fn)
 
+    def _op_moe(self, n):
+        """Routing in torch, then the grouped-GEMM expert kernels (llmc/codegen/moe.py)."""
+        from llmc.codegen import moe as moe_kernels
+        a = n.attrs
+
+        def fn(x, h, outs=None):
+            return moe_kernels.moe(*x, a["top_k"], a["norm_topk_prob"], a["round_weights"], a["expert_start"],
+                                   out=outs[0] if outs else None)
+        fn.spec = moe_kernels.MoeExpertsSpec(n.inputs[0].type.dtype)
+        return Step(n, fn, "triton:moe_experts", f"top_k={a['top_k']}", into=fn)
+
     def _op_silu_mul(self, n):
         return self._elementwise(n, [(n.outputs[0].name, "silu_mul", ["in0", "in1"], {})], [n.outputs[0].name])
 

@@ -15,11 +15,12 @@ import torch
 
 from llmc.errors import CompileError
 from llmc.frontend.attention import register_hf_attention
+from llmc.frontend.moe import MOE_ARCHS, check_moe_config, replace_moe_blocks
 from llmc.frontend.prequantized import PrequantizedCheckpoint, read_prequantized, to_qlinear
 from llmc.frontend.torch_export import capture
 from llmc.ir.graph import Graph
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", *MOE_ARCHS)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 MAX_BATCH = 1024
@@ -108,8 +109,10 @@ def capture_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> Graph:
     """Capture a local HF model as an llmc Graph `(input_ids[B,S], position_ids[B,S]) -> logits[B,S,V]`."""
     path = Path(path)
     cfg = read_config(path)
+    check_moe_config(cfg)
     checkpoint = read_prequantized(path, cfg["quantization_config"]) if "quantization_config" in cfg else None
     model = load_model(path, dtype, checkpoint)
+    replace_moe_blocks(model, cfg["architectures"][0])  # each sparse MoE block as one `moe` op
     max_len = int(cfg.get("max_position_embeddings") or 4096)
     # example sizes avoid 0/1 so that export does not specialise them
     ids = torch.randint(0, int(cfg["vocab_size"]), (2, min(7, max_len)))

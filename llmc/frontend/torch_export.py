@@ -378,7 +378,9 @@ def _llmc_attention(L, q, k, v, scale, causal, window):
 
 def _register_custom_lowerings():
     from llmc.frontend import attention  # noqa: F401  (registers torch.ops.llmc.attention)
+    from llmc.frontend import moe  # registers torch.ops.llmc.moe
     LOWERINGS[torch.ops.llmc.attention.default] = _llmc_attention
+    LOWERINGS[torch.ops.llmc.moe.default] = moe.lower_moe
 
 
 # ---------------------------------------------------------------------------------------------

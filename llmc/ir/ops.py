@@ -469,6 +469,33 @@ register_op("linear_act", "nn", ("x", "weight", "bias?"), _linear_infer,
             traits=("linear", "no_fold"))
 
 
+def _moe_infer(ts, a):
+    x, router, gate_up, down = ts
+    H = x.shape[-1]
+    if router.rank != 2 or gate_up.rank != 3 or down.rank != 3 or router.shape[1] != H or gate_up.shape[2] != H \
+            or down.shape[1] != H or gate_up.shape[0] != down.shape[0] or gate_up.shape[1] != 2 * down.shape[2]:
+        raise IRError(f"moe: x {x}, router {router}, gate_up {gate_up}, down {down} do not fit "
+                      "(router [E, H], gate_up [E_local, 2I, H], down [E_local, H, I])")
+    E = router.shape[0]
+    if not 1 <= a["top_k"] <= E or not 0 <= a["expert_start"] <= E - gate_up.shape[0]:
+        raise IRError(f"moe: top_k {a['top_k']} and experts [{a['expert_start']}, "
+                      f"{a['expert_start']} + {gate_up.shape[0]}) must lie within the router's {E} experts")
+    return x
+
+
+def _moe_ref(x, a, env):
+    from llmc.ir.moe import moe_ref
+    return moe_ref(*x, a["top_k"], a["norm_topk_prob"], a["round_weights"], a["expert_start"])
+
+
+register_op("moe", "nn", ("x", "router", "gate_up", "down"), _moe_infer, _moe_ref,
+            {"top_k": REQUIRED, "norm_topk_prob": REQUIRED, "round_weights": False, "expert_start": 0},
+            "sparse mixture of SwiGLU experts: softmax routing over router's E experts, top_k of them per token "
+            "(renormalised when norm_topk_prob; weights rounded to x's dtype when round_weights), over the "
+            "experts [expert_start, expert_start + E_local) of the stacked gate_up/down; see llmc/ir/moe.py",
+            traits=("no_fold",))
+
+
 def _qembedding_ref(x, a):
     from llmc.ir.quant import qembedding_ref
     return qembedding_ref(x[0], x[1], x[2], torch_dtype(a["dtype"]))
