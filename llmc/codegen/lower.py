@@ -266,10 +266,7 @@ class Plan:
         label = f"{fmt.label}" + (f"+{act}" if act else "")
         if self.device.type == "meta":  # a listing only (`llmc inspect --kernels`)
             return Step(n, lambda x, h: None, "triton:qlinear", label)
-        if fmt.kind == "fp8" and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
-            raise LLMCError(f"this artifact has FP8 weights, and {torch.cuda.get_device_name(self.device)} has no FP8 "
-                            "matrix units (compute capability 8.9+: Ada, Hopper); compile with --quant smoothquant "
-                            "(int8) or rtn instead, or run with --backend reference")
+        self._check_fp8(fmt)
         prepared = qmm.prepare(fmt, self.params[qw], self.params[sc], self.params[zeros] if zeros else None)
         bias_name = bias
 
@@ -290,6 +287,44 @@ class Plan:
                     "triton:rms_norm+residual",
                     into=lambda x, h, o: rms_norm(x[0], x[2], eps, residual=x[1], weight_first_cast=wfc,
                                                   out=o[0], h_out=o[1]))
+
+    def _check_fp8(self, fmt):
+        if fmt.kind == "fp8" and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise LLMCError(f"this artifact has FP8 weights, and {torch.cuda.get_device_name(self.device)} has no FP8 "
+                            "matrix units (compute capability 8.9+: Ada, Hopper); compile with --quant smoothquant "
+                            "(int8) or rtn instead, or run with --backend reference")
+
+    def _op_rms_norm_quant(self, n):
+        """The norm and the per-token activation codes of the w8a8 / fp8 linears reading it, one kernel."""
+        from llmc.codegen.norm import rms_norm_quant
+        eps, wfc, kind = n.attrs["eps"], n.attrs["weight_first_cast"], n.attrs["kind"]
+        res = n.op == "add_rms_norm_quant"
+
+        def fn(x, h, outs=None):
+            return rms_norm_quant(x[0], x[-1], kind, eps, residual=x[1] if res else None, weight_first_cast=wfc,
+                                  outs=outs)
+        return Step(n, fn, "triton:rms_norm" + ("+residual" if res else "") + "+quant", kind, into=fn)
+
+    _op_add_rms_norm_quant = _op_rms_norm_quant
+
+    def _op_qlinear_codes(self, n):
+        """A w8a8 / fp8 linear over codes and scales its producer made: the GEMM alone."""
+        from llmc.codegen import qmatmul as qmm
+        from llmc.ir.quant import QuantFormat
+        from llmc.ir.types import torch_dtype
+        fmt, act, tuner, dtype = QuantFormat.from_attrs(n.attrs), n.attrs["act"], self.tuner, torch_dtype(n.attrs["dtype"])
+        label = f"{fmt.label}" + (f"+{act}" if act else "") + ", codes given"
+        if self.device.type == "meta":
+            return Step(n, lambda x, h: None, "triton:qlinear", label)
+        self._check_fp8(fmt)
+        qw, sc = n.inputs[2].name, n.inputs[3].name
+        prepared = qmm.prepare(fmt, self.params[qw], self.params[sc])
+        bias_name = n.inputs[4].name if len(n.inputs) > 4 else None
+
+        def fn(x, h, out=None):
+            return qmm.qlinear(x[0], prepared, self.params[bias_name] if bias_name else None, act, tuner=tuner,
+                               out=out, x_scales=x[1], dtype=dtype)
+        return Step(n, fn, "triton:qlinear", label, into=lambda x, h, outs: fn(x, h, outs[0]))
 
     def _op_rope_kv_write(self, n):
         from llmc.codegen.attention import rope_kv_write
@@ -422,9 +457,10 @@ def _static_spec(n: Node, block_size: int):
     from llmc.codegen.attention import PagedAttentionSpec, RopeKVWriteSpec
     from llmc.codegen.norm import RmsNormSpec
     t = n.inputs[0].type if n.inputs else None
-    if n.op in ("rms_norm", "add_rms_norm"):
+    if n.op in ("rms_norm", "add_rms_norm", "rms_norm_quant", "add_rms_norm_quant"):
         w = n.inputs[-1].type
-        return RmsNormSpec(int(t.shape[-1]), t.dtype, n.op == "add_rms_norm", n.attrs["weight_first_cast"], w.dtype)
+        return RmsNormSpec(int(t.shape[-1]), t.dtype, n.op.startswith("add_"), n.attrs["weight_first_cast"], w.dtype,
+                           n.attrs.get("kind", ""))
     if n.op == "rope_kv_write":
         q, k, cache = n.inputs[0].type, n.inputs[1].type, n.inputs[5].type
         return RopeKVWriteSpec(int(q.shape[3]), int(q.shape[1]), int(k.shape[1]), _tname(q.dtype), _tname(cache.dtype),

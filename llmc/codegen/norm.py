@@ -31,6 +31,7 @@ class RmsNormSpec(KernelSpec):
     residual: bool
     weight_first_cast: bool = True
     weight_dtype: str | None = None
+    quant: str = ""  # "w8a8" / "fp8": the output as per-token codes and scales (rms_norm_quant)
 
     @property
     def out_dtype(self) -> str:
@@ -57,9 +58,17 @@ class RmsNormSpec(KernelSpec):
                        f"norm moves {3 * e}H + {e + o}H: one read of H and a launch saved")
         else:
             comment = f"bytes per row: read x ({e}H), write out ({o}H); w ({w}H) is shared by all rows (L2)"
+        helpers = cast_helpers([self.dtype, self.out_dtype])
+        quant = {}
+        if self.quant:
+            from llmc.codegen.qmatmul import act_code
+            code, qmax, code_helpers = act_code(self.quant)
+            quant = {"code": code, "qmax": qmax}
+            helpers += code_helpers
+            comment += f"; {self.quant} codes (1 byte) and a 4-byte scale written instead of out"
         return {**super().context(), "bytes_comment": comment, "h_cast": cast_expr("x + r", self.dtype),
                 "normed_cast": cast_expr("normed", self.dtype), "out_cast": cast_expr("y", self.out_dtype),
-                "helpers": cast_helpers([self.dtype, self.out_dtype])}
+                "out_dtype": self.out_dtype, "helpers": helpers, **quant}
 
 
 def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
@@ -70,6 +79,35 @@ def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
         return t.view(-1, hidden)
     except RuntimeError:
         return t.reshape(-1, hidden)
+
+
+def rms_norm_quant(x: torch.Tensor, w: torch.Tensor, kind: str, eps: float = 1e-6,
+                   residual: torch.Tensor | None = None, weight_first_cast: bool = True,
+                   outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The `rms_norm_quant` / `add_rms_norm_quant` ops: [codes, scales] (+ [h] with a residual) of
+    rms_norm(x (+ residual), w) quantized per token for a `kind` ("w8a8" / "fp8") linear, in one kernel.
+
+    Example:
+        >>> codes, scales = rms_norm_quant(torch.randn(3, 64), torch.ones(64), "w8a8")
+    """
+    H = x.shape[-1]
+    spec = RmsNormSpec(H, dtype_name(x.dtype), residual is not None, weight_first_cast, dtype_name(w.dtype), kind)
+    x2 = _rows(x, H)
+    if outs is None:
+        outs = [torch.empty(x.shape, dtype=torch.int8 if kind == "w8a8" else torch.float8_e4m3fn, device=x.device),
+                torch.empty(x.shape[:-1] + (1,), dtype=torch.float32, device=x.device)]
+        if residual is not None:
+            outs.append(torch.empty_like(x, memory_format=torch.contiguous_format))
+    q2, s2 = outs[0].view(-1, H), outs[1].view(-1)
+    if x2.shape[0]:
+        kernel, grid, w = compiled(spec).rms_norm_kernel, (x2.shape[0],), w.contiguous()
+        if residual is not None:
+            r2, h2 = _rows(residual, H), outs[2].view(-1, H)
+            kernel[grid](x2, r2, h2, w, q2, s2, x2.stride(0), r2.stride(0), h2.stride(0), q2.stride(0), eps,
+                         BLOCK=spec.block, num_warps=spec.num_warps)
+        else:
+            kernel[grid](x2, w, q2, s2, x2.stride(0), q2.stride(0), eps, BLOCK=spec.block, num_warps=spec.num_warps)
+    return outs
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None,

@@ -377,6 +377,16 @@ def gemv_fits(p: PreparedQWeight) -> bool:
     return f.kind == "int" and f.bits == 4 and (not f.group_size or f.group_size % p.pack == 0)
 
 
+def act_code(kind: str) -> tuple[str, float, list[str]]:
+    """(the expression of an activation code from `v` = x / scale clamped, qmax, helper sources) for
+    "w8a8" (int8) or "fp8" (e4m3) codes: torch's rounding, bit for bit, on every backend."""
+    if kind == "w8a8":
+        return "_rint(v).to(tl.int8)", float(INT8_MAX), [RINT]
+    if interpreting():
+        return "_rne_e4m3(v).to(tl.float8e4nv)", float(FP8_MAX), [RNE_E4M3]
+    return "v.to(tl.float8e4nv)", float(FP8_MAX), []  # cvt.rn.satfinite: to nearest, ties to even, as torch
+
+
 @dataclass(frozen=True)
 class QuantizeActSpec(KernelSpec):
     """Per-token dynamic quantization of x [M, K] (`dtype`) to int8 (`kind` "w8a8") or e4m3 ("fp8") codes."""
@@ -386,16 +396,7 @@ class QuantizeActSpec(KernelSpec):
     dtype: str
 
     def context(self) -> dict[str, Any]:
-        helpers = []
-        if self.kind == "w8a8":
-            code = "_rint(v).to(tl.int8)"
-            helpers.append(RINT)
-        elif interpreting():
-            code = "_rne_e4m3(v).to(tl.float8e4nv)"
-            helpers.append(RNE_E4M3)
-        else:
-            code = "v.to(tl.float8e4nv)"  # cvt.rn.satfinite: to nearest, ties to even, as torch
-        qmax = float(INT8_MAX if self.kind == "w8a8" else FP8_MAX)
+        code, qmax, helpers = act_code(self.kind)
         return {"kind": self.kind, "qmax": qmax, "code": code, "helpers": helpers,
                 "x_bytes": {"bf16": 2, "f16": 2, "f32": 4}[self.dtype]}
 
@@ -532,14 +533,15 @@ def _launch_gemv(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: tor
 
 
 def _launch(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Tensor | None, y2: torch.Tensor,
-            cfg: dict) -> None:
-    """One qlinear call on rows x2 [M, K]: the activation codes first for w8a8 / fp8, then the GEMM."""
+            cfg: dict, x_scales: torch.Tensor | None = None) -> None:
+    """One qlinear call on rows x2 [M, K]: the activation codes first for w8a8 / fp8 (unless x2 holds
+    them already, with `x_scales` [M, 1]), then the GEMM."""
     if cfg.get("GEMV"):
         return _launch_gemv(spec, x2, p, b, y2, cfg)
     M, N, K = x2.shape[0], p.out_features, p.in_features
     sx: tuple = ()
     if spec.kind != "int":
-        x2, s = quantize_act(x2, spec.kind)
+        x2, s = quantize_act(x2, spec.kind) if x_scales is None else (x2, x_scales)
         sx = (s,)
     split_k = cfg["SPLIT_K"]
     mt = m_tiles(M, cfg["BLOCK_M"])
@@ -558,7 +560,8 @@ def _launch(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Te
 
 
 def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | None = None, act: str = "", *,
-            tuner: Tuner | None = None, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+            tuner: Tuner | None = None, config: dict | None = None, out: torch.Tensor | None = None,
+            x_scales: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = act(x @ W.T + bias) for a quantized W, with generated Triton kernels.
 
     Args:
@@ -570,9 +573,11 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
             bucket; None: the bucket's default config, untimed.
         config: a fixed config instead (a dict as in `candidates`).
         out: a contiguous [..., N] tensor of x's dtype to write y into; allocated when None.
+        x_scales: for w8a8 / fp8 weights, x's per-token scales [..., 1] when x holds its codes already
+            (made by the norm before, `rms_norm_quant`); y is then of `dtype`.
 
     Returns:
-        y [..., N] of x's dtype.
+        y [..., N] of x's dtype (of `dtype` with codes).
 
     Example:
         >>> qw = quant.quantize_rtn(torch.randn(96, 256), QuantFormat("int", 4, 64))
@@ -582,18 +587,24 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
     if K != prepared.in_features:
         raise CompileError(f"qlinear: x has {K} input features but the weight ({prepared.fmt.label}, "
                            f"[{N}, {prepared.in_features}]) takes {prepared.in_features}")
-    if x.dtype not in X_DTYPES:
+    if x_scales is not None:
+        want = {"w8a8": torch.int8, "fp8": torch.float8_e4m3fn}.get(prepared.fmt.kind)
+        if x.dtype != want or dtype not in X_DTYPES or x_scales.shape != x.shape[:-1] + (1,):
+            raise CompileError(f"qlinear: codes {x.dtype} {list(x.shape)} with scales {list(x_scales.shape)} do not "
+                               f"fit a {prepared.fmt.label} weight giving {dtype}")
+    elif x.dtype not in X_DTYPES:
         raise CompileError(f"qlinear: activations are bf16, f16 or f32, not {x.dtype}")
     if bias is not None and tuple(bias.shape) != (N,):
         raise CompileError(f"qlinear: bias {list(bias.shape)} should be [{N}]")
     if x.device != prepared.qweight.device:
         raise CompileError(f"qlinear: x is on {x.device}, the weight on {prepared.qweight.device}")
-    spec = QMatmulSpec.of(prepared, x.dtype, bias is not None, act)
+    ydtype = x.dtype if x_scales is None else dtype
+    spec = QMatmulSpec.of(prepared, ydtype, bias is not None, act)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     x2 = x2.view(-1, K) if x2.dim() == 2 or x2.is_contiguous() else x2.reshape(-1, K)
     b = bias.contiguous() if bias is not None else None
     M = x2.shape[0]
-    y = out if out is not None else torch.empty(x.shape[:-1] + (N,), dtype=x.dtype, device=x.device)
+    y = out if out is not None else torch.empty(x.shape[:-1] + (N,), dtype=ydtype, device=x.device)
     if M == 0 or N == 0:
         return y
     kw, pack = prepared.padded_k, prepared.pack
@@ -602,13 +613,13 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
     elif config is None:
         bucket = m_bucket(M)
         group = tuner.joint if bucket in tuner.joint else (bucket,)
-        io = timing_io(group, K, N, x2.dtype, x2.device)
+        io = timing_io(group, K, N, ydtype, x2.device)  # with codes too: the choice is the float x's
         cands = candidates(bucket, N, kw, pack, len(group) > 1)
         if gemv_fits(prepared) and max(map(bucket_size, group)) <= GEMV_ROWS:
             cands += gemv_candidates(N, kw)  # only where every M sharing the choice fits it
         config = tuner.choose(spec.key(N, K), group, cands,
                               bench=lambda cfg: [_launch(spec, xi, prepared, b, yi, cfg) for xi, yi in io()])
-    _launch(spec, x2, prepared, b, y.view(-1, N), config)
+    _launch(spec, x2, prepared, b, y.view(-1, N), config, x_scales.reshape(-1, 1) if x_scales is not None else None)
     return y
 
 

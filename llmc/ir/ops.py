@@ -537,6 +537,61 @@ register_op("qlinear", "nn", ("x", "qweight", "scales", "zeros?", "bias?"), _qli
             traits=("linear", "no_fold"))
 
 
+def _act_codes_types(t: TensorType, kind: str) -> list[TensorType]:
+    """The (codes, per-token scales) types of x `t` quantized for a `kind` ("w8a8" or "fp8") linear."""
+    if kind not in ("w8a8", "fp8"):
+        raise IRError(f"activation codes are w8a8 or fp8, not {kind!r}")
+    return [t.with_dtype("i8" if kind == "w8a8" else "f8e4m3"), t.with_shape(t.shape[:-1] + (1,)).with_dtype("f32")]
+
+
+def _rms_norm_quant_ref(x, a, env):
+    from llmc.ir.quant import quantize_activations
+    return list(quantize_activations(_rms_norm_ref(x, a, env), a["kind"]))
+
+
+def _add_rms_norm_quant_ref(x, a, env):
+    from llmc.ir.quant import quantize_activations
+    normed, h = _add_rms_norm_ref(x, a, env)
+    return [*quantize_activations(normed, a["kind"]), h]
+
+
+register_op("rms_norm_quant", "nn", ("x", "weight"),
+            lambda ts, a: _act_codes_types(ts[0].with_dtype(_result_dtype([ts[0], ts[1]])), a["kind"]),
+            _rms_norm_quant_ref, {"eps": 1e-6, "weight_first_cast": True, "kind": REQUIRED},
+            "(codes, scales) of rms_norm(x, weight) quantized per token for a `kind` (w8a8 / fp8) qlinear: "
+            "quant.quantize_activations of the norm's output, which never leaves the kernel")
+register_op("add_rms_norm_quant", "nn", ("a", "b", "weight"),
+            lambda ts, a: [*_act_codes_types(OPS["add_rms_norm"].infer_fn(ts, a)[0], a["kind"]),
+                           _binary_infer(ts[:2], a)],
+            _add_rms_norm_quant_ref, {"eps": 1e-6, "weight_first_cast": True, "kind": REQUIRED},
+            "(codes, scales, a + b): add_rms_norm with its normed output quantized per token (rms_norm_quant)")
+
+
+def _qlinear_codes_infer(ts, a):
+    xq, sx, qw, sc = ts[:4]
+    k = a["in_features"]
+    if a["kind"] not in ("w8a8", "fp8") or xq.shape[-1] != k or qw.rank != 2 or qw.shape[1] != k \
+            or sx.shape != xq.shape[:-1] + (1,) or sc.shape != (qw.shape[0], 1):
+        raise IRError(f"qlinear_codes: codes {xq}, scales {sx}, qweight {qw}, weight scales {sc} do not fit a "
+                      f"{a['kind']} linear of {k} input features")
+    return TensorType(xq.shape[:-1] + (qw.shape[0],), a["dtype"])
+
+
+def _qlinear_codes_ref(x, a, env):
+    from llmc.ir.quant import QuantFormat, qlinear_codes_ref
+    y = qlinear_codes_ref(x[0], x[1], QuantFormat.from_attrs(a), x[2], x[3], x[4] if len(x) > 4 else None,
+                          torch_dtype(a["dtype"]))
+    return LINEAR_ACTS[a["act"]](y) if a["act"] else y
+
+
+register_op("qlinear_codes", "nn", ("x_codes", "x_scales", "qweight", "scales", "bias?"), _qlinear_codes_infer,
+            _qlinear_codes_ref,
+            {"kind": REQUIRED, "bits": 8, "group_size": 0, "has_zeros": False, "in_features": REQUIRED, "act": "",
+             "dtype": REQUIRED},
+            "act(x @ W.T + bias) as `dtype` for a w8a8 / fp8 W, from x's per-token codes and scales made by the "
+            "op before it (rms_norm_quant)", traits=("linear", "no_fold"))
+
+
 def _fused_infer(ts, a):
     from llmc.ir.region import region_types
     return region_types(a, ts)

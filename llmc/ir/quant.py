@@ -156,16 +156,23 @@ def quantize_activations(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torc
 def qlinear_ref(x: torch.Tensor, fmt: QuantFormat, qweight: torch.Tensor, scales: torch.Tensor,
                 zeros: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T + b for a quantized W, in the exact arithmetic each format specifies."""
-    if fmt.kind == "int":
-        w = dequantize(fmt, qweight, scales, zeros)
-        y = torch.matmul(x.float(), w.t())
-    else:
-        xq, sx = quantize_activations(x, fmt.kind)
-        acc_dtype = torch.float64 if fmt.kind == "w8a8" else torch.float32  # int8 products sum exactly in f64
-        y = torch.matmul(xq.to(acc_dtype), qweight.to(acc_dtype).t()).float() * sx * scales.float().reshape(1, -1)
+    if fmt.kind != "int":
+        return qlinear_codes_ref(*quantize_activations(x, fmt.kind), fmt, qweight, scales, bias, x.dtype)
+    w = dequantize(fmt, qweight, scales, zeros)
+    y = torch.matmul(x.float(), w.t())
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def qlinear_codes_ref(xq: torch.Tensor, sx: torch.Tensor, fmt: QuantFormat, qweight: torch.Tensor,
+                      scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """y = x @ W.T + b (as `dtype`) for w8a8 / fp8 from x's codes and per-token scales (`quantize_activations`)."""
+    acc_dtype = torch.float64 if fmt.kind == "w8a8" else torch.float32  # int8 products sum exactly in f64
+    y = torch.matmul(xq.to(acc_dtype), qweight.to(acc_dtype).t()).float() * sx * scales.float().reshape(1, -1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(dtype)
 
 
 # -- round-to-nearest (the baseline every method is measured against, and GPTQ's inner step) -------

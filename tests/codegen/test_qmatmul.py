@@ -250,7 +250,7 @@ def test_decode_buckets_share_one_choice_under_their_own_key(monkeypatch):
     cost = {1: {1: 1.0, 64: 9.0}, 2: {1: 2.0, 64: 1.0}}
     seen = []
 
-    def fake_launch(spec, x2, p, b, y2, cfg):
+    def fake_launch(spec, x2, p, b, y2, cfg, x_scales=None):
         seen.append((x2.shape[0], cfg["A"]))
         return cost[cfg["A"]].get(x2.shape[0], 1.0)
 

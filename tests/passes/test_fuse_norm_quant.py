@@ -1,0 +1,81 @@
+"""fuse_norm_quant: W8A8 / FP8 activation codes made by the norm before the linears.
+
+The rewrite on a compiled tiny Llama (every norm that feeds only w8a8 / fp8 linears is fused, the
+rest left), the fused model's prompt log-probabilities equal to the unfused model's bit for bit
+(reference backend), and the fused kernels against the reference backend under the Triton
+interpreter."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmc
+from llmc.passes.fuse_norm_quant import FuseNormQuant
+from llmc.passes.manager import PassResult
+from llmc.runtime.engine import LLM, SamplingParams
+
+SQ = {"method": "smoothquant", "calib_samples": 8, "calib_len": 32}
+TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+
+
+def _logprobs(art, backend="reference"):
+    out = LLM(art, backend=backend).generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    return torch.tensor(out.prompt_logprobs[1:])
+
+
+@pytest.fixture(scope="module")
+def fused(llama_dir, tmp_path_factory):
+    return llmc.compile(llama_dir, tmp_path_factory.mktemp("nq") / "sq.llmc", quant=SQ, verify=True)
+
+
+def test_norms_feeding_code_linears_make_the_codes(llama_dir, fused, tmp_path):
+    for art, kind in ((fused, "w8a8"), (llmc.compile(llama_dir, tmp_path / "fp8.llmc", quant={"method": "fp8"}), "fp8")):
+        ops = art.summary()["op_counts"]
+        # per layer the input norm feeds the fused qkv and the post-attention norm the fused gate/up;
+        # o_proj and down read no norm, and the final norm feeds the dense LM head, so it stays
+        assert ops.get("rms_norm_quant", 0) + ops.get("add_rms_norm_quant", 0) == 2 * 2, ops
+        assert ops["qlinear_codes"] == 2 * 2 and ops["qlinear"] == 2 * 2
+        assert ops.get("add_rms_norm", 0) + ops.get("rms_norm", 0) == 1
+        assert all(n.attrs["kind"] == kind for n in art.graph.nodes if n.op.endswith("_quant"))
+
+
+def test_fused_equals_unfused_bit_for_bit(llama_dir, fused, tmp_path, monkeypatch):
+    monkeypatch.setattr(FuseNormQuant, "run", lambda self, graph, ctx: PassResult(graph, changed=False))
+    unfused = llmc.compile(llama_dir, tmp_path / "unfused.llmc", quant=SQ)
+    assert "qlinear_codes" not in unfused.summary()["op_counts"]
+    assert torch.equal(_logprobs(fused), _logprobs(unfused))
+
+
+def test_kernels_match_the_reference_backend(fused):
+    pytest.importorskip("triton")
+    from tests.codegen.conftest import library_interpreted
+    if not library_interpreted():
+        pytest.skip("triton was imported compiled before TRITON_INTERPRET=1 could be set")
+    got, want = _logprobs(fused, "triton-interpret"), _logprobs(fused)
+    assert (got - want).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("kind", ["w8a8", "fp8"])
+@pytest.mark.parametrize("dtype,residual", [(torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_norm_kernel_codes_are_the_unfused_codes(kind, dtype, residual):
+    pytest.importorskip("triton")
+    from tests.codegen.conftest import library_interpreted
+    if not library_interpreted():
+        pytest.skip("triton was imported compiled before TRITON_INTERPRET=1 could be set")
+    from llmc.codegen.norm import rms_norm_quant
+    from llmc.ir.ops import get_op
+    from llmc.ir.quant import quantize_activations
+    g = torch.Generator().manual_seed(7)
+    x, r = (torch.randn(5, 96, generator=g).to(dtype) * 3 for _ in range(2))
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype)
+    x[2] = 0  # an all-zero row: the scale's floor
+    outs = rms_norm_quant(x, w, kind, 1e-5, residual=r if residual else None)
+    a = {"eps": 1e-5, "weight_first_cast": True}
+    if residual:
+        normed, h = get_op("add_rms_norm").ref([x, r, w], a, None)
+        assert torch.equal(outs[2], h)
+    else:
+        normed = get_op("rms_norm").ref([x, w], a, None)
+    codes, scales = quantize_activations(normed, kind)
+    assert outs[0].dtype == codes.dtype and torch.equal(outs[0].view(torch.int8), codes.view(torch.int8))
+    assert torch.equal(outs[1], scales)
