@@ -7,7 +7,7 @@ import torch
 
 from llmc.errors import CompileError
 from llmc.ir.quant import QuantFormat, codes, int_scales, qlinear_ref, quantize_int_with, quantize_rtn
-from llmc.passes.quantize.awq import awq_clip_search, awq_quantize, awq_search
+from llmc.passes.quantize.awq import awq_clip_search, awq_quantize, awq_search, swiglu_row_weights
 from llmc.passes.quantize.gptq import gptq_quantize
 from llmc.passes.quantize.smoothquant import smoothquant_quantize, smoothquant_scales
 
@@ -153,17 +153,50 @@ def test_gptq_indefinite_hessian_asks_for_more_damping():
 
 
 def test_awq_below_rtn_on_salient_channels():
-    """On fresh tokens of the same distribution, q and a narrower k searched together."""
+    """On fresh tokens of the same distribution, q and a narrower k searched together, stored as the
+    pass stores them (scaled, then clip-searched), and scaled alone (scored without the clip search)."""
     x, ws = salient(M, 0), [weight(N, 1), weight(N // 2, 2)]
-    xt = salient(M, 1)
+    xt, gram, x_mean = salient(M, 1), x.T @ x, x.abs().mean(0)
     for fmt in (INT4_G64, INT4_G64_ZP, INT4_CH):
-        s, alpha = awq_search(ws, x, fmt)
-        assert 0 <= alpha <= 1 and s.shape == (K,)
-        expect = x.abs().mean(0).pow(alpha)
-        assert torch.allclose(s, expect / (expect.max() * expect.min()).sqrt(), rtol=1e-5)
-        awq = sum(out_err(xt, w, awq_quantize(w, s, fmt).dequantize() / s) ** 2 for w in ws)
         rtn = sum(out_err(xt, w, quantize_rtn(w, fmt).dequantize()) ** 2 for w in ws)
-        assert awq < 0.9 ** 2 * rtn
+        for clip in (False, True):
+            s, alpha = awq_search(ws, gram, x_mean, fmt, clip=clip)
+            assert 0 <= alpha <= 1 and s.shape == (K,)
+            expect = x_mean.pow(alpha)
+            assert torch.allclose(s, expect / (expect.max() * expect.min()).sqrt(), rtol=1e-5)
+            shrink = [awq_clip_search(w, gram, fmt, s=s) if clip else None for w in ws]
+            awq = sum(out_err(xt, w, awq_quantize(w, s, fmt, shrink=r).dequantize() / s) ** 2 for w, r in zip(ws, shrink))
+            assert awq < 0.9 ** 2 * rtn
+
+
+def test_awq_row_weights_choose_what_counts():
+    """A linear whose rows all weigh 0 drops out of the joint search (and it did change the joint choice)."""
+    x = salient(M, 0)
+    gram, x_mean = x.T @ x, x.abs().mean(0)
+    wide = weight(N, 3)
+    wide[:, torch.randperm(K, generator=torch.Generator().manual_seed(0))[:8]] *= 8  # big weights where x is big
+    ws = [weight(N, 1), wide]
+    alone, _ = awq_search(ws[:1], gram, x_mean, INT4_G64)
+    joint, _ = awq_search(ws, gram, x_mean, INT4_G64)
+    masked, _ = awq_search(ws, gram, x_mean, INT4_G64, row_weights=[torch.ones(N), torch.zeros(N)])
+    assert not torch.equal(joint, alone) and torch.equal(masked, alone)
+
+
+def test_swiglu_row_weights():
+    """Against their definition on the tensors; a gate channel that silu turns off gives its up row ~0 weight."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(M, 32, generator=g)
+    x[:, 0] += 3
+    wg, wu, wd = torch.randn(48, 32, generator=g), torch.randn(48, 32, generator=g), torch.randn(32, 48, generator=g)
+    wg[0] = 0
+    wg[0, 0] = -5  # gate channel 0 at about -15: silu ~ 0, so up's channel 0 hardly reaches down's output
+    gate, up = x @ wg.T, x @ wu.T
+    h = torch.nn.functional.silu(gate) * up
+    rg, ru = swiglu_row_weights(wg, wu, wd, x.T @ x / M, h.T @ h / M)
+    c = wd.square().sum(0) * h.square().mean(0)
+    torch.testing.assert_close(rg, c / gate.square().mean(0))
+    torch.testing.assert_close(ru, c / up.square().mean(0))
+    assert ru[0] < 1e-3 * ru[1:].mean()
 
 
 def test_awq_unit_scales_is_rtn():
@@ -174,15 +207,46 @@ def test_awq_unit_scales_is_rtn():
         assert (a.zeros is None and r.zeros is None) or torch.equal(a.zeros, r.zeros)
 
 
+def naive_clip_search(w, gram, fmt, s, ratios):
+    """Each (row, group) on its own: the shrink factor whose rounding error, weighted by the group's
+    diagonal block of X^T X, is least (the reference implementation's search, through `awq_quantize`)."""
+    n, k = w.shape
+    gs = fmt.group_size
+    best = torch.ones(n, k // gs)
+    for i in range(n):
+        for j in range(k // gs):
+            cols = slice(j * gs, (j + 1) * gs)
+            errs = []
+            for r in ratios:
+                shrink = torch.ones(n, k // gs)
+                shrink[i, j] = r
+                d = (awq_quantize(w, s, fmt, shrink=shrink).dequantize() / s - w)[i, cols]
+                errs.append(float(d @ gram[cols, cols] @ d))
+            best[i, j] = ratios[min(range(len(ratios)), key=errs.__getitem__)]
+    return best
+
+
 def test_awq_clip_search_lowers_error():
     x, w = salient(M, 0), weight(N, 1)
-    s, _ = awq_search([w], x, INT4_G64)
-    clip = awq_clip_search(w, x, INT4_G64, s=s)
-    wmax = (w * s).abs().reshape(N, K // 64, -1).amax(-1)
-    assert clip.shape == (N, K // 64) and (clip <= wmax).all() and (clip >= 0.5 * wmax).all() and (clip < wmax).any()
+    gram = x.T @ x
+    s, _ = awq_search([w], gram, x.abs().mean(0), INT4_G64)
+    shrink = awq_clip_search(w, gram, INT4_G64, s=s)
+    assert shrink.shape == (N, K // 64) and (shrink <= 1).all() and (shrink >= 0.5).all() and (shrink < 1).any()
     xt = salient(M, 1)
-    clipped = out_err(xt, w, awq_quantize(w, s, INT4_G64, clip=clip).dequantize() / s)
+    clipped = out_err(xt, w, awq_quantize(w, s, INT4_G64, shrink=shrink).dequantize() / s)
     assert clipped < 0.97 * out_err(xt, w, awq_quantize(w, s, INT4_G64).dequantize() / s)
+
+    def calib_err(r):
+        return out_err(x, w, awq_quantize(w, s, INT4_G64, shrink=r).dequantize() / s)
+    alone = awq_clip_search(w, gram, INT4_G64, s=s, sweeps=0)
+    assert calib_err(shrink) < calib_err(alone)  # the groups chosen together, for the row's whole error
+
+
+def test_awq_clip_search_per_group_matches_naive():
+    x, w = correlated(M, 0), weight(8, 1)
+    gram, s = x.T @ x, torch.rand(K, generator=torch.Generator().manual_seed(2)) + 0.5
+    got = awq_clip_search(w, gram, INT4_G64, s=s, grid=10, sweeps=0)
+    torch.testing.assert_close(got, naive_clip_search(w, gram, INT4_G64, s, [1 - 0.05 * i for i in range(11)]))
 
 
 def test_smoothquant_scales_formula():
@@ -221,12 +285,12 @@ def test_unsupported_formats_and_bad_arguments_are_clear_errors():
         with pytest.raises(ValueError, match="GPTQ quantizes to weight-only int formats"):
             gptq_quantize(w, hessian(x), fmt)
         with pytest.raises(ValueError, match="use SmoothQuant"):
-            awq_search([w], x, fmt)
+            awq_search([w], x.T @ x, x.abs().mean(0), fmt)
         with pytest.raises(ValueError, match="use SmoothQuant"):
             awq_quantize(w, torch.ones(K), fmt)
     with pytest.raises(ValueError, match="use AWQ or GPTQ"):
         smoothquant_quantize(w, torch.ones(K), INT4_G64)
     with pytest.raises(ValueError, match="at least one grid point"):
-        awq_search([w], x, INT4_G64, grid=0)
+        awq_search([w], x.T @ x, x.abs().mean(0), INT4_G64, grid=0)
     with pytest.raises(ValueError, match="Hessian is"):
         gptq_quantize(w, torch.eye(K - 1), INT4_G64)

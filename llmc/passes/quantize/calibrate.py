@@ -1,13 +1,13 @@
 """Phase 2, second pass: run the model on calibration text and collect, for the input of every
-planned linear, what the methods need: per-channel mean |x| (AWQ), max |x| (SmoothQuant), the
-Hessian X^T X (GPTQ, mixed) and a sample of rows (AWQ's search).
+planned linear, what the methods need: per-channel mean |x| (AWQ), max |x| (SmoothQuant) and the
+Gram matrix X^T X over every calibration token (GPTQ's Hessian, AWQ's output error; mixed).
 
 The graph runs as it is at this point (paged, token-flattened) through the IR interpreter (the
 golden model) over a KV cache, one calibration window per sequence, on the GPU when there is one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -18,7 +18,6 @@ from llmc.passes.quantize.config import QuantConfig
 from llmc.passes.quantize.materialize import planned
 
 STATS = "calibration"
-MAX_ROWS = 4096  # rows of x kept per input for AWQ's search
 
 
 @dataclass
@@ -27,15 +26,12 @@ class InputStats:
 
     k: int
     hessian: bool
-    rows: bool
     tokens: int = 0
     abs_sum: torch.Tensor | None = None
     abs_max: torch.Tensor | None = None
     xtx: torch.Tensor | None = None
-    sample: list = field(default_factory=list)
-    rows_joined: torch.Tensor | None = None
 
-    def add(self, x: torch.Tensor, stride: int) -> None:
+    def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, self.k).float()
         a = x.abs()
         self.abs_sum = a.sum(0) if self.abs_sum is None else self.abs_sum + a.sum(0)
@@ -43,23 +39,19 @@ class InputStats:
         if self.hessian:
             xtx = x.t() @ x
             self.xtx = xtx if self.xtx is None else self.xtx + xtx
-        if self.rows:
-            self.sample.append(x[::stride].cpu())
         self.tokens += x.shape[0]
 
     @property
     def abs_mean(self) -> torch.Tensor:
         return self.abs_sum.cpu() / max(1, self.tokens)
 
+    def gram(self) -> torch.Tensor:
+        """X^T X / tokens [K, K] fp32, on the CPU."""
+        return (self.xtx / max(1, self.tokens)).cpu()
+
     def gptq_hessian(self) -> torch.Tensor:
         """H = 2 X^T X / tokens (GPTQ's scaling; any positive multiple gives the same result)."""
-        return (2 * self.xtx / max(1, self.tokens)).cpu()
-
-    def rows_sample(self) -> torch.Tensor:
-        """At most MAX_ROWS rows of x, spread over the calibration tokens (joined once, when first asked)."""
-        if self.rows_joined is None:
-            self.rows_joined = torch.cat(self.sample)[:MAX_ROWS]
-        return self.rows_joined
+        return 2 * self.gram()
 
 
 def calibration_windows(ctx: PassContext, cfg: QuantConfig) -> list[list[int]]:
@@ -102,22 +94,20 @@ class Calibrate(Pass):
         from llmc.runtime.executor import ReferenceExecutor, StepInput
         from llmc.runtime.kv_cache import KVCache
         windows = calibration_windows(ctx, cfg)
-        hessian = cfg.method in ("gptq", "mixed")
-        stats = {n.inputs[0].name: InputStats(int(n.inputs[0].type.shape[-1]), hessian, cfg.method == "awq")
-                 for n, _ in items}
+        hessian = cfg.method in ("gptq", "mixed", "awq")
+        stats = {n.inputs[0].name: InputStats(int(n.inputs[0].type.shape[-1]), hessian) for n, _ in items}
         readers = {id(n): n.inputs[0].name for n, _ in items}
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         block = 16
         per_seq = -(-cfg.calib_len // block)
         ex = ReferenceExecutor(g, KVCache(g, device, block_size=block, num_blocks=per_seq * self.batch))
-        stride = max(1, len(windows) * cfg.calib_len // MAX_ROWS)
         seen: set[str] = set()
 
         def observe(node, args):
             name = readers.get(id(node))
             if name is not None and name not in seen:  # parallel linears read one x: count it once
                 seen.add(name)
-                stats[name].add(args[0], stride)
+                stats[name].add(args[0])
 
         advance = _progress(ctx, len(windows))
         with torch.inference_mode():
