@@ -437,6 +437,16 @@ def _engine_options(seqs_help: str = "Sequences batched per step.", speculative:
     return apply
 
 
+def _parallel_options(f):
+    """--tensor-parallel-size / --pipeline-parallel-size (docs/distributed.md), for `run` and `serve`."""
+    f = click.option("--pipeline-parallel-size", "-pp", "pipeline_parallel_size", default=1, show_default=True,
+                     type=click.IntRange(min=1), help="Split the layers into this many stages, one worker process "
+                     "each (x the tensor parallel size); a step's micro-batches flow through them.")(f)
+    return click.option("--tensor-parallel-size", "-tp", "tensor_parallel_size", default=1, show_default=True,
+                        type=click.IntRange(min=1), help="Split every layer over this many worker processes (one "
+                        "GPU each, NCCL; without GPUs the reference backend over gloo).")(f)
+
+
 @main.command()
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", default=None, help="The prompt text.")
@@ -462,10 +472,11 @@ def _engine_options(seqs_help: str = "Sequences batched per step.", speculative:
                    "\"finished\": ...}). Several prompts (or n > 1) in plain text: each completion whole as it "
                    "finishes, in the order they finish, under its --- prompt N --- line.")
 @_engine_options()
+@_parallel_options
 @_plugin_option
 def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
         stop, as_json, stream, backend, device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-        kv_cache_dtype, spec_method, draft_path, spec_tokens, plugins):
+        kv_cache_dtype, spec_method, draft_path, spec_tokens, tensor_parallel_size, pipeline_parallel_size, plugins):
     """Generate text from ARTIFACT with the paged-KV engine.
 
     With several prompts (or n > 1), plain-text output puts a `--- prompt N ---` line before each
@@ -491,7 +502,8 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
     _check_tokens(items, params, art)
     llm = LLM(art, speculative=_speculative(spec_method, draft_path, spec_tokens, art.bundled_draft),
               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-              num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, backend=backend, device=device)
+              num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, backend=backend, device=device,
+              tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
     out = _Printer(items, params, as_json, art.tokenizer_dir is not None)
     requests = [it.text if it.text is not None else it.token_ids for it in items]
     if stream:
@@ -701,10 +713,11 @@ def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend,
 @click.option("--shutdown-timeout", type=float, default=30.0, show_default=True, metavar="S",
               help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them.")
 @_engine_options()
+@_parallel_options
 @_plugin_option
 def serve(artifact, host, port, api_key, served_model_name, chat_template, max_queue, shutdown_timeout, backend,
           device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, spec_method,
-          draft_path, spec_tokens, plugins):
+          draft_path, spec_tokens, tensor_parallel_size, pipeline_parallel_size, plugins):
     """Serve ARTIFACT over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /health and /metrics (Prometheus).
 
@@ -738,7 +751,8 @@ def serve(artifact, host, port, api_key, served_model_name, chat_template, max_q
     name = served_model_name or Path(art.path).name.removesuffix(".llmc")
     llm = AsyncLLM(art, speculative=speculative, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
-                   kv_cache_dtype=kv_cache_dtype, backend=backend, device=device)
+                   kv_cache_dtype=kv_cache_dtype, backend=backend, device=device,
+                   tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
     try:
         app = create_app(llm, name, api_key=api_key, chat_template=template, max_queue=max_queue,
                          shutdown_timeout=shutdown_timeout)

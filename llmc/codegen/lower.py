@@ -74,6 +74,7 @@ class Plan:
     def __init__(self, graph: Graph, device: torch.device, tuner=None, triton_matmul: bool = False,
                  static_buffers: bool = True):
         self.graph, self.device, self.tuner, self.triton_matmul = graph, torch.device(device), tuner, triton_matmul
+        self.state: dict = {}  # what ops run by their torch reference may need: the process groups of collectives
         self.params = {p.name: graph.weights[p.name].to(self.device) for p in graph.params}
         self.steps = [self._lower(n) for n in graph.nodes]
         self.buffers = None
@@ -190,8 +191,8 @@ class Plan:
                                           dict(n.attrs))], [n.outputs[0].name])
             if step is not None:
                 return step
-        ref, attrs = get_op(n.op).ref, n.attrs
-        return Step(n, lambda x, h: ref(x, attrs, RefEnv(dict(h))), f"torch:{n.op}")
+        ref, attrs, state = get_op(n.op).ref, n.attrs, self.state
+        return Step(n, lambda x, h: ref(x, attrs, RefEnv(dict(h), state)), f"torch:{n.op}")
 
     def _op_constant(self, n):
         t = get_op("constant").ref([], n.attrs, RefEnv()).to(self.device)

@@ -606,3 +606,32 @@ register_op("fused", "fused", ("xs*",), _fused_infer, _fused_ref, {"kind": "elem
                                                                  "outputs": REQUIRED},
             "a region: body = [[name, op, [operand names], attrs], ...] over operands named %0.. %n-1; "
             "outputs names the body values it returns")
+
+
+# ---------------------------------------------------------------------------------------------
+# collectives, inserted by tensor parallelism (llmc/ir/sharding.py); groups: llmc/ir/collectives.py
+
+def _all_gather_infer(ts, a):
+    d = _norm_dim(a["dim"], ts[0].rank)
+    s = list(ts[0].shape)
+    s[d] = dim_mul(s[d], a["size"])
+    return ts[0].with_shape(s)
+
+
+def _all_reduce_ref(x, a, env):
+    from llmc.ir.collectives import all_reduce_ref
+    return all_reduce_ref(x, a, env)
+
+
+def _all_gather_ref(x, a, env):
+    from llmc.ir.collectives import all_gather_ref
+    return all_gather_ref(x, a, env)
+
+
+register_op("all_reduce", "collective", ("x",), _same, _all_reduce_ref, {"group": REQUIRED},
+            "the sum of x over the ranks of process group `group` (after a row-parallel linear)",
+            traits=("no_fold",))
+register_op("all_gather", "collective", ("x",), _all_gather_infer, _all_gather_ref,
+            {"group": REQUIRED, "dim": -1, "size": REQUIRED},
+            "the `size` ranks' x concatenated along dim, in rank order (the vocabulary-parallel LM head)",
+            traits=("no_fold",))

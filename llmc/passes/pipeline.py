@@ -16,6 +16,7 @@ from llmc.passes.fuse_linear_epilogue import FuseLinearEpilogue
 from llmc.passes.fuse_norm_quant import FuseNormQuant
 from llmc.passes.fuse_parallel_linears import FuseParallelLinears
 from llmc.passes.fuse_rope_kv_write import FuseRopeKVWrite
+from llmc.passes.shard import Shard  # noqa: F401  (not in the default list: the runtime shards at load)
 
 
 def default_passes(options: dict | None = None) -> list[Pass]:

@@ -27,10 +27,13 @@ class EngineConfig:
     kv_memory_fraction: float = 0.5
     max_model_len: int | None = None
     cuda_graphs: bool = True
+    tensor_parallel_size: int = 1  # ranks that split each layer (llmc/ir/sharding.py)
+    pipeline_parallel_size: int = 1  # stages of consecutive layers (llmc/ir/stages.py)
 
     def validate(self) -> None:
         """Raise LLMCError naming the first option out of range."""
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len",
+                     "tensor_parallel_size", "pipeline_parallel_size"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise LLMCError(f"{name} must be an integer >= 1, not {v!r}")

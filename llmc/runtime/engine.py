@@ -15,6 +15,7 @@ from llmc.artifact import Artifact, load_artifact
 from llmc.errors import LLMCError, RequestError
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.config import EngineConfig
+from llmc.runtime.distributed import DistributedExecutor
 from llmc.runtime.executor import Executor, StepBatch, StepInput, StepResult, make_executor
 from llmc.runtime.sampler import Sampler, target_logprobs
 from llmc.runtime.sampling_params import SamplingParams
@@ -114,10 +115,16 @@ class LLMEngine:
         self.artifact, self.info = artifact, artifact.info
         self.tokenizer = artifact.tokenizer() if artifact.tokenizer_dir else None
         self.max_model_len = min(cfg.max_model_len or 1 << 30, self.info.max_model_len)
-        self.executor: Executor = make_executor(
-            artifact.graph, cfg.backend, cfg.device, cfg.block_size, cfg.num_blocks,
-            cfg.kv_cache_dtype or self.info.kv_cache_dtype, cfg.kv_memory_fraction, cfg.num_cpu_blocks,
-            artifact.tuning, cfg.cuda_graphs, self.info.max_model_len)
+        kv_dtype = cfg.kv_cache_dtype or self.info.kv_cache_dtype
+        if cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1:
+            self.executor: Executor = DistributedExecutor(
+                artifact, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.backend, cfg.device,
+                cfg.block_size, cfg.num_blocks, kv_dtype, cfg.kv_memory_fraction, cfg.num_cpu_blocks,
+                self.info.max_model_len)
+        else:
+            self.executor = make_executor(
+                artifact.graph, cfg.backend, cfg.device, cfg.block_size, cfg.num_blocks, kv_dtype,
+                cfg.kv_memory_fraction, cfg.num_cpu_blocks, artifact.tuning, cfg.cuda_graphs, self.info.max_model_len)
         self.block_manager = BlockManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           cfg.num_cpu_blocks)
         budget = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else max(cfg.max_num_batched_tokens,

@@ -195,8 +195,12 @@ class ReferenceExecutor(LocalExecutor):
         super().__init__(graph, cache)
         self.plan = Interpreter(graph, self.device)
 
+    def outputs(self, inputs: dict[str, torch.Tensor], seqs: list[StepInput]) -> list[torch.Tensor]:
+        """Every output of the plan (a pipeline stage's are the values it hands the next stage)."""
+        return self.plan.run(inputs)
+
     def _logits(self, inputs, seqs):
-        return self.plan.run(inputs)[0]
+        return self.outputs(inputs, seqs)[0]
 
 
 class KernelExecutor(LocalExecutor):
@@ -223,10 +227,14 @@ class KernelExecutor(LocalExecutor):
                 return StepResult(tokens=out) if greedy else StepResult(logits=out)
         return super()._forward(seqs, greedy)
 
-    def _logits(self, inputs, seqs):
+    def outputs(self, inputs: dict[str, torch.Tensor], seqs: list[StepInput]) -> list[torch.Tensor]:
+        """Every output of the plan (a pipeline stage's are the values it hands the next stage)."""
         hints = {"max_seqlen_q": max(len(s.token_ids) for s in seqs),
                  "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in seqs)}
-        return self.plan.run(inputs, hints)[0]
+        return self.plan.run(inputs, hints)
+
+    def _logits(self, inputs, seqs):
+        return self.outputs(inputs, seqs)[0]
 
 
 def as_decode_rows(seqs: list[StepInput]) -> list[StepInput]:

@@ -1,0 +1,50 @@
+"""A step as one int64 tensor, the payload of the driver's one broadcast per step.
+
+    [op, length, greedy, #seqs, #swap_out, #swap_in, #copies,
+     per sequence: #tokens, start_pos, #blocks, num_logits, prefill, tokens..., blocks...,
+     swap_out pairs..., swap_in pairs..., copy pairs...]
+
+Plain integers, no pickle: a worker rebuilds the `StepBatch` the engine made.
+"""
+from __future__ import annotations
+
+import torch
+
+from llmc.runtime.executor import StepBatch, StepInput
+
+STEP, STOP, RESIZE = 1, 2, 3
+HEADER = 2  # op, payload length
+
+
+def encode(batch: StepBatch) -> list[int]:
+    out = [int(batch.greedy), len(batch.seqs), len(batch.swap_out), len(batch.swap_in), len(batch.copies)]
+    for s in batch.seqs:
+        out += [len(s.token_ids), s.start_pos, len(s.block_table), s.num_logits, int(s.prefill)]
+        out += s.token_ids
+        out += s.block_table
+    for pairs in (batch.swap_out, batch.swap_in, batch.copies):
+        for a, b in pairs:
+            out += [a, b]
+    return out
+
+
+def decode(payload: list[int]) -> StepBatch:
+    greedy, n, n_out, n_in, n_copy = payload[:5]
+    at, seqs = 5, []
+    for _ in range(n):
+        nt, start, nb, num_logits, prefill = payload[at:at + 5]
+        at += 5
+        seqs.append(StepInput(payload[at:at + nt], start, payload[at + nt:at + nt + nb], num_logits, bool(prefill)))
+        at += nt + nb
+    pairs = []
+    for count in (n_out, n_in, n_copy):
+        pairs.append([(payload[at + 2 * i], payload[at + 2 * i + 1]) for i in range(count)])
+        at += 2 * count
+    return StepBatch(seqs, *pairs, greedy=bool(greedy))
+
+
+def message(op: int, payload: list[int], capacity: int) -> torch.Tensor:
+    """The broadcast buffer: header, payload, zeros up to the capacity both sides agreed on."""
+    buf = torch.zeros(capacity, dtype=torch.int64)
+    buf[:HEADER + len(payload)] = torch.tensor([op, len(payload), *payload], dtype=torch.int64)
+    return buf

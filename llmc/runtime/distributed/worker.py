@@ -1,0 +1,233 @@
+"""A worker process: one rank's shard of one pipeline stage, driven by the driver's step broadcasts.
+
+Worker w (0 .. TP x PP - 1) is tensor-parallel rank w % TP of stage w // TP. It loads the artifact
+itself, shards the graph (llmc/ir/sharding.py), cuts its stage (llmc/ir/stages.py) and runs it
+with the executor of its backend over its own KV cache. Each step it receives the batch (one
+broadcast from the driver), applies the block moves, and runs the step's micro-batches: a stage
+after the first receives each micro-batch's hidden states from its partner in the previous stage,
+every stage but the last sends them on, so stage s runs micro-batch i while stage s + 1 runs i - 1.
+The last stage's rank 0 returns the sampled rows' logits (or their argmax) to the driver.
+
+Process groups: `compute` (the workers: NCCL on GPUs, gloo on the CPU; all_reduce, all_gather and the
+stages' sends) and `control` (gloo, the workers and the driver, rank 0: step broadcasts and results).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from llmc.ir.types import dim_eval, torch_dtype
+from llmc.runtime.distributed import codec
+from llmc.runtime.executor import StepBatch, StepInput, _verifies, as_decode_rows, make_executor
+from llmc.runtime.kv_cache import KVCache
+
+CONTROL_TIMEOUT = datetime.timedelta(days=365)  # a worker waits for the next step as long as the engine idles
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to start: plain values only (it loads the weights itself, from `artifact`)."""
+
+    artifact: str
+    rank: int
+    tp: int
+    pp: int
+    store_port: int
+    backend: str  # resolved: cuda, triton-interpret or reference
+    block_size: int
+    num_blocks: int | None
+    kv_cache_dtype: str
+    memory_fraction: float
+    num_cpu_blocks: int
+    max_model_len: int
+    step_timeout_s: float
+    capacity: int  # the step broadcast's initial length
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+
+def main(argv: list[str]) -> None:
+    """`python -m llmc.runtime.distributed SPEC_JSON`: what the driver starts. A failure is written
+    to the store (`error/<rank>`, one line, for the driver's message) and to stderr, and ends the process."""
+    from torch.distributed import TCPStore
+    spec = WorkerSpec(**json.loads(argv[0]))
+    store = TCPStore("127.0.0.1", spec.store_port, spec.world + 1, is_master=False,
+                     timeout=datetime.timedelta(seconds=spec.step_timeout_s))
+    try:
+        _serve(spec, store)
+    except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it as its own error
+        traceback.print_exc()
+        detail = str(e).splitlines()[0] if str(e) else ""
+        try:
+            store.set(f"error/{spec.rank}", f"{type(e).__name__}: {detail}")
+        except Exception:  # noqa: BLE001 - the driver is gone too
+            pass
+        sys.stderr.flush()
+        os._exit(1)  # not sys.exit: process-group destructors could block on peers that are gone
+    os._exit(0)
+
+
+def _serve(spec: WorkerSpec, store) -> None:
+    import torch.distributed as dist
+    from torch.distributed import PrefixStore
+    from llmc.artifact import load_artifact
+    from llmc.ir.collectives import TorchCollectives
+    from llmc.ir.sharding import shard_graph
+    from llmc.ir.stages import split_stages
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
+    cuda = spec.backend == "cuda"
+    device = torch.device("cuda", spec.rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    art = load_artifact(spec.artifact, verify=False)  # the driver checked the hashes moments ago
+    graph = shard_graph(art.graph, spec.tp, spec.tp_rank)
+    mine, tuning = split_stages(graph, spec.pp).graphs[spec.stage], art.tuning
+    del art, graph  # the weights of other shards and stages go once this stage holds its own
+    # no CUDA graphs: a captured step would have to hold the collectives and the stages' sends (docs/distributed.md)
+    ex = make_executor(mine, spec.backend, str(device), spec.block_size, spec.num_blocks,
+                       spec.kv_cache_dtype, spec.memory_fraction, spec.num_cpu_blocks, tuning, cuda_graphs=False,
+                       max_model_len=spec.max_model_len)
+    store.set(f"ready/{spec.rank}", json.dumps({"num_blocks": ex.num_blocks,
+                                                "block_bytes": ex.kv_bytes // ex.num_blocks}))
+    # longer than the driver's wait for a step, so that a hung peer is the driver's to report
+    timeout = datetime.timedelta(seconds=2 * spec.step_timeout_s)
+    dist.init_process_group("nccl" if cuda else "gloo", store=PrefixStore("compute", store), rank=spec.rank,
+                            world_size=spec.world, timeout=timeout)
+    tp_groups = [dist.new_group(list(range(s * spec.tp, (s + 1) * spec.tp))) for s in range(spec.pp)] \
+        if spec.pp > 1 else [None]
+    control = dist.ProcessGroupGloo(PrefixStore("control", store), spec.rank + 1, spec.world + 1, CONTROL_TIMEOUT)
+    num_blocks = int(store.get("num_blocks"))
+    if num_blocks != ex.num_blocks:  # every rank's cache holds the block manager's count: the smallest
+        ex.cache = KVCache(ex.graph, ex.device, spec.block_size, num_blocks, spec.memory_fraction, spec.num_cpu_blocks)
+        ex.num_blocks, ex.kv_bytes = num_blocks, ex.cache.bytes
+    ex.plan.state["process_groups"] = {"tp": TorchCollectives(tp_groups[spec.stage])}
+    stage = PipelineStage(spec, ex, mine.meta.get("pipeline", {}), control)
+    stage.serve()
+    dist.destroy_process_group()
+
+
+class PipelineStage:
+    """One worker's step loop (see the module docstring)."""
+
+    def __init__(self, spec: WorkerSpec, executor, pipeline: dict, control):
+        self.spec, self.ex, self.control = spec, executor, control
+        self.first, self.last = spec.stage == 0, spec.stage == spec.pp - 1
+        self.receives = [v for v in executor.graph.inputs if v.name in set(pipeline.get("receives", []))]
+        self.prev, self.next = spec.rank - spec.tp, spec.rank + spec.tp  # same tensor-parallel rank, next stage
+        self.capacity = spec.capacity
+
+    def serve(self) -> None:
+        import torch.distributed as dist
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        while True:
+            buf = torch.empty(self.capacity, dtype=torch.int64)
+            self.control.broadcast([buf], opts).wait()
+            op, length = int(buf[0]), int(buf[1])
+            if op == codec.STOP:
+                return
+            if op == codec.RESIZE:
+                self.capacity = int(buf[2])
+                continue
+            result = self.step(codec.decode(buf[codec.HEADER:codec.HEADER + length].tolist()))
+            if result is not None:
+                self.control.send([result], 0, 0).wait()
+
+    @torch.inference_mode()
+    def step(self, batch: StepBatch) -> torch.Tensor | None:
+        """Run this stage's share of a step; the result tensor on the rank that returns it, else None."""
+        import torch.distributed as dist
+        ex = self.ex
+        ex.cache.swap_out(batch.swap_out)
+        ex.cache.swap_in(batch.swap_in)
+        ex.cache.copy_blocks(batch.copies)
+        seqs = batch.seqs
+        if seqs and any(_verifies(s) for s in seqs):
+            seqs = as_decode_rows(seqs)
+        mbs = microbatches(seqs, self.spec.pp) if seqs else []
+        inputs = [ex.build_inputs(mb) for mb, _ in mbs]
+        pending = []
+        if not self.first:  # post every receive now: the previous stage sends as it finishes each micro-batch
+            for i, x in enumerate(inputs):
+                dims = _dims(ex.graph, x)
+                for j, v in enumerate(self.receives):
+                    buf = torch.empty([dim_eval(d, dims) for d in v.type.shape], dtype=torch_dtype(v.type.dtype),
+                                      device=ex.device)
+                    x[v.name] = buf
+                    pending.append((i, dist.irecv(buf, src=self.prev, tag=i * len(self.receives) + j)))
+        sends, rows = [], []
+        for i, ((mb, keep), x) in enumerate(zip(mbs, inputs)):
+            for k, w in pending:
+                if k == i:
+                    w.wait()
+            outs = ex.outputs(x, mb)
+            # copies: the plan may keep its outputs in its arena, which the next micro-batch reuses while a
+            # send is still reading (the copies are [T, hidden] and [rows, V] against the step's GEMMs)
+            if not self.last:
+                for j, t in enumerate(outs):
+                    t = t.clone(memory_format=torch.contiguous_format)
+                    sends.append((t, dist.isend(t, dst=self.next, tag=i * len(outs) + j)))
+            elif keep:
+                rows.append(outs[0].to(torch.float32, copy=True))
+        for _, w in sends:
+            w.wait()
+        if not (self.last and self.spec.tp_rank == 0):
+            return None
+        if not rows:
+            return torch.zeros(1, dtype=torch.int64)  # an acknowledgement: the step is done
+        logits = torch.cat(rows) if len(rows) > 1 else rows[0]
+        return (logits.argmax(dim=-1) if batch.greedy else logits).cpu()
+
+
+def microbatches(seqs: list[StepInput], m: int) -> list[tuple[list[StepInput], bool]]:
+    """The step's tokens cut into at most m contiguous runs of near-equal length, cutting through sequences
+    where needed (a later piece attends over the K/V its earlier piece wrote on this stage). Each run
+    is (pieces, keep): a run that wants no logits computes its last row anyway (the graph wants one)
+    and is not kept."""
+    total = sum(len(s.token_ids) for s in seqs)
+    m = max(1, min(m, total))
+    bounds = [total * i // m for i in range(m + 1)]
+    runs: list[list[StepInput]] = [[] for _ in range(m)]
+    at = 0
+    for s in seqs:
+        n, first_row = len(s.token_ids), len(s.token_ids) - s.num_logits
+        for r in range(m):
+            a, b = max(bounds[r], at) - at, min(bounds[r + 1], at + n) - at
+            if a < b:
+                runs[r].append(StepInput(s.token_ids[a:b], s.start_pos + a, s.block_table,
+                                         max(0, b - max(a, first_row)), s.prefill))
+        at += n
+    out = []
+    for run in runs:
+        keep = sum(p.num_logits for p in run) > 0
+        if not keep:
+            last = run[-1]
+            run[-1] = StepInput(last.token_ids, last.start_pos, last.block_table, 1, last.prefill)
+        out.append((run, keep))
+    return out
+
+
+def _dims(graph, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The symbolic dims' values in this micro-batch, bound from the inputs the step builds."""
+    dims: dict[str, int] = {}
+    for v in graph.inputs:
+        t = inputs.get(v.name)
+        if t is not None:
+            dims.update({d.name: n for d, n in zip(v.type.shape, t.shape) if not isinstance(d, int)})
+    return dims

@@ -1,0 +1,144 @@
+"""The shard rewrite and the pipeline cut, in one process: ranks as threads (ThreadGroup), stages in turn.
+
+Every check compares with the unsharded paged graph on the same two-prompt prefill (fp32, 1e-4).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmc.errors import IRError, LLMCError
+from llmc.ir.interpreter import Interpreter
+from llmc.ir.sharding import ShardError, _kv_heads, shard_graph
+from llmc.ir.stages import split_stages
+from llmc.runtime.distributed import codec
+from llmc.runtime.distributed.worker import microbatches
+from llmc.runtime.executor import StepBatch, StepInput
+from tests.conftest import make_model_dir
+from tests.distributed.conftest import make_llama, run_ranks
+
+A = torch.tensor([5, 17, 3, 200, 41, 9, 77, 12, 30])
+B = torch.tensor([250, 6, 1, 90])
+
+
+def step_inputs(g) -> dict[str, torch.Tensor]:
+    """Two prompts (9 and 4 tokens) in one prefill over 4-slot blocks, with zeroed caches of g's own shape."""
+    caches = {v.name: torch.zeros(v.type.shape[0], 8, 4, *v.type.shape[3:]) for v in g.inputs
+              if v.name.startswith("kv_cache.")}
+    return dict(input_ids=torch.cat([A, B]), positions=torch.cat([torch.arange(9), torch.arange(4)]),
+                query_start_loc=torch.tensor([0, 9, 13], dtype=torch.int32),
+                seq_lens=torch.tensor([9, 4], dtype=torch.int32),
+                block_tables=torch.tensor([[0, 1, 2], [3, 0, 0]], dtype=torch.int32),
+                slot_mapping=torch.tensor(list(range(9)) + list(range(12, 16))),
+                logits_indices=torch.tensor([3, 8, 12]), **caches)
+
+
+def sharded_logits(g, tp: int) -> list[torch.Tensor]:
+    ranks = [shard_graph(g.clone(), tp, r) for r in range(tp)]
+    return [out[0] for out in run_ranks(ranks, step_inputs)]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, odd_heads_artifact):
+    import llmc
+    root = tmp_path_factory.mktemp("shard")
+    arts = {"h6-kv3-tied": odd_heads_artifact}
+    # 6 query heads over 2 KV heads; a vocabulary (317) and an MLP (50) that 2 and 3 do not divide
+    arts["h6-kv2"] = llmc.compile(make_llama(root, "h6-kv2", 6, 2, tied=False, vocab=317, intermediate=50),
+                                  root / "h6-kv2.llmc")
+    arts["qwen2"] = llmc.compile(make_model_dir(root, "qwen2"), root / "qwen2.llmc")  # biases, tied, sliding window
+    return arts
+
+
+@pytest.mark.parametrize("name,tp", [("h6-kv3-tied", 2), ("h6-kv3-tied", 3), ("h6-kv3-tied", 6), ("h6-kv2", 2),
+                                     ("h6-kv2", 3), ("h6-kv2", 6), ("qwen2", 2), ("qwen2", 4)])
+def test_every_rank_gives_the_unsharded_logits(artifacts, name, tp):
+    g = artifacts[name].graph
+    (want,) = Interpreter(g).run(step_inputs(g))
+    for got in sharded_logits(g, tp):
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_the_rewrite_splits_attention_mlp_and_head(artifacts):
+    g = shard_graph(artifacts["h6-kv3-tied"].graph.clone(), 2, 1)
+    tp = g.meta["tensor_parallel"]
+    assert (tp["column"], tp["row"], tp["vocab_parallel"], tp["replicated"]) == (5, 4, True, [])
+    assert g.op_counts()["all_reduce"] == 4 and g.op_counts()["all_gather"] == 1
+    # rank 1 holds query heads 3-5, which read KV heads 1, 2, 2: one KV slot per query head
+    assert [v.type.shape[3] for v in g.inputs if v.name.startswith("kv_cache.")] == [3, 3]
+    emb = next(n for n in g.nodes if n.op == "embedding")
+    assert emb.inputs[0].type.shape == (320, 48)  # the table stays whole; the tied head got its own rows
+    head = next(n for n in g.nodes if n.op == "all_gather").inputs[0].producer
+    assert head.inputs[1].type.shape == (160, 48)
+
+
+@pytest.mark.parametrize("hq,hkv,tp,want", [(6, 2, 2, [[0], [1]]), (6, 3, 2, [[0, 0, 1], [1, 2, 2]]),
+                                            (6, 1, 3, [[0], [0], [0]]), (8, 2, 4, [[0], [0], [1], [1]]),
+                                            (8, 8, 2, [[0, 1, 2, 3], [4, 5, 6, 7]])])
+def test_kv_heads_follow_the_query_heads(hq, hkv, tp, want):
+    assert [_kv_heads(r, tp, hq, hkv) for r in range(tp)] == want
+
+
+def test_sizes_that_cannot_split_are_one_line_errors(artifacts):
+    g = artifacts["h6-kv3-tied"].graph
+    with pytest.raises(ShardError, match="tensor parallel size 4 does not divide the 6 attention heads"):
+        shard_graph(g.clone(), 4, 0)
+    with pytest.raises(LLMCError, match="pipeline parallel size 3 is larger than the model's 2 layers"):
+        split_stages(g, 3)
+    once = shard_graph(g.clone(), 2, 0)
+    with pytest.raises(ShardError, match="already one rank's shard"):
+        shard_graph(once, 2, 0)
+    with pytest.raises(IRError, match="only the distributed executor binds"):
+        Interpreter(once).run(step_inputs(once))
+
+
+def test_shard_pass_by_name(artifacts):
+    from llmc.passes import PassManager, parse_pass_spec
+    g = PassManager([parse_pass_spec("shard{tp_size=3,rank=2}")], verify=True).run(artifacts["h6-kv2"].graph.clone())
+    assert g.meta["tensor_parallel"]["rank"] == 2 and "all_gather" in str(g)
+
+
+@pytest.mark.parametrize("name", ["h6-kv3-tied", "qwen2"])
+def test_pipeline_stages_chain_to_the_whole_graph(artifacts, name):
+    g = artifacts[name].graph
+    (want,) = Interpreter(g).run(step_inputs(g))
+    cut = split_stages(g, 2)
+    assert len(cut.boundaries) == 1 and len(cut.boundaries[0]) == 2  # the residual and the normed hidden state
+    carried = {}
+    for s, stage in enumerate(cut.graphs):
+        assert [v.name for v in stage.inputs if v.name.startswith("kv_cache.")] == [f"kv_cache.{s}"]
+        outs = Interpreter(stage).run({**step_inputs(stage), **carried})
+        carried = {v.name: t for v, t in zip(stage.outputs, outs)}
+    assert torch.equal(outs[0], want)
+
+
+def test_tensor_and_pipeline_parallel_together(artifacts):
+    g = artifacts["h6-kv2"].graph
+    (want,) = Interpreter(g).run(step_inputs(g))
+    cuts = [split_stages(shard_graph(g.clone(), 2, r), 2) for r in range(2)]
+    first = run_ranks([c.graphs[0] for c in cuts], step_inputs)
+    stages = [c.graphs[1] for c in cuts]
+    last = run_ranks(stages, lambda stage: {**step_inputs(stage),
+                                            **dict(zip(cuts[0].boundaries[0], first[stages.index(stage)]))})
+    assert (last[1][0] - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_microbatches_cut_tokens_and_keep_logits_rows():
+    seqs = [StepInput(list(range(10)), 3, [0, 1, 2, 3], 2, True), StepInput([7], 5, [4], 1),
+            StepInput([8, 9, 10], 0, [5], 0, True)]
+    runs = microbatches(seqs, 2)
+    assert [sum(len(p.token_ids) for p in run) for run, _ in runs] == [7, 7]
+    # the first run samples nothing: its last row is computed (the graph wants one) and not kept
+    assert [(p.start_pos, len(p.token_ids), p.num_logits) for p in runs[0][0]] == [(3, 7, 1)]
+    assert [(p.start_pos, len(p.token_ids), p.num_logits) for p in runs[1][0]] == [(10, 3, 2), (5, 1, 1), (0, 3, 0)]
+    assert [keep for _, keep in runs] == [False, True]
+    assert len(microbatches([StepInput([1], 0, [0])], 4)) == 1
+
+
+def test_step_codec_round_trip():
+    batch = StepBatch([StepInput([1, 2, 3], 4, [7, 8], 2, True), StepInput([9], 0, [], 0)],
+                      swap_out=[(1, 2)], swap_in=[(3, 4), (5, 6)], copies=[(7, 8)], greedy=True)
+    assert codec.decode(codec.encode(batch)) == batch
+    buf = codec.message(codec.STEP, codec.encode(batch), 64)
+    assert buf.shape == (64,) and buf[:2].tolist() == [codec.STEP, len(codec.encode(batch))]
