@@ -114,6 +114,10 @@ def _load_plugins(files: tuple[str, ...]) -> None:
                    "its kernels per size, as under torch). --no-batch-invariant: only steps of up to 4 tokens "
                    "share one (int4 weights may take a GEMV kernel there, where it times faster); larger steps get "
                    "faster tiles of their own.")
+@click.option("--tuning-cache/--no-tuning-cache", default=True, show_default=True,
+              help="Reuse the tile choices earlier compiles timed on this GPU for the same kernels and shapes "
+                   "($LLMC_CACHE_DIR/tuning/, one file per GPU, triton and llmc kernel version), and keep new ones. "
+                   "--no-tuning-cache: time every choice again.")
 @click.option("--quant", type=click.Choice(["rtn", "gptq", "awq", "smoothquant", "fp8", "mixed"]), default=None,
               help="Quantize the linear layers' weights: rtn (round to nearest), gptq (Hessian error feedback), awq "
                    "(activation-aware scales), smoothquant (int8 weights and activations), fp8 (e4m3 weights and "
@@ -148,7 +152,7 @@ def _load_plugins(files: tuple[str, ...]) -> None:
                    "interpreter) and report the largest logit difference.")
 @_plugin_option
 def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_after, dump_ir, verify, explain_fusion,
-            no_fuse, tune, batch_invariant, quant, wbits, group_size, zero_point, calib, calib_samples, bits_budget,
+            no_fuse, tune, batch_invariant, tuning_cache, quant, wbits, group_size, zero_point, calib, calib_samples, bits_budget,
             act_order, quant_lm_head, quant_embeddings, draft_model, tokenizer, check_ort, plugins):
     """Compile MODEL (a local Hugging Face directory, builtin:NAME or an ONNX file) into an artifact."""
     import llmc
@@ -167,7 +171,7 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
     art = llmc.compile(model, output, dtype=dtype, kv_cache_dtype=kv_cache_dtype, passes=extra,
                        before=pass_before, after=pass_after, dump_ir=dump_ir, verify=verify,
                        progress=sys.stderr.isatty(), fuse=not no_fuse, tune=tune, batch_invariant=batch_invariant,
-                       quant=qcfg, draft=draft_model, tokenizer=tokenizer)
+                       tuning_cache=tuning_cache, quant=qcfg, draft=draft_model, tokenizer=tokenizer)
     s = art.summary()
     if explain_fusion:
         reasons = art.compile_log.explain if art.compile_log else []

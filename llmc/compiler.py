@@ -66,8 +66,8 @@ def capture(model: Any, example_inputs: Sequence[torch.Tensor] | None = None, dt
 def compile(model: Any, output: str | Path | None = None, *, example_inputs=None, dtype: str = "float32",
             passes: Sequence[Pass] | None = None, before: str | None = None, after: str | None = None,
             dynamic: dict | None = None, verify: bool = False, dump_ir: str | Path | None = None,
-            progress: bool = False, tune: bool = True, batch_invariant: bool = True, quant=None,
-            draft: str | Path | None = None, tokenizer: str | Path | None = None, **options) -> Artifact:
+            progress: bool = False, tune: bool = True, batch_invariant: bool = True, tuning_cache: bool = True,
+            quant=None, draft: str | Path | None = None, tokenizer: str | Path | None = None, **options) -> Artifact:
     """Compile a model into an artifact.
 
     Args:
@@ -85,6 +85,8 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
             generated kernel wins a sequence's sums do not depend on what shares its steps (False:
             steps of up to 4 tokens only, where int4 weights may take the GEMV kernel; faster at 8-64
             tokens per step).
+        tuning_cache: reuse the choices earlier compiles timed on this GPU for the same kernels and
+            shapes, and keep this compile's new ones ($LLMC_CACHE_DIR/tuning/); False: time everything.
         quant: weight quantization: a `QuantConfig`, a method name ("rtn", "gptq", "awq",
             "smoothquant", "fp8", "mixed") or a dict of QuantConfig's fields; None: none.
         draft: a draft model for speculative decoding (a local HF directory or builtin:NAME with the
@@ -126,7 +128,7 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         bar.step(f"writing {out}")
         opts = {"dtype": dtype, **{k: v for k, v in options.items() if isinstance(v, (str, int, float, bool))},
                 **({"quant": quant.method} if quant is not None else {})}
-        tuning = _autotune(graph, bar, batch_invariant) if tune and torch.cuda.is_available() else {}
+        tuning = _autotune(graph, bar, batch_invariant, tuning_cache) if tune and torch.cuda.is_available() else {}
         kernels, sources = _kernel_listing(graph, tuning)
         art = save_artifact(graph, out, source, opts, tok_files, tuning=tuning, kernels=sources, kernel_list=kernels)
         art.compile_log = ctx  # fusion explanations and pass notes, for `llmc compile --explain-fusion`
@@ -181,14 +183,16 @@ def check_output(out: Path) -> None:
                            "another path") from None
 
 
-def _autotune(graph: Graph, bar, batch_invariant: bool = True) -> dict:
-    """Tune each distinct linear shape for decode-sized token counts (1..64) on this GPU."""
+def _autotune(graph: Graph, bar, batch_invariant: bool = True, cache: bool = True) -> dict:
+    """Tune each distinct linear shape for decode-sized token counts (1..64) on this GPU; with `cache`,
+    choices earlier compiles timed on this GPU are reused and new ones kept (autotune.cache_file)."""
     from llmc.codegen import matmul as mm
     from llmc.codegen.autotune import DECODE_JOINT_BUCKETS, JOINT_BUCKETS, M_BUCKETS, Tuner
     from llmc.codegen.lower import ACT_EPILOGUE
     if not graph.meta.get("paged"):
         return {}
-    tuner, seen = Tuner(joint=JOINT_BUCKETS if batch_invariant else DECODE_JOINT_BUCKETS), set()
+    joint = JOINT_BUCKETS if batch_invariant else DECODE_JOINT_BUCKETS
+    tuner, seen = Tuner.persistent(joint) if cache else Tuner(joint=joint), set()
     for n in graph.nodes:
         if n.op == "qlinear":
             _tune_qlinear(graph, n, tuner, seen, bar)
@@ -205,7 +209,8 @@ def _autotune(graph: Graph, bar, batch_invariant: bool = True) -> dict:
         wc = w.cuda()
         for m in M_BUCKETS[:-1]:
             mm.linear(torch.randn(m, w.shape[1], dtype=w.dtype, device="cuda"), wc, b, epi, tuner=tuner)
-    return tuner.to_json()
+    tuner.save_cache()
+    return tuner.to_json(keys=tuner.used)  # this model's choices, not the rest of the cache
 
 
 def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar) -> None:

@@ -159,18 +159,18 @@ def test_prompts_jsonl_batch_and_errors(llama_artifact, tmp_path):
 
 
 def test_compile_tuning_flags_reach_the_compiler(llama_dir, tmp_path, monkeypatch):
-    """--no-tune and --no-batch-invariant are passed through (tuning itself only runs on a GPU);
-    --tune and --batch-invariant are the defaults."""
+    """--no-tune, --no-batch-invariant and --no-tuning-cache are passed through (tuning itself only
+    runs on a GPU); --tune, --batch-invariant and --tuning-cache are the defaults."""
     import llmc
     seen = []
     real = llmc.compile
 
     def spy(*args, **kwargs):
-        seen.append((kwargs.get("tune"), kwargs.get("batch_invariant")))
+        seen.append((kwargs.get("tune"), kwargs.get("batch_invariant"), kwargs.get("tuning_cache")))
         return real(*args, **kwargs)
     monkeypatch.setattr(llmc, "compile", spy)
-    for i, (flag, want) in enumerate((("--no-tune", (False, True)), ("--no-batch-invariant", (True, False)),
-                                      (None, (True, True)))):
+    for i, (flag, want) in enumerate((("--no-tune", (False, True, True)), ("--no-batch-invariant", (True, False, True)),
+                                      ("--no-tuning-cache", (True, True, False)), (None, (True, True, True)))):
         args = ["compile", llama_dir, "-o", tmp_path / f"{i}.llmc"] + ([flag] if flag else [])
         code, text = cli(*args)
         assert code == 0, text

@@ -122,6 +122,8 @@ class Tuner:
         self.device = device or _device_name()
         self.frozen = frozen  # an artifact's choices: looked up, never timed at run time
         self.joint = tuple(joint)  # the buckets that share one choice
+        self.used: set[str] = set()  # keys chosen through this tuner (recorded or timed)
+        self.cache_path: Path | None = None  # `persistent`'s file
 
     def lookup(self, key: str, bucket: str) -> TuneRecord | None:
         rec = self.records.get(key, {}).get(bucket)
@@ -150,10 +152,12 @@ class Tuner:
         buckets = (buckets,) if isinstance(buckets, str) else tuple(buckets)
         rec = self.lookup(key, buckets[0])
         if rec is not None:
+            self.used.add(key)
             return rec.config
         if self.frozen:
             return dict(candidates[0])
         rec = self.tune(candidates, bench, baseline, margin)
+        self.used.add(key)
         for b in buckets:
             self.records.setdefault(key, {})[b] = asdict(rec)
         log.info("autotune %s [%s]: %s in %.4f ms (cuBLAS %s ms)", key, ",".join(buckets), rec.config,
@@ -178,10 +182,37 @@ class Tuner:
         prefer = cublas_ms is not None and best_ms > margin * cublas_ms
         return TuneRecord(best, float(best_ms), None if cublas_ms is None else float(cublas_ms), prefer)
 
-    def to_json(self) -> dict:
+    def to_json(self, keys: set[str] | None = None) -> dict:
+        """The tuning.json contents: every record, or those of `keys` only."""
         import triton
+        kernels = self.records if keys is None else {k: v for k, v in self.records.items() if k in keys}
         return {"format": FORMAT, "device": self.device, "triton": triton.__version__,
-                "joint_buckets": list(self.joint), "kernels": self.records}
+                "joint_buckets": list(self.joint), "kernels": kernels}
+
+    @classmethod
+    def persistent(cls, joint: Sequence[str] = JOINT_BUCKETS) -> "Tuner":
+        """A tuner that starts from the choices earlier compiles on this GPU timed (`cache_file`), so
+        a shape tuned once is never timed again; `save_cache` adds what it times."""
+        t = cls(joint=joint)
+        path = cache_file(t.device, t.joint) if t.device is not None else None
+        if path is not None and path.exists():
+            try:
+                t.records = cls.from_json(json.loads(path.read_text())).records
+            except (ValueError, ArtifactError) as e:  # a damaged or old cache is rebuilt, never fatal
+                log.warning("autotune: ignoring the tuning cache %s (%s)", path, e)
+        t.cache_path = path
+        return t
+
+    def save_cache(self) -> None:
+        """Merge this tuner's records into its cache file (written atomically; another compile's
+        records since `persistent` are kept)."""
+        if self.cache_path is None:
+            return
+        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+        merged = Tuner.persistent(self.joint).records if self.cache_path.exists() else {}
+        for key, by_bucket in self.records.items():
+            merged.setdefault(key, {}).update(by_bucket)
+        Tuner(merged, self.device, joint=self.joint).save(self.cache_path)
 
     def save(self, path: str | Path) -> None:
         """Write tuning.json atomically (plain JSON, sorted keys for stable diffs)."""
@@ -220,6 +251,25 @@ class Tuner:
         if not path.exists():
             return cls()
         return cls.from_json(json.loads(path.read_text()))
+
+
+def cache_file(device: str, joint: Sequence[str]) -> Path:
+    """The tuning cache of compiles on `device` that share `joint` buckets: one file per GPU name,
+    triton version and version of llmc's kernel generators (its codegen sources and templates), so a
+    change to any kernel or candidate list starts a fresh one."""
+    import hashlib
+
+    import triton
+    from llmc.codegen.cache import cache_root
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.rglob("*")):
+        if f.suffix in (".py", ".jinja") and f.is_file():
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    for part in (device, triton.__version__, ",".join(joint)):
+        h.update(part.encode())
+    slug = "".join(c if c.isalnum() else "-" for c in device).strip("-").lower()
+    return cache_root() / "tuning" / f"{slug}-{h.hexdigest()[:16]}.json"
 
 
 def timing_io(group, k: int, n: int, dtype, device):

@@ -17,8 +17,14 @@ from types import ModuleType
 _MODULES: dict[str, ModuleType] = {}
 
 
+def cache_root() -> Path:
+    """llmc's cache folder: $LLMC_CACHE_DIR, else ~/.cache/llmc (kernels/: compiled sources; tuning/:
+    the choices compiles timed, per device)."""
+    return Path(os.environ.get("LLMC_CACHE_DIR", Path.home() / ".cache" / "llmc"))
+
+
 def cache_dir() -> Path:
-    d = Path(os.environ.get("LLMC_CACHE_DIR", Path.home() / ".cache" / "llmc")) / "kernels"
+    d = cache_root() / "kernels"
     d.mkdir(parents=True, exist_ok=True)
     return d
 

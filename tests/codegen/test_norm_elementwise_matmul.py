@@ -402,6 +402,40 @@ def test_a_tie_goes_to_the_generated_kernel_for_a_joint_group_and_to_cublas_alon
     assert t2.lookup(key, "1").prefer_cublas
 
 
+def test_tuning_cache_is_reused_across_compiles_per_device(tmp_path, monkeypatch):
+    """A persistent tuner times a key once per GPU, bucket sharing and kernel version: a second
+    compile's tuner finds it in the cache and times nothing, and its tuning.json holds only the
+    keys it used; another GPU or another joint grouping has a cache file of its own. Timing is faked."""
+    tuned = []
+
+    def fake_tune(cands, bench, baseline, margin=0.97):
+        tuned.append(len(cands))
+        return autotune.TuneRecord(dict(cands[-1]), triton_ms=0.010, cublas_ms=None, prefer_cublas=False)
+
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "can_time", lambda: True)
+    monkeypatch.setattr(autotune, "_device_name", lambda: "Test GPU 1")
+    monkeypatch.setattr(Tuner, "tune", staticmethod(fake_tune))
+    cands = [{"A": 1}, {"A": 2}]
+    first = Tuner.persistent()
+    assert first.choose("k1", autotune.JOINT_BUCKETS, cands, bench=None) == {"A": 2}
+    first.choose("k2", "128+", cands, bench=None)
+    first.save_cache()
+    assert tuned == [2, 2] and first.cache_path.parent == tmp_path / "tuning"
+    second = Tuner.persistent()
+    assert second.choose("k1", autotune.JOINT_BUCKETS, cands, bench=None) == {"A": 2} and tuned == [2, 2]
+    assert set(second.to_json(keys=second.used)["kernels"]) == {"k1"}
+    second.choose("k3", "128+", cands, bench=None)
+    second.save_cache()
+    assert set(Tuner.persistent().records) == {"k1", "k2", "k3"}  # merged, none lost
+    assert Tuner.persistent(autotune.DECODE_JOINT_BUCKETS).records == {}  # other sharing: its own file
+    monkeypatch.setattr(autotune, "_device_name", lambda: "Test GPU 2")
+    assert Tuner.persistent().records == {}
+    (Tuner.persistent().cache_path).parent.mkdir(exist_ok=True)
+    Tuner.persistent().cache_path.write_text("{not json")
+    assert Tuner.persistent().records == {}  # a damaged cache is rebuilt, not fatal
+
+
 def test_artifact_tuner_never_times_and_runs_cublas_where_untuned(monkeypatch):
     """An artifact's tuner is frozen: a bucket with a record uses it, one without (a 128+ prefill)
     runs cuBLAS, and nothing is timed at run time even on a GPU."""
