@@ -442,7 +442,11 @@ def _engine_options(seqs_help: str = "Sequences batched per step.", speculative:
 
 
 def _parallel_options(f):
-    """--tensor-parallel-size / --pipeline-parallel-size (docs/distributed.md), for `run` and `serve`."""
+    """--tensor-parallel-size / --pipeline-parallel-size / --expert-parallel (docs/distributed.md), for `run`
+    and `serve`."""
+    f = click.option("--expert-parallel", "expert_parallel", is_flag=True, help="Spread a mixture-of-experts "
+                     "model's experts over the tensor-parallel ranks, whole experts per rank (with -tp N >= 2; "
+                     "without it each expert is split over the ranks).")(f)
     f = click.option("--pipeline-parallel-size", "-pp", "pipeline_parallel_size", default=1, show_default=True,
                      type=click.IntRange(min=1), help="Split the layers into this many stages, one worker process "
                      "each (x the tensor parallel size); a step's micro-batches flow through them.")(f)
@@ -480,7 +484,8 @@ def _parallel_options(f):
 @_plugin_option
 def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
         stop, as_json, stream, backend, device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-        kv_cache_dtype, spec_method, draft_path, spec_tokens, tensor_parallel_size, pipeline_parallel_size, plugins):
+        kv_cache_dtype, spec_method, draft_path, spec_tokens, tensor_parallel_size, pipeline_parallel_size,
+        expert_parallel, plugins):
     """Generate text from ARTIFACT with the paged-KV engine.
 
     With several prompts (or n > 1), plain-text output puts a `--- prompt N ---` line before each
@@ -507,7 +512,8 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
     llm = LLM(art, speculative=_speculative(spec_method, draft_path, spec_tokens, art.bundled_draft),
               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
               num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, backend=backend, device=device,
-              tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+              tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+              expert_parallel=expert_parallel)
     out = _Printer(items, params, as_json, art.tokenizer_dir is not None)
     requests = [it.text if it.text is not None else it.token_ids for it in items]
     if stream:
@@ -721,7 +727,7 @@ def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend,
 @_plugin_option
 def serve(artifact, host, port, api_key, served_model_name, chat_template, max_queue, shutdown_timeout, backend,
           device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, spec_method,
-          draft_path, spec_tokens, tensor_parallel_size, pipeline_parallel_size, plugins):
+          draft_path, spec_tokens, tensor_parallel_size, pipeline_parallel_size, expert_parallel, plugins):
     """Serve ARTIFACT over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /health and /metrics (Prometheus).
 
@@ -756,7 +762,8 @@ def serve(artifact, host, port, api_key, served_model_name, chat_template, max_q
     llm = AsyncLLM(art, speculative=speculative, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
                    kv_cache_dtype=kv_cache_dtype, backend=backend, device=device,
-                   tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+                   tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                   expert_parallel=expert_parallel)
     try:
         app = create_app(llm, name, api_key=api_key, chat_template=template, max_queue=max_queue,
                          shutdown_timeout=shutdown_timeout)

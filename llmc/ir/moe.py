@@ -14,7 +14,9 @@ expert outputs; Mixtral keeps them fp32. Each token's output is the weighted sum
 Expert parallelism: `gate_up[i]` is global expert `expert_start + i`. Routing always sees all E experts
 (the router is whole on every rank); tokens routed to an expert outside
 [expert_start, expert_start + E_local) contribute nothing here, so a rank's result is a partial sum
-that an all_reduce over the ranks completes.
+that an all_reduce over the ranks completes. Tensor-parallel experts need nothing of the op either: a
+rank holding intermediate columns [lo, hi) of every expert (gate rows, up rows and down columns alike)
+computes a partial sum over I that the same all_reduce completes (llmc/ir/sharding.py).
 """
 from __future__ import annotations
 

@@ -15,16 +15,25 @@ parameter names:
   slices), from other linears' outputs is row-parallel and those linears column-parallel in
   contiguous chunks (gate/up → down; fused gate_up splits per part).
 - a row-parallel linear's output is summed by an `all_reduce` (its bias counted on rank 0 only).
+- mixture of experts (`moe` ops): the router stays whole, so every rank routes every token (the
+  activations are replicated); with expert parallelism rank r keeps a contiguous range of experts
+  (sizes that differ by one; `expert_start` says where it begins), without it each expert's
+  intermediate size is split in chunks (gate and up rows alike, down's columns). Either way the
+  op's result is a partial sum that an `all_reduce` completes (docs/distributed.md says why this
+  and not an all-to-all).
 - the LM head is vocabulary-parallel: rank r computes its ceil(V / N) rows (zero-padded), an
   `all_gather` assembles the logits. The embedding table stays whole on every rank (a tied head
   gets its own sharded copy).
-- every other linear stays replicated (correct, listed in `graph.meta["tensor_parallel"]`).
+- every other linear stays replicated (correct, listed in `graph.meta["tensor_parallel"]`), and so do
+  the columns of a split fused linear that no rule claims (Qwen2-MoE's one-column shared-expert
+  gate, fused with the shared expert's gate/up).
 
 Only the query heads must divide by N (equal attention work per rank); chunks of other widths may
 differ by one between ranks.
 
 Example:
     >>> g1 = shard_graph(art.graph.clone(), tp_size=2, rank=1)              # doctest: +SKIP
+    >>> g1 = shard_graph(art.graph.clone(), 2, 1, expert_parallel=True)     # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -53,12 +62,14 @@ class ShardError(LLMCError):
 @dataclass
 class _Part:
     """Output columns [start, end) of a column-parallel linear, taken by `slice` (None: the whole output);
-    `rows(rank)` are the columns rank keeps, relative to start (a row past `end - start` is zero padding)."""
+    `rows(rank)` are the columns rank keeps, relative to start (a row past `end - start` is zero padding);
+    `replicated`: every rank keeps them all."""
 
     start: int
     end: int
     slice: Node | None
     rows: Callable[[int], list[int]]
+    replicated: bool = False
 
 
 @dataclass
@@ -72,11 +83,14 @@ class ShardPlan:
     caches: list[tuple[Value, Callable[[int], int]]] = field(default_factory=list)  # KV heads per rank
     reshapes: list[Node] = field(default_factory=list)  # head-count reshapes made shape-agnostic
     head: tuple[Node, int] | None = None  # (LM head linear, vocabulary)
+    expert_parallel: bool = False  # moe ops split by expert (else by each expert's intermediate size)
+    experts: list[tuple[Node, Callable[[int], tuple[int, int]]]] = field(default_factory=list)  # moe -> [lo, hi)
 
     def apply(self, rank: int) -> Graph:
         g, n = self.graph, self.tp
         if not 0 <= rank < n:
             raise ShardError(f"rank {rank} is outside a tensor-parallel group of {n}")
+        replicated = self.replicated()  # named before the split params replace them
         for lin, parts in self.column.values():
             parts.sort(key=lambda p: p.start)
             rows = [p.start + i if i < p.end - p.start else -1 for p in parts for i in p.rows(rank)]
@@ -89,9 +103,10 @@ class ShardPlan:
         for lin, cols in self.row:
             lo, hi = cols(rank)
             _split_inputs(g, lin, lo, hi, keep_bias=rank == 0)
-            ar = g.make_node("all_reduce", [lin.out], {"group": GROUP}, meta=dict(lin.meta))
-            g.replace_uses(lin.out, ar.out)
-            g.nodes.insert(g.nodes.index(lin) + 1, ar)
+            _reduce_after(g, lin)
+        for op, keep in self.experts:
+            _split_experts(g, op, *keep(rank), by_expert=self.expert_parallel)
+            _reduce_after(g, op)
         for cache, heads in self.caches:
             s = cache.type.shape
             cache.type = cache.type.with_shape((*s[:3], heads(rank), *s[4:]))
@@ -113,29 +128,37 @@ class ShardPlan:
         _retype(g)
         g.remove_unused_params()
         g.meta["tensor_parallel"] = {"size": n, "rank": rank, "column": len(self.column), "row": len(self.row),
-                                     "vocab_parallel": self.head is not None, "replicated": self.replicated()}
+                                     "vocab_parallel": self.head is not None, "moe": len(self.experts),
+                                     "expert_parallel": self.expert_parallel, "replicated": replicated}
         verify(g)
         return g
 
     def replicated(self) -> list[str]:
-        """The linears every rank computes whole (their first param's name)."""
+        """The linears every rank computes whole (their first param's name), and the columns `name[start:end]`
+        of split linears that every rank computes whole."""
         split = set(self.column) | {id(lin) for lin, _ in self.row}
-        return [n.inputs[1].name for n in self.graph.nodes
-                if has_trait(n.op, "linear") and id(n) not in split and n.inputs[1].kind == "param"]
+        whole = [n.inputs[1].name for n in self.graph.nodes
+                 if has_trait(n.op, "linear") and id(n) not in split and n.inputs[1].kind == "param"]
+        return whole + [f"{lin.inputs[1].name}[{p.start}:{p.end}]" for lin, parts in self.column.values()
+                        for p in parts if p.replicated]
 
 
-def shard_graph(g: Graph, tp_size: int, rank: int) -> Graph:
+def shard_graph(g: Graph, tp_size: int, rank: int, expert_parallel: bool = False) -> Graph:
     """Rewrite `g` in place into rank `rank`'s share of `tp_size` (see the module docstring); returns it.
 
-    Raises ShardError (one line) where the sizes do not fit: query heads not divisible by tp_size, or
+    `expert_parallel`: split the `moe` ops' experts by expert over the ranks (each rank holds whole
+    experts) rather than each expert's intermediate size.
+
+    Raises ShardError (one line) where the sizes do not fit: query heads not divisible by tp_size, fewer
+    experts than ranks under expert parallelism, expert parallelism on a model without `moe` ops, or
     an attention layer whose projections cannot be traced to linears.
     """
     if tp_size == 1:
         return g
-    return plan_sharding(g, tp_size).apply(rank)
+    return plan_sharding(g, tp_size, expert_parallel).apply(rank)
 
 
-def plan_sharding(g: Graph, tp_size: int) -> ShardPlan:
+def plan_sharding(g: Graph, tp_size: int, expert_parallel: bool = False) -> ShardPlan:
     """Analyse `g` for `tp_size` ranks without changing it (raises ShardError where it cannot split)."""
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ShardError(f"the tensor parallel size must be an integer >= 1, not {tp_size!r}")
@@ -144,16 +167,23 @@ def plan_sharding(g: Graph, tp_size: int) -> ShardPlan:
     if "tensor_parallel" in g.meta:
         raise ShardError("this graph is already one rank's shard (the shard pass ran at compile time); shard the "
                          "unsharded artifact at load instead (--tensor-parallel-size N)")
-    plan = ShardPlan(g, tp_size)
+    plan = ShardPlan(g, tp_size, expert_parallel=expert_parallel)
     users = g.users()
     for i, cache in enumerate(kv_cache_inputs(g)):
         _plan_attention(plan, users, cache, i)
     _plan_mlps(plan, users)
+    _plan_moe(plan)
     _plan_head(plan, users)
     for lin, parts in plan.column.values():
         taken = {id(p.slice) for p in parts}
         whole = any(p.slice is None for p in parts)
         stray = [u for u in users.get(lin.out, []) if id(u) not in taken]
+        if not whole:  # columns of a fused linear that no rule claims: every rank computes them whole
+            for u in [u for u in stray if _last_dim_slice(u)]:
+                w = u.attrs["end"] - u.attrs["start"]
+                _add_part(plan, (lin, u.attrs["start"], u.attrs["end"], u), lambda r, w=w: list(range(w)),
+                          replicated=True)
+            stray = [u for u in stray if not _last_dim_slice(u)]
         if (whole and len(parts) > 1) or (not whole and stray):
             raise ShardError(f"tensor parallelism: the output of the linear over %{lin.inputs[1].name} is also "
                              f"read by {stray[0].op if stray else 'another part'}, which no sharding rule covers")
@@ -212,8 +242,7 @@ def _trace_projection(plan, users, val: Value, consumer: Node, which: str, layer
         if p is None:
             raise ShardError(f"tensor parallelism: the {which} of attention layer {layer} do not come from a linear "
                              f"projection (%{val.name} is a graph {val.kind})")
-        if p.op == "slice" and _is_linear(p.inputs[0].producer) and p.attrs["step"] == 1 and \
-                p.attrs["dim"] % p.inputs[0].type.rank == p.inputs[0].type.rank - 1:
+        if _last_dim_slice(p) and _is_linear(p.inputs[0].producer):
             start, end = p.attrs["start"], p.attrs["end"]
             if end - start != width:
                 raise ShardError(f"tensor parallelism: the {which} of attention layer {layer} take {end - start} "
@@ -288,8 +317,7 @@ def _feature_region(users, d: Node, claimed: set):
         p = v.producer
         if p is None:
             return None
-        if p.op == "slice" and _is_linear(p.inputs[0].producer) and p.attrs["step"] == 1 and \
-                p.attrs["dim"] % p.inputs[0].type.rank == p.inputs[0].type.rank - 1:
+        if _last_dim_slice(p) and _is_linear(p.inputs[0].producer):
             if id(p.inputs[0].producer) in claimed:
                 return None
             leaves.append((p.inputs[0].producer, p.attrs["start"], p.attrs["end"], p))
@@ -322,6 +350,30 @@ def _feature_region(users, d: Node, claimed: set):
     return leaves, width
 
 
+def _plan_moe(plan: ShardPlan) -> None:
+    """Each `moe` op keeps experts [lo, hi) (expert parallel) or columns [lo, hi) of every expert's intermediate
+    size (tensor parallel). The router stays whole: every rank routes every token (activations are replicated)."""
+    g, n = plan.graph, plan.tp
+    ops = [op for op in g.nodes if op.op == "moe"]
+    if plan.expert_parallel and not ops:
+        raise ShardError("expert parallelism: this model has no mixture-of-experts layers (moe ops) to split by "
+                         "expert; leave --expert-parallel out")
+    for i, op in enumerate(ops):
+        router, gate_up, down = op.inputs[1:]
+        experts, held, inter = router.type.shape[0], gate_up.type.shape[0], down.type.shape[2]
+        if any(v.kind != "param" for v in op.inputs[1:]) or held != experts or op.attrs["expert_start"]:
+            raise ShardError(f"tensor parallelism: MoE layer {i} does not hold all {experts} experts as weights, "
+                             "which the expert split needs")
+        if plan.expert_parallel and experts < n:
+            raise ShardError(f"expert parallel size {n} is larger than the {experts} experts of MoE layer {i}; use "
+                             f"at most {experts} ranks, or leave --expert-parallel out (each expert split instead)")
+        if not plan.expert_parallel and inter < n:
+            raise ShardError(f"tensor parallel size {n} is larger than the experts' intermediate size {inter} (MoE "
+                             f"layer {i}); use at most {inter} ranks")
+        size = experts if plan.expert_parallel else inter
+        plan.experts.append((op, lambda r, s=size: (r * s // n, (r + 1) * s // n)))
+
+
 def _plan_head(plan: ShardPlan, users: dict) -> None:
     """Vocabulary-parallel the linear that produces the logits (through casts and reshapes)."""
     g = plan.graph
@@ -347,13 +399,41 @@ def _is_linear(n: Node | None) -> bool:
     return n is not None and has_trait(n.op, "linear") and all(v.kind == "param" for v in n.inputs[1:])
 
 
-def _add_part(plan: ShardPlan, found, rows) -> None:
+def _last_dim_slice(n: Node | None) -> bool:
+    return n is not None and n.op == "slice" and n.attrs["step"] == 1 and \
+        n.attrs["dim"] % n.inputs[0].type.rank == n.inputs[0].type.rank - 1
+
+
+def _reduce_after(g: Graph, node: Node) -> None:
+    """An `all_reduce` of node's output, which every reader of that output reads instead."""
+    ar = g.make_node("all_reduce", [node.out], {"group": GROUP}, meta=dict(node.meta))
+    g.replace_uses(node.out, ar.out)
+    g.nodes.insert(g.nodes.index(node) + 1, ar)
+
+
+def _add_part(plan: ShardPlan, found, rows, replicated: bool = False) -> None:
     lin, start, end, sl = found
     _, parts = plan.column.setdefault(id(lin), (lin, []))
     if any(p.slice is sl for p in parts) or any(p.start < end and start < p.end for p in parts):
         raise ShardError(f"tensor parallelism: the columns [{start}, {end}) of the linear over %{lin.inputs[1].name} "
                          "are claimed twice")
-    parts.append(_Part(start, end, sl, rows))
+    parts.append(_Part(start, end, sl, rows, replicated))
+
+
+def _split_experts(g: Graph, op: Node, lo: int, hi: int, by_expert: bool) -> None:
+    """A `moe` op keeps experts [lo, hi) (by_expert) or intermediate columns [lo, hi) of each expert:
+    gate_up [E, 2I, H] keeps gate rows lo:hi and up rows I+lo:I+hi (so its halves stay gate | up), down
+    [E, H, I] the same columns. The op's output is then this rank's share of the sum."""
+    x, router, gate_up, down = op.inputs
+    gu, dn = g.weights[gate_up.name], g.weights[down.name]
+    if by_expert:
+        gu, dn = gu[lo:hi], dn[lo:hi]
+        op.attrs = {**op.attrs, "expert_start": lo}
+    else:
+        inter = dn.shape[2]
+        gu, dn = torch.cat([gu[:, lo:hi], gu[:, inter + lo:inter + hi]], dim=1), dn[:, :, lo:hi]
+    op.inputs = [x, router, g.add_param(g.fresh(f"{gate_up.name}.tp"), gu.contiguous()),
+                 g.add_param(g.fresh(f"{down.name}.tp"), dn.contiguous())]
 
 
 def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

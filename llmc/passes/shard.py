@@ -16,14 +16,16 @@ from llmc.passes.manager import Pass, PassResult, register_pass
 @register_pass
 @dataclass
 class Shard(Pass):
-    """Rank `rank` of `tp_size` (see llmc/ir/sharding.py for the rules)."""
+    """Rank `rank` of `tp_size` (see llmc/ir/sharding.py for the rules); `expert_parallel`: MoE experts split
+    by expert."""
 
     name: ClassVar[str] = "shard"
     tp_size: int = 2
     rank: int = 0
+    expert_parallel: bool = False
 
     def run(self, g, ctx):
         if self.tp_size == 1:
             return PassResult(g, False)
-        g = shard_graph(g, self.tp_size, self.rank)
+        g = shard_graph(g, self.tp_size, self.rank, self.expert_parallel)
         return PassResult(g, True, {k: v for k, v in g.meta["tensor_parallel"].items() if k != "replicated"})

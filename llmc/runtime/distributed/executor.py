@@ -45,6 +45,7 @@ class DistributedExecutor:
         artifact: the loaded artifact (its path is what the workers load; its graph is checked here
             first, so that a size that cannot split fails before any process starts).
         tensor_parallel_size, pipeline_parallel_size: ranks per stage, stages.
+        expert_parallel: split MoE experts by expert over the tensor-parallel ranks (llmc/ir/sharding.py).
         backend, device: as for `make_executor`; on GPUs worker w uses cuda:w with the kernel plan
             (NCCL), on the CPU the reference interpreter (gloo).
         step_timeout_s: how long a step may take before the executor gives up on the workers.
@@ -59,10 +60,10 @@ class DistributedExecutor:
     def __init__(self, artifact, tensor_parallel_size: int, pipeline_parallel_size: int, backend: str = "auto",
                  device: str | None = None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_dtype: str = "auto", memory_fraction: float = 0.5, num_cpu_blocks: int = 0,
-                 max_model_len: int | None = None, step_timeout_s: float = 900.0):
+                 max_model_len: int | None = None, step_timeout_s: float = 900.0, expert_parallel: bool = False):
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         graph = artifact.graph
-        plan_sharding(graph, tp)  # errors now, in the driver, not in every worker
+        plan_sharding(graph, tp, expert_parallel)  # errors now, in the driver, not in every worker
         layers = len(kv_cache_inputs(graph))
         if pp > layers:
             raise LLMCError(f"pipeline parallel size {pp} is larger than the model's {layers} layers; use at most "
@@ -80,7 +81,7 @@ class DistributedExecutor:
         self._gang = _Gang(tp * pp, tp, step_timeout_s)
         spec = dict(artifact=str(Path(artifact.path).resolve()), tp=tp, pp=pp, store_port=self._gang.store.port,
                     backend=backend, block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype,
-                    memory_fraction=memory_fraction, num_cpu_blocks=num_cpu_blocks,
+                    memory_fraction=memory_fraction, num_cpu_blocks=num_cpu_blocks, expert_parallel=expert_parallel,
                     max_model_len=max_model_len or int(graph.meta.get("max_position_embeddings") or 4096),
                     step_timeout_s=step_timeout_s, capacity=INITIAL_CAPACITY)
         self._finalizer = weakref.finalize(self, self._gang.close)

@@ -38,6 +38,7 @@ class WorkerSpec:
     rank: int
     tp: int
     pp: int
+    expert_parallel: bool
     store_port: int
     backend: str  # resolved: cuda, triton-interpret or reference
     block_size: int
@@ -96,7 +97,7 @@ def _serve(spec: WorkerSpec, store) -> None:
     if cuda:
         torch.cuda.set_device(device)
     art = load_artifact(spec.artifact, verify=False)  # the driver checked the hashes moments ago
-    graph = shard_graph(art.graph, spec.tp, spec.tp_rank)
+    graph = shard_graph(art.graph, spec.tp, spec.tp_rank, spec.expert_parallel)
     mine, tuning = split_stages(graph, spec.pp).graphs[spec.stage], art.tuning
     del art, graph  # the weights of other shards and stages go once this stage holds its own
     # no CUDA graphs: a captured step would have to hold the collectives and the stages' sends (docs/distributed.md)
