@@ -40,6 +40,32 @@ def sync():
         torch.cuda.synchronize()
 
 
+def random_model(shape: str, out: Path, dtype=torch.bfloat16, seed: int = 0) -> Path:
+    """A seeded random Llama of `SHAPES[shape]` saved under `out` with tiny-py's tokenizer (so text
+    goes in and out); LM-head rows past the tokenizer's ids are zero, so greedy tokens are text (the
+    head keeps its full size and cost). Built on the GPU when there is one."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from llmc.frontend.hf import TOKENIZER_FILES
+    from llmc.models import builtin_dir
+    torch.manual_seed(seed)
+    text_vocab = len(AutoTokenizer.from_pretrained(builtin_dir("tiny-py"), local_files_only=True))
+    cfg = LlamaConfig(**{**SHAPES[shape], "vocab_size": max(SHAPES[shape]["vocab_size"], text_vocab)},
+                      architectures=["LlamaForCausalLM"])
+    with torch.device("cuda" if CUDA else "cpu"):
+        m = LlamaForCausalLM(cfg).to(dtype)
+    with torch.no_grad():
+        m.lm_head.weight[text_vocab:] = 0
+    m.save_pretrained(str(out))
+    del m
+    if CUDA:
+        torch.cuda.empty_cache()
+    for f in TOKENIZER_FILES:
+        if (builtin_dir("tiny-py") / f).is_file():
+            (out / f).write_bytes((builtin_dir("tiny-py") / f).read_bytes())
+    return out
+
+
 def bandwidth() -> float:
     if not CUDA:
         return float("nan")

@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_pending.sh OUT spec-load      # issue 18: widened 8B target at batch 32 and 128
 #   bash benchmarks/gpu_pending.sh OUT widen-check    # issue 18: bf16 agreement of the widened target, 64k tokens
 #   bash benchmarks/gpu_pending.sh OUT onnx           # issue 19: 8B from its ONNX export against from its HF dir
+#   bash benchmarks/gpu_pending.sh OUT quant-mixed    # issue 14: 8B mixed workload, bf16 vs fp8, w8a8, int4
+#   bash benchmarks/gpu_pending.sh OUT parallel       # issue 16 (nvidia-h200-x2): TP=2 and PP=2 against one GPU
 #
 # Steps that need the widened target build it once under WIDE (default /tmp/wide: 13 GiB plus a 13 GiB
 # artifact; the device's disk holds about 50 GiB free).
@@ -54,7 +56,16 @@ for step in "$@"; do
             rm -rf /tmp/tmp*
             python3 benchmarks/onnx_bench.py --shape 8b --new 256 --out "$OUT" >"$OUT/onnx_bench.log" 2>&1
             tail -25 "$OUT/onnx_bench.log" ;;
+        quant-mixed)
+            rm -rf /tmp/tmp*
+            python3 benchmarks/quant_decode_bench.py --shape 8b --quant "${QUANT:-fp8,w8a8,rtn4}" --no-decode \
+                --mixed 128 --bf16-no-tune --out "$OUT" >"$OUT/quant_mixed.log" 2>&1
+            tail -8 "$OUT/quant_mixed.log" ;;
+        parallel)
+            rm -rf /tmp/tmp*
+            python3 benchmarks/parallel_bench.py --shape 8b --n 128 --out "$OUT" >"$OUT/parallel.log" 2>&1
+            tail -8 "$OUT/parallel.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, parallel)" ;;
     esac
 done

@@ -53,26 +53,19 @@ def main() -> None:
                     help="compile the quantized models with --no-batch-invariant (int4 then takes the GEMV kernel at 1-4 "
                          "tokens per step)")
     ap.add_argument("--bf16-no-tune", action="store_true", help="the bf16 baseline untuned (cuBLAS for every GEMM)")
+    ap.add_argument("--mixed", type=int, default=0, metavar="N",
+                    help="also the mixed workload of `llmc bench` (N requests at once, max 128 sequences): out tok/s")
+    ap.add_argument("--no-decode", action="store_true", help="skip the batch-1 and batch-16 decode figures")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     import llmc
-    from decode_bench import SHAPES, bandwidth
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from decode_bench import SHAPES, bandwidth, random_model
     from llmc.runtime.engine import LLM
     work = Path(tempfile.mkdtemp())
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**SHAPES[a.shape], architectures=["LlamaForCausalLM"])
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        m = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    m.save_pretrained(str(work / "model"))
-    from llmc.frontend.hf import TOKENIZER_FILES
-    from llmc.models import builtin_dir
-    for f in TOKENIZER_FILES:  # a tokenizer for SmoothQuant's calibration text (ids below any vocab here)
-        if (builtin_dir("tiny-py") / f).is_file():
-            (work / "model" / f).write_bytes((builtin_dir("tiny-py") / f).read_bytes())
-    del m
+    random_model(a.shape, work / "model")  # tiny-py's tokenizer beside it: SmoothQuant's calibration text
+    cfg = json.loads((work / "model" / "config.json").read_text())
     bw = bandwidth()
-    prompt = torch.randint(0, cfg.vocab_size, (128,)).tolist()
+    prompt = torch.randint(0, cfg["vocab_size"], (128,)).tolist()
     rows = []
     for name in ["bf16"] + a.quant.split(","):
         t = time.time()
@@ -92,35 +85,49 @@ def main() -> None:
             Path(a.out).mkdir(parents=True, exist_ok=True)
             Path(a.out, f"{name}_tuning.json").write_text((art.path / "tuning.json").read_text())
         weights = sum(p.stat().st_size for p in art.path.glob("*.safetensors"))
-        embed = cfg.vocab_size * cfg.hidden_size * 2  # the input table is gathered, not read, per step
-        llm = LLM(art, max_num_seqs=16, num_blocks=1024)
+        embed = cfg["vocab_size"] * cfg["hidden_size"] * 2  # the input table is gathered, not read, per step
         row = {"config": name, "compile_s": round(compile_s), "weights_GiB": weights / 2**30,
-               "b1_tok_s": decode_rate(llm, prompt, a.new, 1), "b16_tok_s": decode_rate(llm, prompt, a.new, 16)}
-        row["roofline_b1_tok_s"] = bw / (weights - embed)
+               "roofline_b1_tok_s": bw / (weights - embed)}
+        if not a.no_decode:
+            llm = LLM(art, max_num_seqs=16, num_blocks=1024)
+            row.update(b1_tok_s=decode_rate(llm, prompt, a.new, 1), b16_tok_s=decode_rate(llm, prompt, a.new, 16))
+            del llm
+        if a.mixed:
+            from llmc.bench import bench
+            mix = bench(art, "mixed", num_requests=a.mixed, max_num_seqs=min(a.mixed, 128))
+            row.update(mixed_out_tok_s=mix["out_tok_s"], mixed_gpu_busy=mix.get("gpu_busy"))
         rows.append(row)
         print(json.dumps(row), flush=True)
         Path(a.out).mkdir(parents=True, exist_ok=True)
         Path(a.out, "quant_decode_bench.partial.jsonl").open("a").write(json.dumps(row) + "\n")
-        del llm, art
+        del art
         for p in work.glob(f"{name}.llmc/*.safetensors"):  # the disk holds a few 8B artifacts at most
             p.unlink()
     base = rows[0]
     for r in rows:
-        if "error" not in r:
+        if "error" in r:
+            continue
+        r["weights_x"] = r["weights_GiB"] / base["weights_GiB"]
+        if "b1_tok_s" in r:
             r.update(b1_x=r["b1_tok_s"] / base["b1_tok_s"], b16_x=r["b16_tok_s"] / base["b16_tok_s"],
-                     weights_x=r["weights_GiB"] / base["weights_GiB"], b1_of_roofline=r["b1_tok_s"] / r["roofline_b1_tok_s"])
+                     b1_of_roofline=r["b1_tok_s"] / r["roofline_b1_tok_s"])
+        if "mixed_out_tok_s" in r:
+            r["mixed_x"] = r["mixed_out_tok_s"] / base["mixed_out_tok_s"]
     Path(a.out).mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     Path(a.out, "quant_decode_bench.json").write_text(json.dumps({"shape": a.shape, "gpu": gpu,
                                                                   "bw_TBps": bw / 1e12, "rows": rows}, indent=1))
     print(f"# {a.shape}, {gpu}, copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'config':8s} {'GiB':>6s} {'x':>5s} {'b1 tok/s':>9s} {'x':>5s} {'roofl':>6s} {'b16 tok/s':>10s} {'x':>5s}")
+    print(f"{'config':10s} {'GiB':>6s} {'x':>5s} {'b1 tok/s':>9s} {'x':>5s} {'roofl':>6s} {'b16 tok/s':>10s} {'x':>5s} "
+          f"{'mixed tok/s':>11s} {'x':>5s}")
     for r in rows:
         if "error" in r:
-            print(f"{r['config']:8s} error: {r['error'][:90]}")
+            print(f"{r['config']:10s} error: {r['error'][:90]}")
             continue
-        print(f"{r['config']:8s} {r['weights_GiB']:6.2f} {r['weights_x']:5.2f} {r['b1_tok_s']:9.1f} {r['b1_x']:5.2f} "
-              f"{r['b1_of_roofline']:6.0%} {r['b16_tok_s']:10.1f} {r['b16_x']:5.2f}")
+        dec = (f"{r['b1_tok_s']:9.1f} {r['b1_x']:5.2f} {r['b1_of_roofline']:6.0%} {r['b16_tok_s']:10.1f} {r['b16_x']:5.2f}"
+               if "b1_tok_s" in r else f"{'-':>9s} {'':5s} {'':6s} {'-':>10s} {'':5s}")
+        mix = f"{r['mixed_out_tok_s']:11.1f} {r['mixed_x']:5.2f}" if "mixed_out_tok_s" in r else f"{'-':>11s}"
+        print(f"{r['config']:10s} {r['weights_GiB']:6.2f} {r['weights_x']:5.2f} {dec} {mix}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ CONFIGS = {
     "fp8": {"method": "fp8"},
     "mixed4.5": {"method": "mixed", "bits_budget": 4.5},
     "mixed6": {"method": "mixed", "bits_budget": 6.0},
+    # the LM head in int4 too (`--quant-lm-head`), and the embedding table in int8 rows (`--quant-embeddings int8`)
+    "rtn4-head": {"method": "rtn", "wbits": 4, "skip": []},
+    "gptq4-head": {"method": "gptq", "wbits": 4, "skip": []},
+    "gptq4-small": {"method": "gptq", "wbits": 4, "skip": [], "embeddings": "int8"},
 }
 
 

@@ -1,0 +1,101 @@
+"""Tensor and pipeline parallelism against one process, through the public API (`llmc.bench`), on a
+seeded random model of a shape (default Llama-3-8B), one artifact for every layout (sharded at load).
+
+Rows: one process, TP=2, PP=2 (and more with `--layouts`). For each: batch-1 decode tok/s (`llmc
+bench --workload decode`: a fresh 128-token prompt, 256 new tokens, median of the runs) and its ratio
+to one process; the mixed workload's out tok/s (`--workload mixed`, `--n` requests at once) and the
+scaling efficiency (out tok/s over `processes x` one process's); and whether the greedy tokens of
+`--prompts` held-out prompts x 64 equal one process's, with the first divergence and one process's
+top-2 logit margin there (a near-tie flipped by the other summation order, or a bug).
+
+    python3 benchmarks/parallel_bench.py --shape 8b --out OUT                     # nvidia-h200-x2
+    python3 benchmarks/parallel_bench.py --shape tiny --n 8 --prompts 2 --out /tmp/pb   # CPU, gloo
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def greedy(art, prompts: list[str], layout: tuple[int, int], **options) -> list:
+    """(token ids, top-2 logprobs per position) of each prompt's 64 greedy tokens."""
+    from llmc.runtime.engine import LLM, SamplingParams
+    llm = LLM(art, tensor_parallel_size=layout[0], pipeline_parallel_size=layout[1], **options)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2))
+    res = [(o.outputs[0].token_ids, o.outputs[0].top_logprobs) for o in outs]
+    close = getattr(llm.engine.executor, "close", None)
+    if close is not None:
+        close()
+    return res
+
+
+def divergence(ref: list, got: list) -> dict:
+    """Equal, or the first (prompt, position) where the tokens differ and the reference's top-2 margin there."""
+    for i, ((a, tops), (b, _)) in enumerate(zip(ref, got)):
+        for j, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                lp = sorted(tops[j].values(), reverse=True)
+                return {"equal": False, "prompt": i, "position": j, "margin": lp[0] - lp[1] if len(lp) > 1 else None}
+    return {"equal": True}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="8b")
+    ap.add_argument("--layouts", default="1x1,2x1,1x2", help="TPxPP layouts, the first the baseline")
+    ap.add_argument("--n", type=int, default=128, help="mixed workload: requests at once")
+    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts for the greedy comparison")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args()
+    import llmc
+    from decode_bench import random_model
+    from llmc.bench import bench
+    from llmc.models import heldout_text_path
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp())
+    t = time.time()
+    art = llmc.compile(str(random_model(a.shape, work / "hf")), str(work / "m.llmc"), dtype="bfloat16")
+    print(f"# compiled {a.shape} in {time.time() - t:.0f} s", flush=True)
+    text = heldout_text_path().read_text()
+    prompts = [text[i * 997:i * 997 + 400] for i in range(a.prompts)]
+    layouts = [tuple(map(int, s.split("x"))) for s in a.layouts.split(",")]
+    rows, ref = [], None
+    for tp, pp in layouts:
+        opts = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "backend": a.backend}
+        dec = bench(art, "decode", **opts)
+        mix = bench(art, "mixed", num_requests=a.n, max_num_seqs=min(a.n, 128), **opts)
+        toks = greedy(art, prompts, (tp, pp), backend=a.backend)
+        ref = ref or toks
+        row = {"tp": tp, "pp": pp, "decode_tok_s": dec["out_tok_s"], "mixed_out_tok_s": mix["out_tok_s"],
+               "mixed_ttft_ms_p99": mix["ttft_ms_p99"], "gpu_busy": mix.get("gpu_busy"),
+               "greedy": divergence(ref, toks)}
+        base = rows[0] if rows else row
+        row["decode_x"] = row["decode_tok_s"] / base["decode_tok_s"]
+        row["mixed_efficiency"] = row["mixed_out_tok_s"] / (tp * pp * base["mixed_out_tok_s"])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with (out / "parallel_bench.partial.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+    import torch
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    (out / "parallel_bench.json").write_text(json.dumps({"shape": a.shape, "gpu": gpu, "rows": rows}, indent=1))
+    print(f"# {a.shape}, {gpu}")
+    print(f"{'TPxPP':6s} {'decode tok/s':>12s} {'x':>5s} {'mixed tok/s':>12s} {'efficiency':>10s}  greedy = 1 process")
+    for r in rows:
+        g = r["greedy"]
+        same = "yes" if g["equal"] else f"no: prompt {g['prompt']} token {g['position']}, margin {g['margin']:.3g}"
+        print(f"{r['tp']}x{r['pp']:<4d} {r['decode_tok_s']:12.1f} {r['decode_x']:5.2f} {r['mixed_out_tok_s']:12.1f} "
+              f"{r['mixed_efficiency']:10.2f}  {same}")
+
+
+if __name__ == "__main__":
+    main()
