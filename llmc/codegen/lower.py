@@ -308,6 +308,12 @@ class Plan:
 
     _op_add_rms_norm_quant = _op_rms_norm_quant
 
+    def _op_silu_mul_quant(self, n):
+        """The SwiGLU product and the per-token activation codes of the w8a8 / fp8 linear reading it, one kernel."""
+        from llmc.codegen.qmatmul import quantize_act
+        kind = n.attrs["kind"]
+        return Step(n, lambda x, h: list(quantize_act(x[0], kind, up=x[1])), "triton:quantize_act+silu_mul", kind)
+
     def _op_qlinear_codes(self, n):
         """A w8a8 / fp8 linear over codes and scales its producer made: the GEMM alone."""
         from llmc.codegen import qmatmul as qmm

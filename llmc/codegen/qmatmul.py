@@ -394,11 +394,16 @@ class QuantizeActSpec(KernelSpec):
     template = "qmatmul_quantize_act.py.jinja"
     kind: str
     dtype: str
+    silu_mul: bool = False  # x is silu(gate) * up of two inputs, made here (`silu_mul_quant`)
 
     def context(self) -> dict[str, Any]:
         code, qmax, helpers = act_code(self.kind)
-        return {"kind": self.kind, "qmax": qmax, "code": code, "helpers": helpers,
-                "x_bytes": {"bf16": 2, "f16": 2, "f32": 4}[self.dtype]}
+        ew: set[str] = set()
+        silu = cast_expr(op_expr("silu_mul", ["g", "u"], {}, ew), self.dtype)
+        helpers = helpers + [HELPERS[h] for h in sorted(ew)] + (cast_helpers([self.dtype]) if self.silu_mul else [])
+        return {"kind": self.kind, "qmax": qmax, "code": code, "helpers": helpers, "dtype": self.dtype,
+                "silu_mul": self.silu_mul, "round_silu_mul": silu,
+                "x_bytes": {"bf16": 2, "f16": 2, "f32": 4}[self.dtype] * (2 if self.silu_mul else 1)}
 
 
 RINT = '''@triton.jit
@@ -484,12 +489,14 @@ def candidates(bucket: str, n: int, kw: int, pack: int = 0, shared: bool = True)
 
 # -- launching -------------------------------------------------------------------------------------
 
-def quantize_act(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act(x: torch.Tensor, kind: str, up: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token dynamic quantization of x [..., K] with a generated kernel, as quant.quantize_activations.
 
     Args:
         x: [..., K] activations (bf16, f16 or f32; unit column stride).
         kind: "w8a8" (int8 codes, max|x| / 127 scales) or "fp8" (e4m3 codes, max|x| / 448 scales).
+        up: when given (x's shape and dtype), the codes are of silu(x) * up, rounded to x's dtype
+            first as the unfused elementwise kernel stores it (the `silu_mul_quant` op).
 
     Returns:
         (codes [..., K] contiguous, scales [..., 1] fp32).
@@ -503,8 +510,12 @@ def quantize_act(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor
     q = torch.empty((M, K), dtype=torch.int8 if kind == "w8a8" else torch.float8_e4m3fn, device=x.device)
     s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     if M and K:
-        mod = compiled(QuantizeActSpec(kind, dtype_name(x.dtype)))
-        mod.quantize_act_kernel[(M,)](x2, q, s, x2.stride(0), K, BLOCK_K=min(triton.next_power_of_2(K), 2048),
+        mod = compiled(QuantizeActSpec(kind, dtype_name(x.dtype), up is not None))
+        u2: tuple = ()
+        if up is not None:
+            u = up.reshape(-1, K) if up.stride(-1) == 1 else up.contiguous().view(-1, K)
+            u2 = (u, u.stride(0))
+        mod.quantize_act_kernel[(M,)](x2, *u2, q, s, x2.stride(0), K, BLOCK_K=min(triton.next_power_of_2(K), 2048),
                                       num_warps=4)
     return q.view(x.shape), s.view(*x.shape[:-1], 1)
 

@@ -567,6 +567,17 @@ register_op("add_rms_norm_quant", "nn", ("a", "b", "weight"),
             "(codes, scales, a + b): add_rms_norm with its normed output quantized per token (rms_norm_quant)")
 
 
+def _silu_mul_quant_ref(x, a, env):
+    from llmc.ir.quant import quantize_activations
+    return list(quantize_activations(F.silu(x[0]) * x[1], a["kind"]))
+
+
+register_op("silu_mul_quant", "nn", ("gate", "up"), lambda ts, a: _act_codes_types(_binary_infer(ts, a), a["kind"]),
+            _silu_mul_quant_ref, {"kind": REQUIRED},
+            "(codes, scales) of silu(gate) * up quantized per token for a `kind` (w8a8 / fp8) qlinear (the down "
+            "projection): quant.quantize_activations of the product, which never leaves the kernel")
+
+
 def _qlinear_codes_infer(ts, a):
     xq, sx, qw, sc = ts[:4]
     k = a["in_features"]
@@ -589,7 +600,7 @@ register_op("qlinear_codes", "nn", ("x_codes", "x_scales", "qweight", "scales", 
             {"kind": REQUIRED, "bits": 8, "group_size": 0, "has_zeros": False, "in_features": REQUIRED, "act": "",
              "dtype": REQUIRED},
             "act(x @ W.T + bias) as `dtype` for a w8a8 / fp8 W, from x's per-token codes and scales made by the "
-            "op before it (rms_norm_quant)", traits=("linear", "no_fold"))
+            "op before it (rms_norm_quant, silu_mul_quant)", traits=("linear", "no_fold"))
 
 
 def _fused_infer(ts, a):
