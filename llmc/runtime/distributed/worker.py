@@ -115,6 +115,9 @@ def _serve(spec: WorkerSpec, store) -> None:
     control = dist.ProcessGroupGloo(PrefixStore("control", store), spec.rank + 1, spec.world + 1, CONTROL_TIMEOUT)
     num_blocks = int(store.get("num_blocks"))
     if num_blocks != ex.num_blocks:  # every rank's cache holds the block manager's count: the smallest
+        ex.cache = None  # the first cache goes before the second is made: both may not fit at once
+        if cuda:
+            torch.cuda.empty_cache()
         ex.cache = KVCache(ex.graph, ex.device, spec.block_size, num_blocks, spec.memory_fraction, spec.num_cpu_blocks)
         ex.num_blocks, ex.kv_bytes = num_blocks, ex.cache.bytes
     ex.plan.state["process_groups"] = {"tp": TorchCollectives(tp_groups[spec.stage])}
