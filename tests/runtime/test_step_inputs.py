@@ -1,0 +1,62 @@
+"""The executor's step inputs (`LocalExecutor.build_inputs`, vectorised over the step's tokens) against
+a direct per-token construction from the paged graph's definitions (llmc/passes/paged_kv.py)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from llmc.errors import LLMCError
+from llmc.runtime.block_manager import slot_for
+from llmc.runtime.executor import LocalExecutor, StepInput
+
+
+class _Inputs(LocalExecutor):
+    def __init__(self, block_size: int):
+        self.block_size, self.device = block_size, torch.device("cpu")
+
+    @property
+    def kv(self):
+        return {}
+
+
+def _direct(seqs, bs):
+    ids, pos, qsl, lens, slots, rows = [], [], [0], [], [], []
+    width = max(len(s.block_table) for s in seqs)
+    tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for i, s in enumerate(seqs):
+        n = len(s.token_ids)
+        ids += s.token_ids
+        pos += range(s.start_pos, s.start_pos + n)
+        slots += [slot_for(s.block_table, p, bs) for p in range(s.start_pos, s.start_pos + n)]
+        rows += range(qsl[-1] + n - s.num_logits, qsl[-1] + n)
+        qsl.append(qsl[-1] + n)
+        lens.append(s.start_pos + n)
+        tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+    return {"input_ids": torch.tensor(ids), "positions": torch.tensor(pos),
+            "query_start_loc": torch.tensor(qsl, dtype=torch.int32), "seq_lens": torch.tensor(lens, dtype=torch.int32),
+            "block_tables": tables, "slot_mapping": torch.tensor(slots), "logits_indices": torch.tensor(rows)}
+
+
+def test_inputs_equal_the_per_token_definition():
+    rng, bs = random.Random(0), 16
+    seqs, free = [], list(range(4000))
+    rng.shuffle(free)  # tables of scattered blocks
+    for kind in ["decode"] * 40 + ["chunk"] * 3 + ["verify"] * 5:
+        start = rng.randint(0, 700)
+        n = {"decode": 1, "chunk": rng.randint(2, 300), "verify": 4}[kind]
+        need = (start + n + bs - 1) // bs + rng.randint(0, 3)  # some tables longer than the context
+        table, free = free[:need], free[need:]
+        k = {"decode": 1, "chunk": rng.choice([0, 1, 5]), "verify": 4}[kind]
+        seqs.append(StepInput([rng.randrange(8000) for _ in range(n)], start, table, k, kind == "chunk"))
+    got, want = _Inputs(bs).build_inputs(seqs), _direct(seqs, bs)
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+
+
+def test_a_table_too_short_for_the_step_is_an_error():
+    seqs = [StepInput([1], 0, [3]), StepInput([1, 2, 3], 14, [7])]  # positions 14..16 need 2 blocks of 16
+    with pytest.raises(LLMCError, match="sequence 1: 17 tokens need more blocks"):
+        _Inputs(16).build_inputs(seqs)
