@@ -155,6 +155,8 @@ def shard_graph(g: Graph, tp_size: int, rank: int, expert_parallel: bool = False
     """
     if tp_size == 1:
         return g
+    from llmc.ir.act_quant import unfuse_act_quant
+    unfuse_act_quant(g)  # W8A8 / FP8 linears quantize their own (on a row-parallel linear: sliced) input
     return plan_sharding(g, tp_size, expert_parallel).apply(rank)
 
 

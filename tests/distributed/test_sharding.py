@@ -142,3 +142,22 @@ def test_step_codec_round_trip():
     assert codec.decode(codec.encode(batch)) == batch
     buf = codec.message(codec.STEP, codec.encode(batch), 64)
     assert buf.shape == (64,) and buf[:2].tolist() == [codec.STEP, len(codec.encode(batch))]
+
+
+def test_w8a8_codes_made_before_the_linears_shard_through_the_unfused_form(tmp_path):
+    """A SmoothQuant artifact's fused activation quantization (rms_norm_quant, silu_mul_quant ▸
+    qlinear_codes) is unfolded exactly before sharding; at TP=2 the row-parallel linears quantize
+    their slice of the row with its own per-token scale, so the logits move by quantization noise."""
+    import llmc
+    from llmc.ir.act_quant import unfuse_act_quant
+    art = llmc.compile(make_model_dir(tmp_path, "llama"), tmp_path / "sq.llmc",
+                       quant={"method": "smoothquant", "calib_samples": 4, "calib_len": 32})
+    g = art.graph
+    assert g.op_counts().get("qlinear_codes")
+    (want,) = Interpreter(g).run(step_inputs(g))
+    plain = g.clone()
+    assert unfuse_act_quant(plain) > 0 and "qlinear_codes" not in plain.op_counts()
+    assert torch.equal(Interpreter(plain).run(step_inputs(plain))[0], want)
+    for got in sharded_logits(g, 2):
+        err = (got - want).abs().max() / want.abs().max()
+        assert 0 < err <= 0.05, err  # 0 would mean the row-parallel linears did not requantize their slices
