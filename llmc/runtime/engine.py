@@ -430,6 +430,19 @@ class LLM:
     def __init__(self, model: str | Path | Artifact, speculative: dict | SpecConfig | None = None, **options):
         self.engine = LLMEngine(load_model(model), engine_config(**options), speculative)
 
+    def close(self) -> None:
+        """Stop what the engine started: a parallel run's worker processes (otherwise stopped when the
+        LLM is collected, and at exit). `with LLM(...) as llm:` closes it on leaving the block."""
+        close = getattr(self.engine.executor, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  progress: bool = False, request_ids: Seq[str] | None = None) -> list[RequestOutput]:

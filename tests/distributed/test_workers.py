@@ -60,12 +60,12 @@ def test_tensor_parallel_matches_one_process_and_fails_cleanly_when_a_worker_die
 
 
 def test_pipeline_parallel_matches_one_process(odd_heads_artifact, single):
-    llm = LLM(odd_heads_artifact, pipeline_parallel_size=2, max_num_batched_tokens=16, **OPTIONS)  # chunked prompts
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == single
-    assert_logits_match(llm.engine.executor, odd_heads_artifact)
-    gang = llm.engine.executor._gang
-    llm.engine.executor.close()
-    assert [p.returncode for p in gang.procs] == [0, 0]  # stopped by the driver's message, not killed
+    with LLM(odd_heads_artifact, pipeline_parallel_size=2, max_num_batched_tokens=16, **OPTIONS) as llm:  # chunked
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == single
+        assert_logits_match(llm.engine.executor, odd_heads_artifact)
+        gang = llm.engine.executor._gang
+        assert all(p.poll() is None for p in gang.procs)
+    assert [p.returncode for p in gang.procs] == [0, 0]  # stopped by the driver's message on leaving, not killed
 
 
 def test_a_worker_error_and_a_hung_worker_are_llmc_errors(odd_heads_artifact):
