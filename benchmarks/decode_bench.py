@@ -27,6 +27,11 @@ SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, head_dim=128,
                max_position_embeddings=4096),
+    # Llama-3-70B's layer shape, trimmed to 8 of its 80 layers (17.9 GB in bf16: fits one H200, and
+    # the per-layer timing and memory planning of the 70B run on 2 GPUs, issue 17)
+    "70b-8l": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=8, num_attention_heads=64,
+                   num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, head_dim=128,
+                   max_position_embeddings=4096),
     # a smoke-test shape for checking this script on a CPU (--shape tiny --backend triton-interpret)
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True, head_dim=16,

@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_pending.sh OUT onnx           # issue 19: 8B from its ONNX export against from its HF dir
 #   bash benchmarks/gpu_pending.sh OUT quant-mixed    # issue 14: 8B mixed workload, bf16 vs fp8, w8a8, int4
 #   bash benchmarks/gpu_pending.sh OUT parallel       # issue 16 (nvidia-h200-x2): TP=2 and PP=2 against one GPU
+#   SHAPE=70b-8l bash benchmarks/gpu_pending.sh OUT parallel   # issue 17's trimmed 70B layers on 2 GPUs
 #
 # Steps that need the widened target build it once under WIDE (default /tmp/wide: 13 GiB plus a 13 GiB
 # artifact; the device's disk holds about 50 GiB free).
@@ -63,7 +64,7 @@ for step in "$@"; do
             tail -8 "$OUT/quant_mixed.log" ;;
         parallel)
             rm -rf /tmp/tmp*
-            python3 benchmarks/parallel_bench.py --shape 8b --n 128 --out "$OUT" >"$OUT/parallel.log" 2>&1
+            python3 benchmarks/parallel_bench.py --shape "${SHAPE:-8b}" --n 128 --out "$OUT" >"$OUT/parallel.log" 2>&1
             tail -8 "$OUT/parallel.log" ;;
         *)
             echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, parallel)" ;;
