@@ -99,3 +99,12 @@ def test_cli_options(odd_heads_artifact):
                        "attention heads")
     assert_clean_error(*cli("run", art, "--prompt", "x", "-pp", "3"), "pipeline parallel size 3 is larger than the "
                        "model's 2 layers")
+
+
+def test_tensor_parallel_runs_the_generated_kernels(odd_heads_artifact, single):
+    """Workers on the kernel plan (the path GPUs take, here under Triton's interpreter over gloo): the
+    collectives run as plan steps between generated kernels, and the greedy tokens are one process's."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the triton-interpret backend needs TRITON_INTERPRET=1 (this run compiles for a GPU)")
+    with LLM(odd_heads_artifact, tensor_parallel_size=2, **{**OPTIONS, "backend": "triton-interpret"}) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == single
