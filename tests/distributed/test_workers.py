@@ -101,10 +101,12 @@ def test_cli_options(odd_heads_artifact):
                        "model's 2 layers")
 
 
-def test_tensor_parallel_runs_the_generated_kernels(odd_heads_artifact, single):
-    """Workers on the kernel plan (the path GPUs take, here under Triton's interpreter over gloo): the
-    collectives run as plan steps between generated kernels, and the greedy tokens are one process's."""
+def test_workers_run_the_generated_kernels(odd_heads_artifact, single):
+    """Workers on the kernel plan (the path GPUs take, here under Triton's interpreter over gloo), at
+    TP=2 and PP=2: the collectives run as plan steps between generated kernels, a stage's plan takes
+    and gives the values that cross the cut, and the greedy tokens are one process's."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the triton-interpret backend needs TRITON_INTERPRET=1 (this run compiles for a GPU)")
-    with LLM(odd_heads_artifact, tensor_parallel_size=2, **{**OPTIONS, "backend": "triton-interpret"}) as llm:
-        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == single
+    for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2, "max_num_batched_tokens": 16}):
+        with LLM(odd_heads_artifact, **layout, **{**OPTIONS, "backend": "triton-interpret"}) as llm:
+            assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == single, layout
