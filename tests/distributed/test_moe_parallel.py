@@ -119,12 +119,22 @@ def test_expert_parallel_workers_give_hf_greedy_tokens(arts, arch):
     m = hf_model(path)
     want = [hf_greedy(m, p, GREEDY.max_tokens) for p in PROMPTS]
     assert [o.token_ids for o in LLM(art, **OPTIONS).generate(PROMPTS, GREEDY)] == want
-    llm = LLM(art, tensor_parallel_size=2, expert_parallel=True, **OPTIONS)
-    try:
+    with LLM(art, tensor_parallel_size=2, expert_parallel=True, **OPTIONS) as llm:
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
         assert_logits_match(llm.engine.executor, art)
-    finally:
-        llm.engine.executor.close()
+
+
+@pytest.mark.slow
+def test_expert_parallel_workers_on_the_generated_kernels(arts):
+    """EP=2 workers on the kernel plan (the GPU path: the grouped-GEMM expert kernels over each rank's
+    experts, under Triton's interpreter here) give Hugging Face's greedy tokens."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the triton-interpret backend needs TRITON_INTERPRET=1 (this run compiles for a GPU)")
+    path, art = arts("qwen2_moe")
+    want = [hf_greedy(hf_model(path), p, GREEDY.max_tokens) for p in PROMPTS]
+    with LLM(art, tensor_parallel_size=2, expert_parallel=True, **{**OPTIONS, "backend": "triton-interpret"}) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
 
 
 def test_cli_expert_parallel_errors(arts, odd_heads_artifact):
