@@ -78,15 +78,21 @@ def make_config(arch: str):
 
 
 def make_model_dir(root: Path, arch: str, seed: int = 0) -> Path:
+    return save_random_model(root / arch, make_config(arch), seed)
+
+
+def save_random_model(out: Path, cfg, seed: int = 0) -> Path:
+    """A random HF model of `cfg` saved in `out` with the test tokenizer (kept if already there). Its
+    matrices (and stacked expert weights) are drawn with std 0.2, larger than the init: peaked,
+    non-degenerate logits (and routing, where Qwen's routers start at zero)."""
     from transformers import AutoModelForCausalLM
-    out = root / arch
     if (out / "config.json").exists():
         return out
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(arch)).eval()
-    with torch.no_grad():  # larger weights than the init give peaked, non-degenerate logits
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:
                 p.normal_(0, 0.2)
     model.save_pretrained(str(out))
     build_tokenizer(out)

@@ -10,14 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 import llmc
 from llmc import LLM, SamplingParams
 from llmc.ir.interpreter import Interpreter
 from llmc.ir.sharding import ShardError, shard_graph
 from llmc.ir.stages import split_stages
-from tests.conftest import build_tokenizer, hf_greedy, hf_model
+from tests.conftest import hf_greedy, hf_model, save_random_model
 from tests.distributed.conftest import run_ranks
 from tests.distributed.test_sharding import step_inputs
 from tests.distributed.test_workers import assert_logits_match
@@ -32,19 +31,10 @@ OPTIONS = dict(num_blocks=64, block_size=4, backend="reference")
 def make_five_experts_dir(root: Path) -> Path:
     """Mixtral with 5 experts (2 + 3 at EP=2) and 8 heads (so that 8 ranks split the attention and meet
     fewer experts than ranks)."""
-    from transformers import AutoModelForCausalLM, MixtralConfig
-    out = root / "mixtral_e5"
+    from transformers import MixtralConfig
     cfg = MixtralConfig(**{**make_moe_config("mixtral").to_dict(), "num_local_experts": 5, "num_attention_heads": 8,
                            "head_dim": 8})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(str(out))
-    build_tokenizer(out)
-    return out
+    return save_random_model(root / "mixtral_e5", cfg)
 
 
 @pytest.fixture(scope="module")

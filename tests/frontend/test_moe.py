@@ -10,7 +10,7 @@ import torch
 import llmc
 from llmc.errors import CompileError
 from llmc.runtime.engine import LLM, SamplingParams
-from tests.conftest import VOCAB, build_tokenizer, hf_greedy, hf_model, paged_prefill_last_logits
+from tests.conftest import VOCAB, hf_greedy, hf_model, paged_prefill_last_logits, save_random_model
 
 MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
@@ -33,19 +33,7 @@ def make_moe_config(arch: str):
 
 
 def make_moe_dir(root: Path, arch: str, seed: int = 0) -> Path:
-    from transformers import AutoModelForCausalLM
-    out = root / arch
-    if (out / "config.json").exists():
-        return out
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_moe_config(arch)).eval()
-    with torch.no_grad():  # larger weights than the init (Qwen's routers start at zero): peaked routing and logits
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(str(out))
-    build_tokenizer(out)
-    return out
+    return save_random_model(root / arch, make_moe_config(arch), seed)
 
 
 @pytest.fixture(scope="module", params=MOE_ARCHS)
