@@ -27,7 +27,6 @@ on a GPU. Models are built under --work (reused when their widen_info.json match
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -41,16 +40,9 @@ sys.path.insert(0, str(REPO))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MODES = ("nearest", "feedback")
 
+from tests.scripts import load_script  # noqa: E402  (after the repository is on sys.path)
 
-def _widen_module():
-    spec = importlib.util.spec_from_file_location("widen_model", REPO / "scripts" / "widen_model.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-wm = _widen_module()
+wm = load_script("widen_model")
 
 
 def load(path, dtype):

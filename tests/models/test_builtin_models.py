@@ -6,7 +6,6 @@ always run. The whole file stays well under a minute on 2 CPU cores.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -20,6 +19,7 @@ import torch
 
 from llmc.models import BUILTIN_MODELS, builtin_dir, heldout_text_path
 from llmc.models import evaluate as ev
+from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / ".data"
@@ -41,13 +41,6 @@ SNIPPET = (
     "\t\treturn {'a': x ** 2}\r\n"
     "        return  {}  # trailing spaces  \n\n\n"
 )
-
-
-def _load_build_corpus():
-    spec = importlib.util.spec_from_file_location("build_corpus", REPO / "scripts" / "build_corpus.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # --- package helpers -----------------------------------------------------------------------
@@ -95,7 +88,7 @@ def test_scoring_a_uniform_model_gives_vocab_perplexity():
 
 
 def test_heldout_split_is_deterministic_and_about_three_percent():
-    bc = _load_build_corpus()
+    bc = load_script("build_corpus")
     files = bc.list_source_files(bc.stdlib_root())
     assert files == sorted(files) and files and not any("site-packages" in f for f in files)
     held = [f for f in files if bc.is_heldout(f)]
@@ -107,7 +100,7 @@ def test_heldout_split_is_deterministic_and_about_three_percent():
 
 
 def test_heldout_text_is_whole_heldout_files():
-    bc = _load_build_corpus()
+    bc = load_script("build_corpus")
     raw = heldout_text_path().read_bytes()
     assert 0 < len(raw) <= bc.HELDOUT_TEXT_MAX_BYTES
     text = raw.decode("utf-8")

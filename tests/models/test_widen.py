@@ -12,18 +12,15 @@ in the linears, rounded with error feedback to a lower output error than round-t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from llmc.models import builtin_dir, heldout_text_path
+from tests.scripts import load_script
 
-REPO = Path(__file__).resolve().parents[2]
 SRC = builtin_dir("tiny-py", must_exist=False)
 pytestmark = pytest.mark.skipif(not (SRC / "model.safetensors").is_file(),
                                 reason="tiny-py weights not present")
@@ -37,15 +34,7 @@ PROMPTS = [
 ]
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("widen_model", REPO / "scripts" / "widen_model.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-wm = _load_script()
+wm = load_script("widen_model")
 
 
 def _load(path):
