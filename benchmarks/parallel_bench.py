@@ -27,13 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def greedy(art, prompts: list[str], layout: tuple[int, int], **options) -> list:
     """(token ids, top-2 logprobs per position) of each prompt's 64 greedy tokens."""
     from llmc.runtime.engine import LLM, SamplingParams
-    llm = LLM(art, tensor_parallel_size=layout[0], pipeline_parallel_size=layout[1], **options)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2))
-    res = [(o.outputs[0].token_ids, o.outputs[0].top_logprobs) for o in outs]
-    close = getattr(llm.engine.executor, "close", None)
-    if close is not None:
-        close()
-    return res
+    with LLM(art, tensor_parallel_size=layout[0], pipeline_parallel_size=layout[1], **options) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2))
+    return [(o.outputs[0].token_ids, o.outputs[0].top_logprobs) for o in outs]
 
 
 def divergence(ref: list, got: list) -> dict:

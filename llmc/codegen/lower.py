@@ -258,22 +258,28 @@ class Plan:
     def _op_qlinear(self, n):
         """A quantized linear: the weight is repacked once into the kernel's layout (`qmatmul.prepare`),
         then every step runs the generated kernel (dequantization in its main loop; for W8A8 and FP8 a
-        per-token activation quantization kernel first)."""
+        per-token activation quantization kernel first). `qlinear_codes` is the same GEMM over the codes
+        and scales its producer made (fuse_act_quant), so no quantization kernel runs."""
         from llmc.codegen import qmatmul as qmm
         from llmc.ir.ops import _qlinear_operands
         from llmc.ir.quant import QuantFormat
+        from llmc.ir.types import torch_dtype
         fmt, act, tuner = QuantFormat.from_attrs(n.attrs), n.attrs["act"], self.tuner
-        qw, sc, zeros, bias = _qlinear_operands([None] + [v.name for v in n.inputs[1:]], n.attrs)
-        label = f"{fmt.label}" + (f"+{act}" if act else "")
+        codes = n.op == "qlinear_codes"  # inputs: codes, their scales, then qlinear's weight operands
+        qw, sc, zeros, bias = _qlinear_operands([None] + [v.name for v in n.inputs[1 + codes:]], n.attrs)
+        dtype = torch_dtype(n.attrs["dtype"]) if codes else None
+        label = f"{fmt.label}" + (f"+{act}" if act else "") + (", codes given" if codes else "")
         if self.device.type == "meta":  # a listing only (`llmc inspect --kernels`)
             return Step(n, lambda x, h: None, "triton:qlinear", label)
         self._check_fp8(fmt)
         prepared = qmm.prepare(fmt, self.params[qw], self.params[sc], self.params[zeros] if zeros else None)
-        bias_name = bias
 
         def fn(x, h, out=None):
-            return qmm.qlinear(x[0], prepared, self.params[bias_name] if bias_name else None, act, tuner=tuner, out=out)
+            return qmm.qlinear(x[0], prepared, self.params[bias] if bias else None, act, tuner=tuner, out=out,
+                               x_scales=x[1] if codes else None, dtype=dtype)
         return Step(n, fn, "triton:qlinear", label, into=lambda x, h, outs: fn(x, h, outs[0]))
+
+    _op_qlinear_codes = _op_qlinear
 
     def _op_rms_norm(self, n):
         from llmc.codegen.norm import rms_norm
@@ -313,25 +319,6 @@ class Plan:
         from llmc.codegen.qmatmul import quantize_act
         kind = n.attrs["kind"]
         return Step(n, lambda x, h: list(quantize_act(x[0], kind, up=x[1])), "triton:quantize_act+silu_mul", kind)
-
-    def _op_qlinear_codes(self, n):
-        """A w8a8 / fp8 linear over codes and scales its producer made: the GEMM alone."""
-        from llmc.codegen import qmatmul as qmm
-        from llmc.ir.quant import QuantFormat
-        from llmc.ir.types import torch_dtype
-        fmt, act, tuner, dtype = QuantFormat.from_attrs(n.attrs), n.attrs["act"], self.tuner, torch_dtype(n.attrs["dtype"])
-        label = f"{fmt.label}" + (f"+{act}" if act else "") + ", codes given"
-        if self.device.type == "meta":
-            return Step(n, lambda x, h: None, "triton:qlinear", label)
-        self._check_fp8(fmt)
-        qw, sc = n.inputs[2].name, n.inputs[3].name
-        prepared = qmm.prepare(fmt, self.params[qw], self.params[sc])
-        bias_name = n.inputs[4].name if len(n.inputs) > 4 else None
-
-        def fn(x, h, out=None):
-            return qmm.qlinear(x[0], prepared, self.params[bias_name] if bias_name else None, act, tuner=tuner,
-                               out=out, x_scales=x[1], dtype=dtype)
-        return Step(n, fn, "triton:qlinear", label, into=lambda x, h, outs: fn(x, h, outs[0]))
 
     def _op_rope_kv_write(self, n):
         from llmc.codegen.attention import rope_kv_write

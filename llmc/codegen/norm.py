@@ -98,15 +98,8 @@ def rms_norm_quant(x: torch.Tensor, w: torch.Tensor, kind: str, eps: float = 1e-
                 torch.empty(x.shape[:-1] + (1,), dtype=torch.float32, device=x.device)]
         if residual is not None:
             outs.append(torch.empty_like(x, memory_format=torch.contiguous_format))
-    q2, s2 = outs[0].view(-1, H), outs[1].view(-1)
-    if x2.shape[0]:
-        kernel, grid, w = compiled(spec).rms_norm_kernel, (x2.shape[0],), w.contiguous()
-        if residual is not None:
-            r2, h2 = _rows(residual, H), outs[2].view(-1, H)
-            kernel[grid](x2, r2, h2, w, q2, s2, x2.stride(0), r2.stride(0), h2.stride(0), q2.stride(0), eps,
-                         BLOCK=spec.block, num_warps=spec.num_warps)
-        else:
-            kernel[grid](x2, w, q2, s2, x2.stride(0), q2.stride(0), eps, BLOCK=spec.block, num_warps=spec.num_warps)
+    _launch(spec, x2, w, eps, outs[0].view(-1, H), residual, outs[2] if residual is not None else None,
+            outs[1].view(-1))
     return outs
 
 
@@ -144,15 +137,21 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6, residual: torc
     h = None
     if residual is not None:
         h = h_out if h_out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    _launch(spec, x2, w, eps, out2, residual, h)
+    return (out, h) if residual is not None else out
+
+
+def _launch(spec: RmsNormSpec, x2: torch.Tensor, w: torch.Tensor, eps: float, out2: torch.Tensor,
+            residual: torch.Tensor | None = None, h: torch.Tensor | None = None,
+            scales: torch.Tensor | None = None) -> None:
+    """One program per row of x2 [rows, H]: out2 (the normed rows, or their codes with `scales`), and h."""
     if x2.shape[0] == 0:
-        return (out, h) if residual is not None else out
-    kernel = compiled(spec).rms_norm_kernel
-    grid = (x2.shape[0],)
-    w = w.contiguous()
+        return
+    kernel, grid, w = compiled(spec).rms_norm_kernel, (x2.shape[0],), w.contiguous()
+    s = (scales,) if scales is not None else ()
     if residual is not None:
-        r2, h2 = _rows(residual, H), h.view(-1, H)
-        kernel[grid](x2, r2, h2, w, out2, x2.stride(0), r2.stride(0), h2.stride(0), out2.stride(0), eps,
+        r2, h2 = _rows(residual, spec.hidden), h.view(-1, spec.hidden)
+        kernel[grid](x2, r2, h2, w, out2, *s, x2.stride(0), r2.stride(0), h2.stride(0), out2.stride(0), eps,
                      BLOCK=spec.block, num_warps=spec.num_warps)
-        return out, h
-    kernel[grid](x2, w, out2, x2.stride(0), out2.stride(0), eps, BLOCK=spec.block, num_warps=spec.num_warps)
-    return out
+    else:
+        kernel[grid](x2, w, out2, *s, x2.stride(0), out2.stride(0), eps, BLOCK=spec.block, num_warps=spec.num_warps)
