@@ -213,6 +213,12 @@ def _act_lines(act: str, helpers: set[str]) -> list[str]:
     return [f"acc = {op_expr(op, ['acc'], attrs, helpers)}"]
 
 
+def _summary(act: str, has_bias: bool) -> str:
+    """The kernel's formula, for its docstring: act(x @ W.T + b)."""
+    s = "x @ W.T" + (" + b" if has_bias else "")
+    return f"{act}({s})" if act else s
+
+
 @dataclass(frozen=True)
 class QMatmulSpec(KernelSpec):
     """y = act(x @ W.T + b) for W in format (kind, bits, group_size, has_zeros) and prepared with
@@ -267,7 +273,7 @@ class QMatmulSpec(KernelSpec):
                "max_m_tiles": MAX_M_TILES, "act_lines": act_lines, "up": up, "dot_kwargs": dot_kwargs,
                "acc_type": "tl.int32" if self.kind == "w8a8" else "tl.float32",
                "scale_in_epilogue": a8 or not self.group_size, "store_cast": cast_expr("acc", self.dtype),
-               "label": self.fmt.label, "summary": self._summary(), "bytes_comment": self._bytes_comment(),
+               "label": self.fmt.label, "summary": _summary(self.act, self.has_bias), "bytes_comment": self._bytes_comment(),
                "layout": "K-major codes" if a8 else f"{'nibble planes' if self.bits == 4 else 'bytes'} "
                                                     f"of {self.run} columns",
                "helpers": [HELPERS[h] for h in sorted(helpers)] + cast_helpers([self.dtype])}
@@ -320,10 +326,6 @@ class QMatmulSpec(KernelSpec):
         return {"run": run, "pack": run * len(offsets), "byte_offset": "k0 // 2" if four else "k0",
                 "prologue": prologue, "tile_lines": tile, "row_tile_lines": rows}
 
-    def _summary(self) -> str:
-        s = "x @ W.T" + (" + b" if self.has_bias else "")
-        return f"{self.act}({s})" if self.act else s
-
     def _bytes_comment(self) -> list[str]:
         e = {"bf16": 2, "f16": 2, "f32": 4}[self.dtype]
         if self.kind == "int":
@@ -358,16 +360,16 @@ class QGemvSpec(KernelSpec):
         # a word's 8 products (less zero x the word's x sum) take the group's scale in one FMA
         row_update = f"acc@ = tl.fma(p@{corr}, s, acc@)" if grouped else f"acc@ += p@{corr}"
         fmt = QuantFormat("int", 4, self.group_size, self.has_zeros)
-        summary = "x @ W.T" + (" + b" if self.has_bias else "")
         planes = [{"src": "w" if b < 2 else "w_hi", "p": 8 * (b % 2) + 4 * half, "col": b + half * self.run,
                    "mult": float(1 << (8 * (b % 2) + 4 * half)), "first": not b and not half,
                    "what": f"byte {b}, {'high' if half else 'low'} nibble: columns c0 + {b + half * self.run}"}
                   for b in range(4) for half in range(2)]
-        return {"max_rows": GEMV_ROWS, "planes": planes, "joined": self.joined, "run": self.run, "words": self.run // 4, "pack": 2 * self.run,
+        return {"max_rows": GEMV_ROWS, "planes": planes, "joined": self.joined, "run": self.run, "words": self.run // 4,
+                "pack": 2 * self.run,
                 "group_size": self.group_size, "grouped": grouped, "has_zeros": self.has_zeros,
                 "has_bias": self.has_bias, "zero": 0 if self.has_zeros else 8, "row_update": row_update,
                 "act_lines": act_lines, "store_cast": cast_expr("acc", self.dtype), "label": fmt.label,
-                "summary": f"{self.act}({summary})" if self.act else summary,
+                "summary": _summary(self.act, self.has_bias),
                 "helpers": [HELPERS[h] for h in sorted(helpers)] + cast_helpers([self.dtype])}
 
 
