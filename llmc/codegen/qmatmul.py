@@ -273,7 +273,8 @@ class QMatmulSpec(KernelSpec):
                "max_m_tiles": MAX_M_TILES, "act_lines": act_lines, "up": up, "dot_kwargs": dot_kwargs,
                "acc_type": "tl.int32" if self.kind == "w8a8" else "tl.float32",
                "scale_in_epilogue": a8 or not self.group_size, "store_cast": cast_expr("acc", self.dtype),
-               "label": self.fmt.label, "summary": _summary(self.act, self.has_bias), "bytes_comment": self._bytes_comment(),
+               "label": self.fmt.label, "summary": _summary(self.act, self.has_bias),
+               "bytes_comment": self._bytes_comment(),
                "layout": "K-major codes" if a8 else f"{'nibble planes' if self.bits == 4 else 'bytes'} "
                                                     f"of {self.run} columns",
                "helpers": [HELPERS[h] for h in sorted(helpers)] + cast_helpers([self.dtype])}
