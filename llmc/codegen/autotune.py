@@ -194,13 +194,8 @@ class Tuner:
         """A tuner that starts from the choices earlier compiles on this GPU timed (`cache_file`), so
         a shape tuned once is never timed again; `save_cache` adds what it times."""
         t = cls(joint=joint)
-        path = cache_file(t.device, t.joint) if t.device is not None else None
-        if path is not None and path.exists():
-            try:
-                t.records = cls.from_json(json.loads(path.read_text())).records
-            except (ValueError, ArtifactError) as e:  # a damaged or old cache is rebuilt, never fatal
-                log.warning("autotune: ignoring the tuning cache %s (%s)", path, e)
-        t.cache_path = path
+        t.cache_path = cache_file(t.device, t.joint) if t.device is not None else None
+        t.records = _cached_records(t.cache_path)
         return t
 
     def save_cache(self) -> None:
@@ -209,7 +204,7 @@ class Tuner:
         if self.cache_path is None:
             return
         self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-        merged = Tuner.persistent(self.joint).records if self.cache_path.exists() else {}
+        merged = _cached_records(self.cache_path)
         for key, by_bucket in self.records.items():
             merged.setdefault(key, {}).update(by_bucket)
         Tuner(merged, self.device, joint=self.joint).save(self.cache_path)
@@ -251,6 +246,18 @@ class Tuner:
         if not path.exists():
             return cls()
         return cls.from_json(json.loads(path.read_text()))
+
+
+def _cached_records(path: Path | None) -> dict:
+    """The records of a tuning cache file: empty when there is none, and when it is damaged or of an
+    older format (rebuilt, never fatal)."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        return Tuner.load(path).records
+    except (ValueError, ArtifactError) as e:
+        log.warning("autotune: ignoring the tuning cache %s (%s)", path, e)
+        return {}
 
 
 def cache_file(device: str, joint: Sequence[str]) -> Path:
