@@ -36,6 +36,13 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True, head_dim=16,
                  max_position_embeddings=256),
+    # Mixtral-8x7B's layer shape (8 experts, top 2), trimmed to 8 of its 32 layers (24 GB in bf16)
+    "mixtral-8l": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False, head_dim=128,
+                       max_position_embeddings=4096, num_local_experts=8, num_experts_per_tok=2),
+    "tiny-moe": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False, head_dim=16,
+                     max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2),
 }
 CUDA = torch.cuda.is_available()
 
@@ -46,19 +53,21 @@ def sync():
 
 
 def random_model(shape: str, out: Path, dtype=torch.bfloat16, seed: int = 0) -> Path:
-    """A seeded random Llama of `SHAPES[shape]` saved under `out` with tiny-py's tokenizer (so text
-    goes in and out); LM-head rows past the tokenizer's ids are zero, so greedy tokens are text (the
-    head keeps its full size and cost). Built on the GPU when there is one."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    """A seeded random Llama (Mixtral where the shape has experts) of `SHAPES[shape]` saved under `out`
+    with tiny-py's tokenizer (so text goes in and out); LM-head rows past the tokenizer's ids are zero,
+    so greedy tokens are text (the head keeps its full size and cost). Built on the GPU when there is one."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     from llmc.frontend.hf import TOKENIZER_FILES
     from llmc.models import builtin_dir
     torch.manual_seed(seed)
     text_vocab = len(AutoTokenizer.from_pretrained(builtin_dir("tiny-py"), local_files_only=True))
-    cfg = LlamaConfig(**{**SHAPES[shape], "vocab_size": max(SHAPES[shape]["vocab_size"], text_vocab)},
-                      architectures=["LlamaForCausalLM"])
+    moe = "num_local_experts" in SHAPES[shape]
+    config, model = (MixtralConfig, MixtralForCausalLM) if moe else (LlamaConfig, LlamaForCausalLM)
+    cfg = config(**{**SHAPES[shape], "vocab_size": max(SHAPES[shape]["vocab_size"], text_vocab)},
+                 architectures=[model.__name__])
     with torch.device("cuda" if CUDA else "cpu"):
-        m = LlamaForCausalLM(cfg).to(dtype)
+        m = model(cfg).to(dtype)
     with torch.no_grad():
         m.lm_head.weight[text_vocab:] = 0
     m.save_pretrained(str(out))

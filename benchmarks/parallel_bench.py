@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism against one process, through the public API (`llmc.bench`), on a
 seeded random model of a shape (default Llama-3-8B), one artifact for every layout (sharded at load).
 
-Rows: one process, TP=2, PP=2 (and more with `--layouts`). For each: batch-1 decode tok/s (`llmc
+Rows: one process, TP=2, PP=2 (and more with `--layouts`: `TPxPP`, with a trailing `e` the steps run
+eagerly, without CUDA graphs; `--expert-parallel` splits a MoE shape's experts over the TP ranks). For each: batch-1 decode tok/s (`llmc
 bench --workload decode`: a fresh 128-token prompt, 256 new tokens, median of the runs) and its ratio
 to one process; the mixed workload's out tok/s (`--workload mixed`, `--n` requests at once) and the
 scaling efficiency (out tok/s over `processes x` one process's); and whether the greedy tokens of
@@ -9,6 +10,7 @@ scaling efficiency (out tok/s over `processes x` one process's); and whether the
 top-2 logit margin there (a near-tie flipped by the other summation order, or a bug).
 
     python3 benchmarks/parallel_bench.py --shape 8b --out OUT                     # nvidia-h200-x2
+    python3 benchmarks/parallel_bench.py --shape mixtral-8l --layouts 1x1,2x1 --expert-parallel --out OUT
     python3 benchmarks/parallel_bench.py --shape tiny --n 8 --prompts 2 --out /tmp/pb   # CPU, gloo
 """
 from __future__ import annotations
@@ -24,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def greedy(art, prompts: list[str], layout: tuple[int, int], **options) -> list:
+def greedy(art, prompts: list[str], **options) -> list:
     """(token ids, top-2 logprobs per position) of each prompt's 64 greedy tokens."""
     from llmc.runtime.engine import LLM, SamplingParams
-    with LLM(art, tensor_parallel_size=layout[0], pipeline_parallel_size=layout[1], **options) as llm:
+    with LLM(art, **options) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2))
     return [(o.outputs[0].token_ids, o.outputs[0].top_logprobs) for o in outs]
 
@@ -45,7 +47,9 @@ def divergence(ref: list, got: list) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="8b")
-    ap.add_argument("--layouts", default="1x1,2x1,1x2", help="TPxPP layouts, the first the baseline")
+    ap.add_argument("--layouts", default="1x1,2x1,1x2",
+                    help="TPxPP layouts, the first the baseline; a trailing e: no CUDA graphs (2x1e)")
+    ap.add_argument("--expert-parallel", action="store_true", help="MoE experts split by expert over TP ranks")
     ap.add_argument("--n", type=int, default=128, help="mixed workload: requests at once")
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts for the greedy comparison")
     ap.add_argument("--backend", default="auto")
@@ -63,15 +67,17 @@ def main() -> None:
     print(f"# compiled {a.shape} in {time.time() - t:.0f} s", flush=True)
     text = heldout_text_path().read_text()
     prompts = [text[i * 997:i * 997 + 400] for i in range(a.prompts)]
-    layouts = [tuple(map(int, s.split("x"))) for s in a.layouts.split(",")]
     rows, ref = [], None
-    for tp, pp in layouts:
-        opts = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "backend": a.backend}
+    for layout in a.layouts.split(","):
+        tp, pp = map(int, layout.rstrip("e").split("x"))
+        opts = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "backend": a.backend,
+                "cuda_graphs": not layout.endswith("e"), "expert_parallel": a.expert_parallel and tp > 1}
         dec = bench(art, "decode", **opts)
         mix = bench(art, "mixed", num_requests=a.n, max_num_seqs=min(a.n, 128), **opts)
-        toks = greedy(art, prompts, (tp, pp), backend=a.backend)
+        toks = greedy(art, prompts, **opts)
         ref = ref or toks
-        row = {"tp": tp, "pp": pp, "decode_tok_s": dec["out_tok_s"], "mixed_out_tok_s": mix["out_tok_s"],
+        row = {"layout": layout, "tp": tp, "pp": pp, "decode_tok_s": dec["out_tok_s"],
+               "mixed_out_tok_s": mix["out_tok_s"],
                "mixed_ttft_ms_p99": mix["ttft_ms_p99"], "gpu_busy": mix.get("gpu_busy"),
                "greedy": divergence(ref, toks)}
         base = rows[0] if rows else row
@@ -85,11 +91,11 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     (out / "parallel_bench.json").write_text(json.dumps({"shape": a.shape, "gpu": gpu, "rows": rows}, indent=1))
     print(f"# {a.shape}, {gpu}")
-    print(f"{'TPxPP':6s} {'decode tok/s':>12s} {'x':>5s} {'mixed tok/s':>12s} {'efficiency':>10s}  greedy = 1 process")
+    print(f"{'TPxPP':7s} {'decode tok/s':>12s} {'x':>5s} {'mixed tok/s':>12s} {'efficiency':>10s}  greedy = 1 process")
     for r in rows:
         g = r["greedy"]
         same = "yes" if g["equal"] else f"no: prompt {g['prompt']} token {g['position']}, margin {g['margin']:.3g}"
-        print(f"{r['tp']}x{r['pp']:<4d} {r['decode_tok_s']:12.1f} {r['decode_x']:5.2f} {r['mixed_out_tok_s']:12.1f} "
+        print(f"{r['layout']:7s} {r['decode_tok_s']:12.1f} {r['decode_x']:5.2f} {r['mixed_out_tok_s']:12.1f} "
               f"{r['mixed_efficiency']:10.2f}  {same}")
 
 

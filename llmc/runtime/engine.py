@@ -120,7 +120,7 @@ class LLMEngine:
             self.executor: Executor = DistributedExecutor(
                 artifact, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.backend, cfg.device,
                 cfg.block_size, cfg.num_blocks, kv_dtype, cfg.kv_memory_fraction, cfg.num_cpu_blocks,
-                self.info.max_model_len, expert_parallel=cfg.expert_parallel)
+                self.info.max_model_len, expert_parallel=cfg.expert_parallel, cuda_graphs=cfg.cuda_graphs)
         else:
             self.executor = make_executor(
                 artifact.graph, cfg.backend, cfg.device, cfg.block_size, cfg.num_blocks, kv_dtype,

@@ -161,3 +161,61 @@ def test_w8a8_codes_made_before_the_linears_shard_through_the_unfused_form(tmp_p
     for got in sharded_logits(g, 2):
         err = (got - want).abs().max() / want.abs().max()
         assert 0 < err <= 0.05, err  # 0 would mean the row-parallel linears did not requantize their slices
+
+
+class _FakeCache:
+    def swap_out(self, moves): pass
+
+    def swap_in(self, moves): pass
+
+    def copy_blocks(self, copies): pass
+
+
+class _FakeGraphs:
+    """Step graphs that fit only decode steps (as graph_kind's decode buckets do) and record the calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, seqs, greedy):
+        self.calls.append((len(seqs), greedy))
+        if any(len(s.token_ids) > 1 for s in seqs):
+            return None
+        return torch.arange(len(seqs)) + 100 if greedy else torch.ones(len(seqs), 8)
+
+
+class _FakeExecutor:
+    def __init__(self):
+        from types import SimpleNamespace
+        self.cache, self.step_graphs, self.eager = _FakeCache(), _FakeGraphs(), 0
+        self.graph = SimpleNamespace(inputs=[])
+
+    def build_inputs(self, seqs):
+        return {}
+
+    def outputs(self, inputs, seqs):
+        self.eager += 1
+        return [torch.zeros(sum(s.num_logits for s in seqs), 8)]
+
+
+def _stage(rank: int, pp: int = 1):
+    from llmc.runtime.distributed.worker import PipelineStage, WorkerSpec
+    spec = WorkerSpec(artifact="-", rank=rank, tp=2, pp=pp, expert_parallel=False, store_port=0, backend="cuda",
+                      block_size=16, num_blocks=8, kv_cache_dtype="auto", memory_fraction=0.5, num_cpu_blocks=0,
+                      max_model_len=64, step_timeout_s=1.0, capacity=64, cuda_graphs=True)
+    return PipelineStage(spec, _FakeExecutor(), {}, control=None)
+
+
+def test_tensor_parallel_worker_replays_step_graphs_on_every_rank():
+    decode = StepBatch([StepInput([5], 3, [0], 1), StepInput([6], 7, [1], 1)], greedy=True)
+    r0, r1 = _stage(0), _stage(1)
+    # every rank replays (its collectives are inside the graph); only TP rank 0 returns the tokens
+    assert r0.step(decode).tolist() == [100, 101]
+    assert r1.step(decode) is None
+    assert r0.ex.step_graphs.calls == r1.ex.step_graphs.calls == [(2, True)] and r0.ex.eager == r1.ex.eager == 0
+    # logits rows come back on the host as float32
+    assert r0.step(StepBatch(decode.seqs)).shape == (2, 8)
+    # a step no graph fits runs eagerly, on every rank alike
+    prefill = StepBatch([StepInput([1, 2, 3], 0, [2], 1, True), StepInput([7], 4, [3], 1)], greedy=True)
+    assert r0.step(prefill).tolist() == [0, 0] and r0.ex.eager == 1
+    assert r1.step(prefill) is None and r1.ex.eager == 1

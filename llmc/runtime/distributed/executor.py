@@ -49,6 +49,9 @@ class DistributedExecutor:
         backend, device: as for `make_executor`; on GPUs worker w uses cuda:w with the kernel plan
             (NCCL), on the CPU the reference interpreter (gloo).
         step_timeout_s: how long a step may take before the executor gives up on the workers.
+        cuda_graphs: on GPUs without pipeline stages, each worker replays whole steps as CUDA graphs with
+            the NCCL collectives captured inside (a stage's sends and receives are not captured: with
+            `pipeline_parallel_size > 1` steps run eagerly).
         The other arguments are the KV cache options of `make_executor`, applied by every worker.
 
     Example:
@@ -60,7 +63,8 @@ class DistributedExecutor:
     def __init__(self, artifact, tensor_parallel_size: int, pipeline_parallel_size: int, backend: str = "auto",
                  device: str | None = None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_dtype: str = "auto", memory_fraction: float = 0.5, num_cpu_blocks: int = 0,
-                 max_model_len: int | None = None, step_timeout_s: float = 900.0, expert_parallel: bool = False):
+                 max_model_len: int | None = None, step_timeout_s: float = 900.0, expert_parallel: bool = False,
+                 cuda_graphs: bool = True):
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         graph = artifact.graph
         plan_sharding(graph, tp, expert_parallel)  # errors now, in the driver, not in every worker
@@ -83,7 +87,8 @@ class DistributedExecutor:
                     backend=backend, block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype,
                     memory_fraction=memory_fraction, num_cpu_blocks=num_cpu_blocks, expert_parallel=expert_parallel,
                     max_model_len=max_model_len or int(graph.meta.get("max_position_embeddings") or 4096),
-                    step_timeout_s=step_timeout_s, capacity=INITIAL_CAPACITY)
+                    step_timeout_s=step_timeout_s, capacity=INITIAL_CAPACITY,
+                    cuda_graphs=cuda_graphs and backend == "cuda" and pp == 1)
         self._finalizer = weakref.finalize(self, self._gang.close)
         try:
             self.num_blocks, self.kv_bytes = self._gang.start([WorkerSpec(rank=w, **spec) for w in range(tp * pp)])

@@ -49,6 +49,7 @@ class WorkerSpec:
     max_model_len: int
     step_timeout_s: float
     capacity: int  # the step broadcast's initial length
+    cuda_graphs: bool = False  # replay whole steps, collectives inside (one stage only: see PipelineStage.step)
 
     @property
     def world(self) -> int:
@@ -100,10 +101,9 @@ def _serve(spec: WorkerSpec, store) -> None:
     graph = shard_graph(art.graph, spec.tp, spec.tp_rank, spec.expert_parallel)
     mine, tuning = split_stages(graph, spec.pp).graphs[spec.stage], art.tuning
     del art, graph  # the weights of other shards and stages go once this stage holds its own
-    # no CUDA graphs: a captured step would have to hold the collectives and the stages' sends (docs/distributed.md)
     ex = make_executor(mine, spec.backend, str(device), spec.block_size, spec.num_blocks,
-                       spec.kv_cache_dtype, spec.memory_fraction, spec.num_cpu_blocks, tuning, cuda_graphs=False,
-                       max_model_len=spec.max_model_len)
+                       spec.kv_cache_dtype, spec.memory_fraction, spec.num_cpu_blocks, tuning,
+                       cuda_graphs=spec.cuda_graphs, max_model_len=spec.max_model_len)
     store.set(f"ready/{spec.rank}", json.dumps({"num_blocks": ex.num_blocks,
                                                 "block_bytes": ex.kv_bytes // ex.num_blocks}))
     # longer than the driver's wait for a step, so that a hung peer is the driver's to report
@@ -121,6 +121,9 @@ def _serve(spec: WorkerSpec, store) -> None:
         ex.cache = KVCache(ex.graph, ex.device, spec.block_size, num_blocks, spec.memory_fraction, spec.num_cpu_blocks)
         ex.num_blocks, ex.kv_bytes = num_blocks, ex.cache.bytes
     ex.plan.state["process_groups"] = {"tp": TorchCollectives(tp_groups[spec.stage])}
+    if spec.cuda_graphs:  # NCCL sets up a communicator on its first collective, which a capture may not hold
+        dist.all_reduce(torch.zeros(1, device=device), group=tp_groups[spec.stage])
+        torch.cuda.synchronize(device)
     stage = PipelineStage(spec, ex, mine.meta.get("pipeline", {}), control)
     stage.serve()
     dist.destroy_process_group()
@@ -164,6 +167,13 @@ class PipelineStage:
         seqs = batch.seqs
         if seqs and any(_verifies(s) for s in seqs):
             seqs = as_decode_rows(seqs)
+        graphs = getattr(ex, "step_graphs", None)
+        if graphs is not None and seqs and self.first and self.last:
+            # one stage: every rank replays the same step graph (all ranks see the same batch, so they
+            # capture the same shapes in the same order), its all_reduce and all_gather inside
+            out = graphs.run(seqs, batch.greedy)
+            if out is not None:
+                return out.cpu() if self.spec.tp_rank == 0 else None
         mbs = microbatches(seqs, self.spec.pp) if seqs else []
         inputs = [ex.build_inputs(mb) for mb, _ in mbs]
         pending = []
