@@ -26,11 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def greedy(art, prompts: list[str], **options) -> list:
+def greedy(llm, prompts: list[str]) -> list:
     """(token ids, top-2 logprobs per position) of each prompt's 64 greedy tokens."""
-    from llmc.runtime.engine import LLM, SamplingParams
-    with LLM(art, **options) as llm:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2))
+    from llmc.runtime.engine import SamplingParams
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2))
     return [(o.outputs[0].token_ids, o.outputs[0].top_logprobs) for o in outs]
 
 
@@ -59,6 +58,7 @@ def main() -> None:
     from decode_bench import random_model
     from llmc.bench import bench
     from llmc.models import heldout_text_path
+    from llmc.runtime.engine import LLM
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp())
@@ -72,13 +72,16 @@ def main() -> None:
         tp, pp = map(int, layout.rstrip("e").split("x"))
         opts = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "backend": a.backend,
                 "cuda_graphs": not layout.endswith("e"), "expert_parallel": a.expert_parallel and tp > 1}
-        dec = bench(art, "decode", **opts)
-        mix = bench(art, "mixed", num_requests=a.n, max_num_seqs=min(a.n, 128), **opts)
-        toks = greedy(art, prompts, **opts)
+        t = time.time()
+        with LLM(art, max_num_seqs=min(a.n, 128), **opts) as llm:  # one load per layout: 8B loads take a while
+            load_s = time.time() - t
+            dec = bench(llm, "decode")
+            mix = bench(llm, "mixed", num_requests=a.n)
+            toks = greedy(llm, prompts)
         ref = ref or toks
         row = {"layout": layout, "tp": tp, "pp": pp, "decode_tok_s": dec["out_tok_s"],
                "mixed_out_tok_s": mix["out_tok_s"],
-               "mixed_ttft_ms_p99": mix["ttft_ms_p99"], "gpu_busy": mix.get("gpu_busy"),
+               "mixed_ttft_ms_p99": mix["ttft_ms_p99"], "gpu_busy": mix.get("gpu_busy"), "load_s": load_s,
                "greedy": divergence(ref, toks)}
         base = rows[0] if rows else row
         row["decode_x"] = row["decode_tok_s"] / base["decode_tok_s"]

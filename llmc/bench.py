@@ -82,7 +82,8 @@ def bench(model, workload: str = "mixed", *, num_requests: int | None = None, se
     """Benchmark an artifact offline on a workload.
 
     Args:
-        model: an artifact path or a loaded `Artifact`.
+        model: an artifact path, a loaded `Artifact`, or an `LLM` to reuse (its engine options then
+            stand, and `speculative` and `**options` must be left out).
         workload: one of `WORKLOADS` (see the module docstring).
         num_requests: mixed: requests at once; decode, prefill: runs (default `DEFAULT_NUM_REQUESTS`).
         seed: picks the mixed workload's lengths and where in the held-out text the prompts start.
@@ -107,7 +108,13 @@ def bench(model, workload: str = "mixed", *, num_requests: int | None = None, se
         raise BenchError(f"unknown workload {workload!r}; available: {', '.join(WORKLOADS)}")
     if n < 1:
         raise BenchError(f"the number of requests must be >= 1, got {n}")
-    llm = LLM(model, speculative=speculative, **options)
+    if isinstance(model, LLM):
+        if speculative is not None or options:
+            raise BenchError("bench() was given a ready LLM: set engine and speculative options where the LLM is "
+                             "made, not here")
+        llm = model
+    else:
+        llm = LLM(model, speculative=speculative, **options)
     eng = llm.engine
     length = eng.max_model_len
     cut_with = _tokenizer_json(eng.artifact.path) if eng.tokenizer is not None else None

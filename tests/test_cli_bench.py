@@ -66,6 +66,16 @@ def test_the_library_call_with_a_progress_bar(art):
     assert r["output_tokens"] == 1 and r["workload"] == "prefill"
 
 
+def test_a_ready_llm_is_benched_as_it_is(art):
+    from llmc.bench import BenchError
+    with llmc.LLM(art, backend="reference", num_blocks=80, block_size=8) as llm:
+        r = bench(llm, "decode", num_requests=1)
+        assert r["output_tokens"] == 256 and r["artifact"] == str(llm.engine.artifact.path)
+        assert llm.engine.block_manager.block_size == 8  # the LLM's own options, not bench's defaults
+        with pytest.raises(BenchError, match="where the LLM is made"):
+            bench(llm, "decode", num_blocks=40)
+
+
 def test_prompts_are_fresh_cuts_that_fit():
     planned, capped = plan_requests("decode", 3, 0, 300)
     assert capped == 3 and len(planned) == 3 + 3  # then the warm-up's
