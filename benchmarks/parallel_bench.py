@@ -67,17 +67,22 @@ def main() -> None:
     print(f"# compiled {a.shape} in {time.time() - t:.0f} s", flush=True)
     text = heldout_text_path().read_text()
     prompts = [text[i * 997:i * 997 + 400] for i in range(a.prompts)]
-    rows, ref = [], None
+    rows, ref, errors = [], None, []
     for layout in a.layouts.split(","):
         tp, pp = map(int, layout.rstrip("e").split("x"))
         opts = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "backend": a.backend,
                 "cuda_graphs": not layout.endswith("e"), "expert_parallel": a.expert_parallel and tp > 1}
         t = time.time()
-        with LLM(art, max_num_seqs=min(a.n, 128), **opts) as llm:  # one load per layout: 8B loads take a while
-            load_s = time.time() - t
-            dec = bench(llm, "decode")
-            mix = bench(llm, "mixed", num_requests=a.n)
-            toks = greedy(llm, prompts)
+        try:
+            with LLM(art, max_num_seqs=min(a.n, 128), **opts) as llm:  # one load per layout: 8B loads take a while
+                load_s = time.time() - t
+                dec = bench(llm, "decode")
+                mix = bench(llm, "mixed", num_requests=a.n)
+                toks = greedy(llm, prompts)
+        except Exception as e:  # noqa: BLE001 - a layout that fails is reported; the others still run
+            errors.append({"layout": layout, "error": f"{type(e).__name__}: {e}"[:400]})
+            print(json.dumps(errors[-1]), flush=True)
+            continue
         ref = ref or toks
         row = {"layout": layout, "tp": tp, "pp": pp, "decode_tok_s": dec["out_tok_s"],
                "mixed_out_tok_s": mix["out_tok_s"],
@@ -92,7 +97,8 @@ def main() -> None:
             f.write(json.dumps(row) + "\n")
     import torch
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    (out / "parallel_bench.json").write_text(json.dumps({"shape": a.shape, "gpu": gpu, "rows": rows}, indent=1))
+    summary = {"shape": a.shape, "gpu": gpu, "rows": rows, "errors": errors}
+    (out / "parallel_bench.json").write_text(json.dumps(summary, indent=1))
     print(f"# {a.shape}, {gpu}")
     print(f"{'TPxPP':7s} {'decode tok/s':>12s} {'x':>5s} {'mixed tok/s':>12s} {'efficiency':>10s}  greedy = 1 process")
     for r in rows:
@@ -100,6 +106,8 @@ def main() -> None:
         same = "yes" if g["equal"] else f"no: prompt {g['prompt']} token {g['position']}, margin {g['margin']:.3g}"
         print(f"{r['layout']:7s} {r['decode_tok_s']:12.1f} {r['decode_x']:5.2f} {r['mixed_out_tok_s']:12.1f} "
               f"{r['mixed_efficiency']:10.2f}  {same}")
+    for e in errors:
+        print(f"{e['layout']:7s} error: {e['error']}")
 
 
 if __name__ == "__main__":
