@@ -432,6 +432,11 @@ def _engine_options(seqs_help: str = "Sequences batched per step.", speculative:
             click.option("--spec-tokens", default="auto", show_default=True, metavar="K|auto",
                          help="Tokens proposed per step (1-16), or auto: per sequence from its acceptance so far, "
                               "and none when more than 32 sequences decode at once."),
+            click.option("--multi-step", default=_ENGINE.multi_step, show_default=True, type=int, metavar="K",
+                         help="Greedy decode steps run back to back on the device per engine step (the host "
+                              "schedules and reads tokens back once for the K), while every sequence decodes, "
+                              "none waits and all are greedy; the tokens are those of single steps. Not with "
+                              "--spec or parallel sizes."),
         ]
 
     def apply(f):
@@ -484,8 +489,8 @@ def _parallel_options(f):
 @_plugin_option
 def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
         stop, as_json, stream, backend, device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-        kv_cache_dtype, spec_method, draft_path, spec_tokens, tensor_parallel_size, pipeline_parallel_size,
-        expert_parallel, plugins):
+        kv_cache_dtype, spec_method, draft_path, spec_tokens, multi_step, tensor_parallel_size,
+        pipeline_parallel_size, expert_parallel, plugins):
     """Generate text from ARTIFACT with the paged-KV engine.
 
     With several prompts (or n > 1), plain-text output puts a `--- prompt N ---` line before each
@@ -495,7 +500,8 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
     from llmc.runtime.engine import LLM
     _check_engine_options(backend, device, {"--max-num-seqs": max_num_seqs, "--block-size": block_size,
                                             "--max-num-batched-tokens": max_num_batched_tokens,
-                                            "--num-blocks": num_blocks, "--max-tokens": max_tokens})
+                                            "--num-blocks": num_blocks, "--max-tokens": max_tokens,
+                                            "--multi-step": multi_step})
     items = _read_prompts(prompt, prompts_file)
     base = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                 repetition_penalty=repetition_penalty, seed=seed, stop=list(stop))
@@ -513,7 +519,7 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
               num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, backend=backend, device=device,
               tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-              expert_parallel=expert_parallel)
+              expert_parallel=expert_parallel, multi_step=multi_step)
     out = _Printer(items, params, as_json, art.tokenizer_dir is not None)
     requests = [it.text if it.text is not None else it.token_ids for it in items]
     if stream:
@@ -727,7 +733,8 @@ def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend,
 @_plugin_option
 def serve(artifact, host, port, api_key, served_model_name, chat_template, max_queue, shutdown_timeout, backend,
           device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, spec_method,
-          draft_path, spec_tokens, tensor_parallel_size, pipeline_parallel_size, expert_parallel, plugins):
+          draft_path, spec_tokens, multi_step, tensor_parallel_size, pipeline_parallel_size, expert_parallel,
+          plugins):
     """Serve ARTIFACT over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /health and /metrics (Prometheus).
 
@@ -742,7 +749,8 @@ def serve(artifact, host, port, api_key, served_model_name, chat_template, max_q
     import llmc
     _check_engine_options(backend, device, {"--max-num-seqs": max_num_seqs, "--block-size": block_size,
                                             "--max-num-batched-tokens": max_num_batched_tokens,
-                                            "--num-blocks": num_blocks, "--max-queue": max_queue})
+                                            "--num-blocks": num_blocks, "--max-queue": max_queue,
+                                            "--multi-step": multi_step})
     if not 0 < port < 65536:
         raise RequestError(f"--port must be in 1-65535, got {port}")
     template = None
@@ -763,7 +771,7 @@ def serve(artifact, host, port, api_key, served_model_name, chat_template, max_q
                    max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
                    kv_cache_dtype=kv_cache_dtype, backend=backend, device=device,
                    tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                   expert_parallel=expert_parallel)
+                   expert_parallel=expert_parallel, multi_step=multi_step)
     try:
         app = create_app(llm, name, api_key=api_key, chat_template=template, max_queue=max_queue,
                          shutdown_timeout=shutdown_timeout)
@@ -853,7 +861,7 @@ def bench():
 @_plugin_option
 def bench_artifact(artifact, workload, num_requests, seed, as_json, backend, device, max_num_seqs,
                    max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, spec_method, draft_path,
-                   spec_tokens, plugins):
+                   spec_tokens, multi_step, plugins):
     """Benchmark ARTIFACT offline through llmc.LLM: output tokens per second, time to first token and
     inter-token latency (p50/p99, from the streamed outputs of every request), and on CUDA the fraction
     of the time the GPU spends in the model's steps.
@@ -867,7 +875,8 @@ def bench_artifact(artifact, workload, num_requests, seed, as_json, backend, dev
     from llmc import bench as offline
     _check_engine_options(backend, device, {"--max-num-seqs": max_num_seqs, "--block-size": block_size,
                                             "--max-num-batched-tokens": max_num_batched_tokens,
-                                            "--num-blocks": num_blocks, "--num-requests": num_requests})
+                                            "--num-blocks": num_blocks, "--num-requests": num_requests,
+                                            "--multi-step": multi_step})
     if workload not in offline.WORKLOADS:
         raise offline.BenchError(f"--workload {workload!r} is not a workload; use one of "
                                  f"{', '.join(offline.WORKLOADS)}")
@@ -879,7 +888,7 @@ def bench_artifact(artifact, workload, num_requests, seed, as_json, backend, dev
                         speculative=_speculative(spec_method, draft_path, spec_tokens, art.bundled_draft),
                         progress=sys.stderr.isatty(), max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
-                        kv_cache_dtype=kv_cache_dtype, backend=backend, device=device)
+                        kv_cache_dtype=kv_cache_dtype, backend=backend, device=device, multi_step=multi_step)
     click.echo(json.dumps(res) if as_json else offline.format_report(res))
 
 

@@ -30,17 +30,20 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks that split each layer (llmc/ir/sharding.py)
     pipeline_parallel_size: int = 1  # stages of consecutive layers (llmc/ir/stages.py)
     expert_parallel: bool = False  # MoE experts split by expert over the tensor-parallel ranks
+    multi_step: int = 1  # greedy decode steps run back to back on the device per engine step (engine.py)
 
     def validate(self) -> None:
         """Raise LLMCError naming the first option out of range."""
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len",
-                     "tensor_parallel_size", "pipeline_parallel_size"):
+                     "tensor_parallel_size", "pipeline_parallel_size", "multi_step"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise LLMCError(f"{name} must be an integer >= 1, not {v!r}")
         if self.expert_parallel and self.tensor_parallel_size == 1:
             raise LLMCError("expert_parallel spreads the experts over the tensor-parallel ranks: set "
                             "tensor_parallel_size >= 2 (--expert-parallel -tp 2)")
+        if self.multi_step > 1 and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise LLMCError("multi_step runs in one process: leave it at 1 with tensor or pipeline parallelism")
         if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
             raise LLMCError(f"num_cpu_blocks must be an integer >= 0, not {self.num_cpu_blocks!r}")
         if not 0 < self.kv_memory_fraction <= 1:

@@ -141,6 +141,8 @@ class LLMEngine:
             SpecDecoder.build(SpecConfig.from_options(speculative, artifact.bundled_draft), self.info,
                               self.max_model_len, self.sampler,
                               {"backend": cfg.backend, "device": cfg.device, "block_size": cfg.block_size})
+        if cfg.multi_step > 1 and self.spec is not None:
+            raise LLMCError("multi_step and speculative decoding both run several tokens per step: use one")
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
@@ -216,7 +218,10 @@ class LLMEngine:
             self.spec.propose([s for s in self.scheduler.running if not s.is_prefill])
             self._time("propose", t)
         proposed = time.perf_counter()
+        chained = self._plan_chains()
         out = self.scheduler.schedule()
+        for seq in chained:
+            seq.spec_token_ids = []  # the entries hold them; a later step plans afresh
         self._time("schedule", proposed)
         self.num_preemptions += len(out.preempted)
         if not out.is_empty:
@@ -242,6 +247,28 @@ class LLMEngine:
             self.requests.pop(rid, None)
         return results
 
+    def _plan_chains(self) -> list:
+        """Multi-step decoding (`multi_step` k > 1): when every sequence is decoding, nothing waits, and
+        every token is a plain argmax, each running sequence is scheduled as a chain of k tokens (k - 1
+        placeholders after its last token, as a verify entry of k - 1 speculated tokens is): the executor
+        runs k decode steps back to back on the device and the engine's per-step host work (schedule,
+        postprocess, outputs) is paid once for the k. A chain is all accepted; tokens after a stop are
+        dropped as after a rejected speculation. Returns the sequences given placeholders."""
+        k, sch = self.config.multi_step, self.scheduler
+        running = list(sch.running)
+        if k < 2 or not running or len(sch.waiting) or len(sch.swapped) or any(s.is_prefill for s in running) \
+                or not Sampler.argmax_only(running):
+            return []
+        # one length for every chain (the device replays one graph k times): short of the context's end
+        # and of the step's token budget
+        k = min(k, self.config.max_num_batched_tokens // len(running),
+                *(self.max_model_len - s.num_tokens + 1 for s in running))
+        if k < 2:
+            return []
+        for seq in running:
+            seq.spec_token_ids = [0] * (k - 1)
+        return running
+
     def _abort_step(self, out: SchedulerOutput) -> None:
         """The step failed midway: its sequences' K/V (and any swapped out in it) are in doubt, so their
         requests end as aborted; every other request is untouched."""
@@ -259,13 +286,21 @@ class LLMEngine:
         one_row_each = all(r == 1 for r in repeats)
         # rows that need only their argmax get it from the executor, which reads back tokens, not logits
         batch.greedy = bool(row_seqs) and one_row_each and Sampler.argmax_only(row_seqs) and not out.scores_prompts
+        batch.chain = out.has_spec and self.spec is None  # placeholders of _plan_chains, not proposals
+        batch.greedy |= batch.chain
         t0 = time.perf_counter()
         result = self.executor.execute(batch)
         t1 = time.perf_counter()
         if out.scores_prompts:
             result = StepResult(logits=self._score_prompts(out, result.logits))
         top = None
-        if out.has_spec:
+        if batch.chain:  # each chain's k rows are its k new tokens, all kept
+            ids, tokens, logprobs, r = result.tokens.tolist(), [], None, 0
+            for e in out.scheduled:
+                if e.sample:
+                    tokens.append(ids[r:r + e.num_logits] if e.spec else ids[r])
+                    r += e.num_logits
+        elif out.has_spec:
             tokens, logprobs, top = self._postprocess_verify(out, result)
         elif not row_seqs:
             tokens, logprobs = [], None

@@ -53,6 +53,9 @@ class StepBatch:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
     greedy: bool = False  # return each logits row's argmax instead of the logits
+    # verify-shaped entries (k fed tokens, k logits rows) are chains: only their first token is known,
+    # and token j + 1 is row j's argmax; the executor runs them as k decode steps (greedy only)
+    chain: bool = False
 
     @property
     def num_logits(self) -> int:
@@ -140,6 +143,9 @@ class LocalExecutor:
         seqs = batch.seqs
         if not seqs:
             return _empty(batch.greedy)
+        if batch.chain:
+            assert batch.greedy, "a chain feeds each row's argmax to the next step"
+            return StepResult(tokens=self._chain(seqs))
         if any(_verifies(s) for s in seqs):
             seqs = as_decode_rows(seqs)
         if batch.num_logits == 0:
@@ -158,6 +164,24 @@ class LocalExecutor:
 
     def _logits(self, inputs: dict[str, torch.Tensor], seqs: list[StepInput]) -> torch.Tensor:
         raise NotImplementedError
+
+    def _chain(self, seqs: list[StepInput]) -> torch.Tensor:
+        """The argmax rows of a chain batch (see `StepBatch.chain`), in batch order: the first step runs
+        every entry with a chain's first token alone; step j then runs the chains longer than j, each
+        fed its own previous token. Chains of unequal length are allowed."""
+        first = [StepInput(s.token_ids[:1], s.start_pos, s.block_table, 1) if _verifies(s) else s for s in seqs]
+        rows = self._forward(first, True).tokens.tolist()
+        out, r = [], 0
+        for s in first:
+            out.append(rows[r:r + s.num_logits])
+            r += s.num_logits
+        k = max(len(s.token_ids) for s in seqs if _verifies(s))
+        for j in range(1, k):
+            live = [i for i, s in enumerate(seqs) if _verifies(s) and len(s.token_ids) > j]
+            step = [StepInput([out[i][-1]], seqs[i].start_pos + j, seqs[i].block_table, 1) for i in live]
+            for i, t in zip(live, self._forward(step, True).tokens.tolist()):
+                out[i].append(t)
+        return torch.tensor([t for row in out for t in row], dtype=torch.int64)
 
     def build_inputs(self, seqs: list[StepInput]) -> dict[str, torch.Tensor]:
         """The flat step inputs and attention metadata of the paged graph, with the KV caches.
@@ -240,6 +264,17 @@ class KernelExecutor(LocalExecutor):
             if out is not None:
                 return StepResult(tokens=out) if greedy else StepResult(logits=out)
         return super()._forward(seqs, greedy)
+
+    def _chain(self, seqs: list[StepInput]) -> torch.Tensor:
+        # decode chains of one length replay their decode graph k times, each step's tokens fed to the
+        # next on the device: one host sync for the k steps
+        if self.step_graphs is not None and self.use_cuda_graphs and all(
+                _verifies(s) and len(s.token_ids) == len(seqs[0].token_ids) for s in seqs):
+            out = self.step_graphs.run_chain([StepInput(s.token_ids[:1], s.start_pos, s.block_table, 1)
+                                              for s in seqs], len(seqs[0].token_ids))
+            if out is not None:
+                return out.flatten()
+        return super()._chain(seqs)
 
     def outputs(self, inputs: dict[str, torch.Tensor], seqs: list[StepInput]) -> list[torch.Tensor]:
         """Every output of the plan (a pipeline stage's are the values it hands the next stage)."""

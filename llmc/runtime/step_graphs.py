@@ -74,6 +74,28 @@ class StepGraphCache:
             return dg.read_tokens()[:rows]
         return dg.out[:rows].float()  # a copy: the graph's output buffer is reused by the next step
 
+    def run_chain(self, batch, k: int) -> torch.Tensor | None:
+        """k greedy decode steps of `batch` (one-token sequences at their first step's positions) on one
+        decode graph: step j + 1 feeds each row step j's argmax on the device, so the host syncs once.
+        The host writes step j + 1's positions and slots while the device runs step j. Returns the
+        tokens [len(batch), k] on the host, or None when no decode graph fits the batch."""
+        kind = graph_kind(batch)
+        if kind is None or kind[0] != "decode":
+            return None
+        key = (*kind, True)
+        dg = self.graphs.get(key)
+        if dg is None:
+            dg = self.graphs[key] = self._capture(*kind, True)
+        n = len(batch)
+        tokens = torch.empty(k, n, dtype=torch.int64, device=self.device)
+        for j in range(k):
+            dg.load(batch, self.block_size, offset=j)
+            if j:  # after the copy of the step's inputs, and before the replay that reads them
+                dg.inputs["input_ids"][:n].copy_(tokens[j - 1])
+            dg.graph.replay()
+            tokens[j].copy_(dg.out[:n])
+        return tokens.t().cpu()
+
     def _capture(self, kind: str, size: int, greedy: bool) -> "_StepGraph":
         max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
         dg = _StepGraph(kind, size, max_blocks, self.device)
@@ -147,20 +169,24 @@ class _StepGraph:
         self.arena: torch.Tensor | None = None
         self.rows = T  # token rows holding a token in the last step (the rest are padding)
 
-    def load(self, batch, block_size: int) -> None:
-        """Write the batch into the pinned buffer and start its one copy to the device."""
+    def load(self, batch, block_size: int, offset: int = 0) -> None:
+        """Write the batch into the pinned buffer and start its one copy to the device (a decode batch
+        `offset` positions on: a chain's later steps)."""
         if self.copied is not None:  # the previous step's copy must have left the pinned buffer
             self.copied.synchronize()
-        (self._load_decode if self.kind == "decode" else self._load_prefill)(batch, block_size)
+        if self.kind == "decode":
+            self._load_decode(batch, block_size, offset)
+        else:
+            self._load_prefill(batch, block_size)
         self.dev.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
-    def _load_decode(self, batch, block_size: int) -> None:
+    def _load_decode(self, batch, block_size: int, offset: int) -> None:
         ids, pos, slots = self.np["input_ids"], self.np["positions"], self.np["slot_mapping"]
         lens, tables = self.np["seq_lens"], self.np["block_tables"]
         for i, s in enumerate(batch):
-            p = s.start_pos
+            p = s.start_pos + offset
             ids[i], pos[i], lens[i] = s.token_ids[0], p, p + 1
             slots[i] = slot_for(s.block_table, p, block_size)
             used = p // block_size + 1  # the blocks the context covers; a longer table's tail is unused

@@ -1,0 +1,74 @@
+"""Multi-step decoding (`multi_step=k`): k greedy decode steps per engine step, each step's tokens fed to the
+next by the executor. The tokens must be exactly those of single steps, whatever cuts a chain short
+(max_tokens, a stop string, the end of the context, the step's token budget, preemption)."""
+import pytest
+
+from llmc.errors import LLMCError
+from llmc.runtime.engine import LLM, SamplingParams
+from tests.conftest import CODE_PROMPTS
+
+
+def generate(art, k: int, prompts, params, **options):
+    with LLM(art, backend="reference", multi_step=k, **options) as llm:
+        outs = llm.generate(prompts, params)
+        stats = llm.stats()
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs], \
+            llm.engine.num_steps, stats
+
+
+def test_chains_give_the_tokens_of_single_steps(tiny_py_artifact):
+    prompts = CODE_PROMPTS[:4]
+    # lengths that are no multiple of k, a stop string, and eos left on
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (37, 64, 5)] + \
+        [SamplingParams(temperature=0, max_tokens=64, stop=["\n\n"])]
+    one, steps1, _ = generate(tiny_py_artifact, 1, prompts, params, num_blocks=64, block_size=8)
+    four, steps4, stats = generate(tiny_py_artifact, 4, prompts, params, num_blocks=64, block_size=8)
+    assert four == one
+    assert steps4 < steps1 / 2  # the decode steps ran 4 to an engine step
+    assert stats["blocks_used"] == 0  # the placeholders' slots past a stop went back
+
+
+def test_chains_stop_at_the_context_and_under_preemption(tiny_py_artifact):
+    prompts = CODE_PROMPTS[:6]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    # a 48-token context ends every sequence mid-chain; 14 blocks of 8 cannot hold six sequences at once
+    opts = dict(num_blocks=14, block_size=8, max_model_len=48, max_num_seqs=6)
+    one, _, _ = generate(tiny_py_artifact, 1, prompts, params, **opts)
+    five, _, stats = generate(tiny_py_artifact, 5, prompts, params, **opts)
+    assert stats["num_preemptions"] > 0
+    assert five == one and all(r == "length" for _, r, _ in five)
+
+
+def test_sampling_or_waiting_requests_step_one_at_a_time(tiny_py_artifact):
+    prompts = CODE_PROMPTS[:3]
+    mixed = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 2 + \
+        [SamplingParams(temperature=0.8, seed=1, max_tokens=16, ignore_eos=True)]
+    one, steps1, _ = generate(tiny_py_artifact, 1, prompts, mixed, num_blocks=64)
+    four, steps4, _ = generate(tiny_py_artifact, 4, prompts, mixed, num_blocks=64)
+    assert four == one and steps4 == steps1  # a sampled token is not an argmax: no chains
+    # one sequence slot: a request always waits, so nothing chains until the last one runs
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    one, steps1, _ = generate(tiny_py_artifact, 1, prompts, greedy, num_blocks=64, max_num_seqs=1)
+    four, steps4, _ = generate(tiny_py_artifact, 4, prompts, greedy, num_blocks=64, max_num_seqs=1)
+    assert four == one and steps1 - steps4 == 16 - 1 - 4  # the last request's 15 decodes in 4 chains
+
+
+@pytest.mark.parametrize("options, needle", [
+    ({"multi_step": 0}, "multi_step must be an integer >= 1"),
+    ({"multi_step": 2, "speculative": {"method": "ngram"}}, "multi_step and speculative decoding"),
+    ({"multi_step": 2, "tensor_parallel_size": 2}, "multi_step runs in one process"),
+])
+def test_bad_options_are_one_clear_error(tiny_py_artifact, options, needle):
+    with pytest.raises(LLMCError, match=needle):
+        LLM(tiny_py_artifact, backend="reference", num_blocks=16, **options)
+
+
+def test_the_cli_flag(tiny_py_artifact):
+    from tests.test_cli import cli
+    args = ("run", str(tiny_py_artifact.path), "--prompt", "def fib(n):", "--max-tokens", "24", "--temperature", "0",
+            "--backend", "reference", "--num-blocks", "32")
+    code1, one = cli(*args)
+    code4, four = cli(*args, "--multi-step", "4")
+    assert code1 == code4 == 0 and four == one
+    code, out = cli(*args, "--multi-step", "0")
+    assert code != 0 and "--multi-step must be >= 1" in out
