@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_pending.sh OUT quant-mixed    # issue 14: 8B mixed workload, bf16 vs fp8, w8a8, int4
 #   bash benchmarks/gpu_pending.sh OUT parallel       # issue 16 (nvidia-h200-x2): TP=2 and PP=2 against one GPU
 #   SHAPE=70b-8l bash benchmarks/gpu_pending.sh OUT parallel   # issue 17's trimmed 70B layers on 2 GPUs
+#   bash benchmarks/gpu_pending.sh OUT multi-step     # issue 20: 8B, multi-step decoding k=4,8 against single steps
 #   bash benchmarks/gpu_pending.sh OUT parallel-moe   # issue 16 (nvidia-h200-x2): trimmed Mixtral, EP=2 against one GPU
 #
 # Steps that need the widened target build it once under WIDE (default /tmp/wide: 13 GiB plus a 13 GiB
@@ -68,12 +69,17 @@ for step in "$@"; do
             python3 benchmarks/parallel_bench.py --shape "${SHAPE:-8b}" --layouts "${LAYOUTS:-1x1,2x1,2x1e,1x2}" \
                 --n 128 --out "$OUT" >"$OUT/parallel.log" 2>&1
             tail -8 "$OUT/parallel.log" ;;
+        multi-step)
+            rm -rf /tmp/tmp*
+            python3 benchmarks/multi_step_bench.py --shape "${SHAPE:-8b}" --ks "${KS:-4,8}" --n 128 --out "$OUT" \
+                >"$OUT/multi_step.log" 2>&1
+            tail -5 "$OUT/multi_step.log" ;;
         parallel-moe)
             rm -rf /tmp/tmp*
             python3 benchmarks/parallel_bench.py --shape mixtral-8l --layouts 1x1,2x1 --expert-parallel --n 128 \
                 --out "$OUT/moe" >"$OUT/parallel_moe.log" 2>&1
             tail -6 "$OUT/parallel_moe.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, parallel, parallel-moe)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, parallel, parallel-moe, multi-step)" ;;
     esac
 done
