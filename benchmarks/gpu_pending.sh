@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_pending.sh OUT multi-step     # issue 20: 8B, multi-step decoding k=4,8 against single steps
 #   bash benchmarks/gpu_pending.sh OUT parallel-moe   # issue 16 (nvidia-h200-x2): trimmed Mixtral, EP=2 against one GPU
 #
+# parallel and multi-step compile their random model once per machine, to /tmp/art-SHAPE.llmc.
 # Steps that need the widened target build it once under WIDE (default /tmp/wide: 13 GiB plus a 13 GiB
 # artifact; the device's disk holds about 50 GiB free).
 set -u
@@ -67,12 +68,12 @@ for step in "$@"; do
         parallel)
             rm -rf /tmp/tmp*
             python3 benchmarks/parallel_bench.py --shape "${SHAPE:-8b}" --layouts "${LAYOUTS:-1x1,2x1,2x1e,1x2}" \
-                --n 128 --out "$OUT" >"$OUT/parallel.log" 2>&1
+                --n 128 --artifact "/tmp/art-${SHAPE:-8b}.llmc" --out "$OUT" >"$OUT/parallel.log" 2>&1
             tail -8 "$OUT/parallel.log" ;;
         multi-step)
             rm -rf /tmp/tmp*
-            python3 benchmarks/multi_step_bench.py --shape "${SHAPE:-8b}" --ks "${KS:-4,8}" --n 128 --out "$OUT" \
-                >"$OUT/multi_step.log" 2>&1
+            python3 benchmarks/multi_step_bench.py --shape "${SHAPE:-8b}" --ks "${KS:-4,8}" --n 128 \
+                --artifact "/tmp/art-${SHAPE:-8b}.llmc" --out "$OUT" >"$OUT/multi_step.log" 2>&1
             tail -5 "$OUT/multi_step.log" ;;
         parallel-moe)
             rm -rf /tmp/tmp*

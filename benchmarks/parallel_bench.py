@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=128, help="mixed workload: requests at once")
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts for the greedy comparison")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--artifact", default=None, help="compile the random model here, or reuse it if it is there "
+                    "(steps on one machine then share one compile)")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     import llmc
@@ -63,8 +65,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp())
     t = time.time()
-    art = llmc.compile(str(random_model(a.shape, work / "hf")), str(work / "m.llmc"), dtype="bfloat16")
-    print(f"# compiled {a.shape} in {time.time() - t:.0f} s", flush=True)
+    if a.artifact and Path(a.artifact, "manifest.json").is_file():
+        art = llmc.load(a.artifact)
+    else:
+        art = llmc.compile(str(random_model(a.shape, work / "hf")), a.artifact or str(work / "m.llmc"),
+                           dtype="bfloat16")
+        print(f"# compiled {a.shape} in {time.time() - t:.0f} s", flush=True)
     text = heldout_text_path().read_text()
     prompts = [text[i * 997:i * 997 + 400] for i in range(a.prompts)]
     rows, ref, errors = [], None, []
