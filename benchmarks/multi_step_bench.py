@@ -68,6 +68,8 @@ def main() -> None:
         row["mixed_x"] = row["mixed_out_tok_s"] / (rows[0] if rows else row)["mixed_out_tok_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
+        with (out / "multi_step_bench.partial.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     (out / "multi_step_bench.json").write_text(json.dumps({"shape": a.shape, "gpu": gpu, "rows": rows}, indent=1))
     print(f"# {a.shape}, {gpu}; mixed: {a.n} requests (engine steps include the warm-up run)")
