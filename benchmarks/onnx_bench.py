@@ -37,6 +37,9 @@ class Logits(torch.nn.Module):
 
 def export(m, out: Path, vocab: int) -> float:
     t = time.time()
+    for mod in m.modules():  # `.to(bfloat16)` rounded the rotary frequencies; llmc's HF frontend computes them
+        if getattr(mod, "rope_type", None) == "default" and hasattr(mod, "inv_freq"):  # in fp32: export those
+            mod.inv_freq = mod.compute_default_rope_parameters(mod.config, device=mod.inv_freq.device)[0].float()
     ids = torch.randint(0, vocab, (1, 7), device=m.device)
     args = (ids, torch.arange(7, device=m.device)[None])
     B, S = torch.export.Dim("batch"), torch.export.Dim("sequence")
@@ -48,7 +51,7 @@ def export(m, out: Path, vocab: int) -> float:
     return time.time() - t
 
 
-def llmc_decode(art, prompt: list[int], new: int, vocab: int) -> tuple[float, list[int]]:
+def llmc_decode(art, prompt: list[int], new: int, vocab: int) -> tuple[float, list[int], list]:
     from decode_bench import sync
     from llmc.runtime.engine import LLM, SamplingParams
     llm = LLM(art, max_num_seqs=4)
@@ -58,7 +61,10 @@ def llmc_decode(art, prompt: list[int], new: int, vocab: int) -> tuple[float, li
     t = time.perf_counter()
     out = llm.generate([prompt], p)[0].outputs[0].token_ids
     sync()
-    return new / (time.perf_counter() - t), list(out)
+    rate = new / (time.perf_counter() - t)
+    # the same prompt again with the top-2 log-probabilities, to place a divergence: a near-tie or a bug
+    lp = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=2))[0]
+    return rate, list(out), lp.outputs[0].top_logprobs
 
 
 def ort_decode(path: Path, prompt: list[int], new: int) -> tuple[float, str, list[int]]:
@@ -112,10 +118,16 @@ def main() -> None:
         t = time.time()
         art = llmc.compile(src, work / f"{name}.llmc", dtype=a.dtype)
         rows[name] = {"compile_s": time.time() - t}
-        rows[name]["tok_s"], rows[name]["tokens"] = llmc_decode(art, prompt, a.new, cfg.vocab_size)
-        print(name, json.dumps({k: v for k, v in rows[name].items() if k != "tokens"}), flush=True)
-    res["llmc"] = {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in rows.items()}
+        rows[name]["tok_s"], rows[name]["tokens"], tops = llmc_decode(art, prompt, a.new, cfg.vocab_size)
+        rows[name]["tops"] = tops
+        print(name, json.dumps({k: v for k, v in rows[name].items() if k not in ("tokens", "tops")}), flush=True)
+    res["llmc"] = {k: {kk: vv for kk, vv in v.items() if kk not in ("tokens", "tops")} for k, v in rows.items()}
     res["greedy_equal"] = rows["hf"]["tokens"] == rows["onnx"]["tokens"]
+    for j, (x, y) in enumerate(zip(rows["hf"]["tokens"], rows["onnx"]["tokens"])):
+        if x != y:  # the HF-compiled run's top-2 margin there (the export rounds the attention scale to the
+            lp = sorted(rows["hf"]["tops"][j].values(), reverse=True)  # model's dtype: near-ties may flip)
+            res["first_divergence"] = {"token": j, "margin": lp[0] - lp[1] if len(lp) > 1 else None}
+            break
     res["onnx_over_hf"] = rows["onnx"]["tok_s"] / rows["hf"]["tok_s"]
     try:
         tok_s, provider, ort_tokens = ort_decode(work / "onnx" / "model.onnx", prompt, a.ort_new)
