@@ -39,7 +39,7 @@ def export(m, out: Path, vocab: int) -> float:
     t = time.time()
     for mod in m.modules():  # `.to(bfloat16)` rounded the rotary frequencies; llmc's HF frontend computes them
         if getattr(mod, "rope_type", None) == "default" and hasattr(mod, "inv_freq"):  # in fp32: export those
-            mod.inv_freq = mod.compute_default_rope_parameters(mod.config, device=mod.inv_freq.device)[0].float()
+            mod.inv_freq = mod.compute_default_rope_parameters(mod.config, mod.inv_freq.device)[0].float()
     ids = torch.randint(0, vocab, (1, 7), device=m.device)
     args = (ids, torch.arange(7, device=m.device)[None])
     B, S = torch.export.Dim("batch"), torch.export.Dim("sequence")

@@ -79,6 +79,17 @@ def export(model_dir, out, exporter: str, names=("input_ids", "position_ids"), a
     return out
 
 
+def fp32_rotary_frequencies(m) -> None:
+    """`.to(bfloat16)` rounds a model's rotary frequencies, which llmc's HF frontend computes in fp32: put
+    the fp32 ones back, so that an export holds what the HF directory stands for."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    for mod in m.modules():
+        if hasattr(mod, "inv_freq") and hasattr(mod, "rope_type"):
+            init = mod.compute_default_rope_parameters if mod.rope_type == "default" else \
+                ROPE_INIT_FUNCTIONS[mod.rope_type]
+            mod.inv_freq = init(mod.config, mod.inv_freq.device)[0].float()
+
+
 def export_with_past(model_dir, out):
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager").eval()
@@ -403,3 +414,50 @@ def test_lift_onnx_attention_before_after():
     out = PassManager([LiftOnnxAttention()], verify=True).run(g)
     assert str(out).strip() == AFTER.strip()
     torch.testing.assert_close(run_graph(out, inputs)[0], ref[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_bf16_export_computes_what_its_hf_directory_does(model_root, tmp_path):
+    """The same bf16 model compiled from its ONNX export and from its HF directory: the graphs differ only
+    where the export itself rounds (the attention scale stored as a bf16 constant, eps as fp32), and with
+    those two set to the HF graph's values the logits are bit-identical."""
+    from transformers import AutoModelForCausalLM
+
+    from llmc.runtime.executor import StepBatch, StepInput, make_executor
+    src = make_model_dir(model_root, "llama")
+    m = AutoModelForCausalLM.from_pretrained(str(src), attn_implementation="eager").to(torch.bfloat16).eval()
+    fp32_rotary_frequencies(m)
+    ids = torch.randint(0, VOCAB, (1, 7))
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        S = torch.export.Dim("sequence")
+        torch.onnx.export(Logits(m, ("input_ids", "position_ids")), (ids, torch.arange(7)[None]),
+                          str(tmp_path / "model.onnx"), dynamo=True, opset_version=20, external_data=True,
+                          input_names=["input_ids", "position_ids"], output_names=["logits"],
+                          dynamic_shapes=(({1: S}, {1: S}),))
+    hf = llmc.compile(src, tmp_path / "hf.llmc", dtype="bfloat16").graph
+    ox = llmc.compile(tmp_path / "model.onnx", tmp_path / "onnx.llmc", dtype="bfloat16",
+                      tokenizer=src).graph
+
+    def by_op(g):  # the computing nodes of each op, in graph order (the two orders interleave ops differently)
+        ops: dict[str, list] = {}
+        for n in g.nodes:
+            if n.op not in ("reshape", "unsqueeze", "transpose", "slice"):
+                ops.setdefault(n.op, []).append(n)
+        return ops
+    a_ops, b_ops = by_op(hf), by_op(ox)
+    assert {k: len(v) for k, v in a_ops.items()} == {k: len(v) for k, v in b_ops.items()}
+    for op in a_ops:
+        for a, b in zip(a_ops[op], b_ops[op]):
+            if op == "attend_paged":
+                assert b.attrs["scale"] == float(torch.tensor(a.attrs["scale"], dtype=torch.bfloat16))
+                b.attrs["scale"] = a.attrs["scale"]
+            elif "eps" in a.attrs:
+                assert b.attrs["eps"] == float(torch.tensor(a.attrs["eps"], dtype=torch.float32))
+                b.attrs["eps"] = a.attrs["eps"]
+            else:
+                assert a.attrs == b.attrs, op
+    prompt = torch.randint(0, VOCAB, (20,)).tolist()
+    logits = [make_executor(g, "reference", num_blocks=8, block_size=8)
+              .execute(StepBatch([StepInput(prompt, 0, [0, 1, 2], 20)])).logits for g in (hf, ox)]
+    assert torch.equal(*logits)
+
