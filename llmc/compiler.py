@@ -214,7 +214,8 @@ def _autotune(graph: Graph, bar, batch_invariant: bool = True, cache: bool = Tru
 
 
 def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar) -> None:
-    """Tune a quantized linear's kernel per token bucket (its key holds the format and shape)."""
+    """Tune a quantized linear's kernel per token bucket (its key holds the format and shape): unlike a
+    bf16 linear, which hands steps past 64 tokens to cuBLAS, every bucket runs a choice of its own."""
     from llmc.codegen import qmatmul as qmm
     from llmc.codegen.autotune import M_BUCKETS
     from llmc.ir.ops import _qlinear_operands
@@ -229,7 +230,8 @@ def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar) -> None:
     bar.step(f"tuning {fmt.label} linear {list(qw.shape)}")
     p = qmm.prepare(fmt, qw.cuda(), sc.cuda(), zeros.cuda() if zeros is not None else None)
     b = bias.cuda() if bias is not None else None
-    for m in M_BUCKETS[:-1]:
+    # the decode buckets, then 128+ and 1024+ (prefill chunks and mixed steps), where a library GEMM may win
+    for m in (*M_BUCKETS[:-1], M_BUCKETS[-1], qmm.LARGE_M):
         x = torch.randn(m, p.in_features, dtype=torch_dtype(n.inputs[0].type.dtype), device="cuda")
         qmm.qlinear(x, p, b, n.attrs["act"], tuner=tuner)
 

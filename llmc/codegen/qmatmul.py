@@ -31,6 +31,13 @@ that dequantizes each weight tile in registers.
   (exact, so split-K partials add exactly too) and applies both scales in the epilogue.
 - ``fp8``: the same with e4m3 codes and fp32 accumulation.
 
+Past 64 tokens (prefill chunks, mixed steps) the GEMMs are compute-bound, and the tuner also times
+library GEMMs (`library_candidates`), keeping them where they win: fp8 through `torch._scaled_mm`
+(cuBLASLt/CUTLASS with per-token and per-channel scales), w8a8 through `torch._int_mm` and a
+generated one-pass epilogue (the GEMM kernel's in its order, so the two agree bit for bit), and int
+weights, in the 1024+ bucket of their own (`qlinear_bucket`), dequantized to x's dtype by a generated
+kernel (`qdequant.py.jinja`: a pass over W that only such steps amortize) and multiplied by cuBLAS.
+
 `prepare` converts a weight to the kernel's layout once, when a plan is built (`PreparedQWeight`).
 """
 from __future__ import annotations
@@ -61,6 +68,7 @@ MIN_RUN = 16  # the shortest K a tensor-core dot takes
 # programs a decode launch aims at (the splits of the default config): ~4 per SM of an H200
 TARGET_PROGRAMS = 512
 GEMV_ROWS = 4  # the most rows of x `qgemv_int4` takes (past it the FMA pipes, not HBM, set the pace)
+LARGE_M = 1024  # a qlinear's largest bucket (`qlinear_bucket`), timed at this many rows
 
 
 # -- the kernel's weight layout --------------------------------------------------------------------
@@ -380,6 +388,66 @@ def gemv_fits(p: PreparedQWeight) -> bool:
     return f.kind == "int" and f.bits == 4 and (not f.group_size or f.group_size % p.pack == 0)
 
 
+@dataclass(frozen=True)
+class QDequantSpec(KernelSpec):
+    """W [N, K] in `dtype` from a prepared int weight (`qdequant.py.jinja`): what a library GEMM takes
+    at large M (`LIBRARY` "dequant")."""
+
+    template = "qdequant.py.jinja"
+    bits: int
+    group_size: int
+    has_zeros: bool
+    run: int
+    dtype: str
+
+    def context(self) -> dict[str, Any]:
+        fmt = QuantFormat("int", self.bits, self.group_size, self.has_zeros)
+        return {"bits": self.bits, "four": self.bits == 4, "run": self.run, "grouped": bool(self.group_size),
+                "group_size": self.group_size, "has_zeros": self.has_zeros, "zero": float(1 << (self.bits - 1)),
+                "dtype": self.dtype, "label": fmt.label, "store_cast": cast_expr("w", self.dtype),
+                "layout": f"{'nibble planes' if self.bits == 4 else 'bytes'} of {self.run} columns",
+                "helpers": cast_helpers([self.dtype])}
+
+
+@dataclass(frozen=True)
+class QScaleEpilogueSpec(KernelSpec):
+    """y = act(acc * sx * s + b) from a library int8 GEMM's int32 dots (`qscale_epilogue.py.jinja`)."""
+
+    template = "qscale_epilogue.py.jinja"
+    dtype: str
+    has_bias: bool
+    act: str = ""
+
+    def context(self) -> dict[str, Any]:
+        helpers: set[str] = set()
+        act_lines = _act_lines(self.act, helpers)
+        return {"dtype": self.dtype, "has_bias": self.has_bias, "act_lines": act_lines,
+                "summary": _summary(self.act, self.has_bias), "store_cast": cast_expr("acc", self.dtype),
+                "helpers": [HELPERS[h] for h in sorted(helpers)] + cast_helpers([self.dtype])}
+
+
+def dequantize_prepared(p: PreparedQWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight [N, K] of a prepared int weight in `dtype`, by a generated kernel: each value
+    (code - zero) x scale in fp32, rounded once (as `PreparedQWeight.dequantize` then a cast).
+
+    Example:
+        >>> qw = quant.quantize_rtn(torch.randn(96, 256), QuantFormat("int", 4, 64))
+        >>> p = prepare(qw.fmt, *qw.tensors())
+        >>> torch.equal(dequantize_prepared(p, torch.float32), p.dequantize())
+        True
+    """
+    f, (n, k) = p.fmt, (p.out_features, p.in_features)
+    out = torch.empty(n, k, dtype=dtype, device=p.qweight.device)
+    if n and k:
+        zeros = (p.zeros,) if p.zeros is not None else ()
+        mod = compiled(QDequantSpec(f.bits, f.group_size, f.has_zeros, p.run, dtype_name(dtype)))
+        block_n = 32
+        mod.dequant_kernel[(triton_cdiv(n, block_n), triton_cdiv(k, p.run))](
+            p.qweight, p.scales, *zeros, out, n, k, p.qweight.stride(0), p.scales.stride(0),
+            *(z.stride(0) for z in zeros), out.stride(0), BLOCK_N=block_n, num_warps=4)
+    return out
+
+
 def act_code(kind: str) -> tuple[str, float, list[str]]:
     """(the expression of an activation code from `v` = x / scale clamped, qmax, helper sources) for
     "w8a8" (int8) or "fp8" (e4m3) codes: torch's rounding, bit for bit, on every backend."""
@@ -546,12 +614,65 @@ def _launch_gemv(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: tor
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
+def _launch_library(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Tensor | None,
+                    y2: torch.Tensor, library: str, x_scales: torch.Tensor | None) -> None:
+    """A qlinear call through a library GEMM (cuBLAS / CUTLASS through torch): "dequant" (int: W
+    dequantized to x's dtype by a generated kernel, then x @ W.T), "scaled_mm" (fp8 codes of x and W
+    with per-token and per-channel scales, bf16 out), "int_mm" (int8 dots into int32, then the
+    generated epilogue kernel). Bias and act follow in torch where the library does not take them."""
+    M, N = x2.shape[0], p.out_features
+    if library == "dequant":
+        w = dequantize_prepared(p, x2.dtype)
+        torch.addmm(b.to(x2.dtype), x2, w.t(), out=y2) if b is not None else torch.mm(x2, w.t(), out=y2)
+        if spec.act:
+            y2.copy_(LINEAR_ACTS[spec.act](y2))
+        return
+    q, sx = quantize_act(x2, spec.kind) if x_scales is None else (x2, x_scales)
+    q, sx = q.contiguous(), sx.float().contiguous()  # the libraries take row-major x (codes made elsewhere may be views)
+    if library == "scaled_mm":
+        y = torch._scaled_mm(q, p.qweight.t(), scale_a=sx, scale_b=p.scales.view(1, N),
+                             out_dtype=torch.bfloat16)
+        if b is not None:
+            y = y.float().add_(b.float()).to(torch.bfloat16)
+        y2.copy_(LINEAR_ACTS[spec.act](y) if spec.act else y)
+        return
+    assert library == "int_mm", library
+    acc = torch._int_mm(q, p.qweight.t())
+    mod = compiled(QScaleEpilogueSpec(spec.dtype, b is not None, spec.act))
+    bm, bn = 32, 128
+    mod.epilogue_kernel[(triton_cdiv(M, bm), triton_cdiv(N, bn))](
+        acc, sx, p.scales, *((b,) if b is not None else ()), y2, M, N, acc.stride(0), y2.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+
+
+def library_candidates(bucket: str, p: PreparedQWeight, dtype: torch.dtype) -> list[dict]:
+    """The library GEMMs a qlinear's tuner may try at this M bucket (see `_launch_library`): where M is
+    large enough for a library GEMM's tiles and its shape rules hold. int's dequantization costs a
+    pass over W per call, which only the 1024+ bucket's steps amortize."""
+    m, f, (n, k) = bucket_size(bucket), p.fmt, (p.out_features, p.in_features)
+    if f.kind == "int":
+        return [{"LIBRARY": "dequant"}] if m >= LARGE_M else []
+    if f.kind == "fp8" and dtype == torch.bfloat16 and m >= 128 and k % 16 == 0 and n % 16 == 0:
+        return [{"LIBRARY": "scaled_mm"}]
+    if f.kind == "w8a8" and m >= 128 and k % 8 == 0 and n % 8 == 0:  # torch._int_mm: M > 16, K and N by 8
+        return [{"LIBRARY": "int_mm"}]
+    return []
+
+
+def qlinear_bucket(m: int) -> str:
+    """A qlinear's M bucket: autotune's, with the largest steps (chunked prefills) in a 1024+ of their
+    own, where a library GEMM over a dequantized weight can win."""
+    return f"{LARGE_M}+" if m >= LARGE_M else m_bucket(m)
+
+
 def _launch(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Tensor | None, y2: torch.Tensor,
             cfg: dict, x_scales: torch.Tensor | None = None) -> None:
     """One qlinear call on rows x2 [M, K]: the activation codes first for w8a8 / fp8 (unless x2 holds
     them already, with `x_scales` [M, 1]), then the GEMM."""
     if cfg.get("GEMV"):
         return _launch_gemv(spec, x2, p, b, y2, cfg)
+    if cfg.get("LIBRARY"):
+        return _launch_library(spec, x2, p, b, y2, cfg["LIBRARY"], x_scales)
     M, N, K = x2.shape[0], p.out_features, p.in_features
     sx: tuple = ()
     if spec.kind != "int":
@@ -625,12 +746,16 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
     if config is None and tuner is None:
         config = candidates(m_bucket(M), N, kw, pack)[0]
     elif config is None:
-        bucket = m_bucket(M)
+        bucket = qlinear_bucket(M)
+        if bucket != m_bucket(M) and tuner.frozen and tuner.lookup(spec.key(N, K), bucket) is None:
+            bucket = m_bucket(M)  # an artifact tuned before the 1024+ bucket: its 128+ choice
         group = tuner.joint if bucket in tuner.joint else (bucket,)
         io = timing_io(group, K, N, ydtype, x2.device)  # with codes too: the choice is the float x's
         cands = candidates(bucket, N, kw, pack, len(group) > 1)
         if gemv_fits(prepared) and max(map(bucket_size, group)) <= GEMV_ROWS:
             cands += gemv_candidates(N, kw)  # only where every M sharing the choice fits it
+        if x2.device.type == "cuda" and len(group) == 1:
+            cands += library_candidates(bucket, prepared, ydtype)
         config = tuner.choose(spec.key(N, K), group, cands,
                               bench=lambda cfg: [_launch(spec, xi, prepared, b, yi, cfg) for xi, yi in io()])
     _launch(spec, x2, prepared, b, y.view(-1, N), config, x_scales.reshape(-1, 1) if x_scales is not None else None)

@@ -353,3 +353,61 @@ def test_gemv_is_a_candidate_only_where_every_sharing_bucket_fits(monkeypatch):
     assert offered == [(autotune.JOINT_BUCKETS, False), (("1", "2", "4"), True), (("8",), False)]
     for c in qm.gemv_candidates(4096, 4096):
         assert c["GEMV"] and 4096 % (8 * c["BLOCK_W"] * c["SPLIT_K"]) == 0
+
+
+# ------------------------------------------------------------------------------------------ library GEMMs
+
+@pytest.mark.parametrize("name,k", [("int4-g64", 256), ("int4-g64-zp", 192), ("int4-ch", 200), ("int8-ch", 96),
+                                    ("int8-g64", 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_prepared_is_the_weight_rounded_once(name, k, dtype):
+    qw = quantized(FORMATS[name], 48, k, gen("dq", name))
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    assert torch.equal(qm.dequantize_prepared(p, dtype), p.dequantize().to(dtype))
+
+
+@pytest.mark.parametrize("name,library", [("int4-g64-zp", "dequant"), ("int8-ch", "dequant"),
+                                          ("w8a8", "int_mm"), ("fp8", "scaled_mm")])
+def test_library_gemms_agree_with_the_reference(name, library):
+    """Each library path at a chunked-prefill-like M (bias and act on); w8a8's int32 dots are exact, and its
+    epilogue kernel repeats the generated GEMM's in its order: the two agree bit for bit."""
+    N, K, M = 96, 256, 40
+    dtype = torch.bfloat16  # what the library paths serve (scaled_mm gives bf16 only)
+    g = gen("lib", name)
+    qw = quantized(FORMATS[name], N, K, g)
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    x, b = rand(M, K, dtype=dtype, g=g), rand(N, dtype=dtype, g=g)
+    y = qlinear(x, p, b, "silu", config={"LIBRARY": library})
+    ref = reference(x, qw.fmt, qw.qweight, qw.scales, qw.zeros, b, "silu")
+    # dequant rounds W to bf16 before the GEMM; scaled_mm adds the bias to its bf16-rounded output
+    tol = 2e-2 if library in ("dequant", "scaled_mm") else TOL[dtype]
+    torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol)
+    if library == "int_mm":
+        assert torch.equal(y, qlinear(x, p, b, "silu", config=candidates("128+", N, K)[0]))
+
+
+def test_library_candidates_where_their_shapes_and_m_fit():
+    def p_of(name, n=4096, k=4096):
+        qw = quantized(FORMATS[name], n, k, gen("cands", name))
+        return prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    bf16 = torch.bfloat16
+    assert qm.library_candidates("1024+", p_of("int4-g64"), bf16) == [{"LIBRARY": "dequant"}]
+    assert qm.library_candidates("128+", p_of("int4-g64"), bf16) == []  # W's pass costs more than it saves
+    assert qm.library_candidates("128+", p_of("fp8"), bf16) == [{"LIBRARY": "scaled_mm"}]
+    assert qm.library_candidates("128+", p_of("fp8"), torch.float16) == []
+    assert qm.library_candidates("64", p_of("w8a8"), bf16) == []
+    assert qm.library_candidates("1024+", p_of("w8a8", 4100, 4096), bf16) == []  # N not a multiple of 8
+    assert [qm.qlinear_bucket(m) for m in (64, 65, 1023, 1024, 4096)] == ["64", "128+", "128+", "1024+", "1024+"]
+
+
+def test_an_artifact_tuned_before_the_1024_bucket_keeps_its_128_choice(monkeypatch):
+    monkeypatch.setattr(autotune, "can_time", lambda: True)
+    seen = []
+    monkeypatch.setattr(qm, "_launch", lambda spec, x2, p, b, y2, cfg, x_scales=None: seen.append(cfg))
+    qw = quantized(FORMATS["int4-g64"], 32, 128, gen("old"))
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    key = QMatmulSpec.of(p, torch.float32, False, "").key(32, 128)
+    rec = {"config": {"A": 7}, "triton_ms": 1.0, "cublas_ms": None, "prefer_cublas": False}
+    t = Tuner({key: {"128+": rec}}, device="test-gpu", frozen=True)
+    qlinear(torch.zeros(1500, 128), p, tuner=t)
+    assert seen == [{"A": 7}]
