@@ -33,6 +33,21 @@ def greedy(llm, prompts: list[str]) -> list:
     return [(o.outputs[0].token_ids, o.outputs[0].top_logprobs) for o in outs]
 
 
+def step_breakdown(llm) -> dict:
+    """Milliseconds per engine step of a closed LLM: the driver's phases (engine.timings; with workers
+    also its broadcasts and its waits for results) and each worker's (waiting for the step, decoding
+    it, running it, returning the result)."""
+    eng = llm.engine
+    n = max(1, eng.num_steps)
+    out = {k: 1e3 * v / n for k, v in eng.timings.items()}
+    t = getattr(eng.executor, "timings", None)
+    if t is not None:
+        out.update(driver_send=1e3 * t["send_s"] / n, driver_receive=1e3 * t["receive_s"] / n)
+        for r, w in enumerate(t["workers"]):
+            out.update({f"w{r}_{k[:-2]}": 1e3 * w[k] / max(1, w["steps"]) for k in w if k.endswith("_s")})
+    return {k: round(v, 3) for k, v in out.items()}
+
+
 def divergence(ref: list, got: list) -> dict:
     """Equal, or the first (prompt, position) where the tokens differ and the reference's top-2 margin there."""
     for i, ((a, tops), (b, _)) in enumerate(zip(ref, got)):
@@ -80,9 +95,11 @@ def main() -> None:
                 "cuda_graphs": not layout.endswith("e"), "expert_parallel": a.expert_parallel and tp > 1}
         t = time.time()
         try:
-            with LLM(art, max_num_seqs=min(a.n, 128), **opts) as llm:  # one load per layout: 8B loads take a while
+            with LLM(art, max_num_seqs=min(a.n, 128), **opts) as llm:
                 load_s = time.time() - t
                 dec = bench(llm, "decode")
+            per_step = step_breakdown(llm)  # the decode runs' steps alone: where a batch-1 step's time goes
+            with LLM(art, max_num_seqs=min(a.n, 128), **opts) as llm:
                 mix = bench(llm, "mixed", num_requests=a.n)
                 toks = greedy(llm, prompts)
         except Exception as e:  # noqa: BLE001 - a layout that fails is reported; the others still run
@@ -93,6 +110,7 @@ def main() -> None:
         row = {"layout": layout, "tp": tp, "pp": pp, "decode_tok_s": dec["out_tok_s"],
                "mixed_out_tok_s": mix["out_tok_s"],
                "mixed_ttft_ms_p99": mix["ttft_ms_p99"], "gpu_busy": mix.get("gpu_busy"), "load_s": load_s,
+               "decode_step_ms": per_step,
                "greedy": divergence(ref, toks)}
         base = rows[0] if rows else row
         row["decode_x"] = row["decode_tok_s"] / base["decode_tok_s"]
@@ -114,6 +132,9 @@ def main() -> None:
               f"{r['mixed_efficiency']:10.2f}  {same}")
     for e in errors:
         print(f"{e['layout']:7s} error: {e['error']}")
+    print("# batch-1 decode, ms per engine step (driver phases; w<rank>_: each worker's)")
+    for r in rows:
+        print(f"{r['layout']:7s} " + " ".join(f"{k}={v}" for k, v in r["decode_step_ms"].items()))
 
 
 if __name__ == "__main__":

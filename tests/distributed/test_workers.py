@@ -66,6 +66,11 @@ def test_pipeline_parallel_matches_one_process(odd_heads_artifact, single):
         gang = llm.engine.executor._gang
         assert all(p.poll() is None for p in gang.procs)
     assert [p.returncode for p in gang.procs] == [0, 0]  # stopped by the driver's message on leaving, not killed
+    # where the steps' time went, the workers' own once they have stopped: both ran every step
+    t = llm.engine.executor.timings
+    assert t["send_s"] > 0 and t["receive_s"] > 0 and len(t["workers"]) == 2
+    assert len({w["steps"] for w in t["workers"]}) == 1 and t["workers"][0]["steps"] >= 6
+    assert all(w["step_s"] > 0 and w["wait_s"] > 0 for w in t["workers"])
 
 
 def test_a_worker_error_and_a_hung_worker_are_llmc_errors(odd_heads_artifact):

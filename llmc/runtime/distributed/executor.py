@@ -112,6 +112,13 @@ class DistributedExecutor:
         """Stop the workers (also done when the executor is collected, and at exit)."""
         self._finalizer()
 
+    @property
+    def timings(self) -> dict:
+        """Where the steps' time went, summed (seconds): the driver's broadcasts (`send_s`) and its waits for
+        results (`receive_s`), and, once the workers have stopped (`close`), each worker's own
+        (`workers`: per rank, wait_s, decode_s, step_s, send_s and steps; see PipelineStage.serve)."""
+        return {**self._gang.timings, "workers": self._gang.worker_timings}
+
 
 class _Gang:
     """The worker processes, the store and control group they share with the driver, and their watchdog.
@@ -127,6 +134,8 @@ class _Gang:
         self.failure: str | None = None
         self.closing = False
         self.capacity = INITIAL_CAPACITY  # the step broadcast's length, as the workers expect it
+        self.timings = {"send_s": 0.0, "receive_s": 0.0}
+        self.worker_timings: list[dict] = []
         self._died = threading.Event()
         self._lock, self._ended = threading.Lock(), False
 
@@ -175,17 +184,21 @@ class _Gang:
         self._check()
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        t = time.perf_counter()
         try:
             self.control.broadcast([buf], opts).wait(self.timeout)
         except RuntimeError as e:
             self._lost(e)
+        self.timings["send_s"] += time.perf_counter() - t
 
     def receive(self, buf: torch.Tensor, src: int) -> torch.Tensor:
         self._check()
+        t = time.perf_counter()
         try:
             self.control.recv([buf], src, 0).wait(self.timeout)
         except RuntimeError as e:
             self._lost(e)
+        self.timings["receive_s"] += time.perf_counter() - t
         return buf
 
     def _check(self) -> None:
@@ -248,4 +261,7 @@ class _Gang:
         self._kill()
         for p in self.procs:
             p.wait()
+        keys = [f"timings/{w}" for w in range(self.world)]
+        if self.failure is None and self.store.check(keys):
+            self.worker_timings = [json.loads(self.store.get(k)) for k in keys]
         self.control = None

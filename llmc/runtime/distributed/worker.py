@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -128,6 +129,7 @@ def _serve(spec: WorkerSpec, store) -> None:
         torch.cuda.synchronize(device)
     stage = PipelineStage(spec, ex, mine.meta.get("pipeline", {}), control)
     stage.serve()
+    store.set(f"timings/{spec.rank}", json.dumps(stage.timings))
     dist.destroy_process_group()
 
 
@@ -140,23 +142,39 @@ class PipelineStage:
         self.receives = [v for v in executor.graph.inputs if v.name in set(pipeline.get("receives", []))]
         self.prev, self.next = spec.rank - spec.tp, spec.rank + spec.tp  # same tensor-parallel rank, next stage
         self.capacity = spec.capacity
+        # where this worker's time goes, summed over steps (left in the store at the end: `worker_timings`):
+        # waiting for the step's broadcast, decoding it, running it (the GPU's time too where the step
+        # reads its result back), returning the result
+        self.timings = {"steps": 0, "wait_s": 0.0, "decode_s": 0.0, "step_s": 0.0, "send_s": 0.0}
 
     def serve(self) -> None:
         import torch.distributed as dist
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        clock = time.perf_counter
         while True:
+            t0 = clock()
             buf = torch.empty(self.capacity, dtype=torch.int64)
             self.control.broadcast([buf], opts).wait()
             op, length = int(buf[0]), int(buf[1])
+            t1 = clock()
             if op == codec.STOP:
                 return
             if op == codec.RESIZE:
                 self.capacity = int(buf[2])
                 continue
-            result = self.step(codec.decode(buf[codec.HEADER:codec.HEADER + length].tolist()))
+            batch = codec.decode(buf[codec.HEADER:codec.HEADER + length].tolist())
+            t2 = clock()
+            result = self.step(batch)
+            t3 = clock()
             if result is not None:
                 self.control.send([result], 0, 0).wait()
+            t = self.timings
+            t["steps"] += 1
+            t["wait_s"] += t1 - t0
+            t["decode_s"] += t2 - t1
+            t["step_s"] += t3 - t2
+            t["send_s"] += clock() - t3
 
     @torch.inference_mode()
     def step(self, batch: StepBatch) -> torch.Tensor | None:
