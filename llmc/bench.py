@@ -51,6 +51,7 @@ class _Run:
     output_tokens: int = 0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)  # per request: time per output token after its first
     busy: float | None = None
 
 
@@ -92,7 +93,9 @@ def bench(model, workload: str = "mixed", *, num_requests: int | None = None, se
         **options: engine options (`EngineConfig` fields), as for `llmc.LLM`.
 
     Returns:
-        A JSON-ready dict: out_tok_s, ttft_ms_p50/p99, itl_ms_p50/p99 (None without later tokens),
+        A JSON-ready dict: out_tok_s, ttft_ms_p50/p99, itl_ms_p50/p99 (between streamed outputs; None
+        without later tokens), tpot_ms_p50/p99 (per request: time per output token after its first,
+        which stays per token where outputs carry several: speculation, multi-step),
         gpu_busy (a fraction, None off CUDA), and the run's settings and totals; `format_report`
         writes it as a table.
 
@@ -130,6 +133,7 @@ def bench(model, workload: str = "mixed", *, num_requests: int | None = None, se
             runs.append(_run(llm, batch, bar.advance))
     ttft = [t for r in runs for t in r.ttft]
     itl = [g for r in runs for g in r.itl]
+    tpot = [g for r in runs for g in r.tpot]
     duration = sum(r.duration for r in runs)
     out_tokens = sum(r.output_tokens for r in runs)
     busy = None if any(r.busy is None for r in runs) else sum(r.busy for r in runs) / duration
@@ -143,7 +147,8 @@ def bench(model, workload: str = "mixed", *, num_requests: int | None = None, se
         "prompt_tokens": sum(len(ids) for ids, _ in timed), "output_tokens": out_tokens, "duration_s": duration,
         "out_tok_s": out_tokens / duration if duration > 0 else None,
         "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99),
-        "itl_ms_p50": ms(itl, 50), "itl_ms_p99": ms(itl, 99), "gpu_busy": busy,
+        "itl_ms_p50": ms(itl, 50), "itl_ms_p99": ms(itl, 99), "tpot_ms_p50": ms(tpot, 50),
+        "tpot_ms_p99": ms(tpot, 99), "gpu_busy": busy,
         "num_preemptions": eng.num_preemptions - preempted,
     }
 
@@ -187,6 +192,8 @@ def _run(llm, requests: list[tuple[list[int], int]], on_tokens: Callable[[int], 
         eng.executor.execute = timed_execute
         torch.cuda.synchronize()
     last: dict[str, float] = {}
+    first: dict[str, tuple[float, int]] = {}  # request -> (time of its first output, tokens in it)
+    later: dict[str, int] = {}  # request -> output tokens after the first output
     try:
         t0 = time.perf_counter()
         for out in llm.stream([p for p, _ in requests], params):
@@ -194,15 +201,20 @@ def _run(llm, requests: list[tuple[list[int], int]], on_tokens: Callable[[int], 
             if not new:
                 continue  # a prompt chunk that samples nothing
             now = time.perf_counter()
-            if out.request_id in last:
-                res.itl.append(now - last[out.request_id])
+            rid = out.request_id
+            if rid in last:
+                res.itl.append(now - last[rid])
+                later[rid] = later.get(rid, 0) + new
             else:
                 res.ttft.append(now - t0)
-            last[out.request_id] = now
+                first[rid] = (now, new)
+            last[rid] = now
             res.output_tokens += new
             if on_tokens is not None:
                 on_tokens(new)
         res.duration = time.perf_counter() - t0
+        # per token, not per streamed output: speculation and multi-step stream several tokens at once
+        res.tpot = [(last[rid] - first[rid][0]) / n for rid, n in later.items()]
     finally:
         if events is not None:
             eng.executor.execute = execute
@@ -259,6 +271,7 @@ def format_report(r: dict) -> str:
         f"{'':22s} {'p50':>9s} {'p99':>9s}",
         f"{'TTFT (ms)':22s} {num(r['ttft_ms_p50'], '9.1f')} {num(r['ttft_ms_p99'], '9.1f')}",
         f"{'inter-token (ms)':22s} {num(r['itl_ms_p50'], '9.2f')} {num(r['itl_ms_p99'], '9.2f')}",
+        f"{'per output token (ms)':22s} {num(r['tpot_ms_p50'], '9.2f')} {num(r['tpot_ms_p99'], '9.2f')}",
         f"{'output (tok/s)':22s} {num(r['out_tok_s'], '9,.1f')}",
         f"{'GPU busy':22s} {num(r['gpu_busy'], '9.1%')}",
     ]

@@ -855,7 +855,8 @@ def bench():
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seeds the workload: the mixed lengths and where the prompts start in the text.")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON object: out_tok_s, ttft_ms_p50, ttft_ms_p99, itl_ms_p50, itl_ms_p99, gpu_busy "
+              help="Print one JSON object: out_tok_s, ttft_ms_p50, ttft_ms_p99, itl_ms_p50, itl_ms_p99, tpot_ms_p50, "
+                   "tpot_ms_p99 (time per output token after the first, per request), gpu_busy "
                    "(null off CUDA), duration_s, token totals and the settings.")
 @_engine_options()
 @_plugin_option

@@ -27,6 +27,7 @@ def check_figures(r: dict) -> None:
     assert r["out_tok_s"] > 0 and r["duration_s"] > 0
     assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"]
     assert 0 < r["itl_ms_p50"] <= r["itl_ms_p99"]
+    assert 0 < r["tpot_ms_p50"] <= r["tpot_ms_p99"]
     assert r["gpu_busy"] is None and r["device"] == "cpu"
 
 
@@ -47,6 +48,7 @@ def test_decode_reports_a_table(art):
     rows = {line[:22].strip(): line[22:].split() for line in out.splitlines() if line[:22].strip()}
     assert float(rows["TTFT (ms)"][0]) <= float(rows["TTFT (ms)"][1])
     assert float(rows["inter-token (ms)"][0]) <= float(rows["inter-token (ms)"][1])
+    assert float(rows["per output token (ms)"][0]) <= float(rows["per output token (ms)"][1])
     assert float(rows["output (tok/s)"][0]) > 0 and rows["GPU busy"] == ["n/a"]
 
 

@@ -73,3 +73,12 @@ def test_the_cli_flag(tiny_py_artifact):
     assert code1 == code4 == 0 and four == one
     code, out = cli(*args, "--multi-step", "0")
     assert code != 0 and "--multi-step must be >= 1" in out
+
+
+def test_bench_counts_time_per_token_where_outputs_carry_several(tiny_py_artifact):
+    from llmc.bench import bench
+    r1 = bench(tiny_py_artifact, "decode", num_requests=1, backend="reference", num_blocks=40)
+    r8 = bench(tiny_py_artifact, "decode", num_requests=1, backend="reference", num_blocks=40, multi_step=8)
+    # outputs of 8 tokens: the gap between them is ~8 steps, the time per token is still one step's
+    assert r8["itl_ms_p50"] > 4 * r1["itl_ms_p50"]
+    assert r8["tpot_ms_p50"] < 2 * r1["tpot_ms_p50"]
