@@ -67,7 +67,7 @@ for step in "$@"; do
             tail -8 "$OUT/quant_mixed.log" ;;
         parallel)
             rm -rf /tmp/tmp*
-            python3 benchmarks/parallel_bench.py --shape "${SHAPE:-8b}" --layouts "${LAYOUTS:-1x1,2x1,2x1e,1x2}" \
+            python3 benchmarks/parallel_bench.py --shape "${SHAPE:-8b}" --layouts "${LAYOUTS:-1x1,2x1,2x1m8,1x2,2x1e}" \
                 --n 128 --artifact "/tmp/art-${SHAPE:-8b}.llmc" --out "$OUT" >"$OUT/parallel.log" 2>&1
             tail -8 "$OUT/parallel.log" ;;
         multi-step)

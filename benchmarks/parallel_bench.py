@@ -2,7 +2,8 @@
 seeded random model of a shape (default Llama-3-8B), one artifact for every layout (sharded at load).
 
 Rows: one process, TP=2, PP=2 (and more with `--layouts`: `TPxPP`, with a trailing `e` the steps run
-eagerly, without CUDA graphs; `--expert-parallel` splits a MoE shape's experts over the TP ranks). For each: batch-1 decode tok/s (`llmc
+eagerly, without CUDA graphs, with `mK` K decode steps per engine step (multi-step);
+`--expert-parallel` splits a MoE shape's experts over the TP ranks). For each: batch-1 decode tok/s (`llmc
 bench --workload decode`: a fresh 128-token prompt, 256 new tokens, median of the runs) and its ratio
 to one process; the mixed workload's out tok/s (`--workload mixed`, `--n` requests at once) and the
 scaling efficiency (out tok/s over `processes x` one process's); and whether the greedy tokens of
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -62,7 +64,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="8b")
     ap.add_argument("--layouts", default="1x1,2x1,1x2",
-                    help="TPxPP layouts, the first the baseline; a trailing e: no CUDA graphs (2x1e)")
+                    help="TPxPP layouts, the first the baseline; a trailing e: no CUDA graphs (2x1e); mK: "
+                         "multi-step K (2x1m8)")
     ap.add_argument("--expert-parallel", action="store_true", help="MoE experts split by expert over TP ranks")
     ap.add_argument("--n", type=int, default=128, help="mixed workload: requests at once")
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts for the greedy comparison")
@@ -90,9 +93,13 @@ def main() -> None:
     prompts = [text[i * 997:i * 997 + 400] for i in range(a.prompts)]
     rows, ref, errors = [], None, []
     for layout in a.layouts.split(","):
-        tp, pp = map(int, layout.rstrip("e").split("x"))
+        m = re.fullmatch(r"(\d+)x(\d+)(e?)(?:m(\d+))?", layout)
+        if m is None:
+            raise SystemExit(f"--layouts: {layout!r} is not TPxPP[e][mK] (2x1, 2x1e, 2x1m8)")
+        tp, pp = int(m[1]), int(m[2])
         opts = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "backend": a.backend,
-                "cuda_graphs": not layout.endswith("e"), "expert_parallel": a.expert_parallel and tp > 1}
+                "cuda_graphs": not m[3], "expert_parallel": a.expert_parallel and tp > 1,
+                "multi_step": int(m[4] or 1)}
         t = time.time()
         try:
             with LLM(art, max_num_seqs=min(a.n, 128), **opts) as llm:

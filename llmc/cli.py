@@ -436,7 +436,7 @@ def _engine_options(seqs_help: str = "Sequences batched per step.", speculative:
                          help="Greedy decode steps run back to back on the device per engine step (the host "
                               "schedules and reads tokens back once for the K), while every sequence decodes, "
                               "no request waits for a free slot and all are greedy; the tokens are those of single steps. Not with "
-                              "--spec or parallel sizes."),
+                              "--spec or --pipeline-parallel-size."),
         ]
 
     def apply(f):

@@ -42,8 +42,9 @@ class EngineConfig:
         if self.expert_parallel and self.tensor_parallel_size == 1:
             raise LLMCError("expert_parallel spreads the experts over the tensor-parallel ranks: set "
                             "tensor_parallel_size >= 2 (--expert-parallel -tp 2)")
-        if self.multi_step > 1 and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise LLMCError("multi_step runs in one process: leave it at 1 with tensor or pipeline parallelism")
+        if self.multi_step > 1 and self.pipeline_parallel_size > 1:
+            raise LLMCError("multi_step runs on one pipeline stage (tensor parallelism is fine): leave it at 1 "
+                            "with pipeline_parallel_size > 1")
         if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
             raise LLMCError(f"num_cpu_blocks must be an integer >= 0, not {self.num_cpu_blocks!r}")
         if not 0 < self.kv_memory_fraction <= 1:

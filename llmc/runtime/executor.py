@@ -145,7 +145,7 @@ class LocalExecutor:
             return _empty(batch.greedy)
         if batch.chain:
             assert batch.greedy, "a chain feeds each row's argmax to the next step"
-            return StepResult(tokens=self._chain(seqs))
+            return StepResult(tokens=self.chain(seqs))
         if any(_verifies(s) for s in seqs):
             seqs = as_decode_rows(seqs)
         if batch.num_logits == 0:
@@ -165,7 +165,7 @@ class LocalExecutor:
     def _logits(self, inputs: dict[str, torch.Tensor], seqs: list[StepInput]) -> torch.Tensor:
         raise NotImplementedError
 
-    def _chain(self, seqs: list[StepInput]) -> torch.Tensor:
+    def chain(self, seqs: list[StepInput]) -> torch.Tensor:
         """The argmax rows of a chain batch (see `StepBatch.chain`), in batch order: the first step runs
         every entry with a chain's first token alone; step j then runs the chains longer than j, each
         fed its own previous token. Chains of unequal length are allowed."""
@@ -265,7 +265,7 @@ class KernelExecutor(LocalExecutor):
                 return StepResult(tokens=out) if greedy else StepResult(logits=out)
         return super()._forward(seqs, greedy)
 
-    def _chain(self, seqs: list[StepInput]) -> torch.Tensor:
+    def chain(self, seqs: list[StepInput]) -> torch.Tensor:
         # decode chains of one length replay their decode graph k times, each step's tokens fed to the
         # next on the device: one host sync for the k steps
         if self.step_graphs is not None and self.use_cuda_graphs and all(
@@ -274,7 +274,7 @@ class KernelExecutor(LocalExecutor):
                                               for s in seqs], len(seqs[0].token_ids))
             if out is not None:
                 return out.flatten()
-        return super()._chain(seqs)
+        return super().chain(seqs)
 
     def outputs(self, inputs: dict[str, torch.Tensor], seqs: list[StepInput]) -> list[torch.Tensor]:
         """Every output of the plan (a pipeline stage's are the values it hands the next stage)."""

@@ -140,6 +140,8 @@ def test_step_codec_round_trip():
     batch = StepBatch([StepInput([1, 2, 3], 4, [7, 8], 2, True), StepInput([9], 0, [], 0)],
                       swap_out=[(1, 2)], swap_in=[(3, 4), (5, 6)], copies=[(7, 8)], greedy=True)
     assert codec.decode(codec.encode(batch)) == batch
+    chain = StepBatch([StepInput([5, 0, 0], 9, [1], 3)], greedy=True, chain=True)  # multi-step's chains
+    assert codec.decode(codec.encode(chain)) == chain
     buf = codec.message(codec.STEP, codec.encode(batch), 64)
     assert buf.shape == (64,) and buf[:2].tolist() == [codec.STEP, len(codec.encode(batch))]
 

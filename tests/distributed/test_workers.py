@@ -59,6 +59,13 @@ def test_tensor_parallel_matches_one_process_and_fails_cleanly_when_a_worker_die
     assert all(p.poll() is not None for p in gang.procs)
 
 
+def test_tensor_parallel_multi_step_matches_one_process(odd_heads_artifact, single):
+    # every rank runs a chain's steps alike (each step's all_reduce and all_gather on every rank)
+    with LLM(odd_heads_artifact, tensor_parallel_size=2, multi_step=4, **OPTIONS) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == single
+        assert llm.engine.num_steps <= 4  # the prefill, then the 5 decodes in chains of 4
+
+
 def test_pipeline_parallel_matches_one_process(odd_heads_artifact, single):
     with LLM(odd_heads_artifact, pipeline_parallel_size=2, max_num_batched_tokens=16, **OPTIONS) as llm:  # chunked
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == single

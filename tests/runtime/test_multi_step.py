@@ -57,7 +57,7 @@ def test_sampling_requests_step_one_at_a_time_and_full_slots_still_chain(tiny_py
 @pytest.mark.parametrize("options, needle", [
     ({"multi_step": 0}, "multi_step must be an integer >= 1"),
     ({"multi_step": 2, "speculative": {"method": "ngram"}}, "multi_step and speculative decoding"),
-    ({"multi_step": 2, "tensor_parallel_size": 2}, "multi_step runs in one process"),
+    ({"multi_step": 2, "pipeline_parallel_size": 2}, "multi_step runs on one pipeline stage"),
 ])
 def test_bad_options_are_one_clear_error(tiny_py_artifact, options, needle):
     with pytest.raises(LLMCError, match=needle):

@@ -1,6 +1,6 @@
 """A step as one int64 tensor, the payload of the driver's one broadcast per step.
 
-    [op, length, greedy, #seqs, #swap_out, #swap_in, #copies,
+    [op, length, flags (1: greedy, 2: chain), #seqs, #swap_out, #swap_in, #copies,
      per sequence: #tokens, start_pos, #blocks, num_logits, prefill, tokens..., blocks...,
      swap_out pairs..., swap_in pairs..., copy pairs...]
 
@@ -17,7 +17,7 @@ HEADER = 2  # op, payload length
 
 
 def encode(batch: StepBatch) -> list[int]:
-    out = [int(batch.greedy), len(batch.seqs), len(batch.swap_out), len(batch.swap_in), len(batch.copies)]
+    out = [int(batch.greedy) | int(batch.chain) << 1, len(batch.seqs), len(batch.swap_out), len(batch.swap_in), len(batch.copies)]
     for s in batch.seqs:
         out += [len(s.token_ids), s.start_pos, len(s.block_table), s.num_logits, int(s.prefill)]
         out += s.token_ids
@@ -29,7 +29,7 @@ def encode(batch: StepBatch) -> list[int]:
 
 
 def decode(payload: list[int]) -> StepBatch:
-    greedy, n, n_out, n_in, n_copy = payload[:5]
+    flags, n, n_out, n_in, n_copy = payload[:5]
     at, seqs = 5, []
     for _ in range(n):
         nt, start, nb, num_logits, prefill = payload[at:at + 5]
@@ -40,7 +40,7 @@ def decode(payload: list[int]) -> StepBatch:
     for count in (n_out, n_in, n_copy):
         pairs.append([(payload[at + 2 * i], payload[at + 2 * i + 1]) for i in range(count)])
         at += 2 * count
-    return StepBatch(seqs, *pairs, greedy=bool(greedy))
+    return StepBatch(seqs, *pairs, greedy=bool(flags & 1), chain=bool(flags & 2))
 
 
 def message(op: int, payload: list[int], capacity: int) -> torch.Tensor:

@@ -185,6 +185,9 @@ class PipelineStage:
         ex.cache.swap_in(batch.swap_in)
         ex.cache.copy_blocks(batch.copies)
         seqs = batch.seqs
+        if batch.chain and seqs:  # multi-step: every rank runs the k steps alike (one stage: see the config)
+            tokens = ex.chain(seqs)
+            return tokens if self.spec.tp_rank == 0 else None
         if seqs and any(_verifies(s) for s in seqs):
             seqs = as_decode_rows(seqs)
         graphs = getattr(ex, "step_graphs", None)
