@@ -73,7 +73,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     (out / "multi_step_bench.json").write_text(json.dumps({"shape": a.shape, "gpu": gpu, "rows": rows}, indent=1))
     print(f"# {a.shape}, {gpu}; mixed: {a.n} requests (engine steps include the warm-up run)")
-    print(f"{'k':>3s} {'decode tok/s':>12s} {'x':>5s} {'mixed tok/s':>12s} {'x':>5s} {'busy':>5s} {'steps':>6s}  greedy = k 1")
+    print(f"{'k':>3s} {'decode tok/s':>12s} {'x':>5s} {'mixed tok/s':>12s} {'x':>5s} {'busy':>5s} {'steps':>6s}"
+          "  greedy = k 1")
     for r in rows:
         busy = f"{r['gpu_busy']:5.2f}" if r["gpu_busy"] is not None else f"{'-':>5s}"
         print(f"{r['k']:3d} {r['decode_tok_s']:12.1f} {r['decode_x']:5.2f} {r['mixed_out_tok_s']:12.1f} "

@@ -435,8 +435,8 @@ def _engine_options(seqs_help: str = "Sequences batched per step.", speculative:
             click.option("--multi-step", default=_ENGINE.multi_step, show_default=True, type=int, metavar="K",
                          help="Greedy decode steps run back to back on the device per engine step (the host "
                               "schedules and reads tokens back once for the K), while every sequence decodes, "
-                              "no request waits for a free slot and all are greedy; the tokens are those of single steps. Not with "
-                              "--spec or --pipeline-parallel-size."),
+                              "no request waits for a free slot and all are greedy; the tokens are those of single "
+                              "steps. Not with --spec or --pipeline-parallel-size."),
         ]
 
     def apply(f):

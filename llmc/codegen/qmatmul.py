@@ -628,7 +628,7 @@ def _launch_library(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: 
             y2.copy_(LINEAR_ACTS[spec.act](y2))
         return
     q, sx = quantize_act(x2, spec.kind) if x_scales is None else (x2, x_scales)
-    q, sx = q.contiguous(), sx.float().contiguous()  # the libraries take row-major x (codes made elsewhere may be views)
+    q, sx = q.contiguous(), sx.float().contiguous()  # libraries take row-major x (codes from a norm may be views)
     if library == "scaled_mm":
         y = torch._scaled_mm(q, p.qweight.t(), scale_a=sx, scale_b=p.scales.view(1, N),
                              out_dtype=torch.bfloat16)

@@ -248,12 +248,13 @@ class LLMEngine:
         return results
 
     def _plan_chains(self) -> list:
-        """Multi-step decoding (`multi_step` k > 1): when every sequence is decoding, nothing waits that
-        a free sequence slot could admit, and every token is a plain argmax, each running sequence is scheduled as a chain of k tokens (k - 1
-        placeholders after its last token, as a verify entry of k - 1 speculated tokens is): the executor
-        runs k decode steps back to back on the device and the engine's per-step host work (schedule,
-        postprocess, outputs) is paid once for the k. A chain is all accepted; tokens after a stop are
-        dropped as after a rejected speculation. Returns the sequences given placeholders."""
+        """Multi-step decoding (`multi_step` k > 1): when every sequence is decoding, nothing waits that a
+        free sequence slot could admit, and every token is a plain argmax, each running sequence is
+        scheduled as a chain of k tokens (k - 1 placeholders after its last token, as a verify entry of
+        k - 1 speculated tokens is): the executor runs k decode steps back to back on the device and the
+        engine's per-step host work (schedule, postprocess, outputs) is paid once for the k. A chain is
+        all accepted; tokens after a stop are dropped as after a rejected speculation. Returns the
+        sequences given placeholders."""
         k, sch = self.config.multi_step, self.scheduler
         running = list(sch.running)
         # a waiting request is admitted only where a sequence slot is free: with every slot taken, chains

@@ -17,7 +17,8 @@ HEADER = 2  # op, payload length
 
 
 def encode(batch: StepBatch) -> list[int]:
-    out = [int(batch.greedy) | int(batch.chain) << 1, len(batch.seqs), len(batch.swap_out), len(batch.swap_in), len(batch.copies)]
+    flags = int(batch.greedy) | int(batch.chain) << 1
+    out = [flags, len(batch.seqs), len(batch.swap_out), len(batch.swap_in), len(batch.copies)]
     for s in batch.seqs:
         out += [len(s.token_ids), s.start_pos, len(s.block_table), s.num_logits, int(s.prefill)]
         out += s.token_ids
