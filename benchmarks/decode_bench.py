@@ -80,6 +80,25 @@ def random_model(shape: str, out: Path, dtype=torch.bfloat16, seed: int = 0) -> 
     return out
 
 
+def shared_artifact(shape: str, path: str | None):
+    """The bf16 artifact of `random_model(shape)`: loaded from `path` if a compile left it there, else
+    compiled there (or in a fresh temporary directory), so that benchmarks on one machine share it."""
+    import llmc
+    if path and Path(path, "manifest.json").is_file():
+        return llmc.load(path)
+    work, t = Path(tempfile.mkdtemp()), time.time()
+    art = llmc.compile(str(random_model(shape, work / "hf")), path or str(work / "m.llmc"), dtype="bfloat16")
+    print(f"# compiled {shape} in {time.time() - t:.0f} s", flush=True)
+    return art
+
+
+def heldout_prompts(n: int) -> list[str]:
+    """n 400-character cuts of the held-out text, 997 characters apart: the greedy comparisons' prompts."""
+    from llmc.models import heldout_text_path
+    text = heldout_text_path().read_text()
+    return [text[i * 997:i * 997 + 400] for i in range(n)]
+
+
 def bandwidth() -> float:
     if not CUDA:
         return float("nan")

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,23 +32,13 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    import llmc
-    from decode_bench import random_model
+    from decode_bench import heldout_prompts, shared_artifact
     from llmc.bench import bench
-    from llmc.models import heldout_text_path
     from llmc.runtime.engine import LLM, SamplingParams
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp())
-    t = time.time()
-    if a.artifact and Path(a.artifact, "manifest.json").is_file():
-        art = llmc.load(a.artifact)
-    else:
-        art = llmc.compile(str(random_model(a.shape, work / "hf")), a.artifact or str(work / "m.llmc"),
-                           dtype="bfloat16")
-        print(f"# compiled {a.shape} in {time.time() - t:.0f} s", flush=True)
-    text = heldout_text_path().read_text()
-    prompts = [text[i * 997:i * 997 + 400] for i in range(a.prompts)]
+    art = shared_artifact(a.shape, a.artifact)
+    prompts = heldout_prompts(a.prompts)
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     rows, ref = [], None
     for k in [1] + [int(x) for x in a.ks.split(",")]:

@@ -20,7 +20,6 @@ import argparse
 import json
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -74,23 +73,13 @@ def main() -> None:
                     "(steps on one machine then share one compile)")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
-    import llmc
-    from decode_bench import random_model
+    from decode_bench import heldout_prompts, shared_artifact
     from llmc.bench import bench
-    from llmc.models import heldout_text_path
     from llmc.runtime.engine import LLM
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp())
-    t = time.time()
-    if a.artifact and Path(a.artifact, "manifest.json").is_file():
-        art = llmc.load(a.artifact)
-    else:
-        art = llmc.compile(str(random_model(a.shape, work / "hf")), a.artifact or str(work / "m.llmc"),
-                           dtype="bfloat16")
-        print(f"# compiled {a.shape} in {time.time() - t:.0f} s", flush=True)
-    text = heldout_text_path().read_text()
-    prompts = [text[i * 997:i * 997 + 400] for i in range(a.prompts)]
+    art = shared_artifact(a.shape, a.artifact)
+    prompts = heldout_prompts(a.prompts)
     rows, ref, errors = [], None, []
     for layout in a.layouts.split(","):
         m = re.fullmatch(r"(\d+)x(\d+)(e?)(?:m(\d+))?", layout)
