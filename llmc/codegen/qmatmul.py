@@ -623,7 +623,10 @@ def _launch_library(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: 
     M, N = x2.shape[0], p.out_features
     if library == "dequant":
         w = dequantize_prepared(p, x2.dtype)
-        torch.addmm(b.to(x2.dtype), x2, w.t(), out=y2) if b is not None else torch.mm(x2, w.t(), out=y2)
+        if b is not None:
+            torch.addmm(b.to(x2.dtype), x2, w.t(), out=y2)
+        else:
+            torch.mm(x2, w.t(), out=y2)
         if spec.act:
             y2.copy_(LINEAR_ACTS[spec.act](y2))
         return
