@@ -2,7 +2,8 @@
 seeded random model of a shape (default Llama-3-8B), one artifact for every layout (sharded at load).
 
 Rows: one process, TP=2, PP=2 (and more with `--layouts`: `TPxPP`, with a trailing `e` the steps run
-eagerly, without CUDA graphs, with `mK` K decode steps per engine step (multi-step);
+eagerly, without CUDA graphs, with `n` every all_reduce goes through NCCL (LLMC_TP_ALLREDUCE=nccl), with
+`mK` K decode steps per engine step (multi-step);
 `--expert-parallel` splits a MoE shape's experts over the TP ranks). For each: batch-1 decode tok/s (`llmc
 bench --workload decode`: a fresh 128-token prompt, 256 new tokens, median of the runs) and its ratio
 to one process; the mixed workload's out tok/s (`--workload mixed`, `--n` requests at once) and the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -63,11 +65,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="8b")
     ap.add_argument("--layouts", default="1x1,2x1,1x2",
-                    help="TPxPP layouts, the first the baseline; a trailing e: no CUDA graphs (2x1e); mK: "
-                         "multi-step K (2x1m8)")
+                    help="TPxPP layouts, the first the baseline; a trailing e: no CUDA graphs (2x1e); n: every "
+                         "all_reduce through NCCL, not symmetric memory (2x1n); mK: multi-step K (2x1m8)")
     ap.add_argument("--expert-parallel", action="store_true", help="MoE experts split by expert over TP ranks")
     ap.add_argument("--n", type=int, default=128, help="mixed workload: requests at once")
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts for the greedy comparison")
+    ap.add_argument("--decode-only", action="store_true", help="batch-1 decode and its step breakdown only "
+                    "(no mixed workload, no greedy comparison)")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--artifact", default=None, help="compile the random model here, or reuse it if it is there "
                     "(steps on one machine then share one compile)")
@@ -82,22 +86,25 @@ def main() -> None:
     prompts = heldout_prompts(a.prompts)
     rows, ref, errors = [], None, []
     for layout in a.layouts.split(","):
-        m = re.fullmatch(r"(\d+)x(\d+)(e?)(?:m(\d+))?", layout)
+        m = re.fullmatch(r"(\d+)x(\d+)(e?)(n?)(?:m(\d+))?", layout)
         if m is None:
-            raise SystemExit(f"--layouts: {layout!r} is not TPxPP[e][mK] (2x1, 2x1e, 2x1m8)")
+            raise SystemExit(f"--layouts: {layout!r} is not TPxPP[e][n][mK] (2x1, 2x1e, 2x1n, 2x1m8)")
+        os.environ["LLMC_TP_ALLREDUCE"] = "nccl" if m[4] else "auto"  # the workers inherit it
         tp, pp = int(m[1]), int(m[2])
         opts = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "backend": a.backend,
                 "cuda_graphs": not m[3], "expert_parallel": a.expert_parallel and tp > 1,
-                "multi_step": int(m[4] or 1)}
+                "multi_step": int(m[5] or 1)}
         t = time.time()
         try:
             with LLM(art, max_num_seqs=min(a.n, 128), **opts) as llm:
                 load_s = time.time() - t
                 dec = bench(llm, "decode")
             per_step = step_breakdown(llm)  # the decode runs' steps alone: where a batch-1 step's time goes
-            with LLM(art, max_num_seqs=min(a.n, 128), **opts) as llm:
-                mix = bench(llm, "mixed", num_requests=a.n)
-                toks = greedy(llm, prompts)
+            mix, toks = {"out_tok_s": float("nan"), "ttft_ms_p99": None}, []
+            if not a.decode_only:
+                with LLM(art, max_num_seqs=min(a.n, 128), **opts) as llm:
+                    mix = bench(llm, "mixed", num_requests=a.n)
+                    toks = greedy(llm, prompts)
         except Exception as e:  # noqa: BLE001 - a layout that fails is reported; the others still run
             errors.append({"layout": layout, "error": f"{type(e).__name__}: {e}"[:400]})
             print(json.dumps(errors[-1]), flush=True)
@@ -123,7 +130,8 @@ def main() -> None:
     print(f"{'TPxPP':7s} {'decode tok/s':>12s} {'x':>5s} {'mixed tok/s':>12s} {'efficiency':>10s}  greedy = 1 process")
     for r in rows:
         g = r["greedy"]
-        same = "yes" if g["equal"] else f"no: prompt {g['prompt']} token {g['position']}, margin {g['margin']:.3g}"
+        same = "-" if a.decode_only else "yes" if g["equal"] else \
+            f"no: prompt {g['prompt']} token {g['position']}, margin {g['margin']:.3g}"
         print(f"{r['layout']:7s} {r['decode_tok_s']:12.1f} {r['decode_x']:5.2f} {r['mixed_out_tok_s']:12.1f} "
               f"{r['mixed_efficiency']:10.2f}  {same}")
     for e in errors:

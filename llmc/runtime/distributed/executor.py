@@ -35,7 +35,7 @@ from llmc.runtime.distributed.worker import CONTROL_TIMEOUT, WorkerSpec
 from llmc.runtime.executor import StepBatch, StepResult, select_backend
 
 STARTUP_TIMEOUT_S = 900.0
-INITIAL_CAPACITY = 1 << 14
+INITIAL_CAPACITY = 1 << 10  # int64s: a decode step's batch is tens; larger steps grow it (RESIZE)
 
 
 class DistributedExecutor:

@@ -123,7 +123,7 @@ def _serve(spec: WorkerSpec, store) -> None:
         ex.num_blocks, ex.kv_bytes = num_blocks, ex.cache.bytes
         if getattr(ex, "step_graphs", None) is not None:  # graphs are captured later: over this cache, not the first
             ex.step_graphs.kv = ex.kv
-    ex.plan.state["process_groups"] = {"tp": TorchCollectives(tp_groups[spec.stage])}
+    ex.plan.state["process_groups"] = {"tp": TorchCollectives(tp_groups[spec.stage], device)}
     if spec.cuda_graphs:  # NCCL sets up a communicator on its first collective, which a capture may not hold
         dist.all_reduce(torch.zeros(1, device=device), group=tp_groups[spec.stage])
         torch.cuda.synchronize(device)
