@@ -186,13 +186,41 @@ def check_output(out: Path) -> None:
 def _autotune(graph: Graph, bar, batch_invariant: bool = True, cache: bool = True) -> dict:
     """Tune each distinct linear shape for decode-sized token counts (1..64) on this GPU; with `cache`,
     choices earlier compiles timed on this GPU are reused and new ones kept (autotune.cache_file)."""
-    from llmc.codegen import matmul as mm
-    from llmc.codegen.autotune import DECODE_JOINT_BUCKETS, JOINT_BUCKETS, M_BUCKETS, Tuner
-    from llmc.codegen.lower import ACT_EPILOGUE
+    from llmc.codegen.autotune import DECODE_JOINT_BUCKETS, JOINT_BUCKETS, Tuner
     if not graph.meta.get("paged"):
         return {}
     joint = JOINT_BUCKETS if batch_invariant else DECODE_JOINT_BUCKETS
-    tuner, seen = Tuner.persistent(joint) if cache else Tuner(joint=joint), set()
+    tuner = Tuner.persistent(joint) if cache else Tuner(joint=joint)
+    _tune_linears(graph, tuner, bar)
+    tuner.save_cache()
+    return tuner.to_json(keys=tuner.used)  # this model's choices, not the rest of the cache
+
+
+def tune_shard(graph: Graph, tuning: dict) -> dict:
+    """An artifact's tuning.json contents completed for `graph`, a shard of its graph (llmc/ir/sharding.py):
+    a tensor-parallel rank's linears have shapes the compile never saw (N/TP rows, K/TP columns), which
+    would otherwise fall back to cuBLAS or untuned tiles. Those are timed now on this GPU, once per
+    machine (the tuning cache keeps them, as compiles do); the artifact's own choices stand."""
+    from llmc.codegen.autotune import JOINT_BUCKETS, Tuner
+    if not (torch.cuda.is_available() and graph.meta.get("paged") and tuning and tuning.get("kernels")):
+        return tuning
+    given = Tuner.from_json(tuning)
+    if not given.records:  # measured on another GPU: its choices do not hold here, nor would ours for it
+        return tuning
+    tuner = Tuner.persistent(tuning.get("joint_buckets", JOINT_BUCKETS))
+    tuner.records.update(given.records)
+    _tune_linears(graph, tuner, _Progress(False))
+    tuner.save_cache()
+    out = tuner.to_json(keys=tuner.used | set(given.records))
+    out["device"] = tuning.get("device", out["device"])
+    return out
+
+
+def _tune_linears(graph: Graph, tuner, bar) -> None:
+    from llmc.codegen import matmul as mm
+    from llmc.codegen.autotune import M_BUCKETS
+    from llmc.codegen.lower import ACT_EPILOGUE
+    seen: set = set()
     for n in graph.nodes:
         if n.op == "qlinear":
             _tune_qlinear(graph, n, tuner, seen, bar)
@@ -209,8 +237,6 @@ def _autotune(graph: Graph, bar, batch_invariant: bool = True, cache: bool = Tru
         wc = w.cuda()
         for m in M_BUCKETS[:-1]:
             mm.linear(torch.randn(m, w.shape[1], dtype=w.dtype, device="cuda"), wc, b, epi, tuner=tuner)
-    tuner.save_cache()
-    return tuner.to_json(keys=tuner.used)  # this model's choices, not the rest of the cache
 
 
 def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar) -> None:

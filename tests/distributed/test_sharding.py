@@ -221,3 +221,50 @@ def test_tensor_parallel_worker_replays_step_graphs_on_every_rank():
     prefill = StepBatch([StepInput([1, 2, 3], 0, [2], 1, True), StepInput([7], 4, [3], 1)], greedy=True)
     assert r0.step(prefill).tolist() == [0, 0] and r0.ex.eager == 1
     assert r1.step(prefill) is None and r1.ex.eager == 1
+
+
+def test_tune_shard_times_only_the_shapes_the_artifact_lacks(artifacts, monkeypatch, tmp_path):
+    """A rank's linears (N/TP rows, K/TP columns) are tuned at load; the artifact's own choices stand, the new
+    ones join them (and the per-GPU tuning cache), and an artifact tuned on another GPU is left alone."""
+    import llmc.codegen.autotune as autotune
+    import llmc.compiler as compiler
+    from llmc.codegen.matmul import MatmulSpec
+    g = artifacts["h6-kv2"].graph
+    shard = shard_graph(g.clone(), 2, 0)
+
+    def key(n):
+        w = n.inputs[1].type
+        return MatmulSpec(w.dtype, len(n.inputs) > 2, ()).key(int(w.shape[0]), int(w.shape[1]))
+
+    full = {key(n) for n in g.nodes if n.op == "linear"}
+    mine = {key(n) for n in shard.nodes if n.op == "linear"}
+    assert mine - full  # the shard's shapes are new
+    rec = {"config": {"BLOCK_N": 64}, "triton_ms": 1.0, "cublas_ms": 2.0, "prefer_cublas": False}
+    tuning = {"format": autotune.FORMAT, "device": "GPU-A", "triton": "3", "joint_buckets": ["1"],
+              "kernels": {k: {"1": dict(rec)} for k in full}}
+    timed = []
+
+    def fake_tune(graph, tuner, bar):  # what _tune_linears does on a GPU: time each key with no record
+        for n in graph.nodes:
+            if n.op == "linear":
+                k = key(n)
+                tuner.used.add(k)
+                if tuner.lookup(k, "1") is None:
+                    timed.append(k)
+                    tuner.records.setdefault(k, {})["1"] = {**rec, "config": {"BLOCK_N": 32}}
+
+    monkeypatch.setattr(compiler, "_tune_linears", fake_tune)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(autotune, "_device_name", lambda: "GPU-A")
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "cache_file", lambda device, joint: tmp_path / "tuning-cache.json")
+    out = compiler.tune_shard(shard, tuning)
+    assert set(timed) == mine - full and out["device"] == "GPU-A"
+    assert all(out["kernels"][k]["1"]["config"] == {"BLOCK_N": 64} for k in full & mine)
+    assert all(out["kernels"][k]["1"]["config"] == {"BLOCK_N": 32} for k in mine - full)
+    assert set(autotune.Tuner.load(tmp_path / "tuning-cache.json").records) >= mine - full
+    timed.clear()  # the second load on this machine finds them in the cache
+    compiler.tune_shard(shard, tuning)
+    assert timed == []
+    monkeypatch.setattr(autotune, "_device_name", lambda: "GPU-B")
+    assert compiler.tune_shard(shard, tuning) is tuning

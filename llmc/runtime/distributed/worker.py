@@ -90,6 +90,7 @@ def _serve(spec: WorkerSpec, store) -> None:
     import torch.distributed as dist
     from torch.distributed import PrefixStore
     from llmc.artifact import load_artifact
+    from llmc.compiler import tune_shard
     from llmc.ir.collectives import TorchCollectives
     from llmc.ir.sharding import shard_graph
     from llmc.ir.stages import split_stages
@@ -101,6 +102,8 @@ def _serve(spec: WorkerSpec, store) -> None:
     art = load_artifact(spec.artifact, verify=False)  # the driver checked the hashes moments ago
     graph = shard_graph(art.graph, spec.tp, spec.tp_rank, spec.expert_parallel)
     mine, tuning = split_stages(graph, spec.pp).graphs[spec.stage], art.tuning
+    if cuda and spec.tp > 1:  # the shard's linears have shapes of their own: tuned here, once per machine
+        tuning = tune_shard(mine, tuning)
     del art, graph  # the weights of other shards and stages go once this stage holds its own
     ex = make_executor(mine, spec.backend, str(device), spec.block_size, spec.num_blocks,
                        spec.kv_cache_dtype, spec.memory_fraction, spec.num_cpu_blocks, tuning,
