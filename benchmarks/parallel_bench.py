@@ -18,6 +18,7 @@ top-2 logit margin there (a near-tie flipped by the other summation order, or a 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -79,6 +80,8 @@ def main() -> None:
     a = ap.parse_args()
     from decode_bench import heldout_prompts, shared_artifact
     from llmc.bench import bench
+    import torch
+
     from llmc.runtime.engine import LLM
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,6 +112,11 @@ def main() -> None:
             errors.append({"layout": layout, "error": f"{type(e).__name__}: {e}"[:400]})
             print(json.dumps(errors[-1]), flush=True)
             continue
+        finally:
+            llm = None  # one process's KV cache and graphs go before the next layout takes the GPUs
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         ref = ref or toks
         row = {"layout": layout, "tp": tp, "pp": pp, "decode_tok_s": dec["out_tok_s"],
                "mixed_out_tok_s": mix["out_tok_s"],
@@ -122,7 +130,6 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         with (out / "parallel_bench.partial.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
-    import torch
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     summary = {"shape": a.shape, "gpu": gpu, "rows": rows, "errors": errors}
     (out / "parallel_bench.json").write_text(json.dumps(summary, indent=1))

@@ -21,6 +21,7 @@ from llmc.runtime.sampler import Sampler, target_logprobs
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.sequence import SequenceGroup, SequenceStatus
+from llmc.runtime.profiling import StepProfiler
 from llmc.runtime.spec_decode import SpecConfig, SpecDecoder
 from llmc.runtime.stop import StopChecker
 
@@ -148,6 +149,9 @@ class LLMEngine:
         self.num_preemptions = 0
         self.num_steps = 0
         self.timings: dict[str, float] = {}  # seconds per phase, summed over steps
+        # LLMC_PROFILE_DIR: a window of steps profiled (llmc/runtime/profiling.py); workers profile their own
+        self._profiler = StepProfiler.from_env("engine") if getattr(self.executor.device, "type", "") == "cuda" \
+            else None
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, prompt: str | Seq[int]) -> list[int]:
@@ -213,6 +217,8 @@ class LLMEngine:
         """One iteration: schedule ▸ run ▸ postprocess. Returns outputs of requests that progressed
         (streaming: each carries its delta since the last), or with `finished_only` of those that
         finished (or were aborted) since the last step."""
+        if self._profiler is not None:
+            self._profiler.tick()
         t = time.perf_counter()
         if self.spec is not None:
             self.spec.propose([s for s in self.scheduler.running if not s.is_prefill])

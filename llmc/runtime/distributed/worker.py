@@ -152,10 +152,14 @@ class PipelineStage:
 
     def serve(self) -> None:
         import torch.distributed as dist
+        from llmc.runtime.profiling import StepProfiler
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         clock = time.perf_counter
+        profiler = StepProfiler.from_env(f"rank{self.spec.rank}") if self.spec.backend == "cuda" else None
         while True:
+            if profiler is not None:
+                profiler.tick()
             t0 = clock()
             buf = torch.empty(self.capacity, dtype=torch.int64)
             self.control.broadcast([buf], opts).wait()

@@ -1,0 +1,55 @@
+"""A window of steps under the PyTorch profiler, for finding where a step's GPU time goes.
+
+Set LLMC_PROFILE_DIR=DIR (and optionally LLMC_PROFILE_STEPS=FIRST:LAST, default 50:250): the engine
+(one process) and every distributed worker profile steps FIRST..LAST-1 of their own and write
+DIR/profile-<name>.txt: the window's wall time, the GPU's busy time (kernels and copies, CUDA graph
+replays included kernel by kernel) and the top kernels with their time per step. Nothing happens
+(one attribute test per step) when the variable is unset.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+class StepProfiler:
+    """`tick()` once per step, before it runs."""
+
+    def __init__(self, name: str):
+        self.dir = os.environ.get("LLMC_PROFILE_DIR")
+        first, _, last = os.environ.get("LLMC_PROFILE_STEPS", "50:250").partition(":")
+        self.first, self.last = int(first), int(last)
+        self.name, self.steps, self.prof, self.t0 = name, 0, None, 0.0
+
+    @classmethod
+    def from_env(cls, name: str) -> "StepProfiler | None":
+        return cls(name) if os.environ.get("LLMC_PROFILE_DIR") else None
+
+    def tick(self) -> None:
+        import torch
+        if self.steps == self.first:
+            from torch.profiler import ProfilerActivity, profile
+            torch.cuda.synchronize()
+            self.prof = profile(activities=[ProfilerActivity.CUDA])
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+        elif self.steps == self.last and self.prof is not None:
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - self.t0
+            self.prof.__exit__(None, None, None)
+            self._write(wall, self.last - self.first)
+            self.prof = None
+        self.steps += 1
+
+    def _write(self, wall: float, steps: int) -> None:
+        rows = sorted(((e.key, e.self_device_time_total, e.count) for e in self.prof.key_averages()),
+                      key=lambda r: -r[1])
+        busy = sum(r[1] for r in rows)  # microseconds
+        lines = [f"# {self.name}: steps {self.first}..{self.last - 1}, wall {1e3 * wall / steps:.3f} ms/step, "
+                 f"GPU busy {busy / 1e3 / steps:.3f} ms/step ({busy / 1e6 / wall:.1%})",
+                 f"{'us/step':>9s} {'calls/step':>10s} {'share':>6s}  kernel"]
+        for key, us, count in rows[:40]:
+            lines.append(f"{us / steps:9.1f} {count / steps:10.1f} {us / max(busy, 1e-9):6.1%}  {key[:110]}")
+        Path(self.dir).mkdir(parents=True, exist_ok=True)
+        Path(self.dir, f"profile-{self.name}.txt").write_text("\n".join(lines) + "\n")
