@@ -52,6 +52,16 @@ def step_breakdown(llm) -> dict:
     return {k: round(v, 3) for k, v in out.items()}
 
 
+PROFILE_DIR = os.environ.get("LLMC_PROFILE_DIR")
+
+
+def profile(layout: str, phase: str) -> None:
+    """With LLMC_PROFILE_DIR set (llmc/runtime/profiling.py), each layout's and phase's engine and workers write
+    their profiles into a folder of their own under it."""
+    if PROFILE_DIR:
+        os.environ["LLMC_PROFILE_DIR"] = str(Path(PROFILE_DIR) / f"{layout}-{phase}")
+
+
 def divergence(ref: list, got: list) -> dict:
     """Equal, or the first (prompt, position) where the tokens differ and the reference's top-2 margin there."""
     for i, ((a, tops), (b, _)) in enumerate(zip(ref, got)):
@@ -99,12 +109,14 @@ def main() -> None:
                 "multi_step": int(m[5] or 1)}
         t = time.time()
         try:
+            profile(layout, "decode")
             with LLM(art, max_num_seqs=min(a.n, 128), **opts) as llm:
                 load_s = time.time() - t
                 dec = bench(llm, "decode")
             per_step = step_breakdown(llm)  # the decode runs' steps alone: where a batch-1 step's time goes
             mix, toks = {"out_tok_s": float("nan"), "ttft_ms_p99": None}, []
             if not a.decode_only:
+                profile(layout, "mixed")
                 with LLM(art, max_num_seqs=min(a.n, 128), **opts) as llm:
                     mix = bench(llm, "mixed", num_requests=a.n)
                     toks = greedy(llm, prompts)

@@ -268,3 +268,33 @@ def test_tune_shard_times_only_the_shapes_the_artifact_lacks(artifacts, monkeypa
     assert timed == []
     monkeypatch.setattr(autotune, "_device_name", lambda: "GPU-B")
     assert compiler.tune_shard(shard, tuning) is tuning
+
+
+def test_resizing_a_workers_cache_frees_the_first_before_making_the_second(artifacts, monkeypatch):
+    """Ranks agree on the smallest cache; a rank that made a larger one drops every reference to it (the
+    step graphs' too) before the second is allocated, or the GPU would have to hold both at once."""
+    import gc
+    import weakref
+
+    import llmc.runtime.distributed.worker as worker
+    from llmc.runtime.executor import make_executor
+    ex = make_executor(artifacts["h6-kv2"].graph, "reference", "cpu", 4, 16)
+
+    class Graphs:  # the step-graph cache's hold on the cache tensors
+        def __init__(self):
+            self.kv = ex.kv
+
+    ex.step_graphs = Graphs()
+    first = [weakref.ref(t) for t in ex.kv.values()]
+    made = worker.KVCache
+
+    def check(*args):
+        gc.collect()
+        assert all(r() is None for r in first), "the first cache is still alive"
+        return made(*args)
+
+    monkeypatch.setattr(worker, "KVCache", check)
+    worker.resize_cache(ex, 9, 0.5, 0)
+    assert ex.num_blocks == 9 and ex.cache.num_blocks == 9
+    assert ex.step_graphs.kv.keys() == ex.kv.keys() and all(a is b for a, b in zip(ex.step_graphs.kv.values(),
+                                                                                ex.kv.values()))

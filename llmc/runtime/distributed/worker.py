@@ -119,13 +119,7 @@ def _serve(spec: WorkerSpec, store) -> None:
     control = dist.ProcessGroupGloo(PrefixStore("control", store), spec.rank + 1, spec.world + 1, CONTROL_TIMEOUT)
     num_blocks = int(store.get("num_blocks"))
     if num_blocks != ex.num_blocks:  # every rank's cache holds the block manager's count: the smallest
-        ex.cache = None  # the first cache goes before the second is made: both may not fit at once
-        if cuda:
-            torch.cuda.empty_cache()
-        ex.cache = KVCache(ex.graph, ex.device, spec.block_size, num_blocks, spec.memory_fraction, spec.num_cpu_blocks)
-        ex.num_blocks, ex.kv_bytes = num_blocks, ex.cache.bytes
-        if getattr(ex, "step_graphs", None) is not None:  # graphs are captured later: over this cache, not the first
-            ex.step_graphs.kv = ex.kv
+        resize_cache(ex, num_blocks, spec.memory_fraction, spec.num_cpu_blocks)
     ex.plan.state["process_groups"] = {"tp": TorchCollectives(tp_groups[spec.stage], device)}
     if spec.cuda_graphs:  # NCCL sets up a communicator on its first collective, which a capture may not hold
         dist.all_reduce(torch.zeros(1, device=device), group=tp_groups[spec.stage])
@@ -134,6 +128,22 @@ def _serve(spec: WorkerSpec, store) -> None:
     stage.serve()
     store.set(f"timings/{spec.rank}", json.dumps(stage.timings))
     dist.destroy_process_group()
+
+
+def resize_cache(ex, num_blocks: int, memory_fraction: float, num_cpu_blocks: int) -> None:
+    """Re-make the executor's KV cache with `num_blocks` blocks. The first cache goes before the second is
+    made (both may not fit at once): the executor and its step graphs (captured later, over the second)
+    drop every reference to it first."""
+    graphs = getattr(ex, "step_graphs", None)
+    ex.cache = None
+    if graphs is not None:
+        graphs.kv = {}
+    if ex.device.type == "cuda":
+        torch.cuda.empty_cache()
+    ex.cache = KVCache(ex.graph, ex.device, ex.block_size, num_blocks, memory_fraction, num_cpu_blocks)
+    ex.num_blocks, ex.kv_bytes = num_blocks, ex.cache.bytes
+    if graphs is not None:
+        graphs.kv = ex.kv
 
 
 class PipelineStage:
