@@ -146,10 +146,12 @@ def quantize_activations(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torc
     """Per-token dynamic quantization of x [..., K]: (codes, scale [..., 1] fp32)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8)
+    # divided by a tensor, not a Python number: on CUDA, torch divides by a host scalar as a multiply by its
+    # reciprocal (not correctly rounded), which would make the scales, and so the codes, differ by device
+    qmax = torch.full_like(amax, INT8_MAX if kind == "w8a8" else FP8_MAX)
+    s = amax / qmax
     if kind == "w8a8":
-        s = amax / INT8_MAX
         return torch.round(xf / s).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), s
-    s = amax / FP8_MAX
     return (xf / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
 
 

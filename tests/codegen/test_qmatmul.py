@@ -219,7 +219,7 @@ def test_unsupported_inputs_are_clear_errors():
         qlinear(rand(2, 128, g=g), p, rand(31, g=g))
     fmt8 = QuantFormat("int", 4, 8)
     with pytest.raises(CompileError, match="group size 8 .* not a multiple of 16"):
-        prepare(fmt8, qw.qweight, torch.ones(32, 16), None)
+        prepare(fmt8, qw.qweight, torch.ones(32, 16, device=DEVICE), None)
     with pytest.raises(CompileError, match="weights are torch.uint8"):
         prepare(qw.fmt, qw.qweight.to(torch.int8), qw.scales, None)
     with pytest.raises(CompileError, match=r"scales should be float \[32, 2\]"):

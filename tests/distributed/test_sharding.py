@@ -298,3 +298,36 @@ def test_resizing_a_workers_cache_frees_the_first_before_making_the_second(artif
     assert ex.num_blocks == 9 and ex.cache.num_blocks == 9
     assert ex.step_graphs.kv.keys() == ex.kv.keys() and all(a is b for a, b in zip(ex.step_graphs.kv.values(),
                                                                                 ex.kv.values()))
+
+
+def test_every_tensor_parallel_rank_runs_rank_zeros_tuning_choices(monkeypatch):
+    """Rank 0 of a stage tunes its shard and hands the choices on; the others start from them (timing only
+    what rank 0 did not have), so that every rank runs the same kernels."""
+    import json
+
+    import llmc.compiler as compiler
+    from llmc.runtime.distributed.worker import WorkerSpec, shard_tuning
+
+    class Store(dict):
+        def set(self, k, v):
+            self[k] = v.encode()
+
+        def get(self, k):
+            return self[k]
+
+    seen = []
+
+    def fake(graph, tuning):  # rank 0 chooses "a"; a later rank keeps what it is given and adds its own shapes
+        seen.append((graph, tuning))
+        return {**tuning, "kernels": {**tuning["kernels"], f"k-{graph}": {"1": {"config": {"choice": graph}}}}}
+
+    monkeypatch.setattr(compiler, "tune_shard", fake)
+    store, art = Store(), {"kernels": {}}
+    spec = lambda rank: WorkerSpec(artifact="-", rank=rank, tp=2, pp=2, expert_parallel=False, store_port=0,  # noqa: E731
+                                   backend="cuda", block_size=16, num_blocks=None, kv_cache_dtype="auto",
+                                   memory_fraction=0.5, num_cpu_blocks=0, max_model_len=64, step_timeout_s=1.0,
+                                   capacity=64)
+    t0 = shard_tuning(spec(2), store, "r0", art)  # stage 1's rank 0
+    t1 = shard_tuning(spec(3), store, "r1", art)  # stage 1's rank 1
+    assert set(store) == {"tuning/1"} and json.loads(store["tuning/1"]) == t0
+    assert seen[1] == ("r1", t0) and t1["kernels"]["k-r0"] == t0["kernels"]["k-r0"]

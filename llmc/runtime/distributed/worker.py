@@ -90,7 +90,6 @@ def _serve(spec: WorkerSpec, store) -> None:
     import torch.distributed as dist
     from torch.distributed import PrefixStore
     from llmc.artifact import load_artifact
-    from llmc.compiler import tune_shard
     from llmc.ir.collectives import TorchCollectives
     from llmc.ir.sharding import shard_graph
     from llmc.ir.stages import split_stages
@@ -103,7 +102,7 @@ def _serve(spec: WorkerSpec, store) -> None:
     graph = shard_graph(art.graph, spec.tp, spec.tp_rank, spec.expert_parallel)
     mine, tuning = split_stages(graph, spec.pp).graphs[spec.stage], art.tuning
     if cuda and spec.tp > 1:  # the shard's linears have shapes of their own: tuned here, once per machine
-        tuning = tune_shard(mine, tuning)
+        tuning = shard_tuning(spec, store, mine, tuning)
     del art, graph  # the weights of other shards and stages go once this stage holds its own
     ex = make_executor(mine, spec.backend, str(device), spec.block_size, spec.num_blocks,
                        spec.kv_cache_dtype, spec.memory_fraction, spec.num_cpu_blocks, tuning,
@@ -128,6 +127,21 @@ def _serve(spec: WorkerSpec, store) -> None:
     stage.serve()
     store.set(f"timings/{spec.rank}", json.dumps(stage.timings))
     dist.destroy_process_group()
+
+
+def shard_tuning(spec: WorkerSpec, store, graph, tuning: dict) -> dict:
+    """The tuning choices of this rank's shard (`compiler.tune_shard`), alike on every tensor-parallel rank of a
+    stage: its rank 0 times the shapes the artifact lacks and hands its choices on through the store; the
+    others time only shapes of their own (an uneven split). Ranks that timed on their own could choose
+    differently (timing noise), and then run different kernels, in different sums, at different speeds,
+    each step waiting in its all_reduces for the slowest."""
+    from llmc.compiler import tune_shard
+    key = f"tuning/{spec.stage}"
+    if spec.tp_rank == 0:
+        tuning = tune_shard(graph, tuning)
+        store.set(key, json.dumps(tuning))
+        return tuning
+    return tune_shard(graph, json.loads(store.get(key)))
 
 
 def resize_cache(ex, num_blocks: int, memory_fraction: float, num_cpu_blocks: int) -> None:
