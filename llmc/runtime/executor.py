@@ -255,8 +255,9 @@ class KernelExecutor(LocalExecutor):
         self.use_cuda_graphs = cuda_graphs  # benchmarks turn it off to time eager steps side by side
         if cuda_graphs:
             from llmc.codegen.sampling import argmax
+            receives = set(graph.meta.get("pipeline", {}).get("receives", []))  # a pipeline stage's
             self.step_graphs = StepGraphCache(self.plan, self.kv, self.block_size, max_model_len, self.device,
-                                              argmax)
+                                              argmax, [v for v in graph.inputs if v.name in receives])
 
     def _forward(self, seqs, greedy):
         if self.step_graphs is not None and self.use_cuda_graphs:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from llmc.errors import LLMCError
+from llmc.ir.types import dim_eval, torch_dtype
 from llmc.runtime.block_manager import slot_for
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -41,20 +42,33 @@ def _bucket(buckets: tuple[int, ...], n: int) -> int:
     return next(b for b in buckets if b >= n)
 
 
+def _bound(graph, tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The symbolic dims that `tensors` (some of graph's inputs, by name) fix."""
+    dims: dict[str, int] = {}
+    for v in graph.inputs:
+        t = tensors.get(v.name)
+        if t is not None:
+            dims.update({d.name: n for d, n in zip(v.type.shape, t.shape) if not isinstance(d, int)})
+    return dims
+
+
 class StepGraphCache:
     """Captures and replays step graphs over a plan's `run(inputs, hints, arena=...)`.
 
     Args:
-        run: the plan's run function; returns the graph outputs (logits first).
+        plan: the kernel plan; its `run` returns the graph outputs (logits first).
         kv: the KV cache tensors (graph inputs that every step shares).
         block_size, max_model_len: fix the block-table width of every captured graph.
+        receives: a pipeline stage's inputs that the previous stage sends (llmc/ir/stages.py); each
+            graph keeps a buffer per value that `run_stage` fills before the replay.
     """
 
     def __init__(self, plan, kv: dict[str, torch.Tensor], block_size: int, max_model_len: int,
-                 device: torch.device, argmax: Callable[[torch.Tensor], torch.Tensor]):
+                 device: torch.device, argmax: Callable[[torch.Tensor], torch.Tensor], receives: list = ()):
         self.plan, self.kv, self.block_size, self.max_model_len = plan, kv, block_size, max_model_len
         self.device, self.argmax = device, argmax
-        self.graphs: dict[tuple[str, int, bool], _StepGraph] = {}
+        self.receives = list(receives)
+        self.graphs: dict[tuple[str, int, object], _StepGraph] = {}
         self._pool = None
 
     def run(self, batch, greedy: bool) -> torch.Tensor | None:
@@ -96,28 +110,69 @@ class StepGraphCache:
             tokens[j].copy_(dg.out[:n])
         return tokens.t().cpu()
 
-    def _capture(self, kind: str, size: int, greedy: bool) -> "_StepGraph":
+    def captured(self, batch) -> bool | None:
+        """Whether `run_stage` would replay a graph captured before (None: no graph fits the batch). A capture
+        must not overlap another stream's NCCL work: the caller lets pending sends finish first."""
+        kind = graph_kind(batch)
+        return None if kind is None else (*kind, "stage") in self.graphs
+
+    def run_stage(self, batch, received: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """A pipeline stage's share of a step on its graph, or None when no graph fits the batch.
+
+        `received`: the previous stage's values for the batch's rows, in `receives` order, each copied
+        into the graph's buffer (rows past them are padding rows, in no sequence). Returns every output of
+        the stage's graph cut to the batch's rows: the values the next stage receives, or, on the last
+        stage, the logits rows. They are views of the graph's buffers, valid until its next replay."""
+        kind = graph_kind(batch)
+        if kind is None:
+            return None
+        key = (*kind, "stage")
+        dg = self.graphs.get(key)
+        if dg is None:
+            dg = self.graphs[key] = self._capture(*kind, None)
+        dg.load(batch, self.block_size)
+        for v, t in zip(self.receives, received):
+            dg.recv[v.name][tuple(slice(0, n) for n in t.shape)].copy_(t)
+        dg.graph.replay()
+        rows = {"T": sum(len(s.token_ids) for s in batch), "N": len(batch), "L": sum(s.num_logits for s in batch)}
+        return [o[tuple(slice(0, dim_eval(d, rows)) for d in v.type.shape)]
+                for o, v in zip(dg.out, self.plan.graph.outputs)]
+
+    def _capture(self, kind: str, size: int, greedy: bool | None) -> "_StepGraph":
+        """A graph for `kind` at `size` that returns argmax tokens (greedy), logits (False), or every output of
+        the plan (None: a pipeline stage's)."""
         max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
         dg = _StepGraph(kind, size, max_blocks, self.device)
         # fixed for the capture: keys per split follow the longest context the model allows
         hints = {"max_seqlen_q": dg.q, "max_seqlen_k": self.max_model_len}
-        inputs = {**dg.inputs, **self.kv}
+        if self.receives:
+            dims = _bound(self.plan.graph, dg.inputs)
+            dg.recv = {v.name: torch.zeros([dim_eval(d, dims) for d in v.type.shape], dtype=torch_dtype(v.type.dtype),
+                                           device=self.device) for v in self.receives}
+        inputs = {**dg.inputs, **self.kv, **dg.recv}
         dg.arena = self.plan.new_arena(inputs, hints)  # the graph's own intermediates, for its lifetime
 
         def step():
-            logits = self.plan.run(inputs, hints, arena=dg.arena)[0]
-            return self.argmax(logits) if greedy else logits
+            outs = self.plan.run(inputs, hints, arena=dg.arena)
+            if greedy is None:
+                return outs
+            return self.argmax(outs[0]) if greedy else outs[0]
+        dg.graph, dg.out = self._record(step)
+        return dg
+
+    def _record(self, step: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+        """(graph, its outputs) of `step` captured (every graph shares one memory pool)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile and warm every kernel outside the capture
                 step()
         torch.cuda.current_stream().wait_stream(stream)
-        dg.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(dg.graph, pool=self._pool):
-            dg.out = step()
-        self._pool = dg.graph.pool()
-        return dg
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = step()
+        self._pool = graph.pool()
+        return graph, out
 
 
 class _StepGraph:
@@ -167,6 +222,7 @@ class _StepGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self.arena: torch.Tensor | None = None
+        self.recv: dict[str, torch.Tensor] = {}  # a pipeline stage's received values (StepGraphCache.run_stage)
         self.rows = T  # token rows holding a token in the last step (the rest are padding)
 
     def load(self, batch, block_size: int, offset: int = 0) -> None:

@@ -185,6 +185,9 @@ class _FakeGraphs:
             return None
         return torch.arange(len(seqs)) + 100 if greedy else torch.ones(len(seqs), 8)
 
+    def captured(self, seqs):
+        return None if any(len(s.token_ids) > 1 for s in seqs) else True
+
 
 class _FakeExecutor:
     def __init__(self):

@@ -49,9 +49,9 @@ class DistributedExecutor:
         backend, device: as for `make_executor`; on GPUs worker w uses cuda:w with the kernel plan
             (NCCL), on the CPU the reference interpreter (gloo).
         step_timeout_s: how long a step may take before the executor gives up on the workers.
-        cuda_graphs: on GPUs without pipeline stages, each worker replays whole steps as CUDA graphs with
-            the NCCL collectives captured inside (a stage's sends and receives are not captured: with
-            `pipeline_parallel_size > 1` steps run eagerly).
+        cuda_graphs: on GPUs, each worker replays its steps as CUDA graphs, the tensor-parallel collectives
+            captured inside; with pipeline stages each micro-batch that a graph fits replays its stage's
+            graph, the sends and receives between stages running outside it.
         The other arguments are the KV cache options of `make_executor`, applied by every worker.
 
     Example:
@@ -88,7 +88,7 @@ class DistributedExecutor:
                     memory_fraction=memory_fraction, num_cpu_blocks=num_cpu_blocks, expert_parallel=expert_parallel,
                     max_model_len=max_model_len or int(graph.meta.get("max_position_embeddings") or 4096),
                     step_timeout_s=step_timeout_s, capacity=INITIAL_CAPACITY,
-                    cuda_graphs=cuda_graphs and backend == "cuda" and pp == 1)
+                    cuda_graphs=cuda_graphs and backend == "cuda")
         self._finalizer = weakref.finalize(self, self._gang.close)
         try:
             self.num_blocks, self.kv_bytes = self._gang.start([WorkerSpec(rank=w, **spec) for w in range(tp * pp)])

@@ -50,7 +50,7 @@ class WorkerSpec:
     max_model_len: int
     step_timeout_s: float
     capacity: int  # the step broadcast's initial length
-    cuda_graphs: bool = False  # replay whole steps, collectives inside (one stage only: see PipelineStage.step)
+    cuda_graphs: bool = False  # replay steps (a stage's micro-batches) as graphs, collectives inside: PipelineStage.step
 
     @property
     def world(self) -> int:
@@ -229,24 +229,39 @@ class PipelineStage:
             if out is not None:
                 return out.cpu() if self.spec.tp_rank == 0 else None
         mbs = microbatches(seqs, self.spec.pp) if seqs else []
-        inputs = [ex.build_inputs(mb) for mb, _ in mbs]
+        # a micro-batch a step graph fits replays it (pipeline stages: sends and receives stay outside the
+        # graphs); the others run eagerly over inputs built here
+        staged = [graphs is not None and graphs.captured(mb) is not None for mb, _ in mbs]
+        inputs = [None if g else ex.build_inputs(mb) for (mb, _), g in zip(mbs, staged)]
+        received: list[list[torch.Tensor]] = [[] for _ in mbs]
         pending = []
         if not self.first:  # post every receive now: the previous stage sends as it finishes each micro-batch
-            for i, x in enumerate(inputs):
-                dims = _dims(ex.graph, x)
+            for i, ((mb, _), x) in enumerate(zip(mbs, inputs)):
+                dims = _dims(ex.graph, x) if x is not None else _rows(mb)
                 for j, v in enumerate(self.receives):
                     buf = torch.empty([dim_eval(d, dims) for d in v.type.shape], dtype=torch_dtype(v.type.dtype),
                                       device=ex.device)
-                    x[v.name] = buf
+                    received[i].append(buf)
+                    if x is not None:
+                        x[v.name] = buf
                     pending.append((i, dist.irecv(buf, src=self.prev, tag=i * len(self.receives) + j)))
         sends, rows = [], []
         for i, ((mb, keep), x) in enumerate(zip(mbs, inputs)):
             for k, w in pending:
                 if k == i:
                     w.wait()
-            outs = ex.outputs(x, mb)
-            # copies: the plan may keep its outputs in its arena, which the next micro-batch reuses while a
-            # send is still reading (the copies are [T, hidden] and [rows, V] against the step's GEMMs)
+            if x is None:
+                if not graphs.captured(mb):  # a capture overlaps no NCCL work of this worker's
+                    for _, w in sends + pending:
+                        w.wait()
+                    if ex.device.type == "cuda":
+                        torch.cuda.synchronize(ex.device)
+                outs = graphs.run_stage(mb, received[i])
+            else:
+                outs = ex.outputs(x, mb)
+            # copies: the plan may keep its outputs in its arena (a graph: its buffers), which the next
+            # micro-batch reuses while a send is still reading (the copies are [T, hidden] and [rows, V]
+            # against the step's GEMMs)
             if not self.last:
                 for j, t in enumerate(outs):
                     t = t.clone(memory_format=torch.contiguous_format)
@@ -289,6 +304,11 @@ def microbatches(seqs: list[StepInput], m: int) -> list[tuple[list[StepInput], b
             run[-1] = StepInput(last.token_ids, last.start_pos, last.block_table, 1, last.prefill)
         out.append((run, keep))
     return out
+
+
+def _rows(mb: list[StepInput]) -> dict[str, int]:
+    """The symbolic dims of a micro-batch's values that cross between stages: its tokens, sequences, logits rows."""
+    return {"T": sum(len(s.token_ids) for s in mb), "N": len(mb), "L": sum(s.num_logits for s in mb)}
 
 
 def _dims(graph, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
