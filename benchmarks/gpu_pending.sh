@@ -12,6 +12,10 @@
 #   SHAPE=70b-8l bash benchmarks/gpu_pending.sh OUT parallel   # issue 17's trimmed 70B layers on 2 GPUs
 #   bash benchmarks/gpu_pending.sh OUT multi-step     # issue 20: 8B, multi-step decoding k=4,8 against single steps
 #   bash benchmarks/gpu_pending.sh OUT parallel-moe   # issue 16 (nvidia-h200-x2): trimmed Mixtral, EP=2 against one GPU
+#   bash benchmarks/gpu_pending.sh OUT allreduce      # issue 16 (nvidia-h200-x2): NCCL vs symmetric-memory all_reduce
+#
+# On nvidia-h200-x2 keep NVLink multicast off (the machine's NCCL_NVLS_ENABLE=0 and
+# TORCH_SYMM_MEM_DISABLE_MULTICAST=1): the workers inherit this script's environment.
 #
 # parallel and multi-step compile their random model once per machine, to /tmp/art-SHAPE.llmc.
 # Steps that need the widened target build it once under WIDE (default /tmp/wide: 13 GiB plus a 13 GiB
@@ -21,6 +25,7 @@ OUT=${1:?usage: gpu_pending.sh OUT STEP...}
 shift
 WIDE=${WIDE:-/tmp/wide}
 export PYTHONPATH=${PYTHONPATH:-$(cd "$(dirname "$0")/.." && pwd)}
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 mkdir -p "$OUT"
 
 widened() {
@@ -67,7 +72,7 @@ for step in "$@"; do
             tail -8 "$OUT/quant_mixed.log" ;;
         parallel)
             rm -rf /tmp/tmp*
-            python3 benchmarks/parallel_bench.py --shape "${SHAPE:-8b}" --layouts "${LAYOUTS:-1x1,2x1,2x1m8,1x2,2x1e}" \
+            python3 benchmarks/parallel_bench.py --shape "${SHAPE:-8b}" --layouts "${LAYOUTS:-1x1,2x1,2x1m8,1x2}" \
                 --n 128 --artifact "/tmp/art-${SHAPE:-8b}.llmc" --out "$OUT" >"$OUT/parallel.log" 2>&1
             tail -8 "$OUT/parallel.log" ;;
         multi-step)
@@ -80,7 +85,10 @@ for step in "$@"; do
             python3 benchmarks/parallel_bench.py --shape mixtral-8l --layouts 1x1,2x1 --expert-parallel --n 128 \
                 --out "$OUT/moe" >"$OUT/parallel_moe.log" 2>&1
             tail -6 "$OUT/parallel_moe.log" ;;
+        allreduce)
+            python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
+            tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, parallel, parallel-moe, multi-step)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, parallel, parallel-moe, multi-step, allreduce)" ;;
     esac
 done

@@ -79,8 +79,12 @@ class SymmetricAllReduce:
     MAX_BYTES = 1 << 20  # one-shot reads N x the bytes; past ~1 MB NCCL's ring moves less and wins
 
     def __init__(self, group, device: torch.device):
+        import os
+
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
+        # one-shot reads peers' buffers over plain NVLink mappings: no multicast object is needed (or made)
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self.name = (group or dist.group.WORLD).group_name
         self.op = torch.ops.symm_mem.one_shot_all_reduce_copy
         self.bufs = []
