@@ -476,11 +476,16 @@ class LLM:
         self.engine = LLMEngine(load_model(model), engine_config(**options), speculative)
 
     def close(self) -> None:
-        """Stop what the engine started: a parallel run's worker processes (otherwise stopped when the
-        LLM is collected, and at exit). `with LLM(...) as llm:` closes it on leaving the block."""
-        close = getattr(self.engine.executor, "close", None)
-        if close is not None:
-            close()
+        """Release what the engine holds: a parallel run's worker processes, or this process's KV cache,
+        weights on the GPU and step graphs (a draft model's too); otherwise that happens when the LLM is
+        collected, and at exit. `with LLM(...) as llm:` closes it on leaving the block. A closed LLM runs
+        no more requests."""
+        proposer = getattr(self.engine.spec, "proposer", None)
+        draft = getattr(getattr(proposer, "draft", proposer), "executor", None)  # a cascade's draft, or the draft
+        for ex in (self.engine.executor, draft):
+            close = getattr(ex, "close", None)
+            if close is not None:
+                close()
 
     def __enter__(self) -> "LLM":
         return self

@@ -135,8 +135,19 @@ class LocalExecutor:
     def kv(self) -> dict[str, torch.Tensor]:
         return self.cache.tensors
 
+    def close(self) -> None:
+        """Release what this executor holds on its device (KV cache, the plan's weights, step graphs) now, not
+        when it is collected: a process can then load the next model on the same GPU. It runs no more
+        steps after."""
+        self.cache = self.plan = self.step_graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
+        if self.cache is None:
+            raise LLMCError("this engine was closed (LLM.close, or the end of its `with` block): create a new LLM "
+                            "to run more requests")
         self.cache.swap_out(batch.swap_out)
         self.cache.swap_in(batch.swap_in)
         self.cache.copy_blocks(batch.copies)

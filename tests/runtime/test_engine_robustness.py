@@ -229,3 +229,22 @@ def test_generate_beside_a_request_added_to_the_engine(llama_artifact):
     out = llm.generate([[8, 9, 10]], GREEDY)
     assert out[0].token_ids == alone(llama_artifact, [8, 9, 10])
     assert llm.stats()["blocks_used"] == 0
+
+
+def test_close_releases_the_device_memory_it_holds_and_a_closed_llm_says_so(llama_artifact):
+    """LLM.close drops the KV cache, the plan's weights and a draft model's (the next model can then load on
+    the same GPU in the same process); a request after that is a clear error, not a crash."""
+    import gc
+    import weakref
+
+    from llmc.errors import LLMCError
+    llm = LLM(llama_artifact, backend="reference", num_blocks=32, block_size=4,
+              speculative={"method": "draft", "draft": str(llama_artifact.path), "num_speculative_tokens": 2})
+    assert len(llm.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 6
+    held = [weakref.ref(t) for ex in (llm.engine.executor, llm.engine.spec.proposer.executor)
+            for t in ex.kv.values()]
+    llm.close()
+    gc.collect()
+    assert all(r() is None for r in held)
+    with pytest.raises(LLMCError, match="closed"):
+        llm.generate([[1, 2, 3]], GREEDY)
