@@ -42,7 +42,7 @@ def _bucket(buckets: tuple[int, ...], n: int) -> int:
     return next(b for b in buckets if b >= n)
 
 
-def _bound(graph, tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+def bound_dims(graph, tensors: dict[str, torch.Tensor]) -> dict[str, int]:
     """The symbolic dims that `tensors` (some of graph's inputs, by name) fix."""
     dims: dict[str, int] = {}
     for v in graph.inputs:
@@ -50,6 +50,11 @@ def _bound(graph, tensors: dict[str, torch.Tensor]) -> dict[str, int]:
         if t is not None:
             dims.update({d.name: n for d, n in zip(v.type.shape, t.shape) if not isinstance(d, int)})
     return dims
+
+
+def row_dims(batch) -> dict[str, int]:
+    """The symbolic dims of a step's rows: its tokens (T), sequences (N) and logits rows (L)."""
+    return {"T": sum(len(s.token_ids) for s in batch), "N": len(batch), "L": sum(s.num_logits for s in batch)}
 
 
 class StepGraphCache:
@@ -134,7 +139,7 @@ class StepGraphCache:
         for v, t in zip(self.receives, received):
             dg.recv[v.name][tuple(slice(0, n) for n in t.shape)].copy_(t)
         dg.graph.replay()
-        rows = {"T": sum(len(s.token_ids) for s in batch), "N": len(batch), "L": sum(s.num_logits for s in batch)}
+        rows = row_dims(batch)
         return [o[tuple(slice(0, dim_eval(d, rows)) for d in v.type.shape)]
                 for o, v in zip(dg.out, self.plan.graph.outputs)]
 
@@ -146,7 +151,7 @@ class StepGraphCache:
         # fixed for the capture: keys per split follow the longest context the model allows
         hints = {"max_seqlen_q": dg.q, "max_seqlen_k": self.max_model_len}
         if self.receives:
-            dims = _bound(self.plan.graph, dg.inputs)
+            dims = bound_dims(self.plan.graph, dg.inputs)
             dg.recv = {v.name: torch.zeros([dim_eval(d, dims) for d in v.type.shape], dtype=torch_dtype(v.type.dtype),
                                            device=self.device) for v in self.receives}
         inputs = {**dg.inputs, **self.kv, **dg.recv}

@@ -27,6 +27,7 @@ from llmc.ir.types import dim_eval, torch_dtype
 from llmc.runtime.distributed import codec
 from llmc.runtime.executor import StepBatch, StepInput, _verifies, as_decode_rows, make_executor
 from llmc.runtime.kv_cache import KVCache
+from llmc.runtime.step_graphs import bound_dims, row_dims
 
 CONTROL_TIMEOUT = datetime.timedelta(days=365)  # a worker waits for the next step as long as the engine idles
 
@@ -237,7 +238,7 @@ class PipelineStage:
         pending = []
         if not self.first:  # post every receive now: the previous stage sends as it finishes each micro-batch
             for i, ((mb, _), x) in enumerate(zip(mbs, inputs)):
-                dims = _dims(ex.graph, x) if x is not None else _rows(mb)
+                dims = bound_dims(ex.graph, x) if x is not None else row_dims(mb)
                 for j, v in enumerate(self.receives):
                     buf = torch.empty([dim_eval(d, dims) for d in v.type.shape], dtype=torch_dtype(v.type.dtype),
                                       device=ex.device)
@@ -304,18 +305,3 @@ def microbatches(seqs: list[StepInput], m: int) -> list[tuple[list[StepInput], b
             run[-1] = StepInput(last.token_ids, last.start_pos, last.block_table, 1, last.prefill)
         out.append((run, keep))
     return out
-
-
-def _rows(mb: list[StepInput]) -> dict[str, int]:
-    """The symbolic dims of a micro-batch's values that cross between stages: its tokens, sequences, logits rows."""
-    return {"T": sum(len(s.token_ids) for s in mb), "N": len(mb), "L": sum(s.num_logits for s in mb)}
-
-
-def _dims(graph, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
-    """The symbolic dims' values in this micro-batch, bound from the inputs the step builds."""
-    dims: dict[str, int] = {}
-    for v in graph.inputs:
-        t = inputs.get(v.name)
-        if t is not None:
-            dims.update({d.name: n for d, n in zip(v.type.shape, t.shape) if not isinstance(d, int)})
-    return dims
