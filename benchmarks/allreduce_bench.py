@@ -77,8 +77,8 @@ def _gpu(rank: int, world: int, hidden: int, out: str) -> None:
         coll = TorchCollectives(None, device, "symm")
         res["symm_eager_us"] = _time_eager(lambda: coll.all_reduce(x), device)
         res["symm_graph_us"] = _time_graph(lambda: coll.all_reduce(x), device)
-        # back to back, each rank's input different per call (small integers, exact in bf16): every sum exact (no buffer overwritten
-        # while a peer reads it), eagerly and in one graph
+        # back to back, each rank's input different per call (small integers, exact in bf16): every sum
+        # exact (no buffer overwritten while a peer reads it), eagerly and in one graph
         xs = [torch.full((1, hidden), float(rank + 1 + i), device=device, dtype=torch.bfloat16)
               for i in range(N_GRAPH)]
         want = [world * (world + 1) / 2 + i * world for i in range(N_GRAPH)]

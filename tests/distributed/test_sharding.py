@@ -326,10 +326,10 @@ def test_every_tensor_parallel_rank_runs_rank_zeros_tuning_choices(monkeypatch):
 
     monkeypatch.setattr(compiler, "tune_shard", fake)
     store, art = Store(), {"kernels": {}}
-    spec = lambda rank: WorkerSpec(artifact="-", rank=rank, tp=2, pp=2, expert_parallel=False, store_port=0,  # noqa: E731
-                                   backend="cuda", block_size=16, num_blocks=None, kv_cache_dtype="auto",
-                                   memory_fraction=0.5, num_cpu_blocks=0, max_model_len=64, step_timeout_s=1.0,
-                                   capacity=64)
+    def spec(rank):
+        return WorkerSpec(artifact="-", rank=rank, tp=2, pp=2, expert_parallel=False, store_port=0, backend="cuda",
+                          block_size=16, num_blocks=None, kv_cache_dtype="auto", memory_fraction=0.5,
+                          num_cpu_blocks=0, max_model_len=64, step_timeout_s=1.0, capacity=64)
     t0 = shard_tuning(spec(2), store, "r0", art)  # stage 1's rank 0
     t1 = shard_tuning(spec(3), store, "r1", art)  # stage 1's rank 1
     assert set(store) == {"tuning/1"} and json.loads(store["tuning/1"]) == t0

@@ -51,7 +51,7 @@ class WorkerSpec:
     max_model_len: int
     step_timeout_s: float
     capacity: int  # the step broadcast's initial length
-    cuda_graphs: bool = False  # replay steps (a stage's micro-batches) as graphs, collectives inside: PipelineStage.step
+    cuda_graphs: bool = False  # replay steps (a stage's micro-batches) as graphs: see PipelineStage.step
 
     @property
     def world(self) -> int:
