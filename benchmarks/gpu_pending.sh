@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_pending.sh OUT multi-step     # issue 20: 8B, multi-step decoding k=4,8 against single steps
 #   bash benchmarks/gpu_pending.sh OUT parallel-moe   # issue 16 (nvidia-h200-x2): trimmed Mixtral, EP=2 against one GPU
 #   bash benchmarks/gpu_pending.sh OUT allreduce      # issue 16 (nvidia-h200-x2): NCCL vs symmetric-memory all_reduce
+#   bash benchmarks/gpu_pending.sh OUT verify         # issue 20: a load's weight check, 16 GB, on the machine's cores
 #
 # On nvidia-h200-x2 keep NVLink multicast off (the machine's NCCL_NVLS_ENABLE=0 and
 # TORCH_SYMM_MEM_DISABLE_MULTICAST=1): the workers inherit this script's environment.
@@ -85,10 +86,13 @@ for step in "$@"; do
             python3 benchmarks/parallel_bench.py --shape mixtral-8l --layouts 1x1,2x1 --expert-parallel --n 128 \
                 --out "$OUT/moe" >"$OUT/parallel_moe.log" 2>&1
             tail -6 "$OUT/parallel_moe.log" ;;
+        verify)
+            python3 benchmarks/verify_bench.py --gb 16 --out "$OUT" >"$OUT/verify.log" 2>&1
+            tail -4 "$OUT/verify.log" ;;
         allreduce)
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, parallel, parallel-moe, multi-step, allreduce)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, parallel, parallel-moe, multi-step, allreduce, verify)" ;;
     esac
 done

@@ -112,11 +112,46 @@ def _chat_template(files: list[Path]) -> str | None:
     return None
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+HASH_CHUNK = 1 << 26  # bytes per separately hashed piece of a large file (manifest "chunks")
+_READ = 1 << 22
+
+
+def sha256_file(path: Path, chunk: int = _READ) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
+    return h.hexdigest()
+
+
+def hash_file(path: Path, chunk_bytes: int | None = None) -> tuple[str, list[str]]:
+    """(sha256 of the whole file, sha256 of each `chunk_bytes` piece, default HASH_CHUNK), in one read of the
+    file. The pieces let a load check a large file on every core at once (`verify_files`)."""
+    chunk_bytes = chunk_bytes or HASH_CHUNK
+    whole, pieces = hashlib.sha256(), []
+    with open(path, "rb") as f:
+        while piece := f.read(chunk_bytes):
+            whole.update(piece)
+            pieces.append(hashlib.sha256(piece).hexdigest())
+    return whole.hexdigest(), pieces
+
+
+def _sha256_range(path: Path, offset: int, size: int) -> str:
+    """sha256 of `size` bytes of `path` from `offset` (hashlib and the reads release the GIL: threads run it
+    in parallel)."""
+    import os
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        end = offset + size
+        while offset < end:
+            block = os.pread(fd, min(_READ, end - offset), offset)
+            if not block:
+                break
+            h.update(block)
+            offset += len(block)
+    finally:
+        os.close(fd)
     return h.hexdigest()
 
 
@@ -206,7 +241,13 @@ def save_artifact(graph: Graph, out: str | Path, source: str, options: dict[str,
     (tmp / "kernels").mkdir()
     for name, src in (kernels or {}).items():
         (tmp / "kernels" / name).write_text(src)
-    files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    files, chunks = {}, {}
+    for p in sorted(tmp.rglob("*")):
+        if p.is_file():
+            rel = str(p.relative_to(tmp))
+            files[rel], pieces = hash_file(p)
+            if len(pieces) > 1:
+                chunks[rel] = {"bytes": HASH_CHUNK, "sha256": pieces}
     manifest = {
         "format_version": FORMAT_VERSION,
         "llmc_version": __version__,
@@ -218,6 +259,7 @@ def save_artifact(graph: Graph, out: str | Path, source: str, options: dict[str,
         "model_info": info.to_json() if info else None,
         "kernels": kernel_list or [],
         "files": files,
+        "chunks": chunks,  # large files' pieces: what a load checks, in parallel (verify_files)
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     tmp.rename(out)  # the artifact appears whole or not at all
@@ -245,15 +287,42 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_files(path: Path, manifest: dict[str, Any]) -> None:
-    """Check every file against its recorded sha256; raise naming the first that differs."""
+def verify_files(path: Path, manifest: dict[str, Any], threads: int | None = None) -> None:
+    """Check every file against its recorded sha256; raise naming the first that differs.
+
+    A file the manifest records in pieces ("chunks": the weights of any real model) is checked piece by
+    piece on `threads` threads (default: one per core), so a load reads and hashes it at the machine's
+    memory bandwidth rather than one core's hashing speed; its size must also match. Others, and
+    artifacts written before pieces were recorded, are hashed whole."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+    chunked = manifest.get("chunks", {})
+    jobs = []  # (rel, offset, size, digest)
     for rel, digest in manifest.get("files", {}).items():
         f = path / rel
         if not f.is_file():
             raise ArtifactError(f"artifact {path} is missing {rel}; recompile it")
-        if sha256_file(f) != digest:
-            raise ArtifactError(f"artifact file {rel} is corrupted (sha256 mismatch with the manifest); "
-                                "recompile the artifact or restore the file")
+        c = chunked.get(rel)
+        if c is None:
+            jobs.append((rel, 0, None, digest))
+            continue
+        n, size = len(c["sha256"]), f.stat().st_size
+        if not (n - 1) * c["bytes"] < size <= n * c["bytes"]:
+            raise ArtifactError(f"artifact file {rel} is corrupted (its size, {size} bytes, does not match the "
+                                "manifest); recompile the artifact or restore the file")
+        jobs += [(rel, i * c["bytes"], c["bytes"], d) for i, d in enumerate(c["sha256"])]
+
+    def check(job) -> str | None:
+        rel, offset, size, digest = job
+        got = sha256_file(path / rel) if size is None else _sha256_range(path / rel, offset, size)
+        return rel if got != digest else None
+
+    workers = max(1, min(len(jobs), threads or os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        bad = next((rel for rel in pool.map(check, jobs) if rel is not None), None)
+    if bad is not None:
+        raise ArtifactError(f"artifact file {bad} is corrupted (sha256 mismatch with the manifest); "
+                            "recompile the artifact or restore the file")
 
 
 def load_artifact(path: str | Path, verify: bool = True) -> Artifact:

@@ -31,3 +31,35 @@ def test_chat_template_travels_with_the_tokenizer(llama_dir, tmp_path):
 def test_model_info_missing_fields_is_an_artifact_error():
     with pytest.raises(ArtifactError, match="recompile"):
         ModelInfo.from_json({"vocab_size": 3})
+
+
+def test_large_files_are_checked_in_pieces_in_parallel(llama_dir, tmp_path, monkeypatch):
+    """A file past HASH_CHUNK is recorded piece by piece (and whole); a load checks the pieces on every
+    core. A changed byte in any piece, a truncated or a grown file are each a clear error; an artifact
+    written before pieces were recorded is still checked whole."""
+    import shutil
+
+    import llmc.artifact as artifact
+    monkeypatch.setattr(artifact, "HASH_CHUNK", 4096)
+    art = llmc.compile(llama_dir, tmp_path / "a.llmc")
+    manifest = json.loads((art.path / "manifest.json").read_text())
+    weights = art.path / "weights.safetensors"
+    pieces = manifest["chunks"]["weights.safetensors"]["sha256"]
+    assert len(pieces) == -(-weights.stat().st_size // 4096) > 2 and "graph.json" in manifest["files"]
+    assert manifest["files"]["weights.safetensors"] == artifact.sha256_file(weights)
+    artifact.verify_files(art.path, manifest, threads=3)  # intact
+    data = weights.read_bytes()
+    for broken in (data[:4096 * 2] + bytes([data[4096 * 2] ^ 1]) + data[4096 * 2 + 1:],  # one bit, third piece
+                   data[:-1], data + b"\0"):
+        weights.write_bytes(broken)
+        with pytest.raises(ArtifactError, match="weights.safetensors is corrupted"):
+            llmc.load(art.path)
+    weights.write_bytes(data)
+    old = tmp_path / "old.llmc"  # a manifest with no pieces: the whole file's digest
+    shutil.copytree(art.path, old)
+    del manifest["chunks"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    llmc.load(old)
+    (old / "weights.safetensors").write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    with pytest.raises(ArtifactError, match="corrupted"):
+        llmc.load(old)
