@@ -2,7 +2,8 @@
 `all_reduce` of a batch-1 hidden state ([1, 4096] bf16) costs through NCCL and through PyTorch's
 symmetric memory (llmc's one-shot `SymmetricAllReduce`, no multicast), eagerly and captured in a CUDA graph (64
 in one graph, as a decode step has 2 per layer), and what the driver's per-step gloo broadcast of
-the step buffer (16384 int64) and the worker's result send cost between processes.
+the step buffer (16384 int64) and the worker's result send cost between processes. Then both all_reduce
+paths for 8 to 512 rows, to place the size where llmc switches from one to the other.
 
     python3 benchmarks/allreduce_bench.py --out OUT          # nvidia-h200-x2
 """
@@ -92,6 +93,14 @@ def _gpu(rank: int, world: int, hidden: int, out: str) -> None:
         torch.cuda.synchronize(device)
         bad += sum(float((o.float() - w).abs().max()) > 0 for o, w in zip(outs, want))
         res["symm_wrong_sums"] = bad
+        # by size: a decode step's [rows, hidden] for more rows (llmc sends up to SymmetricAllReduce.MAX_BYTES
+        # through symmetric memory, the rest through NCCL)
+        from llmc.ir.collectives import SymmetricAllReduce
+        big = SymmetricAllReduce(None, device, max_bytes=4 << 20)
+        for rows in (8, 32, 128, 512):
+            xr = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+            res[f"nccl_graph_us_{rows}rows"] = _time_graph(lambda: dist.all_reduce(xr), device, reps=20)
+            res[f"symm_graph_us_{rows}rows"] = _time_graph(lambda: big(xr), device, reps=20)
     except Exception as e:  # noqa: BLE001 - reported: symmetric memory may be missing or refused here
         res["symm_mem_error"] = f"{type(e).__name__}: {e}"[:300]
     Path(out, f"gpu_rank{rank}.json").write_text(json.dumps(res))

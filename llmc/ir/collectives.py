@@ -27,7 +27,7 @@ class Collectives(Protocol):
 class TorchCollectives:
     """A `torch.distributed` process group (None: the default group).
 
-    On GPUs, an all_reduce of at most `SymmetricAllReduce.MAX_BYTES` goes through PyTorch's symmetric
+    On GPUs, an all_reduce of at most `SymmetricAllReduce.MAX_BYTES` (256 KB) goes through PyTorch's symmetric
     memory (one kernel that reads every peer's buffer over NVLink) rather than NCCL, whose latency
     dominates the small all_reduces of a decode step (two per layer). `allreduce` picks: "auto" (symmetric
     memory where it sets up, else NCCL), "nccl" or "symm" (an error where it cannot set up); the
@@ -76,9 +76,13 @@ class SymmetricAllReduce:
     call k's buffer. (Steps end with the LM head's NCCL all_gather, which orders the ranks the same way
     where one step's last call and the next step's first land on the same buffer.)"""
 
-    MAX_BYTES = 1 << 20  # one-shot reads N x the bytes; past ~1 MB NCCL's ring moves less and wins
+    # one-shot wins where latency rules (8 KB on two H200s: 6.7 us against NCCL's 22.8); in a TP=2 mixed
+    # workload's 128-token decode steps (1 MB) it averaged 28 us a call, waits for the other rank included,
+    # where NCCL's ring should do no worse. Until benchmarks/allreduce_bench.py's sweep places the switch,
+    # symmetric memory takes up to 32 tokens of a 4096-wide model.
+    MAX_BYTES = 1 << 18
 
-    def __init__(self, group, device: torch.device):
+    def __init__(self, group, device: torch.device, max_bytes: int | None = None):
         import os
 
         import torch.distributed as dist
@@ -87,15 +91,16 @@ class SymmetricAllReduce:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self.name = (group or dist.group.WORLD).group_name
         self.op = torch.ops.symm_mem.one_shot_all_reduce_copy
+        self.max_bytes = max_bytes or self.MAX_BYTES
         self.bufs = []
         for _ in range(2):
-            self.bufs.append(symm_mem.empty(self.MAX_BYTES, dtype=torch.uint8, device=device))
+            self.bufs.append(symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=device))
             symm_mem.rendezvous(self.bufs[-1], self.name)
         self.calls = 0
 
     def fits(self, t: torch.Tensor) -> bool:
         return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float32) and \
-            t.numel() * t.element_size() <= self.MAX_BYTES
+            t.numel() * t.element_size() <= self.max_bytes
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         buf = self.bufs[self.calls % 2].view(t.dtype)[:t.numel()]
