@@ -191,7 +191,7 @@ def _autotune(graph: Graph, bar, batch_invariant: bool = True, cache: bool = Tru
         return {}
     joint = JOINT_BUCKETS if batch_invariant else DECODE_JOINT_BUCKETS
     tuner = Tuner.persistent(joint) if cache else Tuner(joint=joint)
-    _tune_linears(graph, tuner, bar)
+    _tune_kernels(graph, tuner, bar)
     tuner.save_cache()
     return tuner.to_json(keys=tuner.used)  # this model's choices, not the rest of the cache
 
@@ -209,11 +209,55 @@ def tune_shard(graph: Graph, tuning: dict) -> dict:
         return tuning
     tuner = Tuner.persistent(tuning.get("joint_buckets", JOINT_BUCKETS))
     tuner.records.update(given.records)
-    _tune_linears(graph, tuner, _Progress(False))
+    _tune_kernels(graph, tuner, _Progress(False))
     tuner.save_cache()
     out = tuner.to_json(keys=tuner.used | set(given.records))
     out["device"] = tuning.get("device", out["device"])
     return out
+
+
+def _tune_kernels(graph: Graph, tuner, bar) -> None:
+    _tune_linears(graph, tuner, bar)
+    _tune_decode_attention(graph, tuner, bar)
+
+
+def _tune_decode_attention(graph: Graph, tuner, bar) -> None:
+    """Choose the decode attention launch (key tile, pipeline depth, warps: attention.DECODE_TILE_CANDIDATES) for
+    each attention shape of the graph, timed on two steps summed: one sequence of 512 keys (batch-1 decode)
+    and 64 of 1,024 (a large batch), with the splits the runtime's CUDA graphs use. One choice serves
+    every batch, so a sequence's sums do not depend on its batch. Quantized caches keep the defaults."""
+    from llmc.codegen.attention import DECODE_TILE_CANDIDATES, decode_tiles_key, paged_attention
+    from llmc.codegen.lower import _tname
+    max_len = int(graph.meta.get("max_position_embeddings") or 4096)
+    seen = set()
+    for n in graph.nodes:
+        if n.op not in ("attend_paged", "paged_attention"):
+            continue
+        q, cache = n.inputs[0].type, n.inputs[1 if n.op == "attend_paged" else 3].type
+        D, Hq, Hkv = int(q.shape[3]), int(q.shape[1]), int(cache.shape[3])
+        qd, kd = _tname(q.dtype), _tname(cache.dtype)
+        key = decode_tiles_key(D, Hq, Hkv, qd, kd, bool(n.attrs["window"]))
+        if key in seen or kd not in ("float16", "bfloat16", "float32") or qd != kd:
+            continue
+        seen.add(key)
+        bar.step(f"tuning decode attention ({Hq} heads over {Hkv}, {D} wide)")
+        dtype, bs, g = getattr(torch, qd), 16, torch.Generator(device="cuda").manual_seed(0)
+        steps = []
+        for seqs, ctx in ((1, 512), (64, 1024)):
+            per = ctx // bs
+            kv = torch.randn(2, seqs * per + 1, bs, Hkv, D, device="cuda", generator=g).to(dtype)
+            tables = torch.randperm(seqs * per, device="cuda", generator=g).to(torch.int32).view(seqs, per)
+            steps.append((torch.randn(seqs, Hq, D, device="cuda", generator=g).to(dtype), kv,
+                          torch.arange(seqs + 1, device="cuda", dtype=torch.int32),
+                          torch.full((seqs,), ctx, device="cuda", dtype=torch.int32), tables,
+                          torch.empty(seqs, Hq, D, device="cuda", dtype=dtype)))
+
+        def bench(cfg):
+            for qq, kv, qsl, lens, tables, out in steps:
+                paged_attention(qq, kv, qsl, lens, tables, D ** -0.5, True, int(n.attrs["window"]), None,
+                                max_seqlen_q=1, max_seqlen_k=max_len, out=out, decode_tiles=cfg)
+        tuner.choose(key, "decode", DECODE_TILE_CANDIDATES, bench)
+        del steps
 
 
 def _tune_linears(graph: Graph, tuner, bar) -> None:

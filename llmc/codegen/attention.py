@@ -222,6 +222,21 @@ class PagedAttentionSpec(KernelSpec):
         return c
 
 
+# decode kernel launches the compile times per attention shape (the first: the default for 128-dim heads):
+# key tiles of 32 to 128 keys (256-key partitions hold a whole number of each, so a sequence's splits,
+# and its sums' batch independence, stay as they are), deeper load pipelines, more warps for larger tiles
+DECODE_TILE_CANDIDATES = [dict(BLOCK_N=n, num_stages=st, num_warps=w)
+                          for n, st, w in ((32, 2, 4), (32, 3, 4), (64, 2, 4), (64, 3, 4), (64, 3, 8), (128, 2, 8),
+                                           (128, 3, 8))]
+
+
+def decode_tiles_key(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: str, kv_dtype: str,
+                     window: bool) -> str:
+    """The tuning record's key of a decode attention launch (tuning.json, bucket "decode")."""
+    return f"paged_attention_decode:d{head_dim}:hq{num_q_heads}:hkv{num_kv_heads}:{dtype}:{kv_dtype}" + \
+        (":window" if window else "")
+
+
 def decode_partition(max_seqlen_k: int, block_n: int, min_partition: int = 256, max_splits: int = 128) -> int:
     """Keys per split of split-K decode: `min_partition` keys, more only past `max_splits` splits.
 
@@ -240,7 +255,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, causal: bool = True,
                     window: int = 0, kv_scale: torch.Tensor | None = None, max_seqlen_q: int | None = None,
                     max_seqlen_k: int | None = None, *, block_m: int = 0, block_n: int = 0,
-                    partition_size: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    partition_size: int | None = None, out: torch.Tensor | None = None,
+                    decode_tiles: dict | None = None) -> torch.Tensor:
     """Attention of the new tokens over their sequences' whole context, read from the paged cache.
 
     The cache must already hold the new K/V (`rope_kv_write` ran first). The new tokens of
@@ -260,6 +276,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         max_seqlen_k: largest seq_len; sizes the decode splits. Computed (a host sync) if None.
         block_m, block_n: tile overrides (0 = the spec's choice); partition_size: decode keys per
             split override (a multiple of the key tile; keep it fixed under CUDA graphs).
+        decode_tiles: the decode kernel's launch, as tuned (`DECODE_TILE_CANDIDATES`): {"BLOCK_N",
+            "num_stages", "num_warps"}; block_n, if given, still wins. None: the spec's defaults.
         out: a contiguous [T, Hq, D] tensor for the result; allocated when None.
 
     Returns:
@@ -304,6 +322,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     # decode: the one query sits at the last position, so causal masks nothing
     if max_seqlen_k is None:
         max_seqlen_k = int(seq_lens.max())
+    launch = dict(num_warps=4, num_stages=2)
+    if decode_tiles:
+        launch = dict(num_warps=decode_tiles["num_warps"], num_stages=decode_tiles["num_stages"])
+        base["block_n"] = block_n or decode_tiles["BLOCK_N"]
     tile_n = PagedAttentionSpec(**base, mode="decode").tiles()[1]
     partition = partition_size or decode_partition(max_seqlen_k, tile_n)
     assert partition % tile_n == 0, f"partition_size {partition} must be a multiple of the key tile {tile_n}"
@@ -318,5 +340,5 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     mod.paged_attention_decode_kernel[(N, Hkv, splits)](
         out, m_part, l_part, o_part, counts, *tensors, *strides, *m_part.stride(), *o_part.stride(),
         qk_scale, window, partition,
-        **c, num_warps=4, num_stages=2)
+        **c, **launch)
     return out

@@ -333,26 +333,38 @@ class Plan:
             return qr.transpose(0, 1).unsqueeze(0)
         return Step(n, fn, "triton:rope_kv_write", into=fn)
 
-    def _attend(self, q, cache, qsl, lens, tables, kv_scale, attrs, h, out=None):
+    def _attend(self, q, cache, qsl, lens, tables, kv_scale, attrs, h, out=None, tiles=None):
         from llmc.codegen.attention import paged_attention
         _, H, T, D = q.shape
         out = paged_attention(q[0].transpose(0, 1), cache, qsl, lens, tables, attrs["scale"], attrs["causal"],
                               attrs["window"], kv_scale, max_seqlen_q=h.get("max_seqlen_q"),
                               max_seqlen_k=h.get("max_seqlen_k"), partition_size=h.get("partition_size"),
-                              out=None if out is None else out.view(T, H, D))
+                              out=None if out is None else out.view(T, H, D), decode_tiles=tiles)
         return out.transpose(0, 1).unsqueeze(0)
 
+    def _decode_tiles(self, n) -> dict | None:
+        """The decode attention launch tuning.json chose for this node's shape (compiler._tune_decode_attention),
+        or None: the kernel's defaults."""
+        from llmc.codegen.attention import decode_tiles_key
+        if self.tuner is None:
+            return None
+        q, cache = n.inputs[0].type, n.inputs[1 if n.op == "attend_paged" else 3].type
+        key = decode_tiles_key(int(q.shape[3]), int(q.shape[1]), int(cache.shape[3]), _tname(q.dtype),
+                               _tname(cache.dtype), bool(n.attrs["window"]))
+        rec = self.tuner.lookup(key, "decode")
+        return dict(rec.config) if rec is not None else None
+
     def _op_attend_paged(self, n):
-        attrs = n.attrs
+        attrs, tiles = n.attrs, self._decode_tiles(n)
 
         def fn(x, h, outs=None):
             return self._attend(x[0], x[1], x[2], x[3], x[4], x[5] if len(x) > 5 else None, attrs, h,
-                                outs[0] if outs else None)
+                                outs[0] if outs else None, tiles)
         return Step(n, fn, "triton:paged_attention", into=fn)
 
     def _op_paged_attention(self, n):
         from llmc.codegen.attention import rope_kv_write
-        attrs = n.attrs
+        attrs, tiles = n.attrs, self._decode_tiles(n)
 
         def fn(x, h, outs=None):
             # the unfused form: the write kernel with an identity rotation (cos 1, sin 0) puts k and v
@@ -361,7 +373,7 @@ class Plan:
             scale = x[8] if len(x) > 8 else None
             ones = torch.ones(k.shape[0], k.shape[2], dtype=k.dtype, device=k.device)
             rope_kv_write(k, k, v, ones, torch.zeros_like(ones), x[3], x[7], scale)
-            return self._attend(x[0], x[3], x[4], x[5], x[6], scale, attrs, h, outs[0] if outs else None)
+            return self._attend(x[0], x[3], x[4], x[5], x[6], scale, attrs, h, outs[0] if outs else None, tiles)
         return Step(n, fn, "triton:kv_write+triton:paged_attention", into=fn)
 
     def _op_moe(self, n):

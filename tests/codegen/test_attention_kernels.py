@@ -47,8 +47,8 @@ def _interpreted_here() -> bool:
 
 INTERPRETED = _interpreted_here()
 
-from llmc.codegen.attention import (PagedAttentionSpec, RopeKVWriteSpec, decode_partition,  # noqa: E402
-                                    dtype_name, paged_attention, rope_kv_write)
+from llmc.codegen.attention import (DECODE_TILE_CANDIDATES, PagedAttentionSpec, RopeKVWriteSpec,  # noqa: E402
+                                    decode_partition, dtype_name, paged_attention, rope_kv_write)
 from llmc.codegen.kernels import load  # noqa: E402
 from llmc.ir.ops import _rope_ref  # noqa: E402
 from llmc.ir.paged_attention import QMAX, _read, _to_q, _write, paged_attention_ref, scale_width  # noqa: E402
@@ -272,6 +272,15 @@ def test_decode(case, dtype):
     ctx = p.pop("ctx")
     c = make_case(ctx, [1] * len(ctx), **p, dtype=dtype, seed=20)
     run_attention(c, window=window, block_n=16, partition_size=partition)
+
+
+@pytest.mark.parametrize("tiles", DECODE_TILE_CANDIDATES,
+                         ids=lambda t: f"n{t['BLOCK_N']}-s{t['num_stages']}-w{t['num_warps']}")
+def test_decode_tuned_launches(tiles):
+    """Every launch the compile may choose (attention.DECODE_TILE_CANDIDATES): 600 keys in three 256-key
+    splits of 32 to 128-key tiles, a one-key context, one of 300 over a 16-slot block size."""
+    c = make_case([600, 1, 300], [1, 1, 1], 4, 2, 32, 16, torch.float16, seed=22)
+    run_attention(c, decode_tiles=tiles)
 
 
 def test_decode_partition_does_not_depend_on_the_batch():

@@ -114,3 +114,31 @@ def test_bf16_generated_kernels_give_hf_bf16_tokens(stable_bf16):
     HF eager bf16's greedy tokens, 2 prompts x 12, through prefill and decode."""
     art, ids, want = stable_bf16
     assert greedy(art, "triton-interpret", ids[:2], 12) == [w[:12] for w in want[:2]]
+
+
+def test_plan_launches_decode_attention_as_tuning_json_chose(llama_artifact, monkeypatch):
+    """A record under the attention shape's key (bucket "decode") reaches the kernel's launch; with none, the
+    kernel keeps its defaults."""
+    import torch
+
+    import llmc.codegen.attention as attention
+    from llmc.codegen.autotune import Tuner
+    from llmc.codegen.lower import Plan, _tname
+    g = llama_artifact.graph
+    n = next(n for n in g.nodes if n.op in ("attend_paged", "paged_attention"))
+    q, cache = n.inputs[0].type, n.inputs[1 if n.op == "attend_paged" else 3].type
+    key = attention.decode_tiles_key(int(q.shape[3]), int(q.shape[1]), int(cache.shape[3]), _tname(q.dtype),
+                                     _tname(cache.dtype), bool(n.attrs["window"]))
+    cfg = {"BLOCK_N": 64, "num_stages": 3, "num_warps": 8}
+    rec = {"config": cfg, "triton_ms": 1.0, "cublas_ms": None, "prefer_cublas": False}
+    assert Plan(g, "meta", Tuner({key: {"decode": rec}}, None))._decode_tiles(n) == cfg
+    assert Plan(g, "meta", Tuner({}, None))._decode_tiles(n) is None and Plan(g, "meta")._decode_tiles(n) is None
+    seen = []
+    monkeypatch.setattr(attention, "paged_attention", lambda *a, **kw: seen.append(kw["decode_tiles"]) or
+                        torch.zeros(a[0].shape))
+    plan = Plan(g, "cpu", Tuner({key: {"decode": rec}}, None))
+    step = next(s for s in plan.steps if s.node is n)
+    T, H, D = 1, int(q.shape[1]), int(q.shape[3])
+    x = [torch.zeros(1, H, T, D)] + [torch.zeros(1)] * 8
+    step.fn(x, {"max_seqlen_q": 1, "max_seqlen_k": 64})
+    assert seen == [cfg]

@@ -247,7 +247,7 @@ def test_tune_shard_times_only_the_shapes_the_artifact_lacks(artifacts, monkeypa
               "kernels": {k: {"1": dict(rec)} for k in full}}
     timed = []
 
-    def fake_tune(graph, tuner, bar):  # what _tune_linears does on a GPU: time each key with no record
+    def fake_tune(graph, tuner, bar):  # what _tune_kernels does on a GPU (linears): time each key with no record
         for n in graph.nodes:
             if n.op == "linear":
                 k = key(n)
@@ -256,7 +256,7 @@ def test_tune_shard_times_only_the_shapes_the_artifact_lacks(artifacts, monkeypa
                     timed.append(k)
                     tuner.records.setdefault(k, {})["1"] = {**rec, "config": {"BLOCK_N": 32}}
 
-    monkeypatch.setattr(compiler, "_tune_linears", fake_tune)
+    monkeypatch.setattr(compiler, "_tune_kernels", fake_tune)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(autotune, "_device_name", lambda: "GPU-A")
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))
