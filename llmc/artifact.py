@@ -212,6 +212,7 @@ class Artifact:
             "op_counts": g.op_counts(),
             "param_bytes_by_dtype": g.weights.bytes_by_dtype(),
             "num_params": sum(t.numel() for t in g.weights.tensors.values()),
+            "token_budget": (self.tuning or {}).get("token_budget"),  # measured at compile (compiler.py)
         }
 
 

@@ -229,6 +229,10 @@ def inspect(artifact, ir, kernels, as_json, show_plan, plugins):
     click.echo(f"source     {s['source']}")
     click.echo(f"options    {', '.join(f'{k}={v}' for k, v in s['options'].items())}")
     click.echo(f"params     {s['num_params']:,}")
+    if s.get("token_budget"):
+        b = s["token_budget"]
+        click.echo(f"tokens     {b['tokens']} per step by default (the fewest at which the GEMMs run within "
+                   f"{b['slack']}x of their best time per token, as measured at compile)")
     for dt, n in s["param_bytes_by_dtype"].items():
         click.echo(f"  {dt:8s} {n:>14,} bytes")
     click.echo("passes")
@@ -411,8 +415,10 @@ def _engine_options(seqs_help: str = "Sequences batched per step.", speculative:
                           "triton-interpret: the generated kernels on the CPU (slow; for testing)."),
         click.option("--device", default=None, help="cpu or cuda (default: cuda when present)."),
         click.option("--max-num-seqs", default=_ENGINE.max_num_seqs, show_default=True, help=seqs_help),
-        click.option("--max-num-batched-tokens", default=_ENGINE.max_num_batched_tokens, show_default=True,
-                     help="Token budget per step (a longer prompt is computed in chunks)."),
+        click.option("--max-num-batched-tokens", default=None, type=int,
+                     help="Token budget per step (a longer prompt is computed in chunks). Default: the budget the "
+                          "compile measured on the GPU (the fewest tokens at which the GEMMs reach full speed; "
+                          "`llmc inspect`), else 2048."),
         click.option("--block-size", default=_ENGINE.block_size, show_default=True,
                      help="KV cache slots per block (a power of two on the kernel backends)."),
         click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory)."),

@@ -192,8 +192,53 @@ def _autotune(graph: Graph, bar, batch_invariant: bool = True, cache: bool = Tru
     joint = JOINT_BUCKETS if batch_invariant else DECODE_JOINT_BUCKETS
     tuner = Tuner.persistent(joint) if cache else Tuner(joint=joint)
     _tune_kernels(graph, tuner, bar)
+    budget = _measure_token_budget(graph, tuner, bar)
     tuner.save_cache()
-    return tuner.to_json(keys=tuner.used)  # this model's choices, not the rest of the cache
+    out = tuner.to_json(keys=tuner.used)  # this model's choices, not the rest of the cache
+    if budget is not None:
+        out["token_budget"] = budget
+    return out
+
+
+TOKEN_BUDGET_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192)
+
+
+def choose_token_budget(ms: dict[int, float], slack: float = 1.1) -> int:
+    """The fewest tokens per step at which the step's GEMMs take at most `slack` x their best time per token
+    (`ms`: milliseconds of all the model's GEMMs at M tokens). Past it a larger step gains little speed
+    and only makes every decode that shares it wait longer."""
+    per = {m: t / m for m, t in ms.items()}
+    best = min(per.values())
+    return min(m for m, p in per.items() if p <= slack * best)
+
+
+def _measure_token_budget(graph: Graph, tuner, bar) -> dict | None:
+    """Time every bf16/f16 linear of the graph (cuBLAS, which runs steps past 64 tokens) at
+    TOKEN_BUDGET_CANDIDATES tokens and choose the engine's default token budget from it
+    (`choose_token_budget`; the engine reads tuning.json's "token_budget"). Each shape's times are kept
+    in the tuning cache like any tile choice. None when the graph has no such linear."""
+    import collections
+
+    import torch.nn.functional as F
+    shapes = collections.Counter()
+    for n in graph.nodes:
+        if n.op in ("linear", "linear_act"):
+            w = graph.weights[n.inputs[1].name]
+            if w.dtype in (torch.bfloat16, torch.float16):
+                shapes[(int(w.shape[0]), int(w.shape[1]), w.dtype)] += 1
+    if not shapes:
+        return None
+    bar.step("measuring the step's token budget")
+    ms = dict.fromkeys(TOKEN_BUDGET_CANDIDATES, 0.0)
+    for (N, K, dtype), count in shapes.items():
+        w = torch.randn(N, K, device="cuda").to(dtype)
+        key = f"gemm_ms:{N}x{K}:{str(dtype).removeprefix('torch.')}"
+        for m in TOKEN_BUDGET_CANDIDATES:
+            x = torch.randn(m, K, device="cuda").to(dtype)
+            tuner.choose(key, str(m), [{}], bench=lambda cfg: F.linear(x, w))
+            ms[m] += count * tuner.lookup(key, str(m)).triton_ms
+        del w
+    return {"tokens": choose_token_budget(ms), "slack": 1.1, "gemm_ms": {str(m): round(t, 4) for m, t in ms.items()}}
 
 
 def tune_shard(graph: Graph, tuning: dict) -> dict:

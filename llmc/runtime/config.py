@@ -14,7 +14,7 @@ class EngineConfig:
     """Every engine option and its default, written once (`LLM`, `AsyncLLM` and the CLI take these)."""
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: the budget the compile measured (`token_budget`)
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_memory_fraction of free device memory
     kv_cache_dtype: str | None = None  # None: as compiled
@@ -57,6 +57,17 @@ class EngineConfig:
             raise LLMCError(f"kv_cache_dtype must be auto, int8 or fp8, not {self.kv_cache_dtype!r}")
         if self.device is not None and str(self.device).startswith("cuda") and not _has_cuda():
             raise LLMCError("device cuda was asked for, but torch sees no GPU; use the cpu device")
+
+
+DEFAULT_TOKEN_BUDGET = 2048  # tokens per step where the artifact carries no measured budget (compiled on a CPU)
+
+
+def token_budget(tuning: dict | None) -> int:
+    """Tokens per step for an artifact: what its compile measured on the GPU (tuning.json "token_budget",
+    compiler._measure_token_budget), else DEFAULT_TOKEN_BUDGET."""
+    rec = (tuning or {}).get("token_budget") or {}
+    n = rec.get("tokens") if isinstance(rec, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else DEFAULT_TOKEN_BUDGET
 
 
 def _has_cuda() -> bool:

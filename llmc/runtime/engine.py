@@ -14,7 +14,7 @@ import torch
 from llmc.artifact import Artifact, load_artifact
 from llmc.errors import LLMCError, RequestError
 from llmc.runtime.block_manager import BlockManager
-from llmc.runtime.config import EngineConfig
+from llmc.runtime.config import EngineConfig, token_budget
 from llmc.runtime.distributed import DistributedExecutor
 from llmc.runtime.executor import Executor, StepBatch, StepInput, StepResult, make_executor
 from llmc.runtime.sampler import Sampler, target_logprobs
@@ -128,6 +128,8 @@ class LLMEngine:
                 cfg.kv_memory_fraction, cfg.num_cpu_blocks, artifact.tuning, cfg.cuda_graphs, self.info.max_model_len)
         self.block_manager = BlockManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           cfg.num_cpu_blocks)
+        if cfg.max_num_batched_tokens is None:  # the compile's measured budget, enough for a decode of every seq
+            cfg.max_num_batched_tokens = max(token_budget(artifact.tuning), cfg.max_num_seqs)
         budget = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else max(cfg.max_num_batched_tokens,
                                                                                       self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, budget, cfg.enable_chunked_prefill,

@@ -215,3 +215,26 @@ def test_decode_graph_inputs_match_build_inputs(llama_artifact):
     dg.load(batch[:1], 4)
     assert dg.inputs["slot_mapping"][1:].tolist() == [-1, -1, -1]
     assert dg.inputs["seq_lens"][1:].tolist() == [1, 1, 1] and dg.inputs["input_ids"][1:].tolist() == [0, 0, 0]
+
+
+def test_the_token_budget_is_the_one_the_compile_measured(llama_artifact):
+    """max_num_batched_tokens left unset: the artifact's measured budget (tuning.json "token_budget"), at least
+    max_num_seqs; 2048 where none was measured (a CPU compile); an explicit value always wins."""
+    import copy
+
+    from llmc.compiler import choose_token_budget
+    from llmc.runtime.config import DEFAULT_TOKEN_BUDGET, token_budget
+    # per token: 7.8, 5.9, 5.1, 4.9, 4.9, 4.9 us: 1024 is the first within 1.1x of the best
+    assert choose_token_budget({256: 2.0, 512: 3.0, 1024: 5.2, 2048: 10.0, 4096: 20.0, 8192: 40.5}) == 1024
+    assert choose_token_budget({256: 1.0, 512: 2.5}) == 256
+    assert token_budget(None) == token_budget({}) == token_budget({"token_budget": {"tokens": "x"}}) == \
+        DEFAULT_TOKEN_BUDGET == 2048
+    art = copy.copy(llama_artifact)
+    art.tuning = {**llama_artifact.tuning, "token_budget": {"tokens": 512, "slack": 1.1, "gemm_ms": {}}}
+
+    def budget(a, **kw):
+        llm = LLM(a, backend="reference", num_blocks=16, block_size=4, **kw)
+        return llm.engine.scheduler.config.max_num_batched_tokens
+    assert budget(art) == 512 and budget(art, max_num_seqs=600) == 600 and budget(art, max_num_batched_tokens=64) == 64
+    assert budget(llama_artifact) == 2048
+    assert art.summary()["token_budget"]["tokens"] == 512
