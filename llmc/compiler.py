@@ -213,7 +213,7 @@ def choose_token_budget(ms: dict[int, float], slack: float = 1.1) -> int:
 
 
 def _measure_token_budget(graph: Graph, tuner, bar) -> dict | None:
-    """Time every bf16/f16 linear of the graph (cuBLAS, which runs steps past 64 tokens) at
+    """Time every bf16/f16 linear of the graph but the LM head (cuBLAS, which runs steps past 64 tokens) at
     TOKEN_BUDGET_CANDIDATES tokens and choose the engine's default token budget from it
     (`choose_token_budget`; the engine reads tuning.json's "token_budget"). Each shape's times are kept
     in the tuning cache like any tile choice. None when the graph has no such linear."""
@@ -221,10 +221,12 @@ def _measure_token_budget(graph: Graph, tuner, bar) -> dict | None:
 
     import torch.nn.functional as F
     shapes = collections.Counter()
+    vocab = int(graph.outputs[0].type.shape[-1])
     for n in graph.nodes:
         if n.op in ("linear", "linear_act"):
             w = graph.weights[n.inputs[1].name]
-            if w.dtype in (torch.bfloat16, torch.float16):
+            # the LM head runs on the sampled rows only, not on every token of the step
+            if w.dtype in (torch.bfloat16, torch.float16) and int(w.shape[0]) != vocab:
                 shapes[(int(w.shape[0]), int(w.shape[1]), w.dtype)] += 1
     if not shapes:
         return None
