@@ -212,7 +212,7 @@ def choose_token_budget(ms: dict[int, float], slack: float = 1.1) -> int:
     return min(m for m, p in per.items() if p <= slack * best)
 
 
-def _measure_token_budget(graph: Graph, tuner, bar) -> dict | None:
+def _measure_token_budget(graph: Graph, tuner, bar, device: str = "cuda") -> dict | None:
     """Time every bf16/f16 linear of the graph but the LM head (cuBLAS, which runs steps past 64 tokens) at
     TOKEN_BUDGET_CANDIDATES tokens and choose the engine's default token budget from it
     (`choose_token_budget`; the engine reads tuning.json's "token_budget"). Each shape's times are kept
@@ -233,10 +233,10 @@ def _measure_token_budget(graph: Graph, tuner, bar) -> dict | None:
     bar.step("measuring the step's token budget")
     ms = dict.fromkeys(TOKEN_BUDGET_CANDIDATES, 0.0)
     for (N, K, dtype), count in shapes.items():
-        w = torch.randn(N, K, device="cuda").to(dtype)
+        w = torch.randn(N, K, device=device).to(dtype)
         key = f"gemm_ms:{N}x{K}:{str(dtype).removeprefix('torch.')}"
         for m in TOKEN_BUDGET_CANDIDATES:
-            x = torch.randn(m, K, device="cuda").to(dtype)
+            x = torch.randn(m, K, device=device).to(dtype)
             tuner.choose(key, str(m), [{}], bench=lambda cfg: F.linear(x, w))
             ms[m] += count * tuner.lookup(key, str(m)).triton_ms
         del w

@@ -238,3 +238,46 @@ def test_the_token_budget_is_the_one_the_compile_measured(llama_artifact):
     assert budget(art) == 512 and budget(art, max_num_seqs=600) == 600 and budget(art, max_num_batched_tokens=64) == 64
     assert budget(llama_artifact) == 2048
     assert art.summary()["token_budget"]["tokens"] == 512
+
+
+def test_the_compile_measures_the_budget_over_every_linear_but_the_lm_head(llama_dir, tmp_path):
+    """compiler._measure_token_budget on the CPU, a stand-in tuner timing each GEMM as M x N x K: each
+    distinct shape is timed once per token count and counted as often as the graph runs it; the LM head
+    (vocabulary rows, run on the sampled rows only) is left out."""
+    import collections
+
+    import llmc
+    from llmc.codegen.autotune import TuneRecord
+    from llmc.compiler import TOKEN_BUDGET_CANDIDATES, _measure_token_budget
+    g = llmc.compile(llama_dir, tmp_path / "bf16.llmc", dtype="bfloat16").graph
+    vocab = int(g.outputs[0].type.shape[-1])
+
+    class Tuner:
+        def __init__(self):
+            self.times, self.calls = {}, []
+
+        def choose(self, key, bucket, candidates, bench):
+            n, k = map(int, key.split(":")[1].split("x"))
+            self.calls.append(key)
+            self.times[(key, bucket)] = int(bucket) * n * k * 1e-9 + 1e-3  # a fixed cost, then linear in M
+            return candidates[0]
+
+        def lookup(self, key, bucket):
+            return TuneRecord({}, self.times[(key, bucket)], None, False)
+
+    t = Tuner()
+    out = _measure_token_budget(g, t, SimpleBar(), device="cpu")
+    runs = collections.Counter((int(g.weights[n.inputs[1].name].shape[0]), int(g.weights[n.inputs[1].name].shape[1]))
+                               for n in g.nodes if n.op in ("linear", "linear_act"))
+    shapes = {s for s in runs if s[0] != vocab}
+    assert any(n == vocab for n, _ in runs)  # the graph's LM head is a linear: what is left out
+    assert len(t.calls) == len(shapes) * len(TOKEN_BUDGET_CANDIDATES) and all(f"{vocab}x" not in c for c in t.calls)
+    want = {m: sum(c * (m * n * k * 1e-9 + 1e-3) for (n, k), c in runs.items() if n != vocab)
+            for m in TOKEN_BUDGET_CANDIDATES}
+    assert out["gemm_ms"] == {str(m): round(v, 4) for m, v in want.items()}
+    assert out["tokens"] == min(m for m in want if want[m] / m <= 1.1 * min(v / k for k, v in want.items()))
+
+
+class SimpleBar:
+    def step(self, msg):
+        pass
