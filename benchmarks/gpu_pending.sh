@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_pending.sh OUT parallel-moe   # issue 16 (nvidia-h200-x2): trimmed Mixtral, EP=2 against one GPU
 #   bash benchmarks/gpu_pending.sh OUT allreduce      # issue 16 (nvidia-h200-x2): NCCL vs symmetric-memory all_reduce
 #   bash benchmarks/gpu_pending.sh OUT verify         # issue 20: a load's weight check, 16 GB, on the machine's cores
+#   bash benchmarks/gpu_pending.sh OUT mixed-graphs   # issue 20: 8B mixed workload, eager mixed steps vs piecewise graphs
 #
 # On nvidia-h200-x2 keep NVLink multicast off (the machine's NCCL_NVLS_ENABLE=0 and
 # TORCH_SYMM_MEM_DISABLE_MULTICAST=1): the workers inherit this script's environment.
@@ -86,6 +87,15 @@ for step in "$@"; do
             python3 benchmarks/parallel_bench.py --shape mixtral-8l --layouts 1x1,2x1 --expert-parallel --n 128 \
                 --out "$OUT/moe" >"$OUT/parallel_moe.log" 2>&1
             tail -6 "$OUT/parallel_moe.log" ;;
+        mixed-graphs)
+            rm -rf /tmp/tmp*
+            python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import shared_artifact; \
+shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_graphs.log" 2>&1
+            for v in 0 1; do
+                LLMC_MIXED_GRAPHS=$v python3 -m llmc bench "/tmp/art-${SHAPE:-8b}.llmc" --workload mixed \
+                    --num-requests 128 --max-num-seqs 128 --json >"$OUT/mixed_graphs_$v.json" 2>>"$OUT/mixed_graphs.log"
+            done
+            tail -c 600 "$OUT/mixed_graphs_1.json" ;;
         verify)
             python3 benchmarks/verify_bench.py --gb 16 --out "$OUT" >"$OUT/verify.log" 2>&1
             tail -4 "$OUT/verify.log" ;;
@@ -93,6 +103,6 @@ for step in "$@"; do
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, parallel, parallel-moe, multi-step, allreduce, verify)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs)" ;;
     esac
 done

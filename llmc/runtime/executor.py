@@ -139,7 +139,7 @@ class LocalExecutor:
         """Release what this executor holds on its device (KV cache, the plan's weights, step graphs) now, not
         when it is collected: a process can then load the next model on the same GPU. It runs no more
         steps after."""
-        self.cache = self.plan = self.step_graphs = None
+        self.cache = self.plan = self.step_graphs = self.piecewise = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -262,13 +262,16 @@ class KernelExecutor(LocalExecutor):
         from llmc.codegen.lower import Plan
         super().__init__(graph, cache)
         self.plan = Plan(graph, self.device, Tuner.from_artifact(tuning), triton_matmul=interpret)
-        self.step_graphs = None
+        self.step_graphs = self.piecewise = None
         self.use_cuda_graphs = cuda_graphs  # benchmarks turn it off to time eager steps side by side
         if cuda_graphs:
             from llmc.codegen.sampling import argmax
             receives = set(graph.meta.get("pipeline", {}).get("receives", []))  # a pipeline stage's
             self.step_graphs = StepGraphCache(self.plan, self.kv, self.block_size, max_model_len, self.device,
                                               argmax, [v for v in graph.inputs if v.name in receives])
+            if os.environ.get("LLMC_MIXED_GRAPHS") == "1":  # experimental: mixed steps on piecewise graphs
+                from llmc.runtime.piecewise import PiecewiseGraphs
+                self.piecewise = PiecewiseGraphs(self.plan, self.step_graphs._warm, self.step_graphs._capture_only)
 
     def _forward(self, seqs, greedy):
         if self.step_graphs is not None and self.use_cuda_graphs:
@@ -292,6 +295,10 @@ class KernelExecutor(LocalExecutor):
         """Every output of the plan (a pipeline stage's are the values it hands the next stage)."""
         hints = {"max_seqlen_q": max(len(s.token_ids) for s in seqs),
                  "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in seqs)}
+        if self.piecewise is not None and self.use_cuda_graphs:
+            out = self.piecewise.run(inputs, hints)
+            if out is not None:
+                return out
         return self.plan.run(inputs, hints)
 
     def _logits(self, inputs, seqs):

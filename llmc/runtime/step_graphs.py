@@ -166,13 +166,23 @@ class StepGraphCache:
         return dg
 
     def _record(self, step: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
-        """(graph, its outputs) of `step` captured (every graph shares one memory pool)."""
+        """(graph, its outputs) of `step` captured (every graph shares one memory pool), after two warm-up
+        runs."""
+        self._warm(step)
+        return self._capture_only(step)
+
+    @staticmethod
+    def _warm(step: Callable[[], object], times: int = 2) -> None:
+        """Run `step` on a side stream: every kernel compiled and library handles set up before a capture."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compile and warm every kernel outside the capture
+            for _ in range(times):
                 step()
         torch.cuda.current_stream().wait_stream(stream)
+
+    def _capture_only(self, step: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+        """(graph, its outputs) of `step` captured; nothing runs."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = step()

@@ -1,0 +1,62 @@
+"""Mixed steps on piecewise graphs (llmc/runtime/piecewise.py) on the CPU: the generated kernels under
+Triton's interpreter, each captured piece replaced by a stand-in that reruns its steps over the same
+tensors. Padded to a token bucket, with attention run on each step's real metadata between the
+pieces, every step gives the plain plan's outputs, and the KV cache the same contents."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from llmc.runtime.executor import StepInput, make_executor
+from llmc.runtime.piecewise import PiecewiseGraphs
+
+
+class _Graphs:
+    """Stand-ins for StepGraphCache._warm (runs the piece twice, as on the GPU) and _capture_only: a capture
+    runs nothing, so the stand-in runs the piece (to make its values) and then puts back every tensor it
+    may have written (KV caches, the arenas, attention outputs); its replay reruns the piece."""
+
+    def __init__(self, executor):
+        self.ex, self.pw = executor, None
+
+    def warm(self, fn):
+        fn()
+        fn()
+
+    def capture(self, fn):
+        held = [*self.ex.kv.values()] + [t for b in self.pw.buckets.values()
+                                          for t in [b.arena, *b.break_out.values()] if t is not None]
+        saved = [t.clone() for t in held]
+        fn()
+        for t, s in zip(held, saved):
+            t.copy_(s)
+        return SimpleNamespace(replay=fn), None
+
+
+def test_mixed_steps_on_pieces_give_the_plans_outputs(llama_artifact):
+    g = llama_artifact.graph
+    plain, pieces = (make_executor(g, "triton-interpret", num_blocks=32, block_size=4) for _ in range(2))
+    graphs = _Graphs(pieces)
+    pw = graphs.pw = PiecewiseGraphs(pieces.plan, graphs.warm, graphs.capture)
+    p0, p1, p2 = list(range(3, 12)), [40, 41, 42, 43, 44], [7, 8, 9, 10, 11, 12, 13]
+    steps = [  # two prompts; then their decodes with a third prompt's first chunk; then its rest, ...
+        [StepInput(p0, 0, [0, 1, 2], 1, True), StepInput(p1, 0, [3, 4], 1, True)],
+        [StepInput([50], 9, [0, 1, 2], 1), StepInput([51], 5, [3, 4], 1), StepInput(p2[:4], 0, [5, 6], 0, True)],
+        [StepInput([52], 10, [0, 1, 2], 1), StepInput(p2[4:], 4, [5, 6], 2, True)],
+        [StepInput([53], 11, [0, 1, 2], 1), StepInput([54], 6, [3, 4], 1), StepInput([55], 7, [5, 6], 1)],
+    ]
+    for seqs in steps:
+        hints = {"max_seqlen_q": max(len(s.token_ids) for s in seqs),
+                 "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in seqs)}
+        if sum(s.num_logits for s in seqs) == 0:
+            continue
+        want = plain.outputs(plain.build_inputs(seqs), seqs)[0]
+        got = pw.run(pieces.build_inputs(seqs), hints)[0]
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert list(pw.buckets) == [256]  # one bucket: the first step captured it, the others replayed it
+    assert len(pw.buckets[256].pieces) == len(pw.breaks) == sum(n.op in ("attend_paged", "paged_attention")
+                                                                for n in g.nodes)
+    for a, b in zip(plain.kv.values(), pieces.kv.values()):  # the padding rows wrote nothing
+        assert torch.allclose(a, b, atol=1e-6)
