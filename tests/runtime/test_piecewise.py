@@ -58,5 +58,6 @@ def test_mixed_steps_on_pieces_give_the_plans_outputs(llama_artifact):
     assert list(pw.buckets) == [256]  # one bucket: the first step captured it, the others replayed it
     assert len(pw.buckets[256].pieces) == len(pw.breaks) == sum(n.op in ("attend_paged", "paged_attention")
                                                                 for n in g.nodes)
-    for a, b in zip(plain.kv.values(), pieces.kv.values()):  # the padding rows wrote nothing
-        assert torch.allclose(a, b, atol=1e-6)
+    # the same K/V (up to the rounding of GEMMs over more rows): the padding rows and the warm-ups left none
+    for a, b in zip(plain.kv.values(), pieces.kv.values()):
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max()

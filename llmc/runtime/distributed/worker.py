@@ -120,7 +120,9 @@ def _serve(spec: WorkerSpec, store) -> None:
     num_blocks = int(store.get("num_blocks"))
     if num_blocks != ex.num_blocks:  # every rank's cache holds the block manager's count: the smallest
         resize_cache(ex, num_blocks, spec.memory_fraction, spec.num_cpu_blocks)
-    ex.plan.state["process_groups"] = {"tp": TorchCollectives(tp_groups[spec.stage], device)}
+    # symmetric-memory all_reduces rely on each step ending in the LM head's all_gather (collectives.py): one
+    # stage only; a pipeline stage's all_reduces go through NCCL
+    ex.plan.state["process_groups"] = {"tp": TorchCollectives(tp_groups[spec.stage], device if spec.pp == 1 else None)}
     if spec.cuda_graphs:  # NCCL sets up a communicator on its first collective, which a capture may not hold
         dist.all_reduce(torch.zeros(1, device=device), group=tp_groups[spec.stage])
         torch.cuda.synchronize(device)
