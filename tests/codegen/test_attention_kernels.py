@@ -290,10 +290,15 @@ def test_decode_partition_does_not_depend_on_the_batch():
     assert decode_partition(100, 48) % 48 == 0
 
 
-def test_decode_sequence_alone_equals_in_batch():
-    """A sequence's decode output is bitwise the same alone and among others (fixed partitions)."""
+@pytest.mark.parametrize("tiles", [None, DECODE_TILE_CANDIDATES[-1]], ids=["fixed-tiles", "tuned-launch"])
+def test_decode_sequence_alone_equals_in_batch(tiles):
+    """A sequence's decode output is bitwise the same alone and among others (fixed partitions), with fixed
+    tiles and with a launch the compile may choose (one choice serves every batch)."""
     c = make_case([70, 9, 33, 50], [1, 1, 1, 1], 4, 2, 24, 4, torch.float16, seed=21)
     kw = dict(block_m=16, block_n=16, max_seqlen_q=1, max_seqlen_k=128, partition_size=16)  # 1-5 splits each
+    if tiles is not None:  # 128-key tiles in 256-key partitions over 600 keys
+        c = make_case([600, 9, 300, 257], [1, 1, 1, 1], 4, 2, 24, 16, torch.float16, seed=21)
+        kw = dict(max_seqlen_q=1, max_seqlen_k=4096, decode_tiles=tiles)
     both = paged_attention(c["q"], c["cache"], c["qsl"], c["seq_lens"], c["bt"], 24 ** -0.5, **kw)
     for i in (0, 3):
         alone = paged_attention(c["q"][i:i + 1], c["cache"], torch.tensor([0, 1], dtype=torch.int32),
