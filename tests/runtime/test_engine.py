@@ -281,3 +281,19 @@ def test_the_compile_measures_the_budget_over_every_linear_but_the_lm_head(llama
 class SimpleBar:
     def step(self, msg):
         pass
+
+
+def test_optional_tuning_that_fails_leaves_the_defaults_and_the_compile_goes_on(llama_artifact, monkeypatch, caplog):
+    """The decode attention choice and the token budget are optional: if timing them fails on a GPU, the
+    compile warns and keeps the defaults rather than failing."""
+    import logging
+
+    import llmc.compiler as compiler
+
+    def fail(*a, **kw):
+        raise RuntimeError("no such launch")
+    monkeypatch.setattr(compiler, "_tune_linears", lambda *a: None)
+    monkeypatch.setattr(compiler, "_tune_decode_attention", fail)
+    with caplog.at_level(logging.WARNING, logger="llmc.compiler"):
+        compiler._tune_kernels(llama_artifact.graph, None, SimpleBar())
+    assert "decode attention tuning failed (RuntimeError: no such launch)" in caplog.text
