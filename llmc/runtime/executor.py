@@ -269,7 +269,9 @@ class KernelExecutor(LocalExecutor):
             receives = set(graph.meta.get("pipeline", {}).get("receives", []))  # a pipeline stage's
             self.step_graphs = StepGraphCache(self.plan, self.kv, self.block_size, max_model_len, self.device,
                                               argmax, [v for v in graph.inputs if v.name in receives])
-            if os.environ.get("LLMC_MIXED_GRAPHS") == "1":  # experimental: mixed steps on piecewise graphs
+            # experimental: mixed steps on piecewise graphs (not on a stage that receives: its received rows
+            # would need padding to the bucket too)
+            if os.environ.get("LLMC_MIXED_GRAPHS") == "1" and not receives:
                 from llmc.runtime.piecewise import PiecewiseGraphs
                 self.piecewise = PiecewiseGraphs(self.plan, self.step_graphs._warm, self.step_graphs._capture_only)
 
