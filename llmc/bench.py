@@ -150,6 +150,9 @@ def bench(model, workload: str = "mixed", *, num_requests: int | None = None, se
         "itl_ms_p50": ms(itl, 50), "itl_ms_p99": ms(itl, 99), "tpot_ms_p50": ms(tpot, 50),
         "tpot_ms_p99": ms(tpot, 99), "gpu_busy": busy,
         "num_preemptions": eng.num_preemptions - preempted,
+        # the step shape the figures were measured with (the token budget is the compile's measured one
+        # unless the engine was given another)
+        "max_num_seqs": eng.config.max_num_seqs, "max_num_batched_tokens": eng.config.max_num_batched_tokens,
     }
 
 

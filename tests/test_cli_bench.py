@@ -38,6 +38,8 @@ def test_mixed_streams_every_planned_token_and_caps_to_the_context(art):
     assert r["output_tokens"] == 103 + 84 and r["num_requests"] == 2
     assert r["capped_requests"] == 1 and r["max_model_len"] == 1024
     assert r["prompt_tokens"] == (1024 - 103) + 473
+    # the step shape it ran with: a CPU compile measured no budget, so the default
+    assert r["max_num_seqs"] == 4 and r["max_num_batched_tokens"] == 2048
 
 
 def test_decode_reports_a_table(art):
