@@ -82,10 +82,7 @@ class StepGraphCache:
         kind = graph_kind(batch)
         if kind is None:
             return None
-        key = (*kind, greedy)
-        dg = self.graphs.get(key)
-        if dg is None:
-            dg = self.graphs[key] = self._capture(*kind, greedy)
+        dg = self._graph(kind, greedy)
         dg.load(batch, self.block_size)
         dg.graph.replay()
         rows = len(batch)
@@ -101,10 +98,7 @@ class StepGraphCache:
         kind = graph_kind(batch)
         if kind is None or kind[0] != "decode":
             return None
-        key = (*kind, True)
-        dg = self.graphs.get(key)
-        if dg is None:
-            dg = self.graphs[key] = self._capture(*kind, True)
+        dg = self._graph(kind, True)
         n = len(batch)
         tokens = torch.empty(k, n, dtype=torch.int64, device=self.device)
         for j in range(k):
@@ -131,10 +125,7 @@ class StepGraphCache:
         kind = graph_kind(batch)
         if kind is None:
             return None
-        key = (*kind, "stage")
-        dg = self.graphs.get(key)
-        if dg is None:
-            dg = self.graphs[key] = self._capture(*kind, None)
+        dg = self._graph(kind, None)
         dg.load(batch, self.block_size)
         for v, t in zip(self.receives, received):
             dg.recv[v.name][tuple(slice(0, n) for n in t.shape)].copy_(t)
@@ -142,6 +133,15 @@ class StepGraphCache:
         rows = row_dims(batch)
         return [o[tuple(slice(0, dim_eval(d, rows)) for d in v.type.shape)]
                 for o, v in zip(dg.out, self.plan.graph.outputs)]
+
+    def _graph(self, kind: tuple[str, int], greedy: bool | None) -> "_StepGraph":
+        """The graph for `kind` (captured on first use) that returns what `_capture` says for `greedy`; a
+        pipeline stage's (greedy None) are kept under "stage"."""
+        key = (*kind, "stage" if greedy is None else greedy)
+        dg = self.graphs.get(key)
+        if dg is None:
+            dg = self.graphs[key] = self._capture(*kind, greedy)
+        return dg
 
     def _capture(self, kind: str, size: int, greedy: bool | None) -> "_StepGraph":
         """A graph for `kind` at `size` that returns argmax tokens (greedy), logits (False), or every output of

@@ -27,7 +27,7 @@ from llmc.ir.types import dim_eval, torch_dtype
 from llmc.runtime.distributed import codec
 from llmc.runtime.executor import StepBatch, StepInput, _verifies, as_decode_rows, make_executor
 from llmc.runtime.kv_cache import KVCache
-from llmc.runtime.step_graphs import bound_dims, row_dims
+from llmc.runtime.step_graphs import row_dims
 
 CONTROL_TIMEOUT = datetime.timedelta(days=365)  # a worker waits for the next step as long as the engine idles
 
@@ -240,7 +240,7 @@ class PipelineStage:
         pending = []
         if not self.first:  # post every receive now: the previous stage sends as it finishes each micro-batch
             for i, ((mb, _), x) in enumerate(zip(mbs, inputs)):
-                dims = bound_dims(ex.graph, x) if x is not None else row_dims(mb)
+                dims = row_dims(mb)  # what crosses between stages has the micro-batch's token rows
                 for j, v in enumerate(self.receives):
                     buf = torch.empty([dim_eval(d, dims) for d in v.type.shape], dtype=torch_dtype(v.type.dtype),
                                       device=ex.device)
