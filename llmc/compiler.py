@@ -208,9 +208,10 @@ def _autotune(graph: Graph, bar, batch_invariant: bool = True, cache: bool = Tru
 
 
 TOKEN_BUDGET_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192)
+TOKEN_BUDGET_SLACK = 1.1
 
 
-def choose_token_budget(ms: dict[int, float], slack: float = 1.1) -> int:
+def choose_token_budget(ms: dict[int, float], slack: float = TOKEN_BUDGET_SLACK) -> int:
     """The fewest tokens per step at which the step's GEMMs take at most `slack` x their best time per token
     (`ms`: milliseconds of all the model's GEMMs at M tokens). Past it a larger step gains little speed
     and only makes every decode that shares it wait longer."""
@@ -247,7 +248,8 @@ def _measure_token_budget(graph: Graph, tuner, bar, device: str = "cuda") -> dic
             tuner.choose(key, str(m), [{}], bench=lambda cfg: F.linear(x, w))
             ms[m] += count * tuner.lookup(key, str(m)).triton_ms
         del w
-    return {"tokens": choose_token_budget(ms), "slack": 1.1, "gemm_ms": {str(m): round(t, 4) for m, t in ms.items()}}
+    return {"tokens": choose_token_budget(ms), "slack": TOKEN_BUDGET_SLACK,
+            "gemm_ms": {str(m): round(t, 4) for m, t in ms.items()}}
 
 
 def tune_shard(graph: Graph, tuning: dict) -> dict:
@@ -283,17 +285,17 @@ def _tune_decode_attention(graph: Graph, tuner, bar) -> None:
     each attention shape of the graph, timed on two steps summed: one sequence of 512 keys (batch-1 decode)
     and 64 of 1,024 (a large batch), with the splits the runtime's CUDA graphs use. One choice serves
     every batch, so a sequence's sums do not depend on its batch. Quantized caches keep the defaults."""
-    from llmc.codegen.attention import DECODE_TILE_CANDIDATES, decode_tiles_key, paged_attention
-    from llmc.codegen.lower import _tname
+    from llmc.codegen.attention import DECODE_TILE_CANDIDATES, paged_attention
+    from llmc.codegen.lower import _tname, attention_types, decode_tiles_key_of
     max_len = int(graph.meta.get("max_position_embeddings") or 4096)
     seen = set()
     for n in graph.nodes:
         if n.op not in ("attend_paged", "paged_attention"):
             continue
-        q, cache = n.inputs[0].type, n.inputs[1 if n.op == "attend_paged" else 3].type
+        q, cache = attention_types(n)
         D, Hq, Hkv = int(q.shape[3]), int(q.shape[1]), int(cache.shape[3])
         qd, kd = _tname(q.dtype), _tname(cache.dtype)
-        key = decode_tiles_key(D, Hq, Hkv, qd, kd, bool(n.attrs["window"]))
+        key = decode_tiles_key_of(n)
         if key in seen or kd not in ("float16", "bfloat16", "float32") or qd != kd:
             continue
         seen.add(key)

@@ -345,13 +345,9 @@ class Plan:
     def _decode_tiles(self, n) -> dict | None:
         """The decode attention launch tuning.json chose for this node's shape (compiler._tune_decode_attention),
         or None: the kernel's defaults."""
-        from llmc.codegen.attention import decode_tiles_key
         if self.tuner is None:
             return None
-        q, cache = n.inputs[0].type, n.inputs[1 if n.op == "attend_paged" else 3].type
-        key = decode_tiles_key(int(q.shape[3]), int(q.shape[1]), int(cache.shape[3]), _tname(q.dtype),
-                               _tname(cache.dtype), bool(n.attrs["window"]))
-        rec = self.tuner.lookup(key, "decode")
+        rec = self.tuner.lookup(decode_tiles_key_of(n), "decode")
         return dict(rec.config) if rec is not None else None
 
     def _op_attend_paged(self, n):
@@ -458,6 +454,19 @@ def _tname(dtype: str) -> str:
     return str(torch_dtype(dtype)).removeprefix("torch.")
 
 
+def attention_types(n: Node):
+    """(q, KV cache) types of an attention node (`attend_paged`, or the unfused `paged_attention`)."""
+    return n.inputs[0].type, n.inputs[1 if n.op == "attend_paged" else 3].type
+
+
+def decode_tiles_key_of(n: Node) -> str:
+    """The tuning key of an attention node's decode launch (attention.decode_tiles_key from its IR types)."""
+    from llmc.codegen.attention import decode_tiles_key
+    q, cache = attention_types(n)
+    return decode_tiles_key(int(q.shape[3]), int(q.shape[1]), int(cache.shape[3]), _tname(q.dtype),
+                            _tname(cache.dtype), bool(n.attrs["window"]))
+
+
 def _static_spec(n: Node, block_size: int):
     """The KernelSpec a node will launch, where the IR types determine it (block size assumed)."""
     from llmc.codegen.attention import PagedAttentionSpec, RopeKVWriteSpec
@@ -472,8 +481,7 @@ def _static_spec(n: Node, block_size: int):
         return RopeKVWriteSpec(int(q.shape[3]), int(q.shape[1]), int(k.shape[1]), _tname(q.dtype), _tname(cache.dtype),
                                block_size)
     if n.op in ("attend_paged", "paged_attention"):
-        q = n.inputs[0].type
-        cache = n.inputs[1 if n.op == "attend_paged" else 3].type
+        q, cache = attention_types(n)
         return [PagedAttentionSpec(int(q.shape[3]), int(q.shape[1]), int(cache.shape[3]), block_size, _tname(q.dtype),
                                    _tname(cache.dtype), mode, n.attrs["causal"], bool(n.attrs["window"]))
                 for mode in ("prefill", "decode")]

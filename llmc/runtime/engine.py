@@ -17,11 +17,11 @@ from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.config import EngineConfig, token_budget
 from llmc.runtime.distributed import DistributedExecutor
 from llmc.runtime.executor import Executor, StepBatch, StepInput, StepResult, make_executor
+from llmc.runtime.profiling import StepProfiler
 from llmc.runtime.sampler import Sampler, target_logprobs
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.sequence import SequenceGroup, SequenceStatus
-from llmc.runtime.profiling import StepProfiler
 from llmc.runtime.spec_decode import SpecConfig, SpecDecoder
 from llmc.runtime.stop import StopChecker
 

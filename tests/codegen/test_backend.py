@@ -123,10 +123,10 @@ def test_plan_launches_decode_attention_as_tuning_json_chose(llama_artifact, mon
 
     import llmc.codegen.attention as attention
     from llmc.codegen.autotune import Tuner
-    from llmc.codegen.lower import Plan, _tname
+    from llmc.codegen.lower import Plan, _tname, attention_types
     g = llama_artifact.graph
     n = next(n for n in g.nodes if n.op in ("attend_paged", "paged_attention"))
-    q, cache = n.inputs[0].type, n.inputs[1 if n.op == "attend_paged" else 3].type
+    q, cache = attention_types(n)
     key = attention.decode_tiles_key(int(q.shape[3]), int(q.shape[1]), int(cache.shape[3]), _tname(q.dtype),
                                      _tname(cache.dtype), bool(n.attrs["window"]))
     cfg = {"BLOCK_N": 64, "num_stages": 3, "num_warps": 8}
