@@ -116,12 +116,8 @@ HASH_CHUNK = 1 << 26  # bytes per separately hashed piece of a large file (manif
 _READ = 1 << 22
 
 
-def sha256_file(path: Path, chunk: int = _READ) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+def sha256_file(path: Path) -> str:
+    return _sha256_range(path)
 
 
 def hash_file(path: Path, chunk_bytes: int | None = None) -> tuple[str, list[str]]:
@@ -136,14 +132,14 @@ def hash_file(path: Path, chunk_bytes: int | None = None) -> tuple[str, list[str
     return whole.hexdigest(), pieces
 
 
-def _sha256_range(path: Path, offset: int, size: int) -> str:
-    """sha256 of `size` bytes of `path` from `offset` (hashlib and the reads release the GIL: threads run it
-    in parallel)."""
+def _sha256_range(path: Path, offset: int = 0, size: int | None = None) -> str:
+    """sha256 of `size` bytes of `path` from `offset` (None: to its end). hashlib and the reads release the
+    GIL: threads run it in parallel."""
     import os
     h = hashlib.sha256()
     fd = os.open(path, os.O_RDONLY)
     try:
-        end = offset + size
+        end = os.fstat(fd).st_size if size is None else offset + size
         while offset < end:
             block = os.pread(fd, min(_READ, end - offset), offset)
             if not block:
@@ -315,7 +311,7 @@ def verify_files(path: Path, manifest: dict[str, Any], threads: int | None = Non
 
     def check(job) -> str | None:
         rel, offset, size, digest = job
-        got = sha256_file(path / rel) if size is None else _sha256_range(path / rel, offset, size)
+        got = _sha256_range(path / rel, offset, size)
         return rel if got != digest else None
 
     workers = max(1, min(len(jobs), threads or os.cpu_count() or 1))
