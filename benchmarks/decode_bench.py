@@ -92,6 +92,23 @@ def shared_artifact(shape: str, path: str | None):
     return art
 
 
+def add_workload_args(ap, prompts_help: str | None = None) -> None:
+    """The options the layout benchmarks (multi_step_bench, parallel_bench) share; `shared_setup` reads them."""
+    ap.add_argument("--n", type=int, default=128, help="mixed workload: requests at once")
+    ap.add_argument("--prompts", type=int, default=8, help=prompts_help)
+    ap.add_argument("--artifact", default=None, help="compile the random model here, or reuse it if it is there "
+                    "(steps on one machine then share one compile)")
+    ap.add_argument("--out", default=".")
+
+
+def shared_setup(a) -> tuple[Path, object, list[str]]:
+    """(output folder, made; the shape's artifact, `shared_artifact`; `--prompts` held-out prompts) of
+    parsed `add_workload_args` options and a `--shape`."""
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out, shared_artifact(a.shape, a.artifact), heldout_prompts(a.prompts)
+
+
 def heldout_prompts(n: int) -> list[str]:
     """n 400-character cuts of the held-out text, 997 characters apart: the greedy comparisons' prompts."""
     from llmc.models import heldout_text_path

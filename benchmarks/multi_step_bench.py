@@ -24,21 +24,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="8b")
     ap.add_argument("--ks", default="4,8", help="multi_step values beside 1")
-    ap.add_argument("--n", type=int, default=128, help="mixed workload: requests at once")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--artifact", default=None, help="compile the random model here, or reuse it if it is there "
-                    "(steps on one machine then share one compile)")
-    ap.add_argument("--out", default=".")
+    from decode_bench import add_workload_args, shared_setup
+    add_workload_args(ap)
     a = ap.parse_args()
     import torch
 
-    from decode_bench import heldout_prompts, shared_artifact
     from llmc.bench import bench
     from llmc.runtime.engine import LLM, SamplingParams
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    art = shared_artifact(a.shape, a.artifact)
-    prompts = heldout_prompts(a.prompts)
+    out, art, prompts = shared_setup(a)
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     rows, ref = [], None
     for k in [1] + [int(x) for x in a.ks.split(",")]:

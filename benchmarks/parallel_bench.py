@@ -79,24 +79,17 @@ def main() -> None:
                     help="TPxPP layouts, the first the baseline; a trailing e: no CUDA graphs (2x1e); n: every "
                          "all_reduce through NCCL, not symmetric memory (2x1n); mK: multi-step K (2x1m8)")
     ap.add_argument("--expert-parallel", action="store_true", help="MoE experts split by expert over TP ranks")
-    ap.add_argument("--n", type=int, default=128, help="mixed workload: requests at once")
-    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts for the greedy comparison")
     ap.add_argument("--decode-only", action="store_true", help="batch-1 decode and its step breakdown only "
                     "(no mixed workload, no greedy comparison)")
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--artifact", default=None, help="compile the random model here, or reuse it if it is there "
-                    "(steps on one machine then share one compile)")
-    ap.add_argument("--out", default=".")
+    from decode_bench import add_workload_args, shared_setup
+    add_workload_args(ap, prompts_help="held-out prompts for the greedy comparison")
     a = ap.parse_args()
-    from decode_bench import heldout_prompts, shared_artifact
-    from llmc.bench import bench
     import torch
 
+    from llmc.bench import bench
     from llmc.runtime.engine import LLM
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    art = shared_artifact(a.shape, a.artifact)
-    prompts = heldout_prompts(a.prompts)
+    out, art, prompts = shared_setup(a)
     rows, ref, errors = [], None, []
     for layout in a.layouts.split(","):
         m = re.fullmatch(r"(\d+)x(\d+)(e?)(n?)(?:m(\d+))?", layout)
