@@ -153,6 +153,7 @@ def bench(model, workload: str = "mixed", *, num_requests: int | None = None, se
         # the step shape the figures were measured with (the token budget is the compile's measured one
         # unless the engine was given another)
         "max_num_seqs": eng.config.max_num_seqs, "max_num_batched_tokens": eng.config.max_num_batched_tokens,
+        "overlap": eng.overlap,
     }
 
 
@@ -181,18 +182,22 @@ def _run(llm, requests: list[tuple[list[int], int]], on_tokens: Callable[[int], 
     eng, res = llm.engine, _Run()
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in requests]
     events: list | None = None
-    execute = eng.executor.execute
-    if getattr(eng.executor, "device", torch.device("cpu")).type == "cuda":
+    ex = eng.executor
+    wrapped = {name: getattr(ex, name) for name in ("execute", "launch") if hasattr(ex, name)}
+    if getattr(ex, "device", torch.device("cpu")).type == "cuda":
         events = []
 
-        def timed_execute(batch):  # CUDA events around the model's step: its time on the GPU
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = execute(batch)
-            end.record()
-            events.append((start, end))
-            return out
-        eng.executor.execute = timed_execute
+        def timed(run):  # CUDA events around the model's step: its time on the GPU
+            def call(*args):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = run(*args)
+                end.record()
+                events.append((start, end))
+                return out
+            return call
+        for name, run in wrapped.items():
+            setattr(ex, name, timed(run))
         torch.cuda.synchronize()
     last: dict[str, float] = {}
     first: dict[str, tuple[float, int]] = {}  # request -> (time of its first output, tokens in it)
@@ -220,7 +225,8 @@ def _run(llm, requests: list[tuple[list[int], int]], on_tokens: Callable[[int], 
         res.tpot = [(last[rid] - first[rid][0]) / n for rid, n in later.items()]
     finally:
         if events is not None:
-            eng.executor.execute = execute
+            for name, run in wrapped.items():
+                setattr(ex, name, run)
     if events is not None:
         torch.cuda.synchronize()
         res.busy = sum(s.elapsed_time(e) for s, e in events) / 1e3

@@ -443,6 +443,10 @@ def _engine_options(seqs_help: str = "Sequences batched per step.", speculative:
                               "schedules and reads tokens back once for the K), while every sequence decodes, "
                               "no request waits for a free slot and all are greedy; the tokens are those of single "
                               "steps. Not with --spec or --pipeline-parallel-size."),
+            click.option("--overlap/--no-overlap", default=_ENGINE.overlap, show_default=True,
+                         help="Schedule and prepare the next step while the GPU runs the current one, for steps "
+                              "whose tokens are all greedy; outputs are the same either way, and reach the caller "
+                              "one step later. Off where the engine runs several processes."),
         ]
 
     def apply(f):
@@ -495,7 +499,7 @@ def _parallel_options(f):
 @_plugin_option
 def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
         stop, as_json, stream, backend, device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-        kv_cache_dtype, spec_method, draft_path, spec_tokens, multi_step, tensor_parallel_size,
+        kv_cache_dtype, spec_method, draft_path, spec_tokens, multi_step, overlap, tensor_parallel_size,
         pipeline_parallel_size, expert_parallel, plugins):
     """Generate text from ARTIFACT with the paged-KV engine.
 
@@ -525,7 +529,7 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
               num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, backend=backend, device=device,
               tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-              expert_parallel=expert_parallel, multi_step=multi_step)
+              expert_parallel=expert_parallel, multi_step=multi_step, overlap=overlap)
     out = _Printer(items, params, as_json, art.tokenizer_dir is not None)
     requests = [it.text if it.text is not None else it.token_ids for it in items]
     if stream:
@@ -739,7 +743,7 @@ def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend,
 @_plugin_option
 def serve(artifact, host, port, api_key, served_model_name, chat_template, max_queue, shutdown_timeout, backend,
           device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, spec_method,
-          draft_path, spec_tokens, multi_step, tensor_parallel_size, pipeline_parallel_size, expert_parallel,
+          draft_path, spec_tokens, multi_step, overlap, tensor_parallel_size, pipeline_parallel_size, expert_parallel,
           plugins):
     """Serve ARTIFACT over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /health and /metrics (Prometheus).
@@ -777,7 +781,7 @@ def serve(artifact, host, port, api_key, served_model_name, chat_template, max_q
                    max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
                    kv_cache_dtype=kv_cache_dtype, backend=backend, device=device,
                    tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                   expert_parallel=expert_parallel, multi_step=multi_step)
+                   expert_parallel=expert_parallel, multi_step=multi_step, overlap=overlap)
     try:
         app = create_app(llm, name, api_key=api_key, chat_template=template, max_queue=max_queue,
                          shutdown_timeout=shutdown_timeout)
@@ -868,7 +872,7 @@ def bench():
 @_plugin_option
 def bench_artifact(artifact, workload, num_requests, seed, as_json, backend, device, max_num_seqs,
                    max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, spec_method, draft_path,
-                   spec_tokens, multi_step, plugins):
+                   spec_tokens, multi_step, overlap, plugins):
     """Benchmark ARTIFACT offline through llmc.LLM: output tokens per second, time to first token and
     inter-token latency (p50/p99, from the streamed outputs of every request), and on CUDA the fraction
     of the time the GPU spends in the model's steps.
@@ -895,7 +899,8 @@ def bench_artifact(artifact, workload, num_requests, seed, as_json, backend, dev
                         speculative=_speculative(spec_method, draft_path, spec_tokens, art.bundled_draft),
                         progress=sys.stderr.isatty(), max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
-                        kv_cache_dtype=kv_cache_dtype, backend=backend, device=device, multi_step=multi_step)
+                        kv_cache_dtype=kv_cache_dtype, backend=backend, device=device, multi_step=multi_step,
+                        overlap=overlap)
     click.echo(json.dumps(res) if as_json else offline.format_report(res))
 
 

@@ -31,6 +31,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1  # stages of consecutive layers (llmc/ir/stages.py)
     expert_parallel: bool = False  # MoE experts split by expert over the tensor-parallel ranks
     multi_step: int = 1  # greedy decode steps run back to back on the device per engine step (engine.py)
+    overlap: bool = True  # greedy steps: schedule step N + 1 while the device runs step N (engine.py)
 
     def validate(self) -> None:
         """Raise LLMCError naming the first option out of range."""

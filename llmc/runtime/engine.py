@@ -16,12 +16,12 @@ from llmc.errors import LLMCError, RequestError
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.config import EngineConfig, token_budget
 from llmc.runtime.distributed import DistributedExecutor
-from llmc.runtime.executor import Executor, StepBatch, StepInput, StepResult, make_executor
+from llmc.runtime.executor import Executor, Feed, Launched, StepBatch, StepInput, StepResult, make_executor
 from llmc.runtime.profiling import StepProfiler
 from llmc.runtime.sampler import Sampler, target_logprobs
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from llmc.runtime.sequence import SequenceGroup, SequenceStatus
+from llmc.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
 from llmc.runtime.spec_decode import SpecConfig, SpecDecoder
 from llmc.runtime.stop import StopChecker
 
@@ -90,8 +90,28 @@ class _Request:
     scored: tuple[list, list | None] | None = None  # the outputs' prompt_logprobs fields, once complete
 
 
+@dataclass
+class _InFlight:
+    """A step launched on the device and not waited for (`LLMEngine.step`, overlapped steps)."""
+
+    out: SchedulerOutput
+    launched: Launched
+    # seq_id -> (position of the token the step samples for it, its row in the step's tokens); filled when
+    # the step is booked, with a stand-in token whose value `_resolve` writes
+    pending: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
 class LLMEngine:
     """Continuous-batching engine over a compiled artifact: `step()` = schedule ▸ run ▸ postprocess.
+
+    Overlapped steps (`overlap`, on by default): when every row of a step wants only its argmax, the step
+    is launched and not waited for. The next `step()` books it (computed tokens, a stand-in for each new
+    token), schedules and launches the following step, whose inputs take those tokens from the device,
+    and only then waits for the first step's tokens and checks them for stops. The host's scheduling and
+    input preparation run while the device computes, and a step's outputs reach the caller one `step()`
+    later. A sequence that stops at step N still ran in step N + 1; that row is dropped (its K/V landed
+    in blocks already freed, which no one reads). Steps that sample on the host (temperature, logprobs,
+    n > 1, prompt scores) or verify speculation run as before, after the step in flight is resolved.
 
     Never left broken: a request that fails validation changes nothing, and a step that raises aborts
     the requests it held (their blocks return) before the exception leaves `step()`.
@@ -151,6 +171,9 @@ class LLMEngine:
         self.num_preemptions = 0
         self.num_steps = 0
         self.timings: dict[str, float] = {}  # seconds per phase, summed over steps
+        self.overlap = cfg.overlap and hasattr(self.executor, "launch") and self.spec is None and cfg.multi_step == 1
+        self._inflight: _InFlight | None = None
+        self.num_overlapped = 0  # steps launched without the host waiting for them
         # LLMC_PROFILE_DIR: a window of steps profiled (llmc/runtime/profiling.py); workers profile their own
         self._profiler = StepProfiler.from_env("engine") if getattr(self.executor.device, "type", "") == "cuda" \
             else None
@@ -206,6 +229,7 @@ class LLMEngine:
         """Drop the last `num_tokens` generated tokens of sample `index` of a request: their K/V go, blocks
         left empty are freed, the prefix cache keeps none of them. Text already streamed is not recalled."""
         seq = self.requests[request_id].group.seqs[index]
+        self._drain()
         self.scheduler.rollback(seq, num_tokens)
         if self.decode is not None:
             seq.output_text = self.decode(seq.output_token_ids)
@@ -218,10 +242,14 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One iteration: schedule ▸ run ▸ postprocess. Returns outputs of requests that progressed
         (streaming: each carries its delta since the last), or with `finished_only` of those that
-        finished (or were aborted) since the last step."""
+        finished (or were aborted) since the last step. With overlapped steps (see the class) a step's
+        tokens are returned by the next call."""
         if self._profiler is not None:
             self._profiler.tick()
         t = time.perf_counter()
+        flying, self._inflight = self._inflight, None
+        if flying is not None:
+            self._book(flying)
         if self.spec is not None:
             self.spec.propose([s for s in self.scheduler.running if not s.is_prefill])
             self._time("propose", t)
@@ -232,7 +260,15 @@ class LLMEngine:
             seq.spec_token_ids = []  # the entries hold them; a later step plans afresh
         self._time("schedule", proposed)
         self.num_preemptions += len(out.preempted)
-        if not out.is_empty:
+        touched = set() if flying is None else {e.seq.request_id for e in flying.out.scheduled}
+        if not out.is_empty and self._overlaps(out):
+            self._launch(out, flying)
+        if flying is not None:
+            self._resolve(flying)
+            if self._inflight is None:  # `out` runs now: a sequence that stopped with those tokens runs no further
+                out.scheduled = [e for e in out.scheduled if not e.seq.is_finished]
+        if self._inflight is None and (not out.is_empty or out.blocks_to_swap_out or out.blocks_to_swap_in):
+            touched |= {e.seq.request_id for e in out.scheduled}
             ran = time.perf_counter()
             try:
                 self._run(out)
@@ -242,7 +278,8 @@ class LLMEngine:
             if self.spec is not None:  # what speculation costs here, measured (steps end in a device sync)
                 self.spec.observe_step(out, proposed - t, time.perf_counter() - ran)
         self.num_steps += 1
-        touched = {e.seq.request_id for e in out.scheduled}
+        if self._inflight is not None and all(e.seq.is_finished for e in self._inflight.out.scheduled):
+            self._inflight = None  # every sequence in it stopped: nothing waits for its tokens
         finished = self.scheduler.pop_finished()
         done = {g.request_id for g in finished}
         if self.spec is not None:
@@ -254,6 +291,87 @@ class LLMEngine:
         for rid in done:
             self.requests.pop(rid, None)
         return results
+
+    # -- overlapped steps (see the class docstring) --------------------------------------------------
+    def _overlaps(self, out: SchedulerOutput) -> bool:
+        """Whether `out` can run without the host waiting for it: every row it samples is a plain argmax."""
+        return self.overlap and not out.has_spec and not out.scores_prompts and \
+            all(r == 1 for r in out.logits_repeats) and Sampler.argmax_only(out.sampled_seqs)
+
+    def _launch(self, out: SchedulerOutput, flying: _InFlight | None) -> None:
+        """Start `out` on the device; tokens that `flying` computes come to it there (a Feed)."""
+        t0 = time.perf_counter()
+        batch = self._batch(out)
+        batch.greedy = True
+        feed = None
+        if flying is not None and flying.pending:
+            dst, src, offset = [], [], 0
+            for e in out.scheduled:
+                c = e.seq.num_computed_tokens
+                pos, row = flying.pending.get(e.seq.seq_id, (-1, 0))
+                if c <= pos < c + e.num_new_tokens:
+                    dst.append(offset + pos - c)
+                    src.append(row)
+                offset += e.num_new_tokens
+            feed = Feed(flying.launched.device_tokens, dst, src) if dst else None
+        try:
+            self._inflight = _InFlight(out, self.executor.launch(batch, feed))
+            self.num_overlapped += 1
+        except BaseException:
+            self._abort_step(out)  # its requests end, as a failed step's do; the one in flight is still waited for
+            if flying is not None:
+                self._resolve(flying)
+            raise
+        self._time("execute", t0)
+
+    def _book(self, flying: _InFlight) -> None:
+        """Record a launched step before its tokens are known, as `update_after_step` does: computed tokens
+        advance (full blocks join the prefix cache), and each sampled sequence gets a stand-in token. A
+        sequence whose stand-in ends it by length is scheduled no further."""
+        t0, row = time.perf_counter(), 0
+        for e in flying.out.scheduled:
+            seq = e.seq
+            row += e.sample
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted since the launch
+            seq.num_computed_tokens += e.num_new_tokens
+            self.block_manager.mark_computed(seq)
+            if e.sample:
+                flying.pending[seq.seq_id] = (seq.num_tokens, row - 1)
+                seq.append_token(0)
+                seq.ends_in_flight = seq.num_output_tokens >= seq.params.max_tokens or \
+                    seq.num_tokens >= self.max_model_len
+        self._time("update", t0)
+
+    def _resolve(self, flying: _InFlight) -> None:
+        """Wait for a launched step's tokens, write them over the stand-ins and check each for a stop."""
+        t0 = time.perf_counter()
+        try:
+            tokens = flying.launched.tokens()
+        except BaseException:
+            self._abort_step(flying.out)
+            raise
+        t1 = time.perf_counter()
+        for e in flying.out.scheduled:
+            seq = e.seq
+            pos, row = flying.pending.get(seq.seq_id, (-1, 0))
+            if pos < 0:
+                continue
+            seq.set_token(pos, tokens[row])
+            seq.ends_in_flight = False
+            if not seq.is_finished:  # (a victim preempted since is checked too: it may have stopped)
+                reason = self.stop(seq)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+        self.timings["wait"] = self.timings.get("wait", 0.0) + t1 - t0
+        self._time("update", t1)
+
+    def _drain(self) -> None:
+        """Book and resolve the step in flight, if any: every sequence's tokens are then on the host."""
+        flying, self._inflight = self._inflight, None
+        if flying is not None:
+            self._book(flying)
+            self._resolve(flying)
 
     def _plan_chains(self) -> list:
         """Multi-step decoding (`multi_step` k > 1): when every sequence is decoding, nothing waits that a
@@ -288,10 +406,14 @@ class LLMEngine:
                 {e.seq.request_id for e in out.scheduled}:
             self.scheduler.abort(rid)
 
+    @staticmethod
+    def _batch(out: SchedulerOutput) -> StepBatch:
+        return StepBatch([StepInput(e.token_ids, e.seq.num_computed_tokens, e.seq.block_table,
+                                    e.prompt_logits + e.num_logits, e.is_prefill) for e in out.scheduled],
+                         out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+
     def _run(self, out: SchedulerOutput) -> None:
-        batch = StepBatch([StepInput(e.token_ids, e.seq.num_computed_tokens, e.seq.block_table,
-                                     e.prompt_logits + e.num_logits, e.is_prefill) for e in out.scheduled],
-                          out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        batch = self._batch(out)
         # each logits row and the sequences it is sampled for: the last row for a sequence and the siblings
         # forked off it (a verified sequence has a row per fed token, see _postprocess_verify)
         row_seqs, repeats = out.sampled_seqs, out.logits_repeats
@@ -441,6 +563,7 @@ class LLMEngine:
             "kv_cache_bytes": self.executor.kv_bytes,
             "cow_copies": bm.stats.cow_copies,
             "steps": self.num_steps,
+            "overlapped_steps": self.num_overlapped,
             **_spec_stats(self.spec),
             **{f"ms_per_step_{k}": round(v * 1e3 / max(1, self.num_steps), 4) for k, v in self.timings.items()},
         }

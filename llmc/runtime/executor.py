@@ -71,8 +71,45 @@ class StepResult:
     tokens: torch.Tensor | None = None
 
 
+@dataclass
+class Feed:
+    """Tokens that a step takes from the previous step's argmax on the device, not from the host: the
+    step's flat token index `dst[i]` gets row `src[i]` of `tokens` (see `LocalExecutor.launch`)."""
+
+    tokens: torch.Tensor  # the previous step's argmax rows, on the device
+    dst: list[int]
+    src: list[int]
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        """Overwrite the fed rows of a step's `input_ids` (on its device, in stream order: no host wait)."""
+        if self.dst:
+            idx = _to_device(np.asarray(self.dst + self.src, np.int64), input_ids.device, torch.int64)
+            n = len(self.dst)
+            input_ids.index_copy_(0, idx[:n], self.tokens.index_select(0, idx[n:]))
+
+
+class Launched:
+    """A greedy step started on the device: its argmax rows stay there (the next step's `Feed`), and a copy
+    to the host is on its way; `tokens()` waits for it."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.device_tokens = tokens
+        cuda = tokens.device.type == "cuda"
+        self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
+        self.host.copy_(tokens, non_blocking=cuda)
+        self.done = torch.cuda.Event() if cuda else None
+        if self.done is not None:
+            self.done.record()
+
+    def tokens(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
 class Executor(Protocol):
-    """What the engine needs of a backend."""
+    """What the engine needs of a backend. An executor may also offer `launch(batch, feed) -> Launched`,
+    a greedy step that does not wait for the device (the engine's overlapped steps, engine.py)."""
 
     num_blocks: int  # device KV blocks (the block manager's pool)
     kv_bytes: int
@@ -145,13 +182,7 @@ class LocalExecutor:
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
-        if self.cache is None:
-            raise LLMCError("this engine was closed (LLM.close, or the end of its `with` block): create a new LLM "
-                            "to run more requests")
-        self.cache.swap_out(batch.swap_out)
-        self.cache.swap_in(batch.swap_in)
-        self.cache.copy_blocks(batch.copies)
-        seqs = batch.seqs
+        seqs = self._begin(batch)
         if not seqs:
             return _empty(batch.greedy)
         if batch.chain:
@@ -160,18 +191,45 @@ class LocalExecutor:
         if any(_verifies(s) for s in seqs):
             seqs = as_decode_rows(seqs)
         if batch.num_logits == 0:
-            # a step that samples nothing (a long prompt's first chunks) still writes its K/V; the graph
-            # wants at least one logits row, so compute the last one and drop it
-            seqs = seqs[:-1] + [StepInput(seqs[-1].token_ids, seqs[-1].start_pos, seqs[-1].block_table, 1)]
-            self._forward(seqs, False)
+            self._forward(_one_row(seqs), False)
             return _empty(batch.greedy)
         return self._forward(seqs, batch.greedy)
 
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch, feed: Feed | None = None) -> Launched:
+        """Start a greedy step (`batch.greedy`, no chains or verify rows) and return without waiting for the
+        device: the engine schedules the next step while this one runs. `feed` gives tokens that the
+        previous launched step computed on the device, which the host does not know yet."""
+        assert batch.greedy and not batch.chain, "only greedy steps are launched without a wait"
+        seqs = self._begin(batch)
+        assert not any(_verifies(s) for s in seqs), "verify rows are sampled on the host"
+        if seqs and batch.num_logits == 0:
+            self._argmax_rows(_one_row(seqs), feed)
+            seqs = []
+        return Launched(self._argmax_rows(seqs, feed) if seqs else
+                        torch.empty(0, dtype=torch.int64, device=self.device))
+
+    def _begin(self, batch: StepBatch) -> list[StepInput]:
+        """Apply the step's block moves (swap-out, swap-in, copies); returns its sequences."""
+        if self.cache is None:
+            raise LLMCError("this engine was closed (LLM.close, or the end of its `with` block): create a new LLM "
+                            "to run more requests")
+        self.cache.swap_out(batch.swap_out)
+        self.cache.swap_in(batch.swap_in)
+        self.cache.copy_blocks(batch.copies)
+        return batch.seqs
+
     def _forward(self, seqs: list[StepInput], greedy: bool) -> StepResult:
-        logits = self._logits(self.build_inputs(seqs), seqs)
         if greedy:
-            return StepResult(tokens=logits.argmax(dim=-1).cpu())
-        return StepResult(logits=logits.float())
+            return StepResult(tokens=self._argmax_rows(seqs).cpu())
+        return StepResult(logits=self._logits(self.build_inputs(seqs), seqs).float())
+
+    def _argmax_rows(self, seqs: list[StepInput], feed: Feed | None = None) -> torch.Tensor:
+        """Each logits row's argmax, left on the device."""
+        inputs = self.build_inputs(seqs)
+        if feed is not None:
+            feed.apply(inputs["input_ids"])
+        return self._logits(inputs, seqs).argmax(dim=-1)
 
     def _logits(self, inputs: dict[str, torch.Tensor], seqs: list[StepInput]) -> torch.Tensor:
         raise NotImplementedError
@@ -223,7 +281,7 @@ class LocalExecutor:
         dev = self.device
 
         def put(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(a).to(device=dev, dtype=dtype)
+            return _to_device(a, dev, dtype)
         return {
             "input_ids": put(ids, torch.int64),
             "positions": put(pos, torch.int64),
@@ -276,11 +334,18 @@ class KernelExecutor(LocalExecutor):
                 self.piecewise = PiecewiseGraphs(self.plan, self.step_graphs._warm, self.step_graphs._capture_only)
 
     def _forward(self, seqs, greedy):
-        if self.step_graphs is not None and self.use_cuda_graphs:
+        if self.step_graphs is not None and self.use_cuda_graphs and not greedy:
             out = self.step_graphs.run(seqs, greedy)
             if out is not None:
-                return StepResult(tokens=out) if greedy else StepResult(logits=out)
+                return StepResult(logits=out)
         return super()._forward(seqs, greedy)
+
+    def _argmax_rows(self, seqs, feed=None):
+        if self.step_graphs is not None and self.use_cuda_graphs:
+            out = self.step_graphs.run(seqs, True, feed)
+            if out is not None:
+                return out
+        return super()._argmax_rows(seqs, feed)
 
     def chain(self, seqs: list[StepInput]) -> torch.Tensor:
         # decode chains of one length replay their decode graph k times, each step's tokens fed to the
@@ -322,6 +387,22 @@ def as_decode_rows(seqs: list[StepInput]) -> list[StepInput]:
         else:
             out.append(s)
     return out
+
+
+def _one_row(seqs: list[StepInput]) -> list[StepInput]:
+    """A step that samples nothing (a long prompt's first chunks) still writes its K/V; the graph wants at
+    least one logits row, so the step computes its last token's and drops it."""
+    return seqs[:-1] + [StepInput(seqs[-1].token_ids, seqs[-1].start_pos, seqs[-1].block_table, 1)]
+
+
+def _to_device(a: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`a` as a tensor on `device`. To a GPU through pinned memory without waiting: a plain copy from pageable
+    memory would wait for every kernel queued before it, and the host could not prepare a step while the
+    device runs the last one."""
+    t = torch.from_numpy(a).to(dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _verifies(s: StepInput) -> bool:

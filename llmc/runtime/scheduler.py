@@ -292,8 +292,8 @@ class Scheduler:
             s for s in self.running if s.is_prefill
         ]
         for seq in order:
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or seq.ends_in_flight:
+                continue  # preempted earlier in this loop, or ending with the token the device computes
             n = self._num_new_tokens(seq, budget)
             if n == 0:
                 continue

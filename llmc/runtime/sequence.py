@@ -96,6 +96,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of full blocks; BlockManager's cache
         self.num_marked_blocks: int = 0  # leading full blocks already offered to the prefix cache
         self.spec_token_ids: list[int] = []  # speculated continuation to verify in the next step
+        self.ends_in_flight: bool = False  # its last token is still on the device and ends it (length)
         self._tokens: list[int] = list(self.prompt_token_ids)  # prompt + output, appended in place
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[dict[int, float]] = []  # per output token, when alternatives are asked
@@ -164,6 +165,11 @@ class Sequence:
             self.output_logprobs.append(float(logprob))
         if top is not None:
             self.output_top_logprobs.append(top)
+
+    def set_token(self, pos: int, token_id: int) -> None:
+        """Write the value of the output token at `pos`, appended before it was known (overlapped steps)."""
+        self._tokens[pos] = token_id
+        self.output_token_ids[pos - self.num_prompt_tokens] = token_id
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first `num_tokens` tokens (never fewer than the prompt): output past them is dropped,

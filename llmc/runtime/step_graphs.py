@@ -76,19 +76,21 @@ class StepGraphCache:
         self.graphs: dict[tuple[str, int, object], _StepGraph] = {}
         self._pool = None
 
-    def run(self, batch, greedy: bool) -> torch.Tensor | None:
-        """Replay (capturing on first use) the graph for `batch`: argmax tokens on the host with `greedy`,
-        else fp32 logits [sum(num_logits), V]. None when no graph shape fits the batch."""
+    def run(self, batch, greedy: bool, feed=None) -> torch.Tensor | None:
+        """Replay (capturing on first use) the graph for `batch`: argmax tokens [rows] with `greedy`, else fp32
+        logits [rows, V], on the device and not waited for (copies: the graph's output buffer is reused by
+        its next replay). None when no graph shape fits the batch. `feed` (executor.Feed) overwrites input
+        tokens with the previous step's argmax rows on the device."""
         kind = graph_kind(batch)
         if kind is None:
             return None
         dg = self._graph(kind, greedy)
         dg.load(batch, self.block_size)
+        if feed is not None:  # after the copy of the step's inputs, and before the replay that reads them
+            feed.apply(dg.inputs["input_ids"])
         dg.graph.replay()
         rows = len(batch)
-        if greedy:
-            return dg.read_tokens()[:rows]
-        return dg.out[:rows].float()  # a copy: the graph's output buffer is reused by the next step
+        return dg.out[:rows].clone() if greedy else dg.out[:rows].float()
 
     def run_chain(self, batch, k: int) -> torch.Tensor | None:
         """k greedy decode steps of `batch` (one-token sequences at their first step's positions) on one
@@ -232,8 +234,6 @@ class _StepGraph:
         self.np["seq_lens"][:] = 1
         self.dev.copy_(self.host)
         self.copied = torch.cuda.Event() if cuda else None
-        self.tokens_host = torch.zeros(N, dtype=torch.int64, pin_memory=cuda)
-        self.read = torch.cuda.Event() if cuda else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self.arena: torch.Tensor | None = None
@@ -284,11 +284,3 @@ class _StepGraph:
         self.np["seq_lens"][0] = end
         self.np["logits_indices"][0] = n - 1
         self.np["block_tables"][0, :used] = table
-
-    def read_tokens(self) -> torch.Tensor:
-        """The argmax tokens of every logits row, on the host."""
-        self.tokens_host.copy_(self.out, non_blocking=True)
-        if self.read is not None:
-            self.read.record()
-            self.read.synchronize()
-        return self.tokens_host.clone()

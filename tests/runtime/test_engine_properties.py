@@ -55,24 +55,31 @@ def alone(llama_artifact):
 
 
 class FlakyExecute:
-    """Wraps `executor.execute`: the call armed raises, before or after the real step ran."""
+    """Wraps `executor.execute` and `executor.launch` (overlapped steps): the call armed raises, before or after
+    the real step ran."""
 
     def __init__(self, executor):
-        self.real, self.calls, self.fired = executor.execute, 0, 0
+        self.calls, self.fired = 0, 0
         self.fail_at: int | None = None
         self.after = False
+        self.real = executor.execute
         executor.execute = self
+        real_launch = executor.launch
+        executor.launch = lambda batch, feed=None: self.call(real_launch, batch, feed)
 
     def arm(self, calls_from_now: int, after: bool) -> None:
         self.fail_at, self.after = self.calls + calls_from_now, after
 
     def __call__(self, batch):
+        return self.call(self.real, batch)
+
+    def call(self, real, *args):
         i, self.calls = self.calls, self.calls + 1
         if i != self.fail_at:
-            return self.real(batch)
+            return real(*args)
         self.fail_at, self.fired = None, self.fired + 1
         if self.after:  # K/V written, blocks swapped and copied, but no token comes back
-            self.real(batch)
+            real(*args)
         raise RuntimeError("injected executor failure")
 
 
@@ -211,9 +218,11 @@ class Driver:
             in_step = {entry.seq.request_id for entry in self.plan.scheduled}
             in_doubt = in_step | {s.request_id for s in self.plan.preempted}  # swapped out by the failed step
             ended = {rid for rid in self.pending - self.aborted if eng.requests[rid].group.is_finished}
-            assert in_step <= ended <= in_doubt, (in_step, ended, in_doubt)
-            self.aborted |= ended
-            self.due |= ended
+            # the step in flight (overlapped steps) was resolved first: its requests may have ended normally
+            failed = {rid for rid in ended if any(s.finish_reason == "abort" for s in eng.requests[rid].group.seqs)}
+            assert in_step <= failed <= in_doubt, (in_step, failed, in_doubt)
+            self.aborted |= failed
+            self.due |= failed
         else:
             assert self.flaky.fired == fired, "the executor failed but step() returned"
             finals = {o.request_id for o in outs if o.finished}

@@ -51,7 +51,9 @@ def test_chunked_prompt_beside_a_plain_request(llama_artifact, direct):
     """A 37-token prompt under an 8-token budget: five chunks, each with its logits rows, as one prefill
     each (not split into decode rows); the plain request in the same steps keeps its tokens."""
     prompt, other = prompt_of(37, 0), prompt_of(21, 1)
-    llm = LLM(llama_artifact, backend="reference", num_blocks=64, block_size=4, max_num_batched_tokens=8)
+    # every step through `_forward`, to count its rows (overlapped steps would launch the plain decodes)
+    llm = LLM(llama_artifact, backend="reference", num_blocks=64, block_size=4, max_num_batched_tokens=8,
+              overlap=False)
     ex = llm.engine.executor
     real, steps = ex._forward, []
     ex._forward = lambda seqs, greedy: steps.append(seqs) or real(seqs, greedy)
