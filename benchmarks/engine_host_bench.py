@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def stubbed_engine(art, num_blocks: int, **options):
     """An engine whose model is instant: random tokens (greedy) or logits."""
     from llmc.runtime.engine import LLM
-    from llmc.runtime.executor import StepResult
+    from llmc.runtime.executor import Launched, StepResult
     eng = LLM(art, num_blocks=num_blocks, backend="reference", **options).engine
     gen = torch.Generator().manual_seed(0)
     vocab = 8000
@@ -45,6 +45,8 @@ def stubbed_engine(art, num_blocks: int, **options):
             return StepResult(tokens=torch.randint(100, vocab, (n,), generator=gen))
         return StepResult(logits=torch.randn(n, vocab, generator=gen))
     eng.executor.execute = stub
+    # overlapped steps: the same tokens, "on the device" (the inputs a Feed would overwrite are not built)
+    eng.executor.launch = lambda batch_, feed=None: Launched(stub(batch_).tokens)
     return eng
 
 

@@ -3,7 +3,7 @@ seeded random model of a shape (default Llama-3-8B), one artifact for every layo
 
 Rows: one process, TP=2, PP=2 (and more with `--layouts`: `TPxPP`, with a trailing `e` the steps run
 eagerly, without CUDA graphs, with `n` every all_reduce goes through NCCL (LLMC_TP_ALLREDUCE=nccl), with
-`mK` K decode steps per engine step (multi-step);
+`s` each step is waited for (overlapped steps off), with `mK` K decode steps per engine step (multi-step);
 `--expert-parallel` splits a MoE shape's experts over the TP ranks). For each: batch-1 decode tok/s (`llmc
 bench --workload decode`: a fresh 128-token prompt, 256 new tokens, median of the runs) and its ratio
 to one process; the mixed workload's out tok/s (`--workload mixed`, `--n` requests at once) and the
@@ -77,7 +77,8 @@ def main() -> None:
     ap.add_argument("--shape", default="8b")
     ap.add_argument("--layouts", default="1x1,2x1,1x2",
                     help="TPxPP layouts, the first the baseline; a trailing e: no CUDA graphs (2x1e); n: every "
-                         "all_reduce through NCCL, not symmetric memory (2x1n); mK: multi-step K (2x1m8)")
+                         "all_reduce through NCCL, not symmetric memory (2x1n); s: overlapped steps off (2x1s); "
+                         "mK: multi-step K (2x1m8)")
     ap.add_argument("--expert-parallel", action="store_true", help="MoE experts split by expert over TP ranks")
     ap.add_argument("--decode-only", action="store_true", help="batch-1 decode and its step breakdown only "
                     "(no mixed workload, no greedy comparison)")
@@ -92,14 +93,14 @@ def main() -> None:
     out, art, prompts = shared_setup(a)
     rows, ref, errors = [], None, []
     for layout in a.layouts.split(","):
-        m = re.fullmatch(r"(\d+)x(\d+)(e?)(n?)(?:m(\d+))?", layout)
+        m = re.fullmatch(r"(\d+)x(\d+)(e?)(n?)(s?)(?:m(\d+))?", layout)
         if m is None:
-            raise SystemExit(f"--layouts: {layout!r} is not TPxPP[e][n][mK] (2x1, 2x1e, 2x1n, 2x1m8)")
+            raise SystemExit(f"--layouts: {layout!r} is not TPxPP[e][n][s][mK] (2x1, 2x1e, 2x1n, 2x1s, 2x1m8)")
         os.environ["LLMC_TP_ALLREDUCE"] = "nccl" if m[4] else "auto"  # the workers inherit it
         tp, pp = int(m[1]), int(m[2])
         opts = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "backend": a.backend,
                 "cuda_graphs": not m[3], "expert_parallel": a.expert_parallel and tp > 1,
-                "multi_step": int(m[5] or 1)}
+                "overlap": not m[5], "multi_step": int(m[6] or 1)}
         t = time.time()
         try:
             profile(layout, "decode")

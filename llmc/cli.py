@@ -446,7 +446,7 @@ def _engine_options(seqs_help: str = "Sequences batched per step.", speculative:
             click.option("--overlap/--no-overlap", default=_ENGINE.overlap, show_default=True,
                          help="Schedule and prepare the next step while the GPU runs the current one, for steps "
                               "whose tokens are all greedy; outputs are the same either way, and reach the caller "
-                              "one step later. Off where the engine runs several processes."),
+                              "one step later. Not with pipeline stages (--pipeline-parallel-size > 1)."),
         ]
 
     def apply(f):

@@ -171,7 +171,8 @@ class LLMEngine:
         self.num_preemptions = 0
         self.num_steps = 0
         self.timings: dict[str, float] = {}  # seconds per phase, summed over steps
-        self.overlap = cfg.overlap and hasattr(self.executor, "launch") and self.spec is None and cfg.multi_step == 1
+        self.overlap = cfg.overlap and getattr(self.executor, "overlaps", False) and self.spec is None and \
+            cfg.multi_step == 1
         self._inflight: _InFlight | None = None
         self.num_overlapped = 0  # steps launched without the host waiting for them
         # LLMC_PROFILE_DIR: a window of steps profiled (llmc/runtime/profiling.py); workers profile their own

@@ -108,8 +108,8 @@ class Launched:
 
 
 class Executor(Protocol):
-    """What the engine needs of a backend. An executor may also offer `launch(batch, feed) -> Launched`,
-    a greedy step that does not wait for the device (the engine's overlapped steps, engine.py)."""
+    """What the engine needs of a backend. An executor whose `overlaps` is true also offers `launch(batch, feed)
+    -> Launched`, a greedy step that does not wait for the device (the engine's overlapped steps, engine.py)."""
 
     num_blocks: int  # device KV blocks (the block manager's pool)
     kv_bytes: int
@@ -162,6 +162,8 @@ def make_executor(graph: Graph, backend: str = "auto", device: str | None = None
 
 class LocalExecutor:
     """An executor in this process: a KV cache and a plan that runs the paged graph over it."""
+
+    overlaps = True  # `launch` works (the engine's overlapped steps)
 
     def __init__(self, graph: Graph, cache: KVCache):
         self.graph, self.cache = graph, cache

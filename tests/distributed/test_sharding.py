@@ -13,7 +13,7 @@ from llmc.ir.sharding import ShardError, _kv_heads, shard_graph
 from llmc.ir.stages import split_stages
 from llmc.runtime.distributed import codec
 from llmc.runtime.distributed.worker import microbatches
-from llmc.runtime.executor import StepBatch, StepInput
+from llmc.runtime.executor import Feed, StepBatch, StepInput
 from tests.conftest import make_model_dir
 from tests.distributed.conftest import make_llama, run_ranks
 
@@ -139,9 +139,11 @@ def test_microbatches_cut_tokens_and_keep_logits_rows():
 def test_step_codec_round_trip():
     batch = StepBatch([StepInput([1, 2, 3], 4, [7, 8], 2, True), StepInput([9], 0, [], 0)],
                       swap_out=[(1, 2)], swap_in=[(3, 4), (5, 6)], copies=[(7, 8)], greedy=True)
-    assert codec.decode(codec.encode(batch)) == batch
+    assert codec.decode(codec.encode(batch)) == (batch, [], False)
+    feed = Feed(torch.zeros(3, dtype=torch.int64), [0, 5], [2, 1])
+    assert codec.decode(codec.encode(batch, feed, launched=True)) == (batch, [(0, 2), (5, 1)], True)
     chain = StepBatch([StepInput([5, 0, 0], 9, [1], 3)], greedy=True, chain=True)  # multi-step's chains
-    assert codec.decode(codec.encode(chain)) == chain
+    assert codec.decode(codec.encode(chain)) == (chain, [], False)
     buf = codec.message(codec.STEP, codec.encode(batch), 64)
     assert buf.shape == (64,) and buf[:2].tolist() == [codec.STEP, len(codec.encode(batch))]
 
@@ -179,7 +181,7 @@ class _FakeGraphs:
     def __init__(self):
         self.calls = []
 
-    def run(self, seqs, greedy):
+    def run(self, seqs, greedy, feed=None):
         self.calls.append((len(seqs), greedy))
         if any(len(s.token_ids) > 1 for s in seqs):
             return None
@@ -214,16 +216,16 @@ def _stage(rank: int, pp: int = 1):
 def test_tensor_parallel_worker_replays_step_graphs_on_every_rank():
     decode = StepBatch([StepInput([5], 3, [0], 1), StepInput([6], 7, [1], 1)], greedy=True)
     r0, r1 = _stage(0), _stage(1)
-    # every rank replays (its collectives are inside the graph); only TP rank 0 returns the tokens
-    assert r0.step(decode).tolist() == [100, 101]
-    assert r1.step(decode) is None
+    # every rank replays (its collectives are inside the graph) and holds the tokens (a next step's Feed);
+    # TP rank 0 sends them to the driver (serve)
+    assert r0.step(decode).tolist() == r1.step(decode).tolist() == [100, 101]
     assert r0.ex.step_graphs.calls == r1.ex.step_graphs.calls == [(2, True)] and r0.ex.eager == r1.ex.eager == 0
-    # logits rows come back on the host as float32
+    # or logits rows, as float32
     assert r0.step(StepBatch(decode.seqs)).shape == (2, 8)
     # a step no graph fits runs eagerly, on every rank alike
     prefill = StepBatch([StepInput([1, 2, 3], 0, [2], 1, True), StepInput([7], 4, [3], 1)], greedy=True)
     assert r0.step(prefill).tolist() == [0, 0] and r0.ex.eager == 1
-    assert r1.step(prefill) is None and r1.ex.eager == 1
+    assert r1.step(prefill).tolist() == [0, 0] and r1.ex.eager == 1
 
 
 def test_tune_shard_times_only_the_shapes_the_artifact_lacks(artifacts, monkeypatch, tmp_path):

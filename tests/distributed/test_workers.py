@@ -45,6 +45,16 @@ def assert_logits_match(executor, art):
 def test_tensor_parallel_matches_one_process_and_fails_cleanly_when_a_worker_dies(odd_heads_artifact, single):
     llm = LLM(odd_heads_artifact, tensor_parallel_size=2, **OPTIONS)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == single
+    assert llm.stats()["overlapped_steps"] >= 6  # each step sent while the workers ran the one before
+    # a request whose rows the driver samples (it asks for logprobs) makes steps that wait for their logits, between
+    # launched ones: the workers return each result in order either way
+    steps = llm.stats()["overlapped_steps"]
+    mixed = [GREEDY, SamplingParams(max_tokens=6, temperature=0.0, logprobs=1), GREEDY]
+    outs = llm.generate(PROMPTS, mixed)
+    assert [o.token_ids for o in outs] == single and outs[1].outputs[0].logprobs is not None
+    assert llm.stats()["overlapped_steps"] == steps  # every decode step had the logprobs row
+    outs = llm.generate(PROMPTS[:2], [GREEDY, SamplingParams(max_tokens=2, temperature=0.0, logprobs=1)])
+    assert [o.token_ids for o in outs] == [single[0], single[1][:2]] and llm.stats()["overlapped_steps"] > steps
     assert_logits_match(llm.engine.executor, odd_heads_artifact)
     gang = llm.engine.executor._gang
     os.kill(gang.procs[1].pid, signal.SIGKILL)
@@ -69,6 +79,7 @@ def test_tensor_parallel_multi_step_matches_one_process(odd_heads_artifact, sing
 def test_pipeline_parallel_matches_one_process(odd_heads_artifact, single):
     with LLM(odd_heads_artifact, pipeline_parallel_size=2, max_num_batched_tokens=16, **OPTIONS) as llm:  # chunked
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == single
+        assert llm.stats()["overlapped_steps"] == 0  # stages hand their rows on: every step is waited for
         assert_logits_match(llm.engine.executor, odd_heads_artifact)
         gang = llm.engine.executor._gang
         assert all(p.poll() is None for p in gang.procs)

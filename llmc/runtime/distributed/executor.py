@@ -32,7 +32,7 @@ from llmc.ir.kv_layout import kv_cache_inputs
 from llmc.ir.sharding import plan_sharding
 from llmc.runtime.distributed import codec
 from llmc.runtime.distributed.worker import CONTROL_TIMEOUT, WorkerSpec
-from llmc.runtime.executor import StepBatch, StepResult, select_backend
+from llmc.runtime.executor import Feed, StepBatch, StepResult, select_backend
 
 STARTUP_TIMEOUT_S = 900.0
 INITIAL_CAPACITY = 1 << 10  # int64s: a decode step's batch is tens; larger steps grow it (RESIZE)
@@ -97,8 +97,23 @@ class DistributedExecutor:
             raise
         self._result_rank = (pp - 1) * tp + 1  # the last stage's tensor-parallel rank 0, in the control group
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether `launch` works: with one stage (every rank holds the step's argmax rows on its device)."""
+        return self.pp == 1
+
     def execute(self, batch: StepBatch) -> StepResult:
         self._gang.send(codec.STEP, codec.encode(batch))
+        return self._receive(batch)
+
+    def launch(self, batch: StepBatch, feed: Feed | None = None) -> "_RemoteLaunched":
+        """The overlapped step of `LocalExecutor.launch`, over the workers: sent now, its tokens received when
+        the engine asks (in launch order: the workers return each step's while they run the next)."""
+        assert self.overlaps and batch.greedy and not batch.chain
+        self._gang.send(codec.STEP, codec.encode(batch, feed, launched=True))
+        return _RemoteLaunched(lambda: self._receive(batch).tokens.tolist())
+
+    def _receive(self, batch: StepBatch) -> StepResult:
         rows = batch.num_logits if batch.seqs else 0
         if rows == 0:
             self._gang.receive(torch.empty(1, dtype=torch.int64), self._result_rank)
@@ -118,6 +133,16 @@ class DistributedExecutor:
         results (`receive_s`), and, once the workers have stopped (`close`), each worker's own
         (`workers`: per rank, wait_s, decode_s, step_s, send_s and steps; see PipelineStage.serve)."""
         return {**self._gang.timings, "workers": self._gang.worker_timings}
+
+
+class _RemoteLaunched:
+    """A step the workers run: its tokens arrive with `tokens()`; they stay on the workers' devices (the
+    next step's Feed names rows of them), so the driver holds none."""
+
+    device_tokens = None
+
+    def __init__(self, receive):
+        self.tokens = receive
 
 
 class _Gang:

@@ -25,7 +25,7 @@ import torch
 
 from llmc.ir.types import dim_eval, torch_dtype
 from llmc.runtime.distributed import codec
-from llmc.runtime.executor import StepBatch, StepInput, _verifies, as_decode_rows, make_executor
+from llmc.runtime.executor import Feed, StepBatch, StepInput, _verifies, as_decode_rows, make_executor
 from llmc.runtime.kv_cache import KVCache
 from llmc.runtime.step_graphs import row_dims
 
@@ -178,18 +178,31 @@ class PipelineStage:
         self.timings = {"steps": 0, "wait_s": 0.0, "decode_s": 0.0, "step_s": 0.0, "send_s": 0.0}
 
     def serve(self) -> None:
+        """The step loop. A launched step (the engine's overlapped steps) is not waited for: its argmax rows
+        stay on the device for the next step's Feed, and its result goes to the driver when it is done or
+        when the next message has come and is under way, whichever is first (the driver may send the
+        next step before it reads this one's result, or read it first)."""
         import torch.distributed as dist
         from llmc.runtime.profiling import StepProfiler
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         clock = time.perf_counter
         profiler = StepProfiler.from_env(f"rank{self.spec.rank}") if self.spec.backend == "cuda" else None
+        returns = self.last and self.spec.tp_rank == 0  # this rank sends the driver each step's result
+        self.in_flight = None  # a launched step's result not sent yet: (host copy, event)
+        self.tokens = None  # the last greedy step's argmax rows, on the device
         while True:
             if profiler is not None:
                 profiler.tick()
             t0 = clock()
             buf = torch.empty(self.capacity, dtype=torch.int64)
-            self.control.broadcast([buf], opts).wait()
+            work = self.control.broadcast([buf], opts)
+            if self.in_flight is not None:
+                while not work.is_completed() and not self._landed():
+                    time.sleep(0)
+                if not work.is_completed():
+                    self._return_in_flight()
+            work.wait()
             op, length = int(buf[0]), int(buf[1])
             t1 = clock()
             if op == codec.STOP:
@@ -197,12 +210,26 @@ class PipelineStage:
             if op == codec.RESIZE:
                 self.capacity = int(buf[2])
                 continue
-            batch = codec.decode(buf[codec.HEADER:codec.HEADER + length].tolist())
+            batch, fed, launched = codec.decode(buf[codec.HEADER:codec.HEADER + length].tolist())
             t2 = clock()
-            result = self.step(batch)
+            if not launched:
+                self._return_in_flight()  # the driver reads it before this step's
+            feed = Feed(self.tokens, *map(list, zip(*fed))) if fed else None
+            result = self.step(batch, feed)
+            if batch.greedy and result is not None:
+                self.tokens = result
             t3 = clock()
-            if result is not None:
-                self.control.send([result], 0, 0).wait()
+            if launched:
+                self._return_in_flight()  # the previous step's, while this one runs
+                if returns:
+                    host = torch.empty(result.shape, dtype=result.dtype, pin_memory=result.is_cuda)
+                    host.copy_(result, non_blocking=result.is_cuda)
+                    done = torch.cuda.Event() if result.is_cuda else None
+                    if done is not None:
+                        done.record()
+                    self.in_flight = (host, done)
+            elif returns:
+                self.control.send([result.cpu()], 0, 0).wait()
             t = self.timings
             t["steps"] += 1
             t["wait_s"] += t1 - t0
@@ -210,9 +237,26 @@ class PipelineStage:
             t["step_s"] += t3 - t2
             t["send_s"] += clock() - t3
 
+    def _landed(self) -> bool:
+        done = self.in_flight[1]
+        return done is None or done.query()
+
+    def _return_in_flight(self) -> None:
+        """Send the launched step's result, once its copy to the host is done."""
+        if self.in_flight is None:
+            return
+        host, done = self.in_flight
+        self.in_flight = None
+        if done is not None:
+            done.synchronize()
+        self.control.send([host], 0, 0).wait()
+
     @torch.inference_mode()
-    def step(self, batch: StepBatch) -> torch.Tensor | None:
-        """Run this stage's share of a step; the result tensor on the rank that returns it, else None."""
+    def step(self, batch: StepBatch, feed: Feed | None = None) -> torch.Tensor | None:
+        """Run this stage's share of a step. Returns on every rank of the last stage the result, on the device:
+        the argmax rows (greedy), fp32 logits rows, or a one-element acknowledgement when the step samples
+        nothing; None on other stages. `feed` (one stage only) overwrites input tokens with rows of the
+        previous step's argmax."""
         import torch.distributed as dist
         ex = self.ex
         ex.cache.swap_out(batch.swap_out)
@@ -220,22 +264,24 @@ class PipelineStage:
         ex.cache.copy_blocks(batch.copies)
         seqs = batch.seqs
         if batch.chain and seqs:  # multi-step: every rank runs the k steps alike (one stage: see the config)
-            tokens = ex.chain(seqs)
-            return tokens if self.spec.tp_rank == 0 else None
+            return ex.chain(seqs)
         if seqs and any(_verifies(s) for s in seqs):
             seqs = as_decode_rows(seqs)
         graphs = getattr(ex, "step_graphs", None)
         if graphs is not None and seqs and self.first and self.last:
             # one stage: every rank replays the same step graph (all ranks see the same batch, so they
             # capture the same shapes in the same order), its all_reduce and all_gather inside
-            out = graphs.run(seqs, batch.greedy)
+            out = graphs.run(seqs, batch.greedy, feed)
             if out is not None:
-                return out.cpu() if self.spec.tp_rank == 0 else None
+                return out
         mbs = microbatches(seqs, self.spec.pp) if seqs else []
         # a micro-batch a step graph fits replays it (pipeline stages: sends and receives stay outside the
         # graphs); the others run eagerly over inputs built here
         staged = [graphs is not None and graphs.captured(mb) is not None for mb, _ in mbs]
         inputs = [None if g else ex.build_inputs(mb) for (mb, _), g in zip(mbs, staged)]
+        if feed is not None:  # one stage, no graph fits (see above): one micro-batch built here, in step order
+            assert len(mbs) == 1 and inputs[0] is not None, "a fed step runs on one stage"
+            feed.apply(inputs[0]["input_ids"])
         received: list[list[torch.Tensor]] = [[] for _ in mbs]
         pending = []
         if not self.first:  # post every receive now: the previous stage sends as it finishes each micro-batch
@@ -273,12 +319,12 @@ class PipelineStage:
                 rows.append(outs[0].to(torch.float32, copy=True))
         for _, w in sends:
             w.wait()
-        if not (self.last and self.spec.tp_rank == 0):
+        if not self.last:
             return None
         if not rows:
-            return torch.zeros(1, dtype=torch.int64)  # an acknowledgement: the step is done
+            return torch.zeros(1, dtype=torch.int64, device=ex.device)  # an acknowledgement: the step is done
         logits = torch.cat(rows) if len(rows) > 1 else rows[0]
-        return (logits.argmax(dim=-1) if batch.greedy else logits).cpu()
+        return logits.argmax(dim=-1) if batch.greedy else logits
 
 
 def microbatches(seqs: list[StepInput], m: int) -> list[tuple[list[StepInput], bool]]:
