@@ -280,7 +280,9 @@ class LLMEngine:
                 self.spec.observe_step(out, proposed - t, time.perf_counter() - ran)
         self.num_steps += 1
         if self._inflight is not None and all(e.seq.is_finished for e in self._inflight.out.scheduled):
-            self._inflight = None  # every sequence in it stopped: nothing waits for its tokens
+            # every sequence in it stopped: its tokens are read and dropped now (an executor of several processes
+            # returns each launched step's result in order, and the next read must find the next step's)
+            self._drain()
         finished = self.scheduler.pop_finished()
         done = {g.request_id for g in finished}
         if self.spec is not None:

@@ -46,6 +46,12 @@ def test_tensor_parallel_matches_one_process_and_fails_cleanly_when_a_worker_die
     llm = LLM(odd_heads_artifact, tensor_parallel_size=2, **OPTIONS)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == single
     assert llm.stats()["overlapped_steps"] >= 6  # each step sent while the workers ran the one before
+    # a request that stops on a token while its next step is in flight: that step's result is read and dropped,
+    # and the steps after read their own
+    stop = single[0][2]
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[stop]))[0]
+    assert out.token_ids == single[0][:single[0].index(stop) + 1] and out.finish_reason == "stop"
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == single
     # a request whose rows the driver samples (it asks for logprobs) makes steps that wait for their logits, between
     # launched ones: the workers return each result in order either way
     steps = llm.stats()["overlapped_steps"]

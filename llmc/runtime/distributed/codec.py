@@ -4,9 +4,9 @@
      per sequence: #tokens, start_pos, #blocks, num_logits, prefill, tokens..., blocks...,
      swap_out pairs..., swap_in pairs..., copy pairs..., fed (dst, src) pairs...]
 
-A launched step (the engine's overlapped steps) returns its result while the workers run the next one;
-its fed pairs say which of its input tokens are rows of the previous step's argmax (`executor.Feed`),
-which every worker still holds on its device.
+A launched step (the engine's overlapped steps) returns its result once the next step is under way, or
+on a FLUSH; its fed pairs say which of its input tokens are rows of the previous step's argmax
+(`executor.Feed`), which every worker still holds on its device.
 
 Plain integers, no pickle: a worker rebuilds the `StepBatch` the engine made.
 """
@@ -16,7 +16,7 @@ import torch
 
 from llmc.runtime.executor import Feed, StepBatch, StepInput
 
-STEP, STOP, RESIZE = 1, 2, 3
+STEP, STOP, RESIZE, FLUSH = 1, 2, 3, 4  # FLUSH: return the launched step's result now (no step follows it yet)
 HEADER = 2  # op, payload length
 
 

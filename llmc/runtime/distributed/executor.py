@@ -108,10 +108,18 @@ class DistributedExecutor:
 
     def launch(self, batch: StepBatch, feed: Feed | None = None) -> "_RemoteLaunched":
         """The overlapped step of `LocalExecutor.launch`, over the workers: sent now, its tokens received when
-        the engine asks (in launch order: the workers return each step's while they run the next)."""
+        the engine asks (in launch order): the workers return them once the next step is enqueued, or on a
+        FLUSH when the engine reads them before it sends another step."""
         assert self.overlaps and batch.greedy and not batch.chain
-        self._gang.send(codec.STEP, codec.encode(batch, feed, launched=True))
-        return _RemoteLaunched(lambda: self._receive(batch).tokens.tolist())
+        gang = self._gang
+        gang.send(codec.STEP, codec.encode(batch, feed, launched=True))
+        steps = gang.steps_sent
+
+        def tokens() -> list[int]:
+            if gang.steps_sent == steps:  # no step follows it: ask for its result (see PipelineStage.serve)
+                gang.send(codec.FLUSH, [])
+            return self._receive(batch).tokens.tolist()
+        return _RemoteLaunched(tokens)
 
     def _receive(self, batch: StepBatch) -> StepResult:
         rows = batch.num_logits if batch.seqs else 0
@@ -160,6 +168,7 @@ class _Gang:
         self.closing = False
         self.capacity = INITIAL_CAPACITY  # the step broadcast's length, as the workers expect it
         self.timings = {"send_s": 0.0, "receive_s": 0.0}
+        self.steps_sent = 0  # STEP and FLUSH messages: a launched step's result is read after one more
         self.worker_timings: list[dict] = []
         self._died = threading.Event()
         self._lock, self._ended = threading.Lock(), False
@@ -203,6 +212,7 @@ class _Gang:
             self._broadcast(codec.message(codec.RESIZE, [grown], self.capacity))
             self.capacity = grown
         self._broadcast(codec.message(op, payload, self.capacity))
+        self.steps_sent += op in (codec.STEP, codec.FLUSH)
 
     def _broadcast(self, buf: torch.Tensor) -> None:
         import torch.distributed as dist

@@ -68,9 +68,13 @@ class WorkerSpec:
 
 def main(argv: list[str]) -> None:
     """`python -m llmc.runtime.distributed SPEC_JSON`: what the driver starts. A failure is written
-    to the store (`error/<rank>`, one line, for the driver's message) and to stderr, and ends the process."""
+    to the store (`error/<rank>`, one line, for the driver's message) and to stderr, and ends the process.
+    With LLMC_STACKS_EVERY_S=S set, every worker prints its Python stack to stderr every S seconds."""
     from torch.distributed import TCPStore
     spec = WorkerSpec(**json.loads(argv[0]))
+    if os.environ.get("LLMC_STACKS_EVERY_S"):  # a hung run: every worker prints where it waits
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ["LLMC_STACKS_EVERY_S"]), repeat=True)
     store = TCPStore("127.0.0.1", spec.store_port, spec.world + 1, is_master=False,
                      timeout=datetime.timedelta(seconds=spec.step_timeout_s))
     try:
@@ -179,9 +183,9 @@ class PipelineStage:
 
     def serve(self) -> None:
         """The step loop. A launched step (the engine's overlapped steps) is not waited for: its argmax rows
-        stay on the device for the next step's Feed, and its result goes to the driver when it is done or
-        when the next message has come and is under way, whichever is first (the driver may send the
-        next step before it reads this one's result, or read it first)."""
+        stay on the device for the next step's Feed, and its result goes to the driver after the next step
+        is enqueued, or on the driver's FLUSH when it has no next step to send first. Only then: a result
+        sent while the driver broadcasts would leave each waiting for the other."""
         import torch.distributed as dist
         from llmc.runtime.profiling import StepProfiler
         opts = dist.BroadcastOptions()
@@ -196,13 +200,7 @@ class PipelineStage:
                 profiler.tick()
             t0 = clock()
             buf = torch.empty(self.capacity, dtype=torch.int64)
-            work = self.control.broadcast([buf], opts)
-            if self.in_flight is not None:
-                while not work.is_completed() and not self._landed():
-                    time.sleep(0)
-                if not work.is_completed():
-                    self._return_in_flight()
-            work.wait()
+            self.control.broadcast([buf], opts).wait()
             op, length = int(buf[0]), int(buf[1])
             t1 = clock()
             if op == codec.STOP:
@@ -210,10 +208,12 @@ class PipelineStage:
             if op == codec.RESIZE:
                 self.capacity = int(buf[2])
                 continue
+            if op == codec.FLUSH:
+                self._return_in_flight()
+                continue
             batch, fed, launched = codec.decode(buf[codec.HEADER:codec.HEADER + length].tolist())
             t2 = clock()
-            if not launched:
-                self._return_in_flight()  # the driver reads it before this step's
+            assert launched or self.in_flight is None, "a step that waits comes after its predecessor's FLUSH"
             feed = Feed(self.tokens, *map(list, zip(*fed))) if fed else None
             result = self.step(batch, feed)
             if batch.greedy and result is not None:
@@ -236,10 +236,6 @@ class PipelineStage:
             t["decode_s"] += t2 - t1
             t["step_s"] += t3 - t2
             t["send_s"] += clock() - t3
-
-    def _landed(self) -> bool:
-        done = self.in_flight[1]
-        return done is None or done.query()
 
     def _return_in_flight(self) -> None:
         """Send the launched step's result, once its copy to the host is done."""
