@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu_pending.sh OUT allreduce      # issue 16 (nvidia-h200-x2): NCCL vs symmetric-memory all_reduce
 #   bash benchmarks/gpu_pending.sh OUT verify         # issue 20: a load's weight check, 16 GB, on the machine's cores
 #   bash benchmarks/gpu_pending.sh OUT mixed-graphs   # issue 20: 8B mixed workload, eager mixed steps vs piecewise graphs
+#   bash benchmarks/gpu_pending.sh OUT overlap        # issue 20: steps waited for vs overlapped (SHAPE, default 8b)
+#   LAYOUTS=1x1,2x1s,2x1 bash benchmarks/gpu_pending.sh OUT parallel   # issue 16: TP=2 overlapped steps off / on
 #
 # On nvidia-h200-x2 keep NVLink multicast off (the machine's NCCL_NVLS_ENABLE=0 and
 # TORCH_SYMM_MEM_DISABLE_MULTICAST=1): the workers inherit this script's environment.
@@ -96,6 +98,11 @@ shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_grap
                     --num-requests 128 --max-num-seqs 128 --json >"$OUT/mixed_graphs_$v.json" 2>>"$OUT/mixed_graphs.log"
             done
             tail -c 600 "$OUT/mixed_graphs_1.json" ;;
+        overlap)
+            rm -rf /tmp/tmp*
+            python3 benchmarks/multi_step_bench.py --shape "${SHAPE:-8b}" --modes 1-sync,1,1-sync,1 --n 128 \
+                --artifact "/tmp/art-${SHAPE:-8b}.llmc" --out "$OUT" >"$OUT/overlap.log" 2>&1
+            tail -6 "$OUT/overlap.log" ;;
         verify)
             python3 benchmarks/verify_bench.py --gb 16 --out "$OUT" >"$OUT/verify.log" 2>&1
             tail -4 "$OUT/verify.log" ;;
@@ -103,6 +110,6 @@ shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_grap
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap)" ;;
     esac
 done

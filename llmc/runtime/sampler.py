@@ -10,8 +10,9 @@ Order (each step reads the previous one's output):
   4. top-k, 5. top-p, 6. min-p: masked to -inf. Top-k/top-p use one descending stable sort so
      that among equal logits the lowest token id is kept, which makes top_k=1 and a tiny top_p
      agree with greedy's argmax (ties to the lowest id);
-  7. draw: greedy rows take the argmax; others use `torch.multinomial` with the sequence's own
-     generator, so a seeded request repeats whatever else is in the batch.
+  7. draw: greedy rows take the argmax; a seeded row uses `torch.multinomial` with the sequence's own
+     generator, so a seeded request repeats whatever else is in the batch; the unseeded rows share
+     one `torch.multinomial` call.
 The returned logprob is `log_softmax` of the processed logits at the chosen token, and a row whose
 request asks for k alternatives (`SamplingParams.logprobs = k`) gets that row's k largest entries too.
 Everything is batched over rows except the per-row draw (each row may own a generator).
@@ -95,10 +96,16 @@ class Sampler:
 
     @staticmethod
     def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Greedy rows' argmax; a seeded row drawn with its own generator; the other sampled rows in one
+        `torch.multinomial` call (on a GPU: one launch and no wait per row)."""
         tokens = logits.argmax(dim=-1)  # [N]; first maximum = lowest id on ties
         probs = torch.softmax(logits, dim=-1)
+        free = [i for i, seq in enumerate(seqs) if not seq.params.greedy and seq.generator is None]
+        if free:
+            rows = torch.tensor(free, device=logits.device)
+            tokens[rows] = torch.multinomial(probs[rows], 1)[:, 0]
         for i, seq in enumerate(seqs):
-            if not seq.params.greedy:
+            if not seq.params.greedy and seq.generator is not None:
                 tokens[i] = draw(probs[i], seq.generator)
         return tokens
 

@@ -152,3 +152,16 @@ def test_sampling_follows_the_distribution():
         counts[Sampler()(logits, [s]).token_ids[0]] += 1
     for c, p in zip(counts, (0.7, 0.2, 0.1)):
         assert math.isclose(c / 2000, p, abs_tol=0.04), counts
+
+
+def test_unseeded_rows_drawn_together_each_follow_their_own_distribution():
+    # three sampled rows (one seeded) and a greedy one in one batch: the unseeded rows share one draw
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.2, 0.5, 0.3], [0.1, 0.6, 0.3]])
+    seqs = [seq(temperature=1.0), seq(temperature=1.0, seed=3), seq(temperature=1.0), seq(temperature=0)]
+    counts = torch.zeros(4, 3)
+    torch.manual_seed(0)
+    for _ in range(2000):
+        for i, t in enumerate(Sampler()(torch.log(probs), seqs).token_ids):
+            counts[i, t] += 1
+    assert torch.allclose(counts[:3] / 2000, probs[:3], atol=0.04), counts
+    assert counts[3].tolist() == [0, 2000, 0]  # the greedy row
