@@ -233,8 +233,17 @@ class BlockManager:
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether `append_slots(seq, num_new_tokens)` would find enough free blocks."""
         touched, new = self._blocks_to_write(seq, num_new_tokens)
+        return self._fits(seq, touched, new)
+
+    def _fits(self, seq: Sequence, touched: range, new: int) -> bool:
         cow = sum(1 for i in touched if self._ref[seq.block_table[i]] > 1)
         return new + cow <= self.num_free_blocks
+
+    def try_append(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """`append_slots(seq, num_new_tokens)` where `can_append` holds, else None (nothing changed): the two
+        in one pass over the blocks, as the scheduler does for each running sequence every step."""
+        touched, new = self._blocks_to_write(seq, num_new_tokens)
+        return self._append(seq, touched, new) if self._fits(seq, touched, new) else None
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make positions [computed, computed + num_new_tokens) writable by `seq` alone.
@@ -243,7 +252,9 @@ class BlockManager:
             copy-on-write pairs `(src_block, dst_block)`: the runner copies src into dst
             before this step's forward, because dst replaced a block shared with others.
         """
-        touched, new = self._blocks_to_write(seq, num_new_tokens)
+        return self._append(seq, *self._blocks_to_write(seq, num_new_tokens))
+
+    def _append(self, seq: Sequence, touched: range, new: int) -> list[tuple[int, int]]:
         copies = []
         for i in touched:
             src = seq.block_table[i]

@@ -288,20 +288,23 @@ class Scheduler:
         out, budget = SchedulerOutput(), self.config.max_num_batched_tokens
         entries: dict[int, ScheduledSeq] = {}  # seq_id -> entry, in scheduling order
 
-        order = [s for s in self.running if not s.is_prefill] + [
-            s for s in self.running if s.is_prefill
-        ]
-        for seq in order:
+        decodes, prefills = [], []
+        for s in self.running:
+            (prefills if s.is_prefill else decodes).append(s)
+        for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING or seq.ends_in_flight:
                 continue  # preempted earlier in this loop, or ending with the token the device computes
             n = self._num_new_tokens(seq, budget)
             if n == 0:
                 continue
-            while seq.status is SequenceStatus.RUNNING and not self.bm.can_append(seq, n):
+            copies = self.bm.try_append(seq, n)
+            while copies is None and seq.status is SequenceStatus.RUNNING:
                 victim = self.running[-1]  # the worst key
                 budget += self._preempt(victim, entries, out)
-            if seq.status is SequenceStatus.RUNNING:
-                entries[seq.seq_id] = self._entry(seq, n, self.bm.append_slots(seq, n))
+                if seq.status is SequenceStatus.RUNNING:
+                    copies = self.bm.try_append(seq, n)
+            if copies is not None:
+                entries[seq.seq_id] = self._entry(seq, n, copies)
                 budget -= n
 
         slots = sum(self._slots(s) for s in self.running)

@@ -126,7 +126,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self._tokens)
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -142,7 +142,7 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         """True while more than the last sampled token lacks K/V (fresh prompt or recompute)."""
-        return self.num_uncomputed_tokens > 1 or not self.output_token_ids
+        return len(self._tokens) - self.num_computed_tokens > 1 or not self.output_token_ids
 
     @property
     def is_finished(self) -> bool:
