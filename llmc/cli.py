@@ -445,7 +445,8 @@ def _engine_options(seqs_help: str = "Sequences batched per step.", speculative:
                               "steps. Not with --spec or --pipeline-parallel-size."),
             click.option("--overlap/--no-overlap", default=_ENGINE.overlap, show_default=True,
                          help="Schedule and prepare the next step while the GPU runs the current one, for steps "
-                              "whose tokens are all greedy; outputs are the same either way, and reach the caller "
+                              "whose tokens the GPU can choose (greedy, or sampled without a seed, penalty or "
+                              "logprobs); greedy outputs are the same either way, and outputs reach the caller "
                               "one step later. Not with pipeline stages (--pipeline-parallel-size > 1)."),
         ]
 

@@ -104,14 +104,16 @@ class _InFlight:
 class LLMEngine:
     """Continuous-batching engine over a compiled artifact: `step()` = schedule ▸ run ▸ postprocess.
 
-    Overlapped steps (`overlap`, on by default): when every row of a step wants only its argmax, the step
-    is launched and not waited for. The next `step()` books it (computed tokens, a stand-in for each new
+    Overlapped steps (`overlap`, on by default): when every row of a step wants only its argmax, or a draw
+    that needs nothing from the host (`Sampler.on_device`: no seed, penalty or logprobs), the step is
+    launched and not waited for. The next `step()` books it (computed tokens, a stand-in for each new
     token), schedules and launches the following step, whose inputs take those tokens from the device,
     and only then waits for the first step's tokens and checks them for stops. The host's scheduling and
     input preparation run while the device computes, and a step's outputs reach the caller one `step()`
     later. A sequence that stops at step N still ran in step N + 1; that row is dropped (its K/V landed
-    in blocks already freed, which no one reads). Steps that sample on the host (temperature, logprobs,
-    n > 1, prompt scores) or verify speculation run as before, after the step in flight is resolved.
+    in blocks already freed, which no one reads). Steps that sample on the host (a seed, a penalty,
+    logprobs, n > 1, prompt scores) or verify speculation run as before, after the step in flight is
+    resolved.
 
     Never left broken: a request that fails validation changes nothing, and a step that raises aborts
     the requests it held (their blocks return) before the exception leaves `step()`.
@@ -297,9 +299,14 @@ class LLMEngine:
 
     # -- overlapped steps (see the class docstring) --------------------------------------------------
     def _overlaps(self, out: SchedulerOutput) -> bool:
-        """Whether `out` can run without the host waiting for it: every row it samples is a plain argmax."""
-        return self.overlap and not out.has_spec and not out.scores_prompts and \
-            all(r == 1 for r in out.logits_repeats) and Sampler.argmax_only(out.sampled_seqs)
+        """Whether `out` can run without the host waiting for it: every row it samples is a plain argmax, or
+        (where the executor samples on the device) a draw that needs nothing from the host
+        (`Sampler.on_device`)."""
+        if not self.overlap or out.has_spec or out.scores_prompts or any(r != 1 for r in out.logits_repeats):
+            return False
+        seqs = out.sampled_seqs
+        return Sampler.argmax_only(seqs) or (getattr(self.executor, "samples_on_device", False)
+                                             and all(Sampler.on_device(s) for s in seqs))
 
     def _launch(self, out: SchedulerOutput, flying: _InFlight | None) -> None:
         """Start `out` on the device; tokens that `flying` computes come to it there (a Feed)."""
@@ -317,8 +324,10 @@ class LLMEngine:
                     src.append(row)
                 offset += e.num_new_tokens
             feed = Feed(flying.launched.device_tokens, dst, src) if dst else None
+        seqs = out.sampled_seqs
+        sample = None if Sampler.argmax_only(seqs) else (lambda logits: self.sampler.tokens_on_device(logits, seqs))
         try:
-            self._inflight = _InFlight(out, self.executor.launch(batch, feed))
+            self._inflight = _InFlight(out, self.executor.launch(batch, feed, sample))
             self.num_overlapped += 1
         except BaseException:
             self._abort_step(out)  # its requests end, as a failed step's do; the one in flight is still waited for

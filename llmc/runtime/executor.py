@@ -23,6 +23,7 @@ from llmc.errors import ArtifactError, LLMCError
 from llmc.ir.graph import Graph
 from llmc.runtime.kv_cache import KVCache, with_kv_cache_dtype
 from llmc.runtime.step_graphs import StepGraphCache
+from llmc.runtime.transfer import to_device
 
 BACKENDS = ("auto", "cuda", "triton-interpret", "reference")
 
@@ -83,7 +84,7 @@ class Feed:
     def apply(self, input_ids: torch.Tensor) -> None:
         """Overwrite the fed rows of a step's `input_ids` (on its device, in stream order: no host wait)."""
         if self.dst:
-            idx = _to_device(np.asarray(self.dst + self.src, np.int64), input_ids.device, torch.int64)
+            idx = to_device(np.asarray(self.dst + self.src, np.int64), input_ids.device, torch.int64)
             n = len(self.dst)
             input_ids.index_copy_(0, idx[:n], self.tokens.index_select(0, idx[n:]))
 
@@ -164,6 +165,7 @@ class LocalExecutor:
     """An executor in this process: a KV cache and a plan that runs the paged graph over it."""
 
     overlaps = True  # `launch` works (the engine's overlapped steps)
+    samples_on_device = True  # and takes a `sample` function (sampled rows drawn on the device)
 
     def __init__(self, graph: Graph, cache: KVCache):
         self.graph, self.cache = graph, cache
@@ -198,17 +200,19 @@ class LocalExecutor:
         return self._forward(seqs, batch.greedy)
 
     @torch.inference_mode()
-    def launch(self, batch: StepBatch, feed: Feed | None = None) -> Launched:
-        """Start a greedy step (`batch.greedy`, no chains or verify rows) and return without waiting for the
-        device: the engine schedules the next step while this one runs. `feed` gives tokens that the
-        previous launched step computed on the device, which the host does not know yet."""
-        assert batch.greedy and not batch.chain, "only greedy steps are launched without a wait"
+    def launch(self, batch: StepBatch, feed: Feed | None = None, sample=None) -> Launched:
+        """Start a step whose rows' tokens are chosen on the device (`batch.greedy`; no chains or verify rows)
+        and return without waiting for it: the engine schedules the next step while this one runs. The
+        tokens are the rows' argmax, or `sample(fp32 logits rows)` (the sampler's `tokens_on_device`).
+        `feed` gives tokens that the previous launched step computed on the device, which the host does
+        not know yet."""
+        assert batch.greedy and not batch.chain, "a launched step's tokens are chosen on the device"
         seqs = self._begin(batch)
         assert not any(_verifies(s) for s in seqs), "verify rows are sampled on the host"
         if seqs and batch.num_logits == 0:
-            self._argmax_rows(_one_row(seqs), feed)
+            self._token_rows(_one_row(seqs), feed)
             seqs = []
-        return Launched(self._argmax_rows(seqs, feed) if seqs else
+        return Launched(self._token_rows(seqs, feed, sample) if seqs else
                         torch.empty(0, dtype=torch.int64, device=self.device))
 
     def _begin(self, batch: StepBatch) -> list[StepInput]:
@@ -223,15 +227,16 @@ class LocalExecutor:
 
     def _forward(self, seqs: list[StepInput], greedy: bool) -> StepResult:
         if greedy:
-            return StepResult(tokens=self._argmax_rows(seqs).cpu())
+            return StepResult(tokens=self._token_rows(seqs).cpu())
         return StepResult(logits=self._logits(self.build_inputs(seqs), seqs).float())
 
-    def _argmax_rows(self, seqs: list[StepInput], feed: Feed | None = None) -> torch.Tensor:
-        """Each logits row's argmax, left on the device."""
+    def _token_rows(self, seqs: list[StepInput], feed: Feed | None = None, sample=None) -> torch.Tensor:
+        """Each logits row's token, left on the device: its argmax, or `sample(fp32 logits rows)`."""
         inputs = self.build_inputs(seqs)
         if feed is not None:
             feed.apply(inputs["input_ids"])
-        return self._logits(inputs, seqs).argmax(dim=-1)
+        logits = self._logits(inputs, seqs)
+        return logits.argmax(dim=-1) if sample is None else sample(logits.float())
 
     def _logits(self, inputs: dict[str, torch.Tensor], seqs: list[StepInput]) -> torch.Tensor:
         raise NotImplementedError
@@ -283,7 +288,7 @@ class LocalExecutor:
         dev = self.device
 
         def put(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return _to_device(a, dev, dtype)
+            return to_device(a, dev, dtype)
         return {
             "input_ids": put(ids, torch.int64),
             "positions": put(pos, torch.int64),
@@ -342,12 +347,12 @@ class KernelExecutor(LocalExecutor):
                 return StepResult(logits=out)
         return super()._forward(seqs, greedy)
 
-    def _argmax_rows(self, seqs, feed=None):
+    def _token_rows(self, seqs, feed=None, sample=None):
         if self.step_graphs is not None and self.use_cuda_graphs:
-            out = self.step_graphs.run(seqs, True, feed)
+            out = self.step_graphs.run(seqs, sample is None, feed)
             if out is not None:
-                return out
-        return super()._argmax_rows(seqs, feed)
+                return out if sample is None else sample(out)
+        return super()._token_rows(seqs, feed, sample)
 
     def chain(self, seqs: list[StepInput]) -> torch.Tensor:
         # decode chains of one length replay their decode graph k times, each step's tokens fed to the
@@ -395,16 +400,6 @@ def _one_row(seqs: list[StepInput]) -> list[StepInput]:
     """A step that samples nothing (a long prompt's first chunks) still writes its K/V; the graph wants at
     least one logits row, so the step computes its last token's and drops it."""
     return seqs[:-1] + [StepInput(seqs[-1].token_ids, seqs[-1].start_pos, seqs[-1].block_table, 1)]
-
-
-def _to_device(a: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """`a` as a tensor on `device`. To a GPU through pinned memory without waiting: a plain copy from pageable
-    memory would wait for every kernel queued before it, and the host could not prepare a step while the
-    device runs the last one."""
-    t = torch.from_numpy(a).to(dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _verifies(s: StepInput) -> bool:

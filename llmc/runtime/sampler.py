@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from llmc.runtime.sequence import Sequence
+from llmc.runtime.transfer import to_device
 
 
 @dataclass
@@ -68,31 +69,55 @@ class Sampler:
         return all(plain_greedy(s.params) and s.params.num_logprobs is None for s in seqs)
 
     def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Apply penalties, temperature and filters; returns new float32 logits [N, V]."""
+        """Apply penalties, temperature and filters; returns new float32 logits [N, V]. Nothing here waits for
+        the device (the parameters go to it through pinned memory; every branch is decided on the host)."""
         logits = logits.to(torch.float32, copy=True)
         params = [s.params for s in seqs]
         device = logits.device
 
-        def column(name: str) -> torch.Tensor:  # [N, 1]
-            return torch.tensor([getattr(p, name) for p in params], device=device)[:, None]
+        def column(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [N, 1]
+            return to_device([float(getattr(p, name)) for p in params], device, dtype)[:, None]
 
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = _token_counts([s.token_ids for s in seqs], logits.shape[1], device) > 0
-            penalty = column("repetition_penalty").to(torch.float32)
+            penalty = column("repetition_penalty")
             penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
             logits = torch.where(seen, penalised, logits)
         if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
             counts = _token_counts([s.output_token_ids for s in seqs], logits.shape[1], device)
-            logits -= column("frequency_penalty").to(torch.float32) * counts
-            logits -= column("presence_penalty").to(torch.float32) * (counts > 0)
-        temperature = column("temperature").to(torch.float32)
+            logits -= column("frequency_penalty") * counts
+            logits -= column("presence_penalty") * (counts > 0)
+        temperature = column("temperature")
         logits /= torch.where(temperature == 0, 1.0, temperature)
-        logits = _top_k_top_p(logits, column("top_k"), column("top_p").to(torch.float32))
+        vocab = logits.shape[1]
+        if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+            logits = _top_k_top_p(logits, column("top_k", torch.int64), column("top_p"))
         if any(p.min_p > 0 for p in params):
             probs = torch.softmax(logits, dim=-1)
-            floor = column("min_p").to(torch.float32) * probs.max(dim=-1, keepdim=True).values
+            floor = column("min_p") * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < floor, float("-inf"))
         return logits
+
+    @staticmethod
+    def on_device(seq: Sequence) -> bool:
+        """Whether `tokens_on_device` can sample this sequence's row: a plain argmax, or a draw under
+        temperature, top-k, top-p and min-p alone; no seed (its generator is on the host), no penalty (it
+        counts the sequence's tokens, the last of which may still be on the device), no logprobs."""
+        p = seq.params
+        return p.num_logprobs is None and (plain_greedy(p) or (
+            seq.generator is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0))
+
+    def tokens_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Each row's token for `on_device` sequences, left on the device and not waited for (the engine's
+        overlapped steps): the greedy rows' argmax, the others drawn together after `process`."""
+        tokens = logits.argmax(dim=-1)  # [N]; first maximum = lowest id on ties
+        free = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        if free:
+            rows = to_device(free, logits.device, torch.int64)
+            probs = torch.softmax(self.process(logits.index_select(0, rows), [seqs[i] for i in free]), dim=-1)
+            tokens[rows] = torch.multinomial(probs, 1)[:, 0]
+        return tokens
 
     @staticmethod
     def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -102,7 +127,7 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         free = [i for i, seq in enumerate(seqs) if not seq.params.greedy and seq.generator is None]
         if free:
-            rows = torch.tensor(free, device=logits.device)
+            rows = to_device(free, logits.device, torch.int64)
             tokens[rows] = torch.multinomial(probs[rows], 1)[:, 0]
         for i, seq in enumerate(seqs):
             if not seq.params.greedy and seq.generator is not None:
@@ -172,8 +197,6 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     """Mask all but each row's top-k and top-p tokens. top_k: [N, 1] int, top_p: [N, 1]."""
     vocab = logits.shape[1]
     k = torch.where(top_k <= 0, vocab, top_k.clamp(max=vocab))  # [N, 1]
-    if bool((k >= vocab).all()) and bool((top_p >= 1.0).all()):
-        return logits
     # Stable descending sort: among equal logits the lower token id comes first.
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [N, V]
     rank = torch.arange(vocab, device=logits.device)[None, :]  # [1, V]

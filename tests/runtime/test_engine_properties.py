@@ -65,7 +65,7 @@ class FlakyExecute:
         self.real = executor.execute
         executor.execute = self
         real_launch = executor.launch
-        executor.launch = lambda batch, feed=None: self.call(real_launch, batch, feed)
+        executor.launch = lambda *args: self.call(real_launch, *args)
 
     def arm(self, calls_from_now: int, after: bool) -> None:
         self.fail_at, self.after = self.calls + calls_from_now, after

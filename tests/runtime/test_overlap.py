@@ -79,7 +79,7 @@ def test_a_failed_launch_ends_its_requests_and_the_step_in_flight_still_lands(ti
         b = eng.add_request(CODE_PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
         real = eng.executor.launch
 
-        def failing(batch, feed=None):
+        def failing(*args):
             eng.executor.launch = real
             raise RuntimeError("device lost")
         eng.executor.launch = failing
@@ -136,3 +136,29 @@ def test_rollback_with_a_step_in_flight(tiny_py_artifact):
         while eng.has_unfinished():
             outs = eng.step(finished_only=True)
         assert outs[0].outputs[0].token_ids == want
+
+
+def test_sampled_rows_are_drawn_on_the_device_while_steps_overlap(tiny_py_artifact):
+    """Rows sampled without a seed, penalty or logprobs are drawn on the device in launched steps, and the
+    next step is fed the drawn token: top_k=1 gives greedy's tokens, and with top_k=2 every token is one of
+    the two most likely after the tokens actually drawn before it (the model's own ranking, checked with
+    prompt log-probabilities)."""
+    prompts = CODE_PROMPTS[:4]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want, _ = run(tiny_py_artifact, False, prompts, greedy)
+    one, stats = run(tiny_py_artifact, True, prompts, SamplingParams(temperature=0.7, top_k=1, max_tokens=24,
+                                                                     ignore_eos=True))
+    assert [t for t, _, _ in one] == [t for t, _, _ in want] and stats["overlapped_steps"] >= 20
+    two, stats = run(tiny_py_artifact, True, prompts, SamplingParams(temperature=1.0, top_k=2, max_tokens=24,
+                                                                     ignore_eos=True))
+    assert stats["overlapped_steps"] >= 20
+    with LLM(tiny_py_artifact, backend="reference") as llm:
+        for prompt, (tokens, _, _) in zip(prompts, two):
+            ids = llm.engine.encode(prompt)
+            scored = llm.generate([ids + tokens], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+            for j, t in enumerate(tokens):
+                top = scored.prompt_top_logprobs[len(ids) + j]
+                assert t in sorted(top, key=top.get)[-2:], (j, t, top)
+    # a seeded row is drawn on the host: its steps are waited for
+    _, stats = run(tiny_py_artifact, True, prompts[:1], SamplingParams(temperature=1.0, seed=7, max_tokens=8))
+    assert stats["overlapped_steps"] == 0

@@ -106,11 +106,11 @@ class DistributedExecutor:
         self._gang.send(codec.STEP, codec.encode(batch))
         return self._receive(batch)
 
-    def launch(self, batch: StepBatch, feed: Feed | None = None) -> "_RemoteLaunched":
+    def launch(self, batch: StepBatch, feed: Feed | None = None, sample=None) -> "_RemoteLaunched":
         """The overlapped step of `LocalExecutor.launch`, over the workers: sent now, its tokens received when
         the engine asks (in launch order): the workers return them once the next step is enqueued, or on a
         FLUSH when the engine reads them before it sends another step."""
-        assert self.overlaps and batch.greedy and not batch.chain
+        assert self.overlaps and batch.greedy and not batch.chain and sample is None, "the workers take argmax rows"
         gang = self._gang
         gang.send(codec.STEP, codec.encode(batch, feed, launched=True))
         steps = gang.steps_sent
