@@ -21,7 +21,7 @@ from llmc.runtime.profiling import StepProfiler
 from llmc.runtime.sampler import Sampler, target_logprobs
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from llmc.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
+from llmc.runtime.sequence import SequenceGroup, SequenceStatus
 from llmc.runtime.spec_decode import SpecConfig, SpecDecoder
 from llmc.runtime.stop import StopChecker
 
