@@ -4,6 +4,8 @@ Every check compares with the unsharded paged graph on the same two-prompt prefi
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -179,10 +181,11 @@ class _FakeGraphs:
     """Step graphs that fit only decode steps (as graph_kind's decode buckets do) and record the calls."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.feeds = [], []
 
     def run(self, seqs, greedy, feed=None):
         self.calls.append((len(seqs), greedy))
+        self.feeds.append(None if feed is None else (feed.dst, feed.src, feed.tokens.tolist()))
         if any(len(s.token_ids) > 1 for s in seqs):
             return None
         return torch.arange(len(seqs)) + 100 if greedy else torch.ones(len(seqs), 8)
@@ -226,6 +229,47 @@ def test_tensor_parallel_worker_replays_step_graphs_on_every_rank():
     prefill = StepBatch([StepInput([1, 2, 3], 0, [2], 1, True), StepInput([7], 4, [3], 1)], greedy=True)
     assert r0.step(prefill).tolist() == [0, 0] and r0.ex.eager == 1
     assert r1.step(prefill).tolist() == [0, 0] and r1.ex.eager == 1
+
+
+class _ScriptedControl:
+    """The driver's side of the control group, scripted: each broadcast the worker waits on receives the next
+    message; every receive and send is logged in order."""
+
+    def __init__(self, messages):
+        self.messages, self.log = list(messages), []
+
+    def broadcast(self, bufs, opts):
+        op, payload = self.messages.pop(0)
+        bufs[0][:codec.HEADER + len(payload)] = torch.tensor([op, len(payload), *payload])
+        self.log.append(("recv", op))
+        return SimpleNamespace(wait=lambda *a: None)
+
+    def send(self, tensors, dst, tag):
+        self.log.append(("send", tensors[0].tolist()))
+        return SimpleNamespace(wait=lambda *a: None)
+
+
+def test_worker_returns_a_launched_steps_result_only_after_the_next_step_or_a_flush():
+    """A result sent while the driver broadcasts leaves both waiting (gloo's send waits for its receive), so
+    worker 0 sends a launched step's result only once the next step is enqueued, or on FLUSH; the next step
+    is fed the launched step's argmax rows from the worker's device."""
+    decode = [StepInput([5], 3, [0], 1), StepInput([6], 7, [1], 1)]
+    launched = StepBatch(decode, greedy=True)
+    fed = StepBatch([StepInput([0], 4, [0], 1), StepInput([0], 8, [1], 1)], greedy=True)
+    control = _ScriptedControl([
+        (codec.STEP, codec.encode(launched, launched=True)),
+        (codec.STEP, codec.encode(fed, Feed(None, [0, 1], [1, 0]), launched=True)),
+        (codec.FLUSH, []),
+        (codec.STEP, codec.encode(launched)),  # waited for: its result at once
+        (codec.STOP, []),
+    ])
+    r0 = _stage(0)
+    r0.control = control
+    r0.serve()
+    assert control.log == [("recv", codec.STEP), ("recv", codec.STEP), ("send", [100, 101]),
+                           ("recv", codec.FLUSH), ("send", [100, 101]),
+                           ("recv", codec.STEP), ("send", [100, 101]), ("recv", codec.STOP)]
+    assert r0.ex.step_graphs.feeds == [None, ([0, 1], [1, 0], [100, 101]), None]
 
 
 def test_tune_shard_times_only_the_shapes_the_artifact_lacks(artifacts, monkeypatch, tmp_path):
