@@ -84,14 +84,14 @@ class Feed:
     def apply(self, input_ids: torch.Tensor) -> None:
         """Overwrite the fed rows of a step's `input_ids` (on its device, in stream order: no host wait)."""
         if self.dst:
-            idx = to_device(np.asarray(self.dst + self.src, np.int64), input_ids.device, torch.int64)
+            idx = to_device(self.dst + self.src, input_ids.device, torch.int64)
             n = len(self.dst)
             input_ids.index_copy_(0, idx[:n], self.tokens.index_select(0, idx[n:]))
 
 
 class Launched:
-    """A greedy step started on the device: its argmax rows stay there (the next step's `Feed`), and a copy
-    to the host is on its way; `tokens()` waits for it."""
+    """A step started on the device: its token rows stay there (the next step's `Feed`), and a copy to the
+    host is on its way; `wait()` waits for it."""
 
     def __init__(self, tokens: torch.Tensor):
         self.device_tokens = tokens
@@ -102,10 +102,14 @@ class Launched:
         if self.done is not None:
             self.done.record()
 
-    def tokens(self) -> list[int]:
+    def wait(self) -> torch.Tensor:
+        """The token rows on the host, once copied."""
         if self.done is not None:
             self.done.synchronize()
-        return self.host.tolist()
+        return self.host
+
+    def tokens(self) -> list[int]:
+        return self.wait().tolist()
 
 
 class Executor(Protocol):

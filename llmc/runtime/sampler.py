@@ -110,14 +110,9 @@ class Sampler:
 
     def tokens_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Each row's token for `on_device` sequences, left on the device and not waited for (the engine's
-        overlapped steps): the greedy rows' argmax, the others drawn together after `process`."""
-        tokens = logits.argmax(dim=-1)  # [N]; first maximum = lowest id on ties
-        free = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
-        if free:
-            rows = to_device(free, logits.device, torch.int64)
-            probs = torch.softmax(self.process(logits.index_select(0, rows), [seqs[i] for i in free]), dim=-1)
-            tokens[rows] = torch.multinomial(probs, 1)[:, 0]
-        return tokens
+        overlapped steps): the host path's `process` and draw, where none of these rows has a generator or
+        a penalty, so nothing waits."""
+        return self._draw(self.process(logits, seqs), seqs)
 
     @staticmethod
     def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -169,14 +169,6 @@ def test_w8a8_codes_made_before_the_linears_shard_through_the_unfused_form(tmp_p
         assert 0 < err <= 0.05, err  # 0 would mean the row-parallel linears did not requantize their slices
 
 
-class _FakeCache:
-    def swap_out(self, moves): pass
-
-    def swap_in(self, moves): pass
-
-    def copy_blocks(self, copies): pass
-
-
 class _FakeGraphs:
     """Step graphs that fit only decode steps (as graph_kind's decode buckets do) and record the calls."""
 
@@ -196,9 +188,11 @@ class _FakeGraphs:
 
 class _FakeExecutor:
     def __init__(self):
-        from types import SimpleNamespace
-        self.cache, self.step_graphs, self.eager = _FakeCache(), _FakeGraphs(), 0
+        self.step_graphs, self.eager = _FakeGraphs(), 0
         self.graph = SimpleNamespace(inputs=[])
+
+    def _begin(self, batch):  # no block moves here
+        return batch.seqs
 
     def build_inputs(self, seqs):
         return {}

@@ -25,7 +25,7 @@ import torch
 
 from llmc.ir.types import dim_eval, torch_dtype
 from llmc.runtime.distributed import codec
-from llmc.runtime.executor import Feed, StepBatch, StepInput, _verifies, as_decode_rows, make_executor
+from llmc.runtime.executor import Feed, Launched, StepBatch, StepInput, _verifies, as_decode_rows, make_executor
 from llmc.runtime.kv_cache import KVCache
 from llmc.runtime.step_graphs import row_dims
 
@@ -193,7 +193,7 @@ class PipelineStage:
         clock = time.perf_counter
         profiler = StepProfiler.from_env(f"rank{self.spec.rank}") if self.spec.backend == "cuda" else None
         returns = self.last and self.spec.tp_rank == 0  # this rank sends the driver each step's result
-        self.in_flight = None  # a launched step's result not sent yet: (host copy, event)
+        self.in_flight: Launched | None = None  # a launched step's result not sent yet
         self.tokens = None  # the last greedy step's argmax rows, on the device
         while True:
             if profiler is not None:
@@ -222,12 +222,7 @@ class PipelineStage:
             if launched:
                 self._return_in_flight()  # the previous step's, while this one runs
                 if returns:
-                    host = torch.empty(result.shape, dtype=result.dtype, pin_memory=result.is_cuda)
-                    host.copy_(result, non_blocking=result.is_cuda)
-                    done = torch.cuda.Event() if result.is_cuda else None
-                    if done is not None:
-                        done.record()
-                    self.in_flight = (host, done)
+                    self.in_flight = Launched(result)
             elif returns:
                 self.control.send([result.cpu()], 0, 0).wait()
             t = self.timings
@@ -241,10 +236,7 @@ class PipelineStage:
         """Send the launched step's result, once its copy to the host is done."""
         if self.in_flight is None:
             return
-        host, done = self.in_flight
-        self.in_flight = None
-        if done is not None:
-            done.synchronize()
+        host, self.in_flight = self.in_flight.wait(), None
         self.control.send([host], 0, 0).wait()
 
     @torch.inference_mode()
@@ -255,10 +247,7 @@ class PipelineStage:
         previous step's argmax."""
         import torch.distributed as dist
         ex = self.ex
-        ex.cache.swap_out(batch.swap_out)
-        ex.cache.swap_in(batch.swap_in)
-        ex.cache.copy_blocks(batch.copies)
-        seqs = batch.seqs
+        seqs = ex._begin(batch)  # the block moves
         if batch.chain and seqs:  # multi-step: every rank runs the k steps alike (one stage: see the config)
             return ex.chain(seqs)
         if seqs and any(_verifies(s) for s in seqs):
