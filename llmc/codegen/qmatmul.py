@@ -31,12 +31,15 @@ that dequantizes each weight tile in registers.
   (exact, so split-K partials add exactly too) and applies both scales in the epilogue.
 - ``fp8``: the same with e4m3 codes and fp32 accumulation.
 
-Past 64 tokens (prefill chunks, mixed steps) the GEMMs are compute-bound, and the tuner also times
+Past 64 tokens (prefill chunks, mixed steps) the GEMMs turn compute-bound, and the tuner also times
 library GEMMs (`library_candidates`), keeping them where they win: fp8 through `torch._scaled_mm`
 (cuBLASLt/CUTLASS with per-token and per-channel scales), w8a8 through `torch._int_mm` and a
 generated one-pass epilogue (the GEMM kernel's in its order, so the two agree bit for bit), and int
-weights, in the 1024+ bucket of their own (`qlinear_bucket`), dequantized to x's dtype by a generated
-kernel (`qdequant.py.jinja`: a pass over W that only such steps amortize) and multiplied by cuBLAS.
+weights dequantized to x's dtype by a generated kernel (`qdequant.py.jinja`: a pass over W that
+only steps of some hundreds of rows amortize) and multiplied by cuBLAS. The 128+ bucket (a full
+batch of decodes, up to 1023 rows) also times one tall swapped tile over every row with a K split
+(`SPLIT_TALL_TILES`); the largest steps (chunked prefills) have a 1024+ bucket of their own
+(`qlinear_bucket`).
 
 `prepare` converts a weight to the kernel's layout once, when a plan is built (`PreparedQWeight`).
 """
@@ -508,6 +511,12 @@ MID_TILES = ((64, 128, 1, False, 4, 4), (64, 128, 1, True, 4, 4), (128, 128, 1, 
 PREFILL_TILES = ((64, 128, 128, False, 4, 3), (128, 128, 128, False, 8, 3), (128, 128, 64, False, 8, 4),
                  (128, 64, 128, False, 4, 3), (64, 64, 128, False, 4, 4), (64, 256, 64, False, 8, 3),
                  (128, 128, 128, True, 8, 3))
+# (BLOCK_M, BLOCK_N, BLOCK_K columns, SWAP_AB, warps, stages) with a K split (`_split`): the 128+ bucket's
+# other shape, a step of about 128 rows (a full batch of decodes). One tall tile then takes every row,
+# and a weight tile is dequantized once for all of them, but the N tiles alone are too few programs to
+# keep the GPU busy at 4096 to 6144 columns (32 to 96 of 132 SMs): the split brings them to ~512
+SPLIT_TALL_TILES = ((128, 64, 128, True, 4, 3), (128, 64, 256, True, 8, 3), (64, 64, 128, True, 4, 3),
+                    (128, 128, 128, True, 8, 3))
 
 
 def _cfg(bm, bn, bk, split_k, swap, warps, stages) -> dict:
@@ -551,6 +560,9 @@ def candidates(bucket: str, n: int, kw: int, pack: int = 0, shared: bool = True)
     m = bucket_size(bucket)
     if m > 64:
         out = [_cfg(bm, bn, max(cols, pack), 1, swap, w, st) for bm, bn, cols, swap, w, st in PREFILL_TILES]
+        if m < LARGE_M:
+            out += [_cfg(bm, bn, max(cols, pack), _split(n, kw, bn, max(cols, pack)), swap, w, st)
+                    for bm, bn, cols, swap, w, st in SPLIT_TALL_TILES]
     else:
         bm, tiles = (16, DECODE_TILES) if m <= 16 or shared else (m, MID_TILES)
         out = [_cfg(bm, bn, max(cols, pack), _split(n, kw, bn, max(cols, pack), scale), swap, w, st)
@@ -651,10 +663,11 @@ def _launch_library(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: 
 def library_candidates(bucket: str, p: PreparedQWeight, dtype: torch.dtype) -> list[dict]:
     """The library GEMMs a qlinear's tuner may try at this M bucket (see `_launch_library`): where M is
     large enough for a library GEMM's tiles and its shape rules hold. int's dequantization costs a
-    pass over W per call, which only the 1024+ bucket's steps amortize."""
+    pass over W per call (writing and reading 2 bytes a weight), which steps of some hundreds of rows
+    amortize: timed from the 128+ bucket on."""
     m, f, (n, k) = bucket_size(bucket), p.fmt, (p.out_features, p.in_features)
     if f.kind == "int":
-        return [{"LIBRARY": "dequant"}] if m >= LARGE_M else []
+        return [{"LIBRARY": "dequant"}] if m >= 128 else []
     if f.kind == "fp8" and dtype == torch.bfloat16 and m >= 128 and k % 16 == 0 and n % 16 == 0:
         return [{"LIBRARY": "scaled_mm"}]
     if f.kind == "w8a8" and m >= 128 and k % 8 == 0 and n % 8 == 0:  # torch._int_mm: M > 16, K and N by 8

@@ -136,6 +136,27 @@ def test_split_k_and_swapped_operands(name):
         assert all(torch.equal(o, outs[0]) for o in outs)
 
 
+@pytest.mark.parametrize("name", ["int4-g64", "w8a8"])
+def test_tall_split_tiles_of_the_128_bucket(name):
+    """The 128+ bucket's swapped tall tiles with a K split (a full batch of decodes in one row tile):
+    on a Llama-3-8B o_proj the split brings the programs to a few hundred, and at 70 rows (one
+    partly filled tile) and 140 (two tiles) every such config gives the reference."""
+    tall = [c for c in candidates("128+", 4096, 4096, 128) if c["SPLIT_K"] > 1]
+    assert tall and all(c["SWAP_AB"] and c["BLOCK_M"] >= 64 for c in tall)
+    assert all(256 <= 4096 // c["BLOCK_N"] * c["SPLIT_K"] <= qm.TARGET_PROGRAMS for c in tall)
+    assert not any(c["SPLIT_K"] > 1 for c in candidates("1024+", 4096, 4096, 128))  # enough row tiles there
+    g = gen("tall", name)
+    qw = quantized(FORMATS[name], 64, 256, g)
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    b = rand(64, g=g)
+    for m in (70, 140):
+        x = rand(m, 256, g=g)
+        for c in qm.SPLIT_TALL_TILES[:1]:
+            cfg = qm._cfg(c[0], c[1], max(c[2], p.pack), 2, c[3], c[4], c[5])
+            run_and_check(qw, x, b, "silu", config=cfg)
+    assert int(tile_counters(x.device, 4).abs().sum()) == 0
+
+
 def test_row_tiles_of_one_program_equal_tiles_alone():
     """Up to 64 rows a program dots each weight tile it dequantizes with every 16-row tile: each tile
     comes out bitwise as it does launched alone (see the matmul test for why only tile by tile here)."""
@@ -392,7 +413,8 @@ def test_library_candidates_where_their_shapes_and_m_fit():
         return prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
     bf16 = torch.bfloat16
     assert qm.library_candidates("1024+", p_of("int4-g64"), bf16) == [{"LIBRARY": "dequant"}]
-    assert qm.library_candidates("128+", p_of("int4-g64"), bf16) == []  # W's pass costs more than it saves
+    assert qm.library_candidates("128+", p_of("int4-g64"), bf16) == [{"LIBRARY": "dequant"}]
+    assert qm.library_candidates("64", p_of("int4-g64"), bf16) == []  # W's pass costs more than it saves
     assert qm.library_candidates("128+", p_of("fp8"), bf16) == [{"LIBRARY": "scaled_mm"}]
     assert qm.library_candidates("128+", p_of("fp8"), torch.float16) == []
     assert qm.library_candidates("64", p_of("w8a8"), bf16) == []
