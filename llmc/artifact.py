@@ -160,6 +160,7 @@ class Artifact:
     graph: Graph
     tuning: dict[str, Any] = field(default_factory=dict)
     compile_log: Any = None
+    compile_timings: dict[str, float] = field(default_factory=dict)  # seconds per compile phase (compile's)
 
     @property
     def info(self) -> ModelInfo:

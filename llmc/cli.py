@@ -187,6 +187,9 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
     click.echo(f"wrote {art.path}: {s['num_params'] / 1e6:.2f}M params ({nbytes / 2**20:.1f} MiB), "
                f"{sum(s['op_counts'].values())} ops, passes: {', '.join(p.split('{')[0] for p in s['passes'])}"
                + (f"; draft {draft_model} in {art.bundled_draft.name}" if art.bundled_draft else ""))
+    t = art.compile_timings
+    if t:
+        click.echo(f"compiled in {sum(t.values()):.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in t.items()))
     if check_ort:
         from llmc.frontend.onnx_check import check_onnxruntime
         click.echo(str(check_onnxruntime(model, art.graph)))

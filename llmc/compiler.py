@@ -5,6 +5,7 @@ import contextlib
 import inspect
 import logging
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -118,9 +119,11 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         check_draft(model, draft)
     bar = _Progress(progress)
     with bar:
+        bar.phase("capture")
         bar.step("reading the ONNX graph" if is_onnx(model) else "capturing with torch.export")
         graph, source, tok_files = capture(model, example_inputs, dtype, dynamic, tokenizer)
         plist = pipeline(list(passes or []), before=before, after=after, options={**options, "quant": quant})
+        bar.phase("passes")
         bar.step(f"running {len(plist)} passes")
         ctx = PassContext(options=dict(options), state={"status": bar.step})
         if tok_files:
@@ -128,13 +131,17 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         graph = PassManager(plist, verify=verify, dump_dir=dump_ir,
                             progress=lambda p: bar.step(f"pass {p.name}")).run(graph, ctx)
         out = Path(output) if output is not None else Path(tempfile.mkdtemp(prefix="llmc-")) / "model.llmc"
-        bar.step(f"writing {out}")
         opts = {"dtype": dtype, **{k: v for k, v in options.items() if isinstance(v, (str, int, float, bool))},
                 **({"quant": quant.method} if quant is not None else {})}
+        bar.phase("tuning")
         tuning = _autotune(graph, bar, batch_invariant, tuning_cache) if tune and torch.cuda.is_available() else {}
+        bar.phase("write")
+        bar.step(f"writing {out}")
         kernels, sources = _kernel_listing(graph, tuning)
         art = save_artifact(graph, out, source, opts, tok_files, tuning=tuning, kernels=sources, kernel_list=kernels)
         art.compile_log = ctx  # fusion explanations and pass notes, for `llmc compile --explain-fusion`
+        bar.phase(None)
+        art.compile_timings = bar.timings  # seconds per phase: capture, passes, tuning, write
     if draft is not None:
         from llmc.artifact import DRAFT_DIR
         keep = {k: v for k, v in options.items() if k in ("kv_cache_dtype", "fuse", "paged_kv")}
@@ -383,10 +390,21 @@ def _kernel_listing(graph: Graph, tuning: dict | None = None) -> tuple[list[dict
 
 
 class _Progress:
-    """A rich spinner with the current compile step, or nothing when not on a terminal / not asked."""
+    """A rich spinner with the current compile step, or nothing when not on a terminal / not asked; it
+    also times the compile's phases (`timings`: seconds per phase name, in the order first entered)."""
 
     def __init__(self, enabled: bool):
         self.enabled, self._p, self._t = enabled, None, None
+        self.timings: dict[str, float] = {}
+        self._phase: tuple[str, float] | None = None
+
+    def phase(self, name: str | None) -> None:
+        """End the current phase (its time is added to `timings`) and start `name` (None: none)."""
+        now = time.perf_counter()
+        if self._phase is not None:
+            last, since = self._phase
+            self.timings[last] = self.timings.get(last, 0.0) + now - since
+        self._phase = (name, now) if name is not None else None
 
     def __enter__(self):
         if self.enabled:

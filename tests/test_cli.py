@@ -33,6 +33,9 @@ def compiled(arch_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / f"{arch_dir.name}.llmc"
     code, text = cli("compile", arch_dir, "-o", out)
     assert code == 0, text
+    # the phases' times, in the order they ran (tuning: none without a GPU, still a phase)
+    timed = next(ln for ln in text.splitlines() if ln.startswith("compiled in "))
+    assert [part.split()[0] for part in timed.split(": ", 1)[1].split(", ")] == ["capture", "passes", "tuning", "write"]
     return arch_dir, out
 
 
