@@ -326,49 +326,55 @@ def _tune_decode_attention(graph: Graph, tuner, bar) -> None:
         del steps
 
 
-def _tune_linears(graph: Graph, tuner, bar) -> None:
+def _tune_linears(graph: Graph, tuner, bar, device: str = "cuda") -> None:
     from llmc.codegen import matmul as mm
     from llmc.codegen.autotune import M_BUCKETS
     from llmc.codegen.lower import ACT_EPILOGUE
     seen: set = set()
     for n in graph.nodes:
-        if n.op == "qlinear":
-            _tune_qlinear(graph, n, tuner, seen, bar)
+        if n.op in ("qlinear", "qlinear_codes"):
+            _tune_qlinear(graph, n, tuner, seen, bar, device)
         if n.op not in ("linear", "linear_act"):
             continue
         w = graph.weights[n.inputs[1].name]
-        b = graph.weights[n.inputs[2].name].cuda() if len(n.inputs) > 2 else None
+        b = graph.weights[n.inputs[2].name].to(device) if len(n.inputs) > 2 else None
         epi = ACT_EPILOGUE[n.attrs["act"]] if n.op == "linear_act" else ()
         key = (tuple(w.shape), w.dtype, b is not None, epi)
         if key in seen:
             continue
         seen.add(key)
         bar.step(f"tuning linear {list(w.shape)}")
-        wc = w.cuda()
+        wc = w.to(device)
         for m in M_BUCKETS[:-1]:
-            mm.linear(torch.randn(m, w.shape[1], dtype=w.dtype, device="cuda"), wc, b, epi, tuner=tuner)
+            mm.linear(torch.randn(m, w.shape[1], dtype=w.dtype, device=device), wc, b, epi, tuner=tuner)
 
 
-def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar) -> None:
+def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar, device: str = "cuda") -> None:
     """Tune a quantized linear's kernel per token bucket (its key holds the format and shape): unlike a
-    bf16 linear, which hands steps past 64 tokens to cuBLAS, every bucket runs a choice of its own."""
+    bf16 linear, which hands steps past 64 tokens to cuBLAS, every bucket runs a choice of its own.
+    A `qlinear_codes` node (its activation codes made by the norm or SwiGLU before it, fuse_act_quant)
+    runs the same kernel under the same key as a qlinear of float x in its output dtype: it is timed as
+    that."""
     from llmc.codegen import qmatmul as qmm
     from llmc.codegen.autotune import M_BUCKETS
     from llmc.ir.ops import _qlinear_operands
     from llmc.ir.quant import QuantFormat
     from llmc.ir.types import torch_dtype
     fmt = QuantFormat.from_attrs(n.attrs)
-    qw, sc, zeros, bias = _qlinear_operands([None] + [graph.weights[v.name] for v in n.inputs[1:]], n.attrs)
-    key = (fmt, tuple(qw.shape), n.attrs["act"], bias is not None, n.inputs[0].type.dtype)
+    codes = n.op == "qlinear_codes"  # inputs: codes, their scales, then qlinear's weight operands
+    qw, sc, zeros, bias = _qlinear_operands([None] + [graph.weights[v.name] for v in n.inputs[1 + codes:]],
+                                            n.attrs)
+    dtype = n.attrs["dtype"] if codes else n.inputs[0].type.dtype
+    key = (fmt, tuple(qw.shape), n.attrs["act"], bias is not None, dtype)
     if key in seen:
         return
     seen.add(key)
     bar.step(f"tuning {fmt.label} linear {list(qw.shape)}")
-    p = qmm.prepare(fmt, qw.cuda(), sc.cuda(), zeros.cuda() if zeros is not None else None)
-    b = bias.cuda() if bias is not None else None
+    p = qmm.prepare(fmt, qw.to(device), sc.to(device), zeros.to(device) if zeros is not None else None)
+    b = bias.to(device) if bias is not None else None
     # the decode buckets, then 128+ and 1024+ (prefill chunks and mixed steps), where a library GEMM may win
     for m in (*M_BUCKETS[:-1], M_BUCKETS[-1], qmm.LARGE_M):
-        x = torch.randn(m, p.in_features, dtype=torch_dtype(n.inputs[0].type.dtype), device="cuda")
+        x = torch.randn(m, p.in_features, dtype=torch_dtype(dtype), device=device)
         qmm.qlinear(x, p, b, n.attrs["act"], tuner=tuner)
 
 

@@ -105,3 +105,23 @@ def test_silu_mul_kernel_codes(kind, dtype):
     diff = (codes.float() - want_codes.float()).abs()
     step = 1.0 if kind == "w8a8" else want_codes.float().abs().clamp_min(2 ** -6) / 8  # e4m3: 3 mantissa bits
     assert (diff <= step * 1.01).all() and (diff > 0).float().mean() < 0.02
+
+
+def test_linears_fed_codes_are_tuned(llama_dir, tmp_path, monkeypatch):
+    """Compile tunes the linears whose codes a norm or SwiGLU made (qlinear_codes) as it tunes plain
+    quantized linears: each distinct one timed once per bucket with float x of its output dtype (the
+    kernel's key), up to the 1024+ bucket. Recorded here instead of timed (no GPU)."""
+    from llmc import compiler
+    from llmc.codegen import matmul as mm
+    from llmc.codegen import qmatmul as qmm
+    art = llmc.compile(llama_dir, tmp_path / "fp8.llmc", quant={"method": "fp8"})
+    calls = []
+    monkeypatch.setattr(qmm, "qlinear", lambda x, p, b, act, tuner: calls.append(
+        ((p.out_features, p.in_features), x.shape[0], x.dtype)))
+    monkeypatch.setattr(mm, "linear", lambda *a, **k: None)
+    compiler._tune_linears(art.graph, None, compiler._Progress(False), device="cpu")
+    shapes = {tuple(art.graph.weights[n.inputs[2].name].shape) for n in art.graph.nodes if n.op == "qlinear_codes"}
+    assert len(shapes) == 3  # qkv, gate/up, down: none was tuned before
+    for shape in shapes:
+        assert sorted(m for s, m, _ in calls if s == shape) == [1, 2, 4, 8, 16, 32, 64, 128, qmm.LARGE_M]
+    assert {d for *_, d in calls} == {torch.float32}  # the artifact's dtype, not the codes' int8 / fp8
