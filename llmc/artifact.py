@@ -27,8 +27,10 @@ from llmc.ir.graph import Graph, WeightStore
 from llmc.ir.kv_layout import kv_cache_inputs, kv_model_dtype
 from llmc.ir.serialize import graph_from_dict, graph_to_dict
 
-# Bumped on every change of the artifact layout: 2 added the typed model info.
-FORMAT_VERSION = 2
+# Bumped on every change of the artifact layout: 2 added the typed model info; 3 gives a file recorded in
+# pieces the digest of its pieces (`pieces_digest`) instead of its whole sha256. This llmc reads both.
+FORMAT_VERSION = 3
+READ_VERSIONS = (2, 3)
 DRAFT_DIR = "draft.llmc"  # a draft model's artifact, bundled inside its target's
 MANIFEST = "manifest.json"
 
@@ -120,16 +122,22 @@ def sha256_file(path: Path) -> str:
     return _sha256_range(path)
 
 
-def hash_file(path: Path, chunk_bytes: int | None = None) -> tuple[str, list[str]]:
-    """(sha256 of the whole file, sha256 of each `chunk_bytes` piece, default HASH_CHUNK), in one read of the
-    file. The pieces let a load check a large file on every core at once (`verify_files`)."""
+def hash_pieces(path: Path, chunk_bytes: int | None = None, threads: int | None = None) -> list[str]:
+    """sha256 of each `chunk_bytes` piece of a file (default HASH_CHUNK), on `threads` threads (default: one
+    per core): what a compile records for a large file and a load checks (`verify_files`)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
     chunk_bytes = chunk_bytes or HASH_CHUNK
-    whole, pieces = hashlib.sha256(), []
-    with open(path, "rb") as f:
-        while piece := f.read(chunk_bytes):
-            whole.update(piece)
-            pieces.append(hashlib.sha256(piece).hexdigest())
-    return whole.hexdigest(), pieces
+    n = max(1, -(-path.stat().st_size // chunk_bytes))
+    with ThreadPoolExecutor(max(1, min(n, threads or os.cpu_count() or 1))) as pool:
+        return list(pool.map(lambda i: _sha256_range(path, i * chunk_bytes, chunk_bytes), range(n)))
+
+
+def pieces_digest(pieces: list[str]) -> str:
+    """A file recorded in pieces has this digest in the manifest's "files": the sha256 of its pieces' hex
+    digests, one per line. (A whole-file sha256 would take one core a pass over the file, ~8 s for an 8B
+    model's 16 GB, where the pieces take every core.)"""
+    return hashlib.sha256("\n".join(pieces).encode()).hexdigest()
 
 
 def _sha256_range(path: Path, offset: int = 0, size: int | None = None) -> str:
@@ -243,9 +251,11 @@ def save_artifact(graph: Graph, out: str | Path, source: str, options: dict[str,
     for p in sorted(tmp.rglob("*")):
         if p.is_file():
             rel = str(p.relative_to(tmp))
-            files[rel], pieces = hash_file(p)
-            if len(pieces) > 1:
-                chunks[rel] = {"bytes": HASH_CHUNK, "sha256": pieces}
+            if p.stat().st_size > HASH_CHUNK:
+                pieces = hash_pieces(p)
+                files[rel], chunks[rel] = pieces_digest(pieces), {"bytes": HASH_CHUNK, "sha256": pieces}
+            else:
+                files[rel] = sha256_file(p)
     manifest = {
         "format_version": FORMAT_VERSION,
         "llmc_version": __version__,
@@ -276,12 +286,12 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ArtifactError(f"{path / MANIFEST} is not valid JSON: {e}") from None
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         from llmc import __version__
         made_by = manifest.get("llmc_version", "an unknown version")
         raise ArtifactError(f"artifact {path} has format version {version!r} (written by llmc {made_by}); this llmc "
-                            f"{__version__} reads format version {FORMAT_VERSION}: recompile the model with llmc "
-                            f"{__version__} (`llmc compile MODEL -o {path}`)")
+                            f"{__version__} reads format versions {READ_VERSIONS[0]} to {FORMAT_VERSION}: recompile the "
+                            f"model with llmc {__version__} (`llmc compile MODEL -o {path}`)")
     return manifest
 
 
@@ -305,6 +315,10 @@ def verify_files(path: Path, manifest: dict[str, Any], threads: int | None = Non
             jobs.append((rel, 0, None, digest))
             continue
         n, size = len(c["sha256"]), f.stat().st_size
+        whole_digest = manifest.get("format_version") == 2  # v2 recorded the whole file's sha256 beside its pieces
+        if not whole_digest and digest != pieces_digest(c["sha256"]):
+            raise ArtifactError(f"artifact {path}'s manifest is corrupted (the pieces of {rel} do not give its "
+                                "digest); recompile the artifact or restore manifest.json")
         if not (n - 1) * c["bytes"] < size <= n * c["bytes"]:
             raise ArtifactError(f"artifact file {rel} is corrupted (its size, {size} bytes, does not match the "
                                 "manifest); recompile the artifact or restore the file")

@@ -34,9 +34,10 @@ def test_model_info_missing_fields_is_an_artifact_error():
 
 
 def test_large_files_are_checked_in_pieces_in_parallel(llama_dir, tmp_path, monkeypatch):
-    """A file past HASH_CHUNK is recorded piece by piece (and whole); a load checks the pieces on every
-    core. A changed byte in any piece, a truncated or a grown file are each a clear error; an artifact
-    written before pieces were recorded is still checked whole."""
+    """A file past HASH_CHUNK is recorded piece by piece (hashed on every core), its digest the pieces'
+    digest; a load checks the pieces on every core. A changed byte in any piece, a truncated or a grown
+    file, a digest that the pieces do not give are each a clear error; a format-2 artifact (whole
+    digests) written before pieces were recorded is still checked whole."""
     import shutil
 
     import llmc.artifact as artifact
@@ -46,8 +47,14 @@ def test_large_files_are_checked_in_pieces_in_parallel(llama_dir, tmp_path, monk
     weights = art.path / "weights.safetensors"
     pieces = manifest["chunks"]["weights.safetensors"]["sha256"]
     assert len(pieces) == -(-weights.stat().st_size // 4096) > 2 and "graph.json" in manifest["files"]
-    assert manifest["files"]["weights.safetensors"] == artifact.sha256_file(weights)
+    assert manifest["format_version"] == 3 and [artifact._sha256_range(weights, i * 4096, 4096)
+                                                 for i in range(len(pieces))] == pieces
+    assert manifest["files"]["weights.safetensors"] == artifact.pieces_digest(pieces)
     artifact.verify_files(art.path, manifest, threads=3)  # intact
+    forged = json.loads(json.dumps(manifest))
+    forged["files"]["weights.safetensors"] = artifact.sha256_file(weights)  # a whole digest in a v3 manifest
+    with pytest.raises(ArtifactError, match="manifest is corrupted"):
+        artifact.verify_files(art.path, forged)
     data = weights.read_bytes()
     for broken in (data[:4096 * 2] + bytes([data[4096 * 2] ^ 1]) + data[4096 * 2 + 1:],  # one bit, third piece
                    data[:-1], data + b"\0"):
@@ -55,9 +62,10 @@ def test_large_files_are_checked_in_pieces_in_parallel(llama_dir, tmp_path, monk
         with pytest.raises(ArtifactError, match="weights.safetensors is corrupted"):
             llmc.load(art.path)
     weights.write_bytes(data)
-    old = tmp_path / "old.llmc"  # a manifest with no pieces: the whole file's digest
+    old = tmp_path / "old.llmc"  # a format-2 manifest with no pieces: the whole file's digest
     shutil.copytree(art.path, old)
     del manifest["chunks"]
+    manifest.update(format_version=2, files={rel: artifact.sha256_file(old / rel) for rel in manifest["files"]})
     (old / "manifest.json").write_text(json.dumps(manifest))
     llmc.load(old)
     (old / "weights.safetensors").write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
