@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_pending.sh OUT widen-check    # issue 18: bf16 agreement of the widened target, 64k tokens
 #   bash benchmarks/gpu_pending.sh OUT onnx           # issue 19: 8B from its ONNX export against from its HF dir
 #   bash benchmarks/gpu_pending.sh OUT quant-mixed    # issue 14: 8B mixed workload, bf16 vs fp8, w8a8, int4
+#   QUANT=rtn4 bash benchmarks/gpu_pending.sh OUT quant-profile  # issue 14: the same, each run's top kernels
+#   bash benchmarks/gpu_pending.sh OUT compile-8b     # issue 20: a cold 8B compile's phases (capture, passes, tuning, write)
 #   bash benchmarks/gpu_pending.sh OUT parallel       # issue 16 (nvidia-h200-x2): TP=2 and PP=2 against one GPU
 #   SHAPE=70b-8l bash benchmarks/gpu_pending.sh OUT parallel   # issue 17's trimmed 70B layers on 2 GPUs
 #   bash benchmarks/gpu_pending.sh OUT multi-step     # issue 20: 8B, multi-step decoding k=4,8 against single steps
@@ -74,6 +76,20 @@ for step in "$@"; do
             python3 benchmarks/quant_decode_bench.py --shape 8b --quant "${QUANT:-fp8,w8a8,rtn4}" --no-decode \
                 --mixed 128 --bf16-no-tune --out "$OUT" >"$OUT/quant_mixed.log" 2>&1
             tail -8 "$OUT/quant_mixed.log" ;;
+        quant-profile)
+            rm -rf /tmp/tmp*
+            LLMC_PROFILE_DIR="$OUT/profile" LLMC_PROFILE_STEPS=${PROFILE_STEPS:-100:1500} \
+                python3 benchmarks/quant_decode_bench.py --shape 8b --quant "${QUANT:-rtn4}" --no-decode --mixed 128 \
+                --bf16-no-tune --out "$OUT" >"$OUT/quant_profile.log" 2>&1
+            tail -6 "$OUT/quant_profile.log"; head -14 "$OUT"/profile/*/profile-engine.txt ;;
+        compile-8b)
+            rm -rf /tmp/tmp* ~/.cache/llmc/tuning
+            python3 -c "import sys, time; sys.path.insert(0, 'benchmarks'); from decode_bench import random_model; \
+import llmc, tempfile, pathlib; d = pathlib.Path(tempfile.mkdtemp()); random_model('8b', d / 'm'); t = time.time(); \
+art = llmc.compile(d / 'm', d / 'a.llmc', dtype='bfloat16'); print('compile', round(time.time() - t, 1), 's', \
+{k: round(v, 1) for k, v in art.compile_timings.items()}); t = time.time(); llm = llmc.LLM(art.path); \
+print('load', round(time.time() - t, 1), 's')" >"$OUT/compile_8b.log" 2>&1
+            grep -v Writing "$OUT/compile_8b.log" | tail -3 ;;
         parallel)
             rm -rf /tmp/tmp*
             python3 benchmarks/parallel_bench.py --shape "${SHAPE:-8b}" --layouts "${LAYOUTS:-1x1,2x1,2x1m8,1x2}" \
@@ -110,6 +126,6 @@ shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_grap
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, quant-profile, compile-8b, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap)" ;;
     esac
 done

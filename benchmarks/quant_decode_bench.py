@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -66,6 +67,7 @@ def main() -> None:
     cfg = json.loads((work / "model" / "config.json").read_text())
     bw = bandwidth()
     prompt = torch.randint(0, cfg["vocab_size"], (128,)).tolist()
+    profile_root = os.environ.pop("LLMC_PROFILE_DIR", None)  # profiles the mixed runs only (see below)
     rows = []
     for name in ["bf16"] + a.quant.split(","):
         t = time.time()
@@ -94,6 +96,8 @@ def main() -> None:
             del llm
         if a.mixed:
             from llmc.bench import bench
+            if profile_root:  # LLMC_PROFILE_DIR: each config's engine profiles into a directory of its own
+                os.environ["LLMC_PROFILE_DIR"] = str(Path(profile_root) / name)
             mix = bench(art, "mixed", num_requests=a.mixed, max_num_seqs=min(a.mixed, 128))
             row.update(mixed_out_tok_s=mix["out_tok_s"], mixed_gpu_busy=mix.get("gpu_busy"))
         rows.append(row)
