@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_pending.sh OUT quant-mixed    # issue 14: 8B mixed workload, bf16 vs fp8, w8a8, int4
 #   QUANT=rtn4 bash benchmarks/gpu_pending.sh OUT quant-profile  # issue 14: the same, each run's top kernels
 #   bash benchmarks/gpu_pending.sh OUT compile-8b     # issue 20: a cold 8B compile's phases (capture, passes, tuning, write)
+#   bash benchmarks/gpu_pending.sh OUT int4-ptx       # issue 14: int4 codes unpacked by PTX: compiled tests, then per call
+#                                                     #   against LLMC_INT4_PTX=0 (alternating), then 8B decode end to end
 #   bash benchmarks/gpu_pending.sh OUT parallel       # issue 16 (nvidia-h200-x2): TP=2 and PP=2 against one GPU
 #   SHAPE=70b-8l bash benchmarks/gpu_pending.sh OUT parallel   # issue 17's trimmed 70B layers on 2 GPUs
 #   bash benchmarks/gpu_pending.sh OUT multi-step     # issue 20: 8B, multi-step decoding k=4,8 against single steps
@@ -82,6 +84,18 @@ for step in "$@"; do
                 python3 benchmarks/quant_decode_bench.py --shape 8b --quant "${QUANT:-rtn4}" --no-decode --mixed 128 \
                 --bf16-no-tune --out "$OUT" >"$OUT/quant_profile.log" 2>&1
             tail -6 "$OUT/quant_profile.log"; head -14 "$OUT"/profile/*/profile-engine.txt ;;
+        int4-ptx)
+            TRITON_INTERPRET=0 python3 -m pytest -q tests/codegen/test_qmatmul.py -k "formats or ragged or split_k or tall \
+or row_tiles or leading or group_of_two" >"$OUT/int4_ptx_tests.log" 2>&1
+            tail -3 "$OUT/int4_ptx_tests.log"
+            for v in 0 1 0 1; do
+                LLMC_INT4_PTX=$v python3 benchmarks/quant_bench.py --out "$OUT/ptx$v" --ms 1,16,128 --methods bf16,int4-g128 \
+                    >"$OUT/int4_ptx_bench_$v.log" 2>&1
+                tail -4 "$OUT/int4_ptx_bench_$v.log"
+            done
+            rm -rf /tmp/tmp*
+            python3 benchmarks/quant_decode_bench.py --shape 8b --quant rtn4 --new 128 --out "$OUT" >"$OUT/quant_decode.log" 2>&1
+            tail -4 "$OUT/quant_decode.log" ;;
         compile-8b)
             rm -rf /tmp/tmp* ~/.cache/llmc/tuning
             python3 -c "import sys, time; sys.path.insert(0, 'benchmarks'); from decode_bench import random_model; \
@@ -126,6 +140,6 @@ shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_grap
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, quant-profile, compile-8b, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap)" ;;
     esac
 done

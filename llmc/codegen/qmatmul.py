@@ -18,8 +18,12 @@ that dequantizes each weight tile in registers.
   in bf16 and f16, so the dot runs in x's dtype without rounding the weight, and the group's scale
   multiplies the fp32 dot of the columns that share it: one multiply per output and group, not
   per weight, and closer to the reference than a weight rounded to bf16. Per-channel scales, bias
-  and act are applied once, in the epilogue. `SWAP_AB` configs compute (W x.T), making the weight
-  tile the MMA's tall operand: Hopper's wgmma takes it from registers, where it was dequantized.
+  and act are applied once, in the epilogue. Compiled, int4 codes with the constant zero point 8 and
+  a bf16 / f16 x skip fp32 altogether: inline PTX (`NIBBLES_ASM`) puts two nibbles into the mantissas of
+  a packed pair and subtracts with one packed FMA, 0.59-0.78x the main loop's instructions on Hopper
+  (`benchmarks/sass_loop.py`), where int4 decode is bound by issuing them. `SWAP_AB` configs compute
+  (W x.T), making the weight tile the MMA's tall operand: Hopper's wgmma takes it from registers,
+  where it was dequantized.
 - int4 at 1 to 4 tokens can also stream through `qgemv_int4.py.jinja` (`QGemvSpec`), on the FMA pipes:
   each int32 word of codes yields its 8 codes with one shift and 8 LOP3s (the and-or into 2^23's
   exponent), one subtraction or FMA each, and one FMA per row of x. It is offered to the tuner only
@@ -45,6 +49,7 @@ batch of decodes, up to 1023 rows) also times one tall swapped tile over every r
 """
 from __future__ import annotations
 
+import os
 import textwrap
 from dataclasses import dataclass
 from typing import Any
@@ -217,6 +222,39 @@ def _sum(*terms) -> str:
     return " + ".join([repr(const)] + names)
 
 
+# Per 2 bytes of int4 codes (a 16-bit register: Triton packs 2 u8 elements, element 0 in the low byte;
+# 2 is what a thread holds contiguously of a wgmma register operand, so no bytes are moved to pack more),
+# the low and the high nibble of each, less the zero point 8, as a bf16 / f16 pair (one 32-bit register
+# per plane, element 0 in the low half). `prmt` spreads the two bytes into the two halves of a register;
+# `and`-`or` (one LOP3) puts a nibble into the mantissa of MAGIC (2^7 for bf16, 2^10 for f16, whose last
+# mantissa bit is worth 1), giving MAGIC + q exactly; one packed FMA subtracts MAGIC + 8. That is about 2
+# instructions a code where fp32 arithmetic and a conversion take 4 (byte extraction, shift, two ORs,
+# two subtractions, an FMA and a pack per byte).
+NIBBLES_ASM = """{
+.reg .b32 t, h, one, bias;
+mov.b32 one, ONE;
+mov.b32 bias, BIAS;
+cvt.u32.u16 t, $2;
+prmt.b32 t, t, 0, 0x4140;
+shr.u32 h, t, 4;
+lop3.b32 t, t, 0x000F000F, MAGIC, 0xea;
+lop3.b32 h, h, 0x000F000F, MAGIC, 0xea;
+fma.rn.TYPE $0, t, one, bias;
+fma.rn.TYPE $1, h, one, bias;
+}"""
+# (MAGIC, ONE, BIAS = -(MAGIC + 8)) as 16-bit patterns, and the PTX type, per x dtype
+NIBBLE_CONSTANTS = {"bf16": (0x4300, 0x3F80, 0xC308, "bf16x2"), "f16": (0x6400, 0x3C00, 0xE408, "f16x2")}
+
+
+def _nibbles_asm(dtype: str) -> str:
+    if dtype not in NIBBLE_CONSTANTS:
+        return ""
+    magic, one, bias, ptx_type = NIBBLE_CONSTANTS[dtype]
+    twice = lambda v: f"0x{v:04X}{v:04X}"  # noqa: E731
+    return (NIBBLES_ASM.replace("MAGIC", twice(magic)).replace("ONE", twice(one)).replace("BIAS", twice(bias))
+            .replace("TYPE", ptx_type))
+
+
 def _act_lines(act: str, helpers: set[str]) -> list[str]:
     if not act:
         return []
@@ -282,7 +320,7 @@ class QMatmulSpec(KernelSpec):
             dot_kwargs = ""
         ctx = {"int_weights": int_w, "a8": a8, "has_bias": self.has_bias, "has_zeros": self.has_zeros,
                "max_m_tiles": MAX_M_TILES, "act_lines": act_lines, "up": up, "dot_kwargs": dot_kwargs,
-               "acc_type": "tl.int32" if self.kind == "w8a8" else "tl.float32",
+               "acc_type": "tl.int32" if self.kind == "w8a8" else "tl.float32", "packed_nibbles": self.packed_nibbles,
                "scale_in_epilogue": a8 or not self.group_size, "store_cast": cast_expr("acc", self.dtype),
                "label": self.fmt.label, "summary": _summary(self.act, self.has_bias),
                "bytes_comment": self._bytes_comment(),
@@ -316,7 +354,11 @@ class QMatmulSpec(KernelSpec):
         # the dot's operand: code - zero, a small integer, exact in x's dtype (fp32 where the
         # interpreter dots bf16 as fp32)
         cast = "" if self.dtype == "f32" or up else f".to({'tl.bfloat16' if self.dtype == 'bf16' else 'tl.float16'})"
-        if four:
+        if self.packed_nibbles:
+            # both planes straight from the bytes, two codes per 32-bit instruction (NIBBLES_ASM)
+            tile.append("w0, w1 = _nibbles(codes)  # the low plane: columns k0 + rr; the high: k0 + "
+                        f"{run} + rr")
+        elif four:
             lo, hi = zero[0], zero[run]
             # the low plane from the whole byte (2^23 + 16 hi + lo) less 16 x the high plane's value: one
             # FMA instead of masking the low nibble, as the integer pipe is the narrower one
@@ -336,7 +378,17 @@ class QMatmulSpec(KernelSpec):
             if grouped:
                 rows.append(f"acc@ += p * s{u}")
         return {"run": run, "pack": run * len(offsets), "byte_offset": "k0 // 2" if four else "k0",
-                "prologue": prologue, "tile_lines": tile, "row_tile_lines": rows}
+                "prologue": prologue, "tile_lines": tile, "row_tile_lines": rows,
+                "nibbles_asm": _nibbles_asm(self.dtype), "dtype": self.dtype,
+                "dot_type": {"bf16": "tl.bfloat16", "f16": "tl.float16"}.get(self.dtype, "tl.float32")}
+
+    @property
+    def packed_nibbles(self) -> bool:
+        """int4 codes with the constant zero point 8, dotted in bf16 or f16, compiled (the interpreter
+        runs no PTX): the planes come from `_nibbles`' inline PTX, not from fp32 arithmetic.
+        `LLMC_INT4_PTX=0` keeps the fp32 arithmetic (read once per process, when a kernel is rendered)."""
+        return (self.kind == "int" and self.bits == 4 and not self.has_zeros and self.dtype in ("bf16", "f16")
+                and not interpreting() and os.environ.get("LLMC_INT4_PTX", "1") != "0")
 
     def _bytes_comment(self) -> list[str]:
         e = {"bf16": 2, "f16": 2, "f32": 4}[self.dtype]

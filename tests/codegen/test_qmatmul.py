@@ -433,3 +433,90 @@ def test_an_artifact_tuned_before_the_1024_bucket_keeps_its_128_choice(monkeypat
     t = Tuner({key: {"128+": rec}}, device="test-gpu", frozen=True)
     qlinear(torch.zeros(1500, 128), p, tuner=t)
     assert seen == [{"A": 7}]
+
+
+# ------------------------------------------------------------------------- int4 codes unpacked by PTX
+
+def _run_nibbles_asm(asm: str, x16) -> list:
+    """The outputs ($0, $1) of `NIBBLES_ASM` on 16-bit inputs ($2), executed instruction by instruction:
+    the few PTX instructions it uses (mov, cvt, prmt, shr, lop3, packed fma), by their PTX ISA
+    definitions."""
+    import numpy as np
+    regs = {"$2": x16.astype(np.uint32)}
+    val = lambda t: np.uint32(int(t, 0)) if t[0].isdigit() else regs[t]  # noqa: E731
+    half = {"bf16x2": lambda b: (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64),
+            "f16x2": lambda b: b.astype(np.uint16).view(np.float16).astype(np.float64)}
+    back = {"bf16x2": lambda v: (v.astype(np.float32).view(np.uint32) >> 16),  # exact values only (checked)
+            "f16x2": lambda v: v.astype(np.float16).view(np.uint16).astype(np.uint32)}
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." :
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        if op == "mov.b32":
+            regs[d] = np.full_like(regs["$2"], val(src[0]))
+        elif op == "cvt.u32.u16":
+            regs[d] = val(src[0]) & 0xFFFF
+        elif op == "prmt.b32":  # d.byte[i] = byte sel[i] of {b, a} (a: bytes 0-3, b: 4-7)
+            a, b, sel = val(src[0]), val(src[1]), int(src[2], 0)
+            pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+            regs[d] = sum(pool[(sel >> (4 * i)) & 7] << np.uint32(8 * i) for i in range(4)).astype(np.uint32)
+        elif op == "shr.u32":
+            regs[d] = val(src[0]) >> np.uint32(int(src[1], 0))
+        elif op == "lop3.b32":  # bit = lut[4a + 2b + c]
+            a, b, c, lut = val(src[0]), val(src[1]), val(src[2]), int(src[3], 0)
+            out = np.zeros_like(regs["$2"])
+            for i in range(8):
+                if lut >> i & 1:
+                    out |= (a if i & 4 else ~a) & (b if i & 2 else ~b) & (c if i & 1 else ~c)
+            regs[d] = out
+        elif op.startswith("fma.rn."):
+            kind = op.rsplit(".", 1)[1]
+            a, b, c = (val(t) for t in src)
+            lanes = []
+            for shift in (0, 16):
+                r = half[kind]((a >> shift) & 0xFFFF) * half[kind]((b >> shift) & 0xFFFF) + \
+                    half[kind]((c >> shift) & 0xFFFF)
+                assert np.array_equal(half[kind](back[kind](r)), r), "a result the type cannot hold exactly"
+                lanes.append(back[kind](r) << np.uint32(shift))
+            regs[d] = lanes[0] | lanes[1]
+        else:
+            raise AssertionError(f"an instruction the emulator lacks: {line}")
+    return [regs["$0"], regs["$1"]]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_nibbles_ptx_gives_every_code_less_8(dtype):
+    """The inline PTX that unpacks int4 codes on the GPU (compiled kernels only; the interpreter runs the
+    fp32 path), run here instruction by instruction on all 65,536 pairs of bytes: the low plane's pair
+    holds each byte's low nibble - 8, the high plane's its high nibble - 8, element 0 (the byte at the
+    lower address) in the low half, exactly."""
+    import numpy as np
+    x = np.arange(1 << 16, dtype=np.uint32)
+    lo, hi = _run_nibbles_asm(qm._nibbles_asm(dtype), x)
+    as_float = {"bf16": lambda b: (b << 16).view(np.float32), "f16": lambda b: b.astype(np.uint16).view(np.float16)}
+    for plane, shift in ((lo, 0), (hi, 4)):
+        for e in (0, 1):
+            want = ((x >> (8 * e + shift)) & 0xF).astype(np.float64) - 8
+            got = as_float[dtype]((plane >> np.uint32(16 * e)) & 0xFFFF).astype(np.float64)
+            assert np.array_equal(got, want), (dtype, shift, e)
+
+
+def test_packed_nibbles_compile_for_hopper():
+    """The int4 kernel with its PTX unpacking compiles for sm_90 on this machine (ptxas ships with
+    triton), and its main loop unpacks with packed FMAs (HFMA2) and no fp32 subtraction; LLMC_INT4_PTX=0
+    gives the fp32 path's loop. Correct results on the GPU: the tests above with TRITON_INTERPRET=0."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    path = Path(__file__).parents[2] / "benchmarks" / "sass_loop.py"
+    spec = importlib.util.spec_from_file_location("sass_loop", path)
+    sass_loop = importlib.util.module_from_spec(spec)
+    sys.modules["sass_loop"] = sass_loop
+    spec.loader.exec_module(sass_loop)
+    if not sass_loop.cuobjdump().is_file():
+        pytest.skip("this triton ships no cuobjdump")
+    ptx, fp32 = (sass_loop.count("16,64,256,4,1,1", p, 4, 128, "bf16", 4) for p in (True, False))
+    assert ptx["HFMA2"] and not ptx["FADD"] and not ptx["F2FP"]
+    assert fp32["FADD"] and fp32["F2FP"] and not fp32["HFMA2"]
