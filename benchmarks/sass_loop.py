@@ -34,13 +34,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from llmc.codegen.kernels import load
 from llmc.codegen.qmatmul import QMatmulSpec
-bits, group, dtype = {bits}, {group}, {dtype!r}
-spec = QMatmulSpec("int", bits, group, False, 64, dtype, False, "")
+bits, group, dtype, zp = {bits}, {group}, {dtype!r}, {zp}
+spec = QMatmulSpec("int", bits, group, zp, 64, dtype, False, "")
 fn = load(spec).qmatmul_kernel
 t = {{"bf16": "*bf16", "f16": "*fp16"}}[dtype]
-sig = {{"x_ptr": t, "w_ptr": "*u8", "s_ptr": t, "y_ptr": t, "ws_ptr": "*fp32", "count_ptr": "*i32",
-       "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32",
-       "M": "i32", "N": "i32", "K": "i32", "KW": "i32"}}
+sig = {{"x_ptr": t, "w_ptr": "*u8", "s_ptr": t, **({{"z_ptr": "*u8"}} if zp else {{}}), "y_ptr": t, "ws_ptr": "*fp32",
+       "count_ptr": "*i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
+       **({{"stride_zn": "i32"}} if zp else {{}}), "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32", "KW": "i32"}}
 bm, bn, bk, sk, mt, swap = {cfg}
 consts = {{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "M_TILES": mt, "SWAP_AB": bool(swap),
           "EVEN_K": True}}
@@ -74,14 +74,15 @@ def loop_opcodes(sass: str) -> collections.Counter:
                                for addr, text in ins if start <= addr <= end)
 
 
-def count(cfg: str, ptx: bool, bits: int, group: int, dtype: str, warps: int) -> collections.Counter:
+def count(cfg: str, ptx: bool, bits: int, group: int, dtype: str, warps: int, zero_points: bool = False
+          ) -> collections.Counter:
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "k.cubin"
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.update(LLMC_INT4_PTX="1" if ptx else "0", LLMC_CACHE_DIR=str(Path(d) / "cache"),
                    TRITON_CACHE_DIR=str(Path(d) / "triton"))
-        code = _COMPILE.format(root=str(ROOT), bits=bits, group=group, dtype=dtype, cfg=tuple(map(int, cfg.split(","))),
-                               warps=warps, out=str(cubin))
+        code = _COMPILE.format(root=str(ROOT), bits=bits, group=group, dtype=dtype, zp=zero_points,
+                               cfg=tuple(map(int, cfg.split(","))), warps=warps, out=str(cubin))
         subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
         sass = subprocess.run([str(cuobjdump()), "-sass", str(cubin)], check=True, capture_output=True, text=True)
         return loop_opcodes(sass.stdout)
@@ -92,15 +93,17 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
     ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--zero-points", action="store_true", help="asymmetric int4 (a zero point per group)")
     ap.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS)
     ap.add_argument("--json", help="also write the counts here")
     a = ap.parse_args()
     rows = []
-    print(f"int4 g{a.group} {a.dtype}, {a.warps} warps: main-loop instructions per thread and per code")
+    print(f"int4 g{a.group}{' with zero points' if a.zero_points else ''} {a.dtype}, {a.warps} warps: main-loop "
+          "instructions per thread and per code")
     print(f"{'BLOCK_M,N,K,SPLIT_K,M_TILES,SWAP':34s} {'fp32 unpack':>12s} {'PTX unpack':>11s} {'ratio':>6s}  "
           "top opcodes (PTX)")
     for cfg in a.configs:
-        base, ptx = (count(cfg, p, 4, a.group, a.dtype, a.warps) for p in (False, True))
+        base, ptx = (count(cfg, p, 4, a.group, a.dtype, a.warps, a.zero_points) for p in (False, True))
         bm, bn, bk = map(int, cfg.split(",")[:3])
         codes = bn * bk / (32 * a.warps)  # codes a thread unpacks per iteration (one row tile's worth)
         n0, n1 = sum(base.values()), sum(ptx.values())

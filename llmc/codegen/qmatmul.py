@@ -18,10 +18,10 @@ that dequantizes each weight tile in registers.
   in bf16 and f16, so the dot runs in x's dtype without rounding the weight, and the group's scale
   multiplies the fp32 dot of the columns that share it: one multiply per output and group, not
   per weight, and closer to the reference than a weight rounded to bf16. Per-channel scales, bias
-  and act are applied once, in the epilogue. Compiled, int4 codes with the constant zero point 8 and
-  a bf16 / f16 x skip fp32 altogether: inline PTX (`NIBBLES_ASM`) puts two nibbles into the mantissas of
-  a packed pair and subtracts with one packed FMA, 0.59-0.78x the main loop's instructions on Hopper
-  (`benchmarks/sass_loop.py`), where int4 decode is bound by issuing them. `SWAP_AB` configs compute
+  and act are applied once, in the epilogue. Compiled, int4 codes with a bf16 / f16 x skip fp32
+  altogether: inline PTX (`NIBBLES_ASM`; `NIBBLES_ZP_ASM` with zero points) puts two nibbles into the
+  mantissas of a packed pair and subtracts with one packed FMA, 0.59-0.78x the main loop's
+  instructions on Hopper (`benchmarks/sass_loop.py`), where int4 decode is bound by issuing them. `SWAP_AB` configs compute
   (W x.T), making the weight tile the MMA's tall operand: Hopper's wgmma takes it from registers,
   where it was dequantized.
 - int4 at 1 to 4 tokens can also stream through `qgemv_int4.py.jinja` (`QGemvSpec`), on the FMA pipes:
@@ -168,6 +168,9 @@ def _check(fmt: QuantFormat, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if zeros is not None and (zeros.shape != scales.shape or zeros.dtype != torch.uint8):
         raise CompileError(f"qlinear: zero points should be u8 {list(scales.shape)}, like the scales, "
                            f"not {zeros.dtype} {list(zeros.shape)}")
+    if zeros is not None and zeros.numel() and int(zeros.max()) >= 1 << fmt.bits:
+        raise CompileError(f"qlinear: a zero point of {int(zeros.max())} is outside the {fmt.bits}-bit codes' range "
+                           f"0..{(1 << fmt.bits) - 1}")
     if any(t.device != qweight.device for t in (scales, zeros) if t is not None):
         raise CompileError("qlinear: qweight, scales and zeros must be on one device")
     return k
@@ -242,16 +245,30 @@ lop3.b32 h, h, 0x000F000F, MAGIC, 0xea;
 fma.rn.TYPE $0, t, one, bias;
 fma.rn.TYPE $1, h, one, bias;
 }"""
-# (MAGIC, ONE, BIAS = -(MAGIC + 8)) as 16-bit patterns, and the PTX type, per x dtype
-NIBBLE_CONSTANTS = {"bf16": (0x4300, 0x3F80, 0xC308, "bf16x2"), "f16": (0x6400, 0x3C00, 0xE408, "f16x2")}
+# With zero points: the same, less each element's zero point, given as -(MAGIC + zero) in x's dtype (an
+# integer of at most 9 significant bits: exact for the 0..15 of int4) in $3 (low plane) and $4 (high).
+NIBBLES_ZP_ASM = """{
+.reg .b32 t, h, one;
+mov.b32 one, ONE;
+cvt.u32.u16 t, $2;
+prmt.b32 t, t, 0, 0x4140;
+shr.u32 h, t, 4;
+lop3.b32 t, t, 0x000F000F, MAGIC, 0xea;
+lop3.b32 h, h, 0x000F000F, MAGIC, 0xea;
+fma.rn.TYPE $0, t, one, $3;
+fma.rn.TYPE $1, h, one, $4;
+}"""
+# (MAGIC, ONE, BIAS = -(MAGIC + 8)) as 16-bit patterns, the PTX type and MAGIC's value, per x dtype
+NIBBLE_CONSTANTS = {"bf16": (0x4300, 0x3F80, 0xC308, "bf16x2", 128), "f16": (0x6400, 0x3C00, 0xE408, "f16x2", 1024)}
 
 
-def _nibbles_asm(dtype: str) -> str:
+def _nibbles_asm(dtype: str, zero_points: bool = False) -> str:
     if dtype not in NIBBLE_CONSTANTS:
         return ""
-    magic, one, bias, ptx_type = NIBBLE_CONSTANTS[dtype]
+    magic, one, bias, ptx_type, _ = NIBBLE_CONSTANTS[dtype]
     twice = lambda v: f"0x{v:04X}{v:04X}"  # noqa: E731
-    return (NIBBLES_ASM.replace("MAGIC", twice(magic)).replace("ONE", twice(one)).replace("BIAS", twice(bias))
+    asm = NIBBLES_ZP_ASM if zero_points else NIBBLES_ASM
+    return (asm.replace("MAGIC", twice(magic)).replace("ONE", twice(one)).replace("BIAS", twice(bias))
             .replace("TYPE", ptx_type))
 
 
@@ -354,7 +371,13 @@ class QMatmulSpec(KernelSpec):
         # the dot's operand: code - zero, a small integer, exact in x's dtype (fp32 where the
         # interpreter dots bf16 as fp32)
         cast = "" if self.dtype == "f32" or up else f".to({'tl.bfloat16' if self.dtype == 'bf16' else 'tl.float16'})"
-        if self.packed_nibbles:
+        if self.packed_nibbles and self.has_zeros:
+            # both planes straight from the bytes, less each plane's zero point (NIBBLES_ZP_ASM)
+            magic = float(NIBBLE_CONSTANTS[self.dtype][4])
+            dot_type = "tl.bfloat16" if self.dtype == "bf16" else "tl.float16"
+            tile.append(f"w0, w1 = _nibbles_zp(codes, (-({magic} + {zero[0]})).to({dot_type}), "
+                        f"(-({magic} + {zero[run]})).to({dot_type}))  # columns k0 + rr; k0 + {run} + rr")
+        elif self.packed_nibbles:
             # both planes straight from the bytes, two codes per 32-bit instruction (NIBBLES_ASM)
             tile.append("w0, w1 = _nibbles(codes)  # the low plane: columns k0 + rr; the high: k0 + "
                         f"{run} + rr")
@@ -379,15 +402,15 @@ class QMatmulSpec(KernelSpec):
                 rows.append(f"acc@ += p * s{u}")
         return {"run": run, "pack": run * len(offsets), "byte_offset": "k0 // 2" if four else "k0",
                 "prologue": prologue, "tile_lines": tile, "row_tile_lines": rows,
-                "nibbles_asm": _nibbles_asm(self.dtype), "dtype": self.dtype,
+                "nibbles_asm": _nibbles_asm(self.dtype, self.has_zeros), "dtype": self.dtype,
                 "dot_type": {"bf16": "tl.bfloat16", "f16": "tl.float16"}.get(self.dtype, "tl.float32")}
 
     @property
     def packed_nibbles(self) -> bool:
-        """int4 codes with the constant zero point 8, dotted in bf16 or f16, compiled (the interpreter
-        runs no PTX): the planes come from `_nibbles`' inline PTX, not from fp32 arithmetic.
+        """int4 codes dotted in bf16 or f16, compiled (the interpreter runs no PTX): the planes come from
+        inline PTX (`_nibbles`, or `_nibbles_zp` with zero points), not from fp32 arithmetic.
         `LLMC_INT4_PTX=0` keeps the fp32 arithmetic (read once per process, when a kernel is rendered)."""
-        return (self.kind == "int" and self.bits == 4 and not self.has_zeros and self.dtype in ("bf16", "f16")
+        return (self.kind == "int" and self.bits == 4 and self.dtype in ("bf16", "f16")
                 and not interpreting() and os.environ.get("LLMC_INT4_PTX", "1") != "0")
 
     def _bytes_comment(self) -> list[str]:

@@ -437,12 +437,12 @@ def test_an_artifact_tuned_before_the_1024_bucket_keeps_its_128_choice(monkeypat
 
 # ------------------------------------------------------------------------- int4 codes unpacked by PTX
 
-def _run_nibbles_asm(asm: str, x16) -> list:
-    """The outputs ($0, $1) of `NIBBLES_ASM` on 16-bit inputs ($2), executed instruction by instruction:
-    the few PTX instructions it uses (mov, cvt, prmt, shr, lop3, packed fma), by their PTX ISA
-    definitions."""
+def _run_nibbles_asm(asm: str, x16, *more) -> list:
+    """The outputs ($0, $1) of `NIBBLES_ASM` / `NIBBLES_ZP_ASM` on 16-bit inputs ($2) and 32-bit ones ($3,
+    ...), executed instruction by instruction: the few PTX instructions they use (mov, cvt, prmt, shr,
+    lop3, packed fma), by their PTX ISA definitions."""
     import numpy as np
-    regs = {"$2": x16.astype(np.uint32)}
+    regs = {"$2": x16.astype(np.uint32), **{f"${3 + i}": r.astype(np.uint32) for i, r in enumerate(more)}}
     val = lambda t: np.uint32(int(t, 0)) if t[0].isdigit() else regs[t]  # noqa: E731
     half = {"bf16x2": lambda b: (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64),
             "f16x2": lambda b: b.astype(np.uint16).view(np.float16).astype(np.float64)}
@@ -503,10 +503,37 @@ def test_nibbles_ptx_gives_every_code_less_8(dtype):
             assert np.array_equal(got, want), (dtype, shift, e)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_nibbles_ptx_with_zero_points(dtype):
+    """With zero points (AWQ checkpoints, asymmetric RTN) the PTX takes each plane's -(MAGIC + zero) as a
+    pair in x's dtype and gives each nibble less its own zero, exactly, on all byte pairs and zero
+    points 0..15 (at random per element); a zero point past int4's range is refused at prepare."""
+    import numpy as np
+    x = np.arange(1 << 16, dtype=np.uint32)
+    rng = np.random.default_rng(0)
+    zeros = rng.integers(0, 16, size=(4, 1 << 16)).astype(np.uint32)  # lo e0, lo e1, hi e0, hi e1
+    magic = qm.NIBBLE_CONSTANTS[dtype][4]
+    bits16 = {"bf16": lambda v: (v.astype(np.float32).view(np.uint32) >> 16),
+              "f16": lambda v: v.astype(np.float16).view(np.uint16).astype(np.uint32)}[dtype]
+    bias = [bits16(-(magic + zeros[2 * p].astype(np.float64))) | (bits16(-(magic + zeros[2 * p + 1].astype(np.float64)))
+                                                                  << np.uint32(16)) for p in (0, 1)]
+    lo, hi = _run_nibbles_asm(qm._nibbles_asm(dtype, zero_points=True), x, *bias)
+    as_float = {"bf16": lambda b: (b << 16).view(np.float32), "f16": lambda b: b.astype(np.uint16).view(np.float16)}
+    for p, (plane, shift) in enumerate(((lo, 0), (hi, 4))):
+        for e in (0, 1):
+            want = ((x >> (8 * e + shift)) & 0xF).astype(np.float64) - zeros[2 * p + e]
+            got = as_float[dtype]((plane >> np.uint32(16 * e)) & 0xFFFF).astype(np.float64)
+            assert np.array_equal(got, want), (dtype, shift, e)
+    qw = quantized(FORMATS["int4-g64-zp"], 8, 128, gen("zp-range"))
+    with pytest.raises(CompileError, match="zero point of 16 is outside the 4-bit codes' range 0..15"):
+        prepare(qw.fmt, qw.qweight, qw.scales, torch.full_like(qw.zeros, 16))
+
+
 def test_packed_nibbles_compile_for_hopper():
     """The int4 kernel with its PTX unpacking compiles for sm_90 on this machine (ptxas ships with
-    triton), and its main loop unpacks with packed FMAs (HFMA2) and no fp32 subtraction; LLMC_INT4_PTX=0
-    gives the fp32 path's loop. Correct results on the GPU: the tests above with TRITON_INTERPRET=0."""
+    triton), with and without zero points, and its main loop unpacks with packed FMAs (HFMA2; ptxas
+    makes x * 1 + bias an HADD2) and no fp32 subtraction; LLMC_INT4_PTX=0 gives the fp32 path's loop.
+    Correct results on the GPU: the tests above with TRITON_INTERPRET=0."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -520,3 +547,5 @@ def test_packed_nibbles_compile_for_hopper():
     ptx, fp32 = (sass_loop.count("16,64,256,4,1,1", p, 4, 128, "bf16", 4) for p in (True, False))
     assert ptx["HFMA2"] and not ptx["FADD"] and not ptx["F2FP"]
     assert fp32["FADD"] and fp32["F2FP"] and not fp32["HFMA2"]
+    zp = sass_loop.count("16,64,256,4,1,1", True, 4, 128, "bf16", 4, zero_points=True)
+    assert (zp["HFMA2"] or zp["HADD2"]) and not zp["FADD"] and not zp["F2FP"]
