@@ -230,9 +230,9 @@ def _sum(*terms) -> str:
 # the low and the high nibble of each, less the zero point 8, as a bf16 / f16 pair (one 32-bit register
 # per plane, element 0 in the low half). `prmt` spreads the two bytes into the two halves of a register;
 # `and`-`or` (one LOP3) puts a nibble into the mantissa of MAGIC (2^7 for bf16, 2^10 for f16, whose last
-# mantissa bit is worth 1), giving MAGIC + q exactly; one packed FMA subtracts MAGIC + 8. That is about 2
-# instructions a code where fp32 arithmetic and a conversion take 4 (byte extraction, shift, two ORs,
-# two subtractions, an FMA and a pack per byte).
+# mantissa bit is worth 1), giving MAGIC + q exactly; one packed FMA subtracts MAGIC + 8. That is 6
+# instructions for 4 codes where fp32 arithmetic and a conversion take 8 for 2 (byte extraction, shift,
+# two ORs, two subtractions, an FMA and a pack per byte).
 NIBBLES_ASM = """{
 .reg .b32 t, h, one, bias;
 mov.b32 one, ONE;
@@ -263,6 +263,7 @@ NIBBLE_CONSTANTS = {"bf16": (0x4300, 0x3F80, 0xC308, "bf16x2", 128), "f16": (0x6
 
 
 def _nibbles_asm(dtype: str, zero_points: bool = False) -> str:
+    """The PTX of `_nibbles` (`_nibbles_zp` with `zero_points`) for x's dtype; "" where none applies."""
     if dtype not in NIBBLE_CONSTANTS:
         return ""
     magic, one, bias, ptx_type, _ = NIBBLE_CONSTANTS[dtype]
