@@ -21,9 +21,9 @@ that dequantizes each weight tile in registers.
   and act are applied once, in the epilogue. Compiled, int4 codes with a bf16 / f16 x skip fp32
   altogether: inline PTX (`NIBBLES_ASM`; `NIBBLES_ZP_ASM` with zero points) puts two nibbles into the
   mantissas of a packed pair and subtracts with one packed FMA, 0.59-0.78x the main loop's
-  instructions on Hopper (`benchmarks/sass_loop.py`), where int4 decode is bound by issuing them. `SWAP_AB` configs compute
-  (W x.T), making the weight tile the MMA's tall operand: Hopper's wgmma takes it from registers,
-  where it was dequantized.
+  instructions on Hopper (`benchmarks/sass_loop.py`), where int4 decode is bound by issuing them.
+  `SWAP_AB` configs compute (W x.T), making the weight tile the MMA's tall operand: Hopper's wgmma
+  takes it from registers, where it was dequantized.
 - int4 at 1 to 4 tokens can also stream through `qgemv_int4.py.jinja` (`QGemvSpec`), on the FMA pipes:
   each int32 word of codes yields its 8 codes with one shift and 8 LOP3s (the and-or into 2^23's
   exponent), one subtraction or FMA each, and one FMA per row of x. It is offered to the tuner only
@@ -376,8 +376,8 @@ class QMatmulSpec(KernelSpec):
             # both planes straight from the bytes, less each plane's zero point (NIBBLES_ZP_ASM)
             magic = float(NIBBLE_CONSTANTS[self.dtype][4])
             dot_type = "tl.bfloat16" if self.dtype == "bf16" else "tl.float16"
-            tile.append(f"w0, w1 = _nibbles_zp(codes, (-({magic} + {zero[0]})).to({dot_type}), "
-                        f"(-({magic} + {zero[run]})).to({dot_type}))  # columns k0 + rr; k0 + {run} + rr")
+            lo, hi = (f"tl.broadcast_to((-({magic} + {zero[o]})).to({dot_type}), (BLOCK_N, {run}))" for o in (0, run))
+            tile.append(f"w0, w1 = _nibbles_zp(codes, {lo}, {hi})  # columns k0 + rr; k0 + {run} + rr")
         elif self.packed_nibbles:
             # both planes straight from the bytes, two codes per 32-bit instruction (NIBBLES_ASM)
             tile.append("w0, w1 = _nibbles(codes)  # the low plane: columns k0 + rr; the high: k0 + "
