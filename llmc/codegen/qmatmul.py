@@ -19,7 +19,7 @@ that dequantizes each weight tile in registers.
   multiplies the fp32 dot of the columns that share it: one multiply per output and group, not
   per weight, and closer to the reference than a weight rounded to bf16. Per-channel scales, bias
   and act are applied once, in the epilogue. Compiled, int4 codes with a bf16 / f16 x skip fp32
-  altogether: inline PTX (`NIBBLES_ASM`; `NIBBLES_ZP_ASM` with zero points) puts two nibbles into the
+  altogether: inline PTX (`NIBBLES_ASM`, with zero points too) puts two nibbles into the
   mantissas of a packed pair and subtracts with one packed FMA, 0.59-0.78x the main loop's
   instructions on Hopper (`benchmarks/sass_loop.py`), where int4 decode is bound by issuing them.
   `SWAP_AB` configs compute (W x.T), making the weight tile the MMA's tall operand: Hopper's wgmma
@@ -242,22 +242,12 @@ prmt.b32 t, t, 0, 0x4140;
 shr.u32 h, t, 4;
 lop3.b32 t, t, 0x000F000F, MAGIC, 0xea;
 lop3.b32 h, h, 0x000F000F, MAGIC, 0xea;
-fma.rn.TYPE $0, t, one, bias;
-fma.rn.TYPE $1, h, one, bias;
+fma.rn.TYPE $0, t, one, LOW_BIAS;
+fma.rn.TYPE $1, h, one, HIGH_BIAS;
 }"""
-# With zero points: the same, less each element's zero point, given as -(MAGIC + zero) in x's dtype (an
-# integer of at most 9 significant bits: exact for the 0..15 of int4) in $3 (low plane) and $4 (high).
-NIBBLES_ZP_ASM = """{
-.reg .b32 t, h, one;
-mov.b32 one, ONE;
-cvt.u32.u16 t, $2;
-prmt.b32 t, t, 0, 0x4140;
-shr.u32 h, t, 4;
-lop3.b32 t, t, 0x000F000F, MAGIC, 0xea;
-lop3.b32 h, h, 0x000F000F, MAGIC, 0xea;
-fma.rn.TYPE $0, t, one, $3;
-fma.rn.TYPE $1, h, one, $4;
-}"""
+# With zero points the addends are operands instead of `bias`: each element's -(MAGIC + zero) in x's
+# dtype (an integer of at most 9 significant bits: exact for the 0..15 of int4), $3 for the low plane
+# and $4 for the high one (`bias` is then unused, and ptxas drops it).
 # (MAGIC, ONE, BIAS = -(MAGIC + 8)) as 16-bit patterns, the PTX type and MAGIC's value, per x dtype
 NIBBLE_CONSTANTS = {"bf16": (0x4300, 0x3F80, 0xC308, "bf16x2", 128), "f16": (0x6400, 0x3C00, 0xE408, "f16x2", 1024)}
 
@@ -268,9 +258,9 @@ def _nibbles_asm(dtype: str, zero_points: bool = False) -> str:
         return ""
     magic, one, bias, ptx_type, _ = NIBBLE_CONSTANTS[dtype]
     twice = lambda v: f"0x{v:04X}{v:04X}"  # noqa: E731
-    asm = NIBBLES_ZP_ASM if zero_points else NIBBLES_ASM
-    return (asm.replace("MAGIC", twice(magic)).replace("ONE", twice(one)).replace("BIAS", twice(bias))
-            .replace("TYPE", ptx_type))
+    low, high = ("$3", "$4") if zero_points else ("bias", "bias")
+    return (NIBBLES_ASM.replace("LOW_BIAS", low).replace("HIGH_BIAS", high).replace("MAGIC", twice(magic))
+            .replace("ONE", twice(one)).replace("BIAS", twice(bias)).replace("TYPE", ptx_type))
 
 
 def _act_lines(act: str, helpers: set[str]) -> list[str]:
@@ -373,7 +363,7 @@ class QMatmulSpec(KernelSpec):
         # interpreter dots bf16 as fp32)
         cast = "" if self.dtype == "f32" or up else f".to({'tl.bfloat16' if self.dtype == 'bf16' else 'tl.float16'})"
         if self.packed_nibbles and self.has_zeros:
-            # both planes straight from the bytes, less each plane's zero point (NIBBLES_ZP_ASM)
+            # both planes straight from the bytes, less each plane's zero point (NIBBLES_ASM, zero_points)
             magic = float(NIBBLE_CONSTANTS[self.dtype][4])
             dot_type = "tl.bfloat16" if self.dtype == "bf16" else "tl.float16"
             lo, hi = (f"tl.broadcast_to((-({magic} + {zero[o]})).to({dot_type}), (BLOCK_N, {run}))" for o in (0, run))

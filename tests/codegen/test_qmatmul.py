@@ -438,9 +438,9 @@ def test_an_artifact_tuned_before_the_1024_bucket_keeps_its_128_choice(monkeypat
 # ------------------------------------------------------------------------- int4 codes unpacked by PTX
 
 def _run_nibbles_asm(asm: str, x16, *more) -> list:
-    """The outputs ($0, $1) of `NIBBLES_ASM` / `NIBBLES_ZP_ASM` on 16-bit inputs ($2) and 32-bit ones ($3,
-    ...), executed instruction by instruction: the few PTX instructions they use (mov, cvt, prmt, shr,
-    lop3, packed fma), by their PTX ISA definitions."""
+    """The outputs ($0, $1) of `NIBBLES_ASM` (with or without zero points) on 16-bit inputs ($2) and 32-bit
+    ones ($3, ...), executed instruction by instruction: the few PTX instructions it uses (mov, cvt,
+    prmt, shr, lop3, packed fma), by their PTX ISA definitions."""
     import numpy as np
     regs = {"$2": x16.astype(np.uint32), **{f"${3 + i}": r.astype(np.uint32) for i, r in enumerate(more)}}
     val = lambda t: np.uint32(int(t, 0)) if t[0].isdigit() else regs[t]  # noqa: E731
