@@ -125,12 +125,17 @@ def sha256_file(path: Path) -> str:
 def hash_pieces(path: Path, chunk_bytes: int | None = None, threads: int | None = None) -> list[str]:
     """sha256 of each `chunk_bytes` piece of a file (default HASH_CHUNK), on `threads` threads (default: one
     per core): what a compile records for a large file and a load checks (`verify_files`)."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
     chunk_bytes = chunk_bytes or HASH_CHUNK
     n = max(1, -(-path.stat().st_size // chunk_bytes))
-    with ThreadPoolExecutor(max(1, min(n, threads or os.cpu_count() or 1))) as pool:
-        return list(pool.map(lambda i: _sha256_range(path, i * chunk_bytes, chunk_bytes), range(n)))
+    return _hash_ranges([(path, i * chunk_bytes, chunk_bytes) for i in range(n)], threads)
+
+
+def _hash_ranges(ranges: list[tuple[Path, int, int | None]], threads: int | None = None) -> list[str]:
+    """sha256 of each (path, offset, size) range (`_sha256_range`), on `threads` threads (default: one per core)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max(1, min(len(ranges), threads or os.cpu_count() or 1))) as pool:
+        return list(pool.map(lambda r: _sha256_range(*r), ranges))
 
 
 def pieces_digest(pieces: list[str]) -> str:
@@ -290,8 +295,8 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         from llmc import __version__
         made_by = manifest.get("llmc_version", "an unknown version")
         raise ArtifactError(f"artifact {path} has format version {version!r} (written by llmc {made_by}); this llmc "
-                            f"{__version__} reads format versions {READ_VERSIONS[0]} to {FORMAT_VERSION}: recompile the "
-                            f"model with llmc {__version__} (`llmc compile MODEL -o {path}`)")
+                            f"{__version__} reads format versions {READ_VERSIONS[0]} to {FORMAT_VERSION}: recompile "
+                            f"the model with llmc {__version__} (`llmc compile MODEL -o {path}`)")
     return manifest
 
 
@@ -302,8 +307,6 @@ def verify_files(path: Path, manifest: dict[str, Any], threads: int | None = Non
     piece on `threads` threads (default: one per core), so a load reads and hashes it at the machine's
     memory bandwidth rather than one core's hashing speed; its size must also match. Others, and
     artifacts written before pieces were recorded, are hashed whole."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
     chunked = manifest.get("chunks", {})
     jobs = []  # (rel, offset, size, digest)
     for rel, digest in manifest.get("files", {}).items():
@@ -324,14 +327,8 @@ def verify_files(path: Path, manifest: dict[str, Any], threads: int | None = Non
                                 "manifest); recompile the artifact or restore the file")
         jobs += [(rel, i * c["bytes"], c["bytes"], d) for i, d in enumerate(c["sha256"])]
 
-    def check(job) -> str | None:
-        rel, offset, size, digest = job
-        got = _sha256_range(path / rel, offset, size)
-        return rel if got != digest else None
-
-    workers = max(1, min(len(jobs), threads or os.cpu_count() or 1))
-    with ThreadPoolExecutor(workers) as pool:
-        bad = next((rel for rel in pool.map(check, jobs) if rel is not None), None)
+    got = _hash_ranges([(path / rel, offset, size) for rel, offset, size, _ in jobs], threads)
+    bad = next((rel for (rel, *_, digest), g in zip(jobs, got) if g != digest), None)
     if bad is not None:
         raise ArtifactError(f"artifact file {bad} is corrupted (sha256 mismatch with the manifest); "
                             "recompile the artifact or restore the file")
