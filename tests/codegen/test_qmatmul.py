@@ -437,6 +437,22 @@ def test_an_artifact_tuned_before_the_1024_bucket_keeps_its_128_choice(monkeypat
 
 # ------------------------------------------------------------------------- int4 codes unpacked by PTX
 
+def _from_half(bits, dtype: str):
+    """16-bit bf16 / f16 patterns (in uint32s) as float64."""
+    import numpy as np
+    if dtype == "bf16":
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return bits.astype(np.uint16).view(np.float16).astype(np.float64)
+
+
+def _to_half(v, dtype: str):
+    """Values that bf16 / f16 hold exactly as their 16-bit patterns (in uint32s)."""
+    import numpy as np
+    if dtype == "bf16":
+        return v.astype(np.float32).view(np.uint32) >> 16
+    return v.astype(np.float16).view(np.uint16).astype(np.uint32)
+
+
 def _run_nibbles_asm(asm: str, x16, *more) -> list:
     """The outputs ($0, $1) of `NIBBLES_ASM` (with or without zero points) on 16-bit inputs ($2) and 32-bit
     ones ($3, ...), executed instruction by instruction: the few PTX instructions it uses (mov, cvt,
@@ -444,10 +460,6 @@ def _run_nibbles_asm(asm: str, x16, *more) -> list:
     import numpy as np
     regs = {"$2": x16.astype(np.uint32), **{f"${3 + i}": r.astype(np.uint32) for i, r in enumerate(more)}}
     val = lambda t: np.uint32(int(t, 0)) if t[0].isdigit() else regs[t]  # noqa: E731
-    half = {"bf16x2": lambda b: (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64),
-            "f16x2": lambda b: b.astype(np.uint16).view(np.float16).astype(np.float64)}
-    back = {"bf16x2": lambda v: (v.astype(np.float32).view(np.uint32) >> 16),  # exact values only (checked)
-            "f16x2": lambda v: v.astype(np.float16).view(np.uint16).astype(np.uint32)}
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
         if not line or line[0] in "{}." :
@@ -472,18 +484,28 @@ def _run_nibbles_asm(asm: str, x16, *more) -> list:
                     out |= (a if i & 4 else ~a) & (b if i & 2 else ~b) & (c if i & 1 else ~c)
             regs[d] = out
         elif op.startswith("fma.rn."):
-            kind = op.rsplit(".", 1)[1]
+            kind = op.rsplit(".", 1)[1].removesuffix("x2")
             a, b, c = (val(t) for t in src)
             lanes = []
             for shift in (0, 16):
-                r = half[kind]((a >> shift) & 0xFFFF) * half[kind]((b >> shift) & 0xFFFF) + \
-                    half[kind]((c >> shift) & 0xFFFF)
-                assert np.array_equal(half[kind](back[kind](r)), r), "a result the type cannot hold exactly"
-                lanes.append(back[kind](r) << np.uint32(shift))
+                r = _from_half((a >> shift) & 0xFFFF, kind) * _from_half((b >> shift) & 0xFFFF, kind) + \
+                    _from_half((c >> shift) & 0xFFFF, kind)
+                assert np.array_equal(_from_half(_to_half(r, kind), kind), r), "a result the type cannot hold exactly"
+                lanes.append(_to_half(r, kind) << np.uint32(shift))
             regs[d] = lanes[0] | lanes[1]
         else:
             raise AssertionError(f"an instruction the emulator lacks: {line}")
     return [regs["$0"], regs["$1"]]
+
+
+def _assert_planes(planes, x, dtype: str, zero) -> None:
+    """Each output pair (low plane, high plane) holds its bytes' nibbles less `zero(plane, element)`,
+    element 0 (the byte at the lower address) in the low half, exactly."""
+    import numpy as np
+    for p, (plane, shift) in enumerate(zip(planes, (0, 4))):
+        for e in (0, 1):
+            want = ((x >> (8 * e + shift)) & 0xF).astype(np.float64) - zero(p, e)
+            assert np.array_equal(_from_half((plane >> np.uint32(16 * e)) & 0xFFFF, dtype), want), (dtype, shift, e)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
@@ -494,13 +516,7 @@ def test_nibbles_ptx_gives_every_code_less_8(dtype):
     lower address) in the low half, exactly."""
     import numpy as np
     x = np.arange(1 << 16, dtype=np.uint32)
-    lo, hi = _run_nibbles_asm(qm._nibbles_asm(dtype), x)
-    as_float = {"bf16": lambda b: (b << 16).view(np.float32), "f16": lambda b: b.astype(np.uint16).view(np.float16)}
-    for plane, shift in ((lo, 0), (hi, 4)):
-        for e in (0, 1):
-            want = ((x >> (8 * e + shift)) & 0xF).astype(np.float64) - 8
-            got = as_float[dtype]((plane >> np.uint32(16 * e)) & 0xFFFF).astype(np.float64)
-            assert np.array_equal(got, want), (dtype, shift, e)
+    _assert_planes(_run_nibbles_asm(qm._nibbles_asm(dtype), x), x, dtype, lambda p, e: 8)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
@@ -510,20 +526,12 @@ def test_nibbles_ptx_with_zero_points(dtype):
     points 0..15 (at random per element); a zero point past int4's range is refused at prepare."""
     import numpy as np
     x = np.arange(1 << 16, dtype=np.uint32)
-    rng = np.random.default_rng(0)
-    zeros = rng.integers(0, 16, size=(4, 1 << 16)).astype(np.uint32)  # lo e0, lo e1, hi e0, hi e1
+    zeros = np.random.default_rng(0).integers(0, 16, size=(2, 2, 1 << 16)).astype(np.uint32)  # [plane, element]
     magic = qm.NIBBLE_CONSTANTS[dtype][4]
-    bits16 = {"bf16": lambda v: (v.astype(np.float32).view(np.uint32) >> 16),
-              "f16": lambda v: v.astype(np.float16).view(np.uint16).astype(np.uint32)}[dtype]
-    bias = [bits16(-(magic + zeros[2 * p].astype(np.float64))) | (bits16(-(magic + zeros[2 * p + 1].astype(np.float64)))
-                                                                  << np.uint32(16)) for p in (0, 1)]
-    lo, hi = _run_nibbles_asm(qm._nibbles_asm(dtype, zero_points=True), x, *bias)
-    as_float = {"bf16": lambda b: (b << 16).view(np.float32), "f16": lambda b: b.astype(np.uint16).view(np.float16)}
-    for p, (plane, shift) in enumerate(((lo, 0), (hi, 4))):
-        for e in (0, 1):
-            want = ((x >> (8 * e + shift)) & 0xF).astype(np.float64) - zeros[2 * p + e]
-            got = as_float[dtype]((plane >> np.uint32(16 * e)) & 0xFFFF).astype(np.float64)
-            assert np.array_equal(got, want), (dtype, shift, e)
+    bias = [_to_half(-(magic + zeros[p, 0].astype(np.float64)), dtype)
+            | (_to_half(-(magic + zeros[p, 1].astype(np.float64)), dtype) << np.uint32(16)) for p in (0, 1)]
+    planes = _run_nibbles_asm(qm._nibbles_asm(dtype, zero_points=True), x, *bias)
+    _assert_planes(planes, x, dtype, lambda p, e: zeros[p, e])
     qw = quantized(FORMATS["int4-g64-zp"], 8, 128, gen("zp-range"))
     with pytest.raises(CompileError, match="zero point of 16 is outside the 4-bit codes' range 0..15"):
         prepare(qw.fmt, qw.qweight, qw.scales, torch.full_like(qw.zeros, 16))
