@@ -357,14 +357,12 @@ def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar, device: str = "cuda") 
     that."""
     from llmc.codegen import qmatmul as qmm
     from llmc.codegen.autotune import M_BUCKETS
-    from llmc.ir.ops import _qlinear_operands
+    from llmc.ir.ops import qlinear_weight_inputs
     from llmc.ir.quant import QuantFormat
     from llmc.ir.types import torch_dtype
     fmt = QuantFormat.from_attrs(n.attrs)
-    codes = n.op == "qlinear_codes"  # inputs: codes, their scales, then qlinear's weight operands
-    qw, sc, zeros, bias = _qlinear_operands([None] + [graph.weights[v.name] for v in n.inputs[1 + codes:]],
-                                            n.attrs)
-    dtype = n.attrs["dtype"] if codes else n.inputs[0].type.dtype
+    qw, sc, zeros, bias = (graph.weights[v.name] if v is not None else None for v in qlinear_weight_inputs(n))
+    dtype = n.attrs["dtype"] if n.op == "qlinear_codes" else n.inputs[0].type.dtype
     key = (fmt, tuple(qw.shape), n.attrs["act"], bias is not None, dtype)
     if key in seen:
         return

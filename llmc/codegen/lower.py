@@ -261,12 +261,12 @@ class Plan:
         per-token activation quantization kernel first). `qlinear_codes` is the same GEMM over the codes
         and scales its producer made (fuse_act_quant), so no quantization kernel runs."""
         from llmc.codegen import qmatmul as qmm
-        from llmc.ir.ops import _qlinear_operands
+        from llmc.ir.ops import qlinear_weight_inputs
         from llmc.ir.quant import QuantFormat
         from llmc.ir.types import torch_dtype
         fmt, act, tuner = QuantFormat.from_attrs(n.attrs), n.attrs["act"], self.tuner
-        codes = n.op == "qlinear_codes"  # inputs: codes, their scales, then qlinear's weight operands
-        qw, sc, zeros, bias = _qlinear_operands([None] + [v.name for v in n.inputs[1 + codes:]], n.attrs)
+        codes = n.op == "qlinear_codes"
+        qw, sc, zeros, bias = (v.name if v is not None else None for v in qlinear_weight_inputs(n))
         dtype = torch_dtype(n.attrs["dtype"]) if codes else None
         label = f"{fmt.label}" + (f"+{act}" if act else "") + (", codes given" if codes else "")
         if self.device.type == "meta":  # a listing only (`llmc inspect --kernels`)

@@ -510,6 +510,12 @@ def _qlinear_operands(x: list, a: dict) -> tuple:
     return qw, sc, zeros, bias
 
 
+def qlinear_weight_inputs(n) -> tuple:
+    """(qweight, scales, zeros or None, bias or None): the weight operands (Values) of a `qlinear` node, or of
+    a `qlinear_codes` node, whose first two inputs are the activation codes and their scales."""
+    return _qlinear_operands([None, *n.inputs[2 if n.op == "qlinear_codes" else 1:]], n.attrs)
+
+
 def _qlinear_infer(ts, a):
     from llmc.ir.quant import QuantFormat
     fmt = QuantFormat.from_attrs(a)

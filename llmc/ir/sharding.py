@@ -470,10 +470,10 @@ def _split_inputs(g: Graph, lin: Node, lo: int, hi: int, keep_bias: bool) -> Non
 
 def _split_qlinear_inputs(g: Graph, lin: Node, lo: int, hi: int, keep_bias: bool) -> None:
     """Quantized weights split on input columns at whole groups (and whole bytes of packed int4)."""
-    from llmc.ir.ops import _qlinear_operands
+    from llmc.ir.ops import qlinear_weight_inputs
     from llmc.ir.quant import QuantFormat
     fmt = QuantFormat.from_attrs(lin.attrs)
-    qw, sc, zeros, bias = _qlinear_operands([None, *lin.inputs[1:]], lin.attrs)
+    qw, sc, zeros, bias = qlinear_weight_inputs(lin)
     gs = fmt.group_size if fmt.kind == "int" else 0
     pack = 2 if fmt.kind == "int" and fmt.bits == 4 else 1
     if (gs and (lo % gs or hi % gs)) or lo % pack or hi % pack:
