@@ -113,8 +113,9 @@ class Launched:
 
 
 class Executor(Protocol):
-    """What the engine needs of a backend. An executor whose `overlaps` is true also offers `launch(batch, feed)
-    -> Launched`, a greedy step that does not wait for the device (the engine's overlapped steps, engine.py)."""
+    """What the engine needs of a backend. An executor whose `overlaps` is true also offers `launch(batch, feed,
+    sample=None) -> Launched`, a step whose tokens are chosen on the device and not waited for (the engine's
+    overlapped steps, engine.py); `sample` only where `samples_on_device` is true."""
 
     num_blocks: int  # device KV blocks (the block manager's pool)
     kv_bytes: int
