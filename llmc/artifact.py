@@ -230,53 +230,97 @@ def save_artifact(graph: Graph, out: str | Path, source: str, options: dict[str,
                   tokenizer_files: list[Path] | None = None, tuning: dict | None = None,
                   kernels: dict[str, str] | None = None, kernel_list: list[dict] | None = None) -> Artifact:
     """Write `graph` and its weights as an artifact directory (replacing an existing artifact there)."""
-    from safetensors.torch import save_file
-    from llmc import __version__
-    out = Path(out)
-    info = ModelInfo.from_graph(graph, tokenizer_files) if graph.meta.get("paged") else None
-    if out.exists():
-        if not (out / MANIFEST).exists() and any(out.iterdir()):
-            raise ArtifactError(f"{out} exists and is not an llmc artifact; choose another output path")
-        shutil.rmtree(out)
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    (tmp / "graph.json").write_text(json.dumps(graph_to_dict(graph), indent=1))
-    tensors = {p.name: graph.weights[p.name].contiguous() for p in graph.params}
-    save_file(tensors, str(tmp / "weights.safetensors"))
-    (tmp / "tuning.json").write_text(json.dumps(tuning or {}, indent=1))
-    (tmp / "tokenizer").mkdir()
-    for f in tokenizer_files or []:
-        shutil.copy2(f, tmp / "tokenizer" / f.name)
-    (tmp / "kernels").mkdir()
-    for name, src in (kernels or {}).items():
-        (tmp / "kernels" / name).write_text(src)
-    files, chunks = {}, {}
-    for p in sorted(tmp.rglob("*")):
-        if p.is_file():
-            rel = str(p.relative_to(tmp))
-            if p.stat().st_size > HASH_CHUNK:
-                pieces = hash_pieces(p)
-                files[rel], chunks[rel] = pieces_digest(pieces), {"bytes": HASH_CHUNK, "sha256": pieces}
-            else:
-                files[rel] = sha256_file(p)
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "llmc_version": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "source": source,
-        "options": options,
-        "passes": graph.meta.get("passes", []),
-        "model": {k: v for k, v in graph.meta.items() if k != "passes"},
-        "model_info": info.to_json() if info else None,
-        "kernels": kernel_list or [],
-        "files": files,
-        "chunks": chunks,  # large files' pieces: what a load checks, in parallel (verify_files)
-    }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    tmp.rename(out)  # the artifact appears whole or not at all
-    return Artifact(out, manifest, graph, tuning or {})
+    return ArtifactWriter(graph, out).finish(source, options, tokenizer_files, tuning, kernels, kernel_list)
+
+
+class ArtifactWriter:
+    """An artifact written in two steps, so that its weights (nearly all of its bytes) go to disk while
+    the compile tunes kernels on the GPU: creating the writer starts writing and hashing the weights in
+    a thread (safetensors and hashlib release the GIL); `finish` adds the rest once the tuning is
+    known and puts the artifact in place whole, or `abort` removes what was written.
+
+    Example:
+        >>> w = ArtifactWriter(graph, "m.llmc")                      # doctest: +SKIP
+        >>> art = w.finish("builtin:tiny-py", {"dtype": "float32"})  # doctest: +SKIP
+    """
+
+    WEIGHTS = "weights.safetensors"
+
+    def __init__(self, graph: Graph, out: str | Path):
+        from concurrent.futures import ThreadPoolExecutor
+        self.graph, self.out = graph, Path(out)
+        if self.out.exists() and not (self.out / MANIFEST).exists() and any(self.out.iterdir()):
+            raise ArtifactError(f"{self.out} exists and is not an llmc artifact; choose another output path")
+        self.tmp = self.out.with_name(self.out.name + ".partial")
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir(parents=True)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="llmc-write")
+        self._weights = self._pool.submit(self._write_weights)
+
+    def _write_weights(self) -> list[str]:
+        """Write the weights file; its pieces' sha256 (`hash_pieces`)."""
+        from safetensors.torch import save_file
+        path = self.tmp / self.WEIGHTS
+        save_file({p.name: self.graph.weights[p.name].contiguous() for p in self.graph.params}, str(path))
+        return hash_pieces(path) if path.stat().st_size > HASH_CHUNK else []
+
+    def finish(self, source: str, options: dict[str, Any], tokenizer_files: list[Path] | None = None,
+               tuning: dict | None = None, kernels: dict[str, str] | None = None,
+               kernel_list: list[dict] | None = None) -> Artifact:
+        """The rest of the artifact (graph, tuning, tokenizer, kernel sources, manifest), once the weights
+        are written; the artifact then replaces `out` at once. Raises what writing the weights raised."""
+        from llmc import __version__
+        try:
+            weight_pieces = self._weights.result()
+            graph, tmp = self.graph, self.tmp
+            info = ModelInfo.from_graph(graph, tokenizer_files) if graph.meta.get("paged") else None
+            (tmp / "graph.json").write_text(json.dumps(graph_to_dict(graph), indent=1))
+            (tmp / "tuning.json").write_text(json.dumps(tuning or {}, indent=1))
+            (tmp / "tokenizer").mkdir()
+            for f in tokenizer_files or []:
+                shutil.copy2(f, tmp / "tokenizer" / f.name)
+            (tmp / "kernels").mkdir()
+            for name, src in (kernels or {}).items():
+                (tmp / "kernels" / name).write_text(src)
+            files, chunks = {}, {}
+            for p in sorted(tmp.rglob("*")):
+                if p.is_file():
+                    rel = str(p.relative_to(tmp))
+                    pieces = weight_pieces if rel == self.WEIGHTS else \
+                        hash_pieces(p) if p.stat().st_size > HASH_CHUNK else []
+                    if pieces:
+                        files[rel], chunks[rel] = pieces_digest(pieces), {"bytes": HASH_CHUNK, "sha256": pieces}
+                    else:
+                        files[rel] = sha256_file(p)
+            manifest = {
+                "format_version": FORMAT_VERSION,
+                "llmc_version": __version__,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "source": source,
+                "options": options,
+                "passes": graph.meta.get("passes", []),
+                "model": {k: v for k, v in graph.meta.items() if k != "passes"},
+                "model_info": info.to_json() if info else None,
+                "kernels": kernel_list or [],
+                "files": files,
+                "chunks": chunks,  # large files' pieces: what a load checks, in parallel (verify_files)
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            if self.out.exists():
+                shutil.rmtree(self.out)
+            tmp.rename(self.out)  # the artifact appears whole or not at all
+        except BaseException:
+            self.abort()
+            raise
+        self._pool.shutdown()
+        return Artifact(self.out, manifest, graph, tuning or {})
+
+    def abort(self) -> None:
+        """Stop (after the weights file in progress) and remove what was written; `out` is left as it was."""
+        self._weights.cancel()
+        self._pool.shutdown(wait=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:

@@ -1,7 +1,6 @@
 """`llmc.compile`: frontend ▸ pass pipeline ▸ artifact."""
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import tempfile
@@ -14,7 +13,7 @@ import torch
 from llmc.errors import CompileError
 from llmc.ir.graph import Graph
 from llmc.passes.manager import Pass, PassContext, PassManager
-from llmc.artifact import MANIFEST, Artifact, save_artifact
+from llmc.artifact import MANIFEST, Artifact, ArtifactWriter
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +133,16 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         opts = {"dtype": dtype, **{k: v for k, v in options.items() if isinstance(v, (str, int, float, bool))},
                 **({"quant": quant.method} if quant is not None else {})}
         bar.phase("tuning")
-        tuning = _autotune(graph, bar, batch_invariant, tuning_cache) if tune and torch.cuda.is_available() else {}
-        bar.phase("write")
-        bar.step(f"writing {out}")
-        kernels, sources = _kernel_listing(graph, tuning)
-        art = save_artifact(graph, out, source, opts, tok_files, tuning=tuning, kernels=sources, kernel_list=kernels)
+        writer = ArtifactWriter(graph, out)  # the weights go to disk while the GPU tunes
+        try:
+            tuning = _autotune(graph, bar, batch_invariant, tuning_cache) if tune and torch.cuda.is_available() else {}
+            bar.phase("write")
+            bar.step(f"writing {out}")
+            kernels, sources = _kernel_listing(graph, tuning)
+        except BaseException:
+            writer.abort()
+            raise
+        art = writer.finish(source, opts, tok_files, tuning=tuning, kernels=sources, kernel_list=kernels)
         art.compile_log = ctx  # fusion explanations and pass notes, for `llmc compile --explain-fusion`
         bar.phase(None)
         art.compile_timings = bar.timings  # seconds per phase: capture, passes, tuning, write

@@ -71,3 +71,56 @@ def test_large_files_are_checked_in_pieces_in_parallel(llama_dir, tmp_path, monk
     (old / "weights.safetensors").write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
     with pytest.raises(ArtifactError, match="corrupted"):
         llmc.load(old)
+
+
+def test_weights_are_written_while_the_compile_tunes(llama_dir, tmp_path, monkeypatch):
+    """The weights file is written in a thread from the start of the tuning phase: when tuning ends, the
+    weights are on disk already (or being written), and the artifact appears whole only at the end. A
+    tuning that fails leaves no partial directory and an earlier artifact at the output path as it was."""
+    import time
+
+    import llmc.artifact as artifact
+    import llmc.compiler as compiler
+    out = tmp_path / "a.llmc"
+    old = llmc.compile(llama_dir, out)
+    first = (out / "manifest.json").read_text()
+    seen = {}
+
+    def tuning(graph, *args):
+        weights = out.with_name("a.llmc.partial") / "weights.safetensors"
+        deadline = time.monotonic() + 10
+        while not weights.exists() and time.monotonic() < deadline:  # the writer runs beside this phase
+            time.sleep(0.05)
+        seen["weights_during_tuning"] = weights.exists()
+        seen["artifact_untouched"] = (out / "manifest.json").read_text() == first
+        return {}
+    monkeypatch.setattr(compiler, "_autotune", tuning)
+    monkeypatch.setattr(compiler.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(compiler, "_kernel_listing", lambda graph, tuning: ([], {}))
+    art = llmc.compile(llama_dir, out)
+    assert seen == {"weights_during_tuning": True, "artifact_untouched": True}
+    assert not out.with_name("a.llmc.partial").exists()
+    artifact.verify_files(art.path, art.manifest)
+    assert llmc.load(out).graph.op_counts() == old.graph.op_counts()
+
+    def failing(graph, *args):
+        raise RuntimeError("tuning failed")
+    monkeypatch.setattr(compiler, "_autotune", failing)
+    before = (out / "manifest.json").read_text()
+    with pytest.raises(RuntimeError, match="tuning failed"):
+        llmc.compile(llama_dir, out)
+    assert not out.with_name("a.llmc.partial").exists() and (out / "manifest.json").read_text() == before
+
+
+def test_a_failed_weights_write_is_raised_by_finish(llama_artifact, tmp_path, monkeypatch):
+    """An error while writing the weights (a full disk) surfaces when the artifact is finished, and nothing
+    is left at the output path."""
+    import llmc.artifact as artifact
+
+    def no_space(tensors, path):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr("safetensors.torch.save_file", no_space)
+    w = artifact.ArtifactWriter(llmc.load(llama_artifact.path).graph, tmp_path / "b.llmc")
+    with pytest.raises(OSError, match="No space left"):
+        w.finish("test", {})
+    assert not (tmp_path / "b.llmc").exists() and not (tmp_path / "b.llmc.partial").exists()
