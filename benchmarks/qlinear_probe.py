@@ -1,0 +1,98 @@
+"""One qlinear call per (shape, format, config variant) on the GPU, timed as CUDA-graph replays over
+copies of the weight that overflow L2 (so each call streams its weight from HBM), with its largest
+error against the reference relative to the reference's largest value:
+
+    python3 benchmarks/qlinear_probe.py [--shapes gate_up,down] [--ms 1,16] [--formats int4-g128,int4]
+        [--variants default,fold] [--out DIR]
+
+A variant changes the bucket's default config: "default" (as an untuned GPU runs it), "split2" /
+"split0.5" (the K split doubled / halved), "bk512" (BLOCK_K 512), "w8" (8 warps), "stN" (N pipeline
+stages). Run from a copy of an older tree, the same command measures that tree's kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmc.codegen import qmatmul as qm  # noqa: E402
+from llmc.codegen.autotune import m_bucket  # noqa: E402
+from llmc.ir.quant import QuantFormat, quantize_rtn  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+FORMATS = {"int4-g128": QuantFormat("int", 4, 128), "int4": QuantFormat("int", 4, 0),
+           "int4-g128-zp": QuantFormat("int", 4, 128, True), "int8": QuantFormat("int", 8, 0)}
+L2_BYTES = 60 << 20
+
+
+def variant(cfg: dict, name: str) -> dict:
+    cfg = dict(cfg)
+    if name == "default":
+        return cfg
+    if name.startswith("split"):
+        cfg["SPLIT_K"] = max(1, int(cfg["SPLIT_K"] * float(name[5:])))
+    elif name.startswith("bk"):
+        cfg["BLOCK_K"] = int(name[2:])
+    elif name.startswith("w"):
+        cfg["num_warps"] = int(name[1:])
+    elif name.startswith("st"):
+        cfg["num_stages"] = int(name[2:])
+    else:
+        raise SystemExit(f"unknown variant {name}")
+    return cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="gate_up,down,qkv,o_proj")
+    ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--formats", default="int4-g128,int4")
+    ap.add_argument("--variants", default="default")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    print(f"{'shape':8s} {'M':>4s} {'format':13s} {'variant':9s} {'us':>7s} {'TB/s':>6s} {'rel err':>8s}  config")
+    for shape in a.shapes.split(","):
+        n, k = SHAPES[shape]
+        w = torch.randn(n, k, device="cuda") / k ** 0.5
+        for fname in a.formats.split(","):
+            fmt = FORMATS[fname]
+            qw = quantize_rtn(w, fmt, torch.bfloat16)
+            p0 = qm.prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+            nbytes = sum(t.numel() * t.element_size() for t in (p0.qweight, p0.scales, p0.zeros) if t is not None)
+            copies = [p0] + [qm.prepare(qw.fmt, qw.qweight.clone(), qw.scales.clone(),
+                                        qw.zeros.clone() if qw.zeros is not None else None)
+                             for _ in range(max(0, -(-2 * L2_BYTES // nbytes) - 1))]
+            for m in map(int, a.ms.split(",")):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = qm.reference(x.float(), qw.fmt, qw.qweight, qw.scales, qw.zeros).to(torch.bfloat16).float()
+                base = qm.candidates(m_bucket(m), n, p0.padded_k, p0.pack)[0]
+                for vname in a.variants.split(","):
+                    cfg = variant(base, vname)
+                    y = qm.qlinear(x, p0, config=cfg)
+                    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                    ys = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in copies]
+
+                    def calls():
+                        for p, yi in zip(copies, ys):
+                            qm.qlinear(x, p, config=cfg, out=yi)
+                    us = triton.testing.do_bench_cudagraph(calls, rep=100) * 1e3 / len(copies)
+                    row = {"shape": shape, "n": n, "k": k, "m": m, "format": fname, "variant": vname, "us": us,
+                           "tb_s": nbytes / us / 1e6, "rel_err": err, "config": cfg}
+                    rows.append(row)
+                    print(f"{shape:8s} {m:4d} {fname:13s} {vname:9s} {us:7.1f} {row['tb_s']:6.2f} {err:8.1e}  "
+                          f"{json.dumps(cfg)}", flush=True)
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "qlinear_probe.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
