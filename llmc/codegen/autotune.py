@@ -18,6 +18,9 @@ FMA-pipe GEMV of qmatmul.py). Timing needs a GPU: on CPU and
 under the interpreter the first (default) candidate is returned untimed and nothing is recorded,
 so a CPU compile never writes choices it did not measure.
 The cuBLAS time is kept beside the best Triton time so the lowering can keep cuBLAS where it wins.
+
+A cold tuning spends most of its time compiling the candidates (about a second each), not timing
+them: `warm_up` first runs every candidate once on threads, so that they compile in parallel.
 """
 from __future__ import annotations
 
@@ -103,6 +106,45 @@ def gpu_time_ms(fn: Callable[[], Any]) -> float:
         return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
+def tune_threads() -> int:
+    """Threads that run a tuning's candidates once before they are timed (`warm_up`): $LLMC_TUNE_THREADS,
+    else one per core, at most 16; 0 or 1 compiles each candidate when it is first timed."""
+    v = os.environ.get("LLMC_TUNE_THREADS", "")
+    return int(v) if v.strip().isdigit() else min(16, os.cpu_count() or 1)
+
+
+def warm_up(candidates: Sequence[dict], bench: Callable[[dict], Any]) -> None:
+    """Run each candidate once, on threads, so that their kernels compile in parallel before any is timed.
+
+    Triton's compiler releases the GIL (its MLIR passes run in C++, ptxas in a subprocess). Every launch goes
+    to the caller's current stream, so the kernels still run one after another on the GPU, and no two
+    share a split-K tile counter at once. A candidate that fails here is left for the timing to skip, as
+    it skips any config that does not launch.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    n = min(len(candidates), tune_threads())
+    if n < 2:
+        return
+    stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
+
+    def run(cfg: dict) -> None:
+        if stream is None:
+            bench(cfg)
+            return
+        with torch.cuda.stream(stream):
+            bench(cfg)
+    with ThreadPoolExecutor(n, thread_name_prefix="llmc-tune") as pool:
+        for cfg, f in [(c, pool.submit(run, dict(c))) for c in candidates]:
+            try:
+                f.result()
+            except Exception as e:  # noqa: BLE001 - timed (and skipped) below like any failing config
+                log.debug("autotune: warming up %s failed: %s", cfg, e)
+    if stream is not None:
+        stream.synchronize()
+
+
 class Tuner:
     """Chooses a config per (kernel_key, bucket), timing candidates with triton.testing on CUDA (`gpu_time_ms`).
 
@@ -168,6 +210,7 @@ class Tuner:
     def tune(candidates: Sequence[dict], bench: Callable[[dict], Any], baseline: Callable[[], Any] | None,
              margin: float = 0.97) -> TuneRecord:
         best, best_ms = None, float("inf")
+        warm_up(candidates, bench)
         for cfg in candidates:
             try:
                 ms = gpu_time_ms(lambda: bench(cfg))

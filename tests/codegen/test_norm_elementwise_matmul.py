@@ -463,3 +463,35 @@ def test_kernels_ran_in_the_expected_mode():
     assert (_device_tag() == "interp") == INTERPRETED
     kernel = load(RmsNormSpec(64, "f32", residual=False)).rms_norm_kernel
     assert isinstance(kernel, InterpretedFunction) == INTERPRETED
+
+
+def test_candidates_are_warmed_up_on_threads_before_they_are_timed(monkeypatch):
+    """A tuning first runs every candidate once, on threads (their kernels compile in parallel: a cold
+    tuning is mostly compiling), then times each; a candidate that fails in the warm-up is skipped by the
+    timing as before, and LLMC_TUNE_THREADS=0 leaves each candidate to compile when it is first timed."""
+    import threading
+    events, lock = [], threading.Lock()
+    together = threading.Barrier(3)  # the three warm-ups that launch meet here: they run at once
+
+    def bench(cfg):
+        with lock:
+            events.append(("run", cfg["A"], threading.current_thread().name))
+        if cfg["A"] == 3:
+            raise RuntimeError("out of shared memory")
+        if ("timed",) not in events:
+            together.wait(timeout=10)  # raises BrokenBarrierError if the warm-ups ran one by one
+        return [1.0 / cfg["A"]]
+
+    def timed(fn):
+        events.append(("timed",))
+        return sum(fn())
+    monkeypatch.setattr(autotune, "gpu_time_ms", timed)
+    monkeypatch.setenv("LLMC_TUNE_THREADS", "4")
+    rec = Tuner.tune([{"A": 1}, {"A": 2}, {"A": 3}, {"A": 4}], bench, None)
+    assert rec.config == {"A": 4} and not together.broken
+    warm = events[:events.index(("timed",))]
+    assert sorted(a for _, a, _ in warm) == [1, 2, 3, 4] and all(n.startswith("llmc-tune") for *_, n in warm)
+    events.clear()
+    monkeypatch.setenv("LLMC_TUNE_THREADS", "0")
+    Tuner.tune([{"A": 1}, {"A": 2}], bench, None)
+    assert events[0] == ("timed",) and len(events) == 4  # no warm-up: timed, run, timed, run
