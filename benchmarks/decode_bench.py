@@ -60,6 +60,7 @@ def random_model(shape: str, out: Path, dtype=torch.bfloat16, seed: int = 0) -> 
 
     from llmc.frontend.hf import TOKENIZER_FILES
     from llmc.models import builtin_dir
+    out = Path(out)
     torch.manual_seed(seed)
     text_vocab = len(AutoTokenizer.from_pretrained(builtin_dir("tiny-py"), local_files_only=True))
     moe = "num_local_experts" in SHAPES[shape]

@@ -21,6 +21,10 @@
 #   bash benchmarks/gpu_pending.sh OUT mixed-graphs   # issue 20: 8B mixed workload, eager mixed steps vs piecewise graphs
 #   bash benchmarks/gpu_pending.sh OUT overlap        # issue 20: steps waited for vs overlapped (SHAPE, default 8b)
 #   LAYOUTS=1x1,2x1s,2x1 bash benchmarks/gpu_pending.sh OUT parallel   # issue 16: TP=2 overlapped steps off / on
+#   bash benchmarks/gpu_pending.sh OUT ncu-int4       # issue 14: the int4 qlinear kernel at batch 1 under Nsight
+#                                                     #   Compute (stall reasons, issue rate, bandwidth): gate_up, down
+#   bash benchmarks/gpu_pending.sh OUT compile-cold   # issue 20: a cold 8B compile (empty Triton and llmc caches),
+#                                                     #   candidates warmed up on threads, then with LLMC_TUNE_THREADS=0
 #
 # On nvidia-h200-x2 keep NVLink multicast off (the machine's NCCL_NVLS_ENABLE=0 and
 # TORCH_SYMM_MEM_DISABLE_MULTICAST=1): the workers inherit this script's environment.
@@ -104,6 +108,28 @@ art = llmc.compile(d / 'm', d / 'a.llmc', dtype='bfloat16'); print('compile', ro
 {k: round(v, 1) for k, v in art.compile_timings.items()}); t = time.time(); llm = llmc.LLM(art.path); \
 print('load', round(time.time() - t, 1), 's')" >"$OUT/compile_8b.log" 2>&1
             grep -v Writing "$OUT/compile_8b.log" | tail -3 ;;
+        ncu-int4)
+            for shape in gate_up down; do
+                ncu --clock-control none --kernel-name regex:qmatmul_kernel --launch-count 1 \
+                    --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+                    --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+                    python3 benchmarks/qlinear_probe.py --shapes $shape --ms 1 --formats int4-g128 \
+                    >"$OUT/ncu_int4_$shape.log" 2>&1
+                grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|\
+No Eligible|Stall|Warp Cycles Per Issued" "$OUT/ncu_int4_$shape.log" | head -20
+            done ;;
+        compile-cold)
+            rm -rf /tmp/tmp* /tmp/cold; mkdir -p /tmp/cold
+            python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import random_model; \
+random_model('8b', '/tmp/cold/m')" >"$OUT/compile_cold.log" 2>&1
+            for threads in "" 0; do
+                rm -rf /tmp/cold/a.llmc
+                LLMC_TUNE_THREADS=$threads TRITON_CACHE_DIR=/tmp/cold/triton-$threads LLMC_CACHE_DIR=/tmp/cold/llmc-$threads \
+                    python3 -c "import time, llmc; t = time.time(); art = llmc.compile('/tmp/cold/m', '/tmp/cold/a.llmc', \
+dtype='bfloat16'); print('LLMC_TUNE_THREADS=${threads:-default} compile', round(time.time() - t, 1), 's', \
+{k: round(v, 1) for k, v in art.compile_timings.items()})" >>"$OUT/compile_cold.log" 2>&1
+            done
+            grep "compile " "$OUT/compile_cold.log" | grep -v Writing ;;
         parallel)
             rm -rf /tmp/tmp*
             python3 benchmarks/parallel_bench.py --shape "${SHAPE:-8b}" --layouts "${LAYOUTS:-1x1,2x1,2x1m8,1x2}" \
@@ -140,6 +166,6 @@ shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_grap
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap)" ;;
     esac
 done
