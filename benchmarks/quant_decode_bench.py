@@ -36,7 +36,9 @@ def decode_rate(llm, prompt, new: int, batch: int) -> float:
     from decode_bench import sync
     from llmc.runtime.engine import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    llm.generate([prompt[:-2] + [0, i] for i in range(batch)], params)  # warm-up: kernels, graphs
+    # warm-up (kernels, graphs) on prompts as distinct as the timed ones, so that it also runs every
+    # prefill and mixed step shape the timed run will (prompts sharing a prefix would prefill it once)
+    llm.generate([[(t + 500 + i) % 1000 for t in prompt] for i in range(batch)], params)
     sync()
     t = time.perf_counter()
     llm.generate([[(t + 1 + i) % 1000 for t in prompt] for i in range(batch)], params)  # no cache hit
