@@ -325,12 +325,16 @@ def cache_file(device: str, joint: Sequence[str]) -> Path:
 def timing_io(group, k: int, n: int, dtype, device):
     """A function giving (x [m, k], y [m, n]) for every bucket of `group`: a GEMM choice's timing
     inputs, made on the first call (only when the choice is timed now, not when it is recorded)."""
+    import threading
+
     import torch
     made: list = []
+    lock = threading.Lock()  # made once, also when a warm-up's threads ask at once
 
     def io():
-        if not made:
-            made.extend((torch.randn(bucket_size(g), k, dtype=dtype, device=device),
-                         torch.empty(bucket_size(g), n, dtype=dtype, device=device)) for g in group)
+        with lock:
+            if not made:
+                made.extend((torch.randn(bucket_size(g), k, dtype=dtype, device=device),
+                             torch.empty(bucket_size(g), n, dtype=dtype, device=device)) for g in group)
         return made
     return io

@@ -11,10 +11,12 @@ import importlib.util
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from types import ModuleType
 
 _MODULES: dict[str, ModuleType] = {}
+_LOADING = threading.Lock()
 
 
 def cache_root() -> Path:
@@ -50,10 +52,15 @@ def source_key(source: str) -> str:
 
 
 def load_source(source: str, name_hint: str = "kernel") -> ModuleType:
-    """Import a rendered source through the on-disk cache (Triton's JIT needs a real file to read)."""
+    """Import a rendered source through the on-disk cache (Triton's JIT needs a real file to read).
+    One module per source, also when threads ask at once (a tuning's warm-up): its JIT functions hold
+    every config compiled so far."""
     key = source_key(source)
-    if key in _MODULES:
-        return _MODULES[key]
+    with _LOADING:
+        return _MODULES[key] if key in _MODULES else _import(source, name_hint, key)
+
+
+def _import(source: str, name_hint: str, key: str) -> ModuleType:
     path = cache_dir() / f"{name_hint}_{key}.py"
     if not path.exists():
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")

@@ -495,3 +495,32 @@ def test_candidates_are_warmed_up_on_threads_before_they_are_timed(monkeypatch):
     monkeypatch.setenv("LLMC_TUNE_THREADS", "0")
     Tuner.tune([{"A": 1}, {"A": 2}], bench, None)
     assert events[0] == ("timed",) and len(events) == 4  # no warm-up: timed, run, timed, run
+
+
+def test_a_source_loaded_by_threads_at_once_is_one_module():
+    """A warm-up's threads all ask for their kernel's module at once: they get one module (whose JIT
+    functions then hold every config compiled), and one set of timing inputs."""
+    import threading
+    import uuid
+
+    from llmc.codegen.cache import load_source
+    source = f"# {uuid.uuid4()}\nVALUE = 7\n"
+    got, start = [], threading.Barrier(8)
+
+    def load():
+        start.wait(timeout=10)
+        got.append(load_source(source, "threads"))
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and len({id(m) for m in got}) == 1 and got[0].VALUE == 7
+    io = autotune.timing_io(("1", "2"), 8, 4, torch.float32, "cpu")
+    made = []
+    threads = [threading.Thread(target=lambda: made.append(io())) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(m is made[0] for m in made) and [x.shape[0] for x, _ in made[0]] == [1, 2]
