@@ -145,7 +145,8 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         art = writer.finish(source, opts, tok_files, tuning=tuning, kernels=sources, kernel_list=kernels)
         art.compile_log = ctx  # fusion explanations and pass notes, for `llmc compile --explain-fusion`
         bar.phase(None)
-        art.compile_timings = bar.timings  # seconds per phase: capture, passes, tuning, write
+        # seconds per phase: capture, passes, tuning (the weights file written meanwhile), write (the rest)
+        art.compile_timings = bar.timings
     if draft is not None:
         from llmc.artifact import DRAFT_DIR
         keep = {k: v for k, v in options.items() if k in ("kv_cache_dtype", "fuse", "paged_kv")}
