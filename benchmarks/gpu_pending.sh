@@ -113,10 +113,11 @@ print('load', round(time.time() - t, 1), 's')" >"$OUT/compile_8b.log" 2>&1
                 ncu --clock-control none --kernel-name regex:qmatmul_kernel --launch-count 1 \
                     --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
                     --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+                    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
                     python3 benchmarks/qlinear_probe.py --shapes $shape --ms 1 --formats int4-g128 \
                     >"$OUT/ncu_int4_$shape.log" 2>&1
                 grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|\
-No Eligible|Stall|Warp Cycles Per Issued" "$OUT/ncu_int4_$shape.log" | head -20
+No Eligible|stalled|Warp Cycles Per Issued" "$OUT/ncu_int4_$shape.log" | head -40
             done ;;
         compile-cold)
             rm -rf /tmp/tmp* /tmp/cold; mkdir -p /tmp/cold
