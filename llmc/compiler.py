@@ -233,33 +233,60 @@ def choose_token_budget(ms: dict[int, float], slack: float = TOKEN_BUDGET_SLACK)
 
 
 def _measure_token_budget(graph: Graph, tuner, bar, device: str = "cuda") -> dict | None:
-    """Time every bf16/f16 linear of the graph but the LM head (cuBLAS, which runs steps past 64 tokens) at
+    """Time every linear of the graph but the LM head (which runs on the sampled rows only) at
     TOKEN_BUDGET_CANDIDATES tokens and choose the engine's default token budget from it
-    (`choose_token_budget`; the engine reads tuning.json's "token_budget"). Each shape's times are kept
-    in the tuning cache like any tile choice. None when the graph has no such linear."""
+    (`choose_token_budget`; the engine reads tuning.json's "token_budget"). A bf16/f16 linear is timed
+    as cuBLAS (which runs steps past 64 tokens), a quantized one as its qlinear kernel with the choices
+    the tuning made. Each shape's times are kept in the tuning cache like any tile choice. None when
+    the graph has no such linear."""
     import collections
 
     import torch.nn.functional as F
-    shapes = collections.Counter()
+
+    from llmc.codegen import qmatmul as qmm
+    from llmc.ir.ops import qlinear_weight_inputs
+    from llmc.ir.quant import QuantFormat
+    from llmc.ir.types import torch_dtype
     vocab = int(graph.outputs[0].type.shape[-1])
+    shapes: collections.Counter = collections.Counter()
+    quantized: dict = {}
     for n in graph.nodes:
         if n.op in ("linear", "linear_act"):
             w = graph.weights[n.inputs[1].name]
-            # the LM head runs on the sampled rows only, not on every token of the step
             if w.dtype in (torch.bfloat16, torch.float16) and int(w.shape[0]) != vocab:
                 shapes[(int(w.shape[0]), int(w.shape[1]), w.dtype)] += 1
+        elif n.op in ("qlinear", "qlinear_codes"):
+            qw, sc, zeros, bias = (graph.weights[v.name] if v is not None else None for v in qlinear_weight_inputs(n))
+            fmt = QuantFormat.from_attrs(n.attrs)
+            dtype = n.attrs["dtype"] if n.op == "qlinear_codes" else n.inputs[0].type.dtype
+            if int(qw.shape[0]) != vocab:  # the same kernel and key as its tuning (_tune_qlinear)
+                key = (fmt, tuple(qw.shape), n.attrs["act"], bias is not None, dtype)
+                shapes[key] += 1
+                quantized[key] = (qw, sc, zeros, bias)
     if not shapes:
         return None
+    def runner(shape) -> tuple[str, int, torch.dtype, Any]:
+        """The timing key, K, x's dtype and a call on x [m, K] of one linear shape."""
+        if shape in quantized:
+            fmt, (N, K), act, _, dtype = shape
+            qw, sc, zeros, bias = quantized[shape]
+            p = qmm.prepare(fmt, qw.to(device), sc.to(device), zeros.to(device) if zeros is not None else None)
+            b = bias.to(device) if bias is not None else None
+            key = f"qgemm_ms:{fmt.label}:{N}x{K}:{dtype}:act={act or 'none'}:bias={int(b is not None)}"
+            return key, K, torch_dtype(dtype), lambda x: qmm.qlinear(x, p, b, act, tuner=tuner)
+        N, K, x_dtype = shape
+        w = torch.randn(N, K, device=device).to(x_dtype)
+        return f"gemm_ms:{N}x{K}:{str(x_dtype).removeprefix('torch.')}", K, x_dtype, lambda x: F.linear(x, w)
+
     bar.step("measuring the step's token budget")
     ms = dict.fromkeys(TOKEN_BUDGET_CANDIDATES, 0.0)
-    for (N, K, dtype), count in shapes.items():
-        w = torch.randn(N, K, device=device).to(dtype)
-        key = f"gemm_ms:{N}x{K}:{str(dtype).removeprefix('torch.')}"
+    for shape, count in shapes.items():
+        key, K, x_dtype, run = runner(shape)
         for m in TOKEN_BUDGET_CANDIDATES:
-            x = torch.randn(m, K, device=device).to(dtype)
-            tuner.choose(key, str(m), [{}], bench=lambda cfg: F.linear(x, w))
+            x = torch.randn(m, K, device=device).to(x_dtype)
+            tuner.choose(key, str(m), [{}], bench=lambda cfg: run(x))
             ms[m] += count * tuner.lookup(key, str(m)).triton_ms
-        del w
+        del run  # its weight, before the next shape's
     return {"tokens": choose_token_budget(ms), "slack": TOKEN_BUDGET_SLACK,
             "gemm_ms": {str(m): round(t, 4) for m, t in ms.items()}}
 

@@ -278,6 +278,48 @@ def test_the_compile_measures_the_budget_over_every_linear_but_the_lm_head(llama
     assert out["tokens"] == min(m for m in want if want[m] / m <= 1.1 * min(v / k for k, v in want.items()))
 
 
+def test_a_quantized_artifact_measures_its_budget_over_its_quantized_linears(llama_dir, tmp_path, monkeypatch):
+    """Where the linears are quantized (qlinear, and qlinear_codes fed by a norm or SwiGLU), the budget is
+    measured over their kernels, each run through the compile's tuner with float x of its output dtype;
+    the LM head is left out; before, such an artifact took the constant default."""
+    import collections
+    import re
+
+    import llmc
+    from llmc.codegen import qmatmul as qmm
+    from llmc.codegen.autotune import TuneRecord
+    from llmc.compiler import TOKEN_BUDGET_CANDIDATES, _measure_token_budget
+    from llmc.ir.ops import qlinear_weight_inputs
+    g = llmc.compile(llama_dir, tmp_path / "w8a8.llmc", quant={"method": "smoothquant"}).graph
+    vocab = int(g.outputs[0].type.shape[-1])
+    ran = []
+
+    class Tuner:
+        def __init__(self):
+            self.times = {}
+
+        def choose(self, key, bucket, candidates, bench):
+            bench(candidates[0])
+            n, k = map(int, re.search(r"(\d+)x(\d+)", key).groups())
+            self.times[(key, bucket)] = int(bucket) * n * k * 1e-9 + 1e-3
+            return candidates[0]
+
+        def lookup(self, key, bucket):
+            return TuneRecord({}, self.times[(key, bucket)], None, False)
+
+    t = Tuner()
+    monkeypatch.setattr(qmm, "qlinear", lambda x, p, b, act, tuner: ran.append(
+        ((p.out_features, p.in_features), x.shape[0], x.dtype, tuner is t)))
+    out = _measure_token_budget(g, t, SimpleBar(), device="cpu")
+    runs = collections.Counter(tuple(int(d) for d in g.weights[qlinear_weight_inputs(n)[0].name].shape)
+                               for n in g.nodes if n.op in ("qlinear", "qlinear_codes"))
+    assert {n.op for n in g.nodes} >= {"qlinear_codes"} and all(n != vocab for n, _ in runs)
+    assert sorted({(s, m) for s, m, *_ in ran}) == sorted((s, m) for s in runs for m in TOKEN_BUDGET_CANDIDATES)
+    assert {(d, mine) for *_, d, mine in ran} == {(torch.float32, True)}
+    want = {m: sum(c * (m * n * k * 1e-9 + 1e-3) for (n, k), c in runs.items()) for m in TOKEN_BUDGET_CANDIDATES}
+    assert out["gemm_ms"] == {str(m): round(v, 4) for m, v in want.items()}
+
+
 class SimpleBar:
     def step(self, msg):
         pass
