@@ -138,6 +138,11 @@ def _hash_ranges(ranges: list[tuple[Path, int, int | None]], threads: int | None
         return list(pool.map(lambda r: _sha256_range(*r), ranges))
 
 
+def _pieces_if_large(path: Path) -> list[str]:
+    """A file past HASH_CHUNK is recorded in pieces (`hash_pieces`); [] for a smaller one (hashed whole)."""
+    return hash_pieces(path) if path.stat().st_size > HASH_CHUNK else []
+
+
 def pieces_digest(pieces: list[str]) -> str:
     """A file recorded in pieces has this digest in the manifest's "files": the sha256 of its pieces' hex
     digests, one per line. (A whole-file sha256 would take one core a pass over the file, ~8 s for an 8B
@@ -263,7 +268,7 @@ class ArtifactWriter:
         from safetensors.torch import save_file
         path = self.tmp / self.WEIGHTS
         save_file({p.name: self.graph.weights[p.name].contiguous() for p in self.graph.params}, str(path))
-        return hash_pieces(path) if path.stat().st_size > HASH_CHUNK else []
+        return _pieces_if_large(path)
 
     def finish(self, source: str, options: dict[str, Any], tokenizer_files: list[Path] | None = None,
                tuning: dict | None = None, kernels: dict[str, str] | None = None,
@@ -287,8 +292,7 @@ class ArtifactWriter:
             for p in sorted(tmp.rglob("*")):
                 if p.is_file():
                     rel = str(p.relative_to(tmp))
-                    pieces = weight_pieces if rel == self.WEIGHTS else \
-                        hash_pieces(p) if p.stat().st_size > HASH_CHUNK else []
+                    pieces = weight_pieces if rel == self.WEIGHTS else _pieces_if_large(p)
                     if pieces:
                         files[rel], chunks[rel] = pieces_digest(pieces), {"bytes": HASH_CHUNK, "sha256": pieces}
                     else:

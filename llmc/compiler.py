@@ -244,8 +244,6 @@ def _measure_token_budget(graph: Graph, tuner, bar, device: str = "cuda") -> dic
     import torch.nn.functional as F
 
     from llmc.codegen import qmatmul as qmm
-    from llmc.ir.ops import qlinear_weight_inputs
-    from llmc.ir.quant import QuantFormat
     from llmc.ir.types import torch_dtype
     vocab = int(graph.outputs[0].type.shape[-1])
     shapes: collections.Counter = collections.Counter()
@@ -256,22 +254,18 @@ def _measure_token_budget(graph: Graph, tuner, bar, device: str = "cuda") -> dic
             if w.dtype in (torch.bfloat16, torch.float16) and int(w.shape[0]) != vocab:
                 shapes[(int(w.shape[0]), int(w.shape[1]), w.dtype)] += 1
         elif n.op in ("qlinear", "qlinear_codes"):
-            qw, sc, zeros, bias = (graph.weights[v.name] if v is not None else None for v in qlinear_weight_inputs(n))
-            fmt = QuantFormat.from_attrs(n.attrs)
-            dtype = n.attrs["dtype"] if n.op == "qlinear_codes" else n.inputs[0].type.dtype
-            if int(qw.shape[0]) != vocab:  # the same kernel and key as its tuning (_tune_qlinear)
-                key = (fmt, tuple(qw.shape), n.attrs["act"], bias is not None, dtype)
+            key, weights = _qlinear_tuning_key(graph, n)  # the same kernel and key as its tuning
+            if key[1][0] != vocab:
                 shapes[key] += 1
-                quantized[key] = (qw, sc, zeros, bias)
+                quantized[key] = weights
     if not shapes:
         return None
+
     def runner(shape) -> tuple[str, int, torch.dtype, Any]:
         """The timing key, K, x's dtype and a call on x [m, K] of one linear shape."""
         if shape in quantized:
             fmt, (N, K), act, _, dtype = shape
-            qw, sc, zeros, bias = quantized[shape]
-            p = qmm.prepare(fmt, qw.to(device), sc.to(device), zeros.to(device) if zeros is not None else None)
-            b = bias.to(device) if bias is not None else None
+            p, b = _qlinear_on(fmt, quantized[shape], device)
             key = f"qgemm_ms:{fmt.label}:{N}x{K}:{dtype}:act={act or 'none'}:bias={int(b is not None)}"
             return key, K, torch_dtype(dtype), lambda x: qmm.qlinear(x, p, b, act, tuner=tuner)
         N, K, x_dtype = shape
@@ -389,23 +383,39 @@ def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar, device: str = "cuda") 
     that."""
     from llmc.codegen import qmatmul as qmm
     from llmc.codegen.autotune import M_BUCKETS
-    from llmc.ir.ops import qlinear_weight_inputs
-    from llmc.ir.quant import QuantFormat
     from llmc.ir.types import torch_dtype
-    fmt = QuantFormat.from_attrs(n.attrs)
-    qw, sc, zeros, bias = (graph.weights[v.name] if v is not None else None for v in qlinear_weight_inputs(n))
-    dtype = n.attrs["dtype"] if n.op == "qlinear_codes" else n.inputs[0].type.dtype
-    key = (fmt, tuple(qw.shape), n.attrs["act"], bias is not None, dtype)
+    key, weights = _qlinear_tuning_key(graph, n)
     if key in seen:
         return
     seen.add(key)
-    bar.step(f"tuning {fmt.label} linear {list(qw.shape)}")
-    p = qmm.prepare(fmt, qw.to(device), sc.to(device), zeros.to(device) if zeros is not None else None)
-    b = bias.to(device) if bias is not None else None
+    fmt, shape, act, _, dtype = key
+    bar.step(f"tuning {fmt.label} linear {list(shape)}")
+    p, b = _qlinear_on(fmt, weights, device)
     # the decode buckets, then 128+ and 1024+ (prefill chunks and mixed steps), where a library GEMM may win
     for m in (*M_BUCKETS[:-1], M_BUCKETS[-1], qmm.LARGE_M):
         x = torch.randn(m, p.in_features, dtype=torch_dtype(dtype), device=device)
-        qmm.qlinear(x, p, b, n.attrs["act"], tuner=tuner)
+        qmm.qlinear(x, p, b, act, tuner=tuner)
+
+
+def _qlinear_tuning_key(graph: Graph, n) -> tuple[tuple, tuple]:
+    """A quantized linear's tuning identity (format, weight shape, act, has bias, x's dtype name: a
+    `qlinear_codes` node counts as a qlinear of float x in its output dtype) and its weight operands
+    (qweight, scales, zeros or None, bias or None)."""
+    from llmc.ir.ops import qlinear_weight_inputs
+    from llmc.ir.quant import QuantFormat
+    weights = tuple(graph.weights[v.name] if v is not None else None for v in qlinear_weight_inputs(n))
+    dtype = n.attrs["dtype"] if n.op == "qlinear_codes" else n.inputs[0].type.dtype
+    key = (QuantFormat.from_attrs(n.attrs), tuple(int(d) for d in weights[0].shape), n.attrs["act"],
+           weights[3] is not None, dtype)
+    return key, weights
+
+
+def _qlinear_on(fmt, weights: tuple, device: str):
+    """A quantized linear's weight prepared for its kernel on `device`, and its bias there (or None)."""
+    from llmc.codegen import qmatmul as qmm
+    qw, sc, zeros, bias = weights
+    p = qmm.prepare(fmt, qw.to(device), sc.to(device), zeros.to(device) if zeros is not None else None)
+    return p, bias.to(device) if bias is not None else None
 
 
 def _kernel_listing(graph: Graph, tuning: dict | None = None) -> tuple[list[dict], dict[str, str]]:

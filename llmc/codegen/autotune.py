@@ -121,6 +121,7 @@ def warm_up(candidates: Sequence[dict], bench: Callable[[dict], Any]) -> None:
     share a split-K tile counter at once. A candidate that fails here is left for the timing to skip, as
     it skips any config that does not launch.
     """
+    import contextlib
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -130,10 +131,7 @@ def warm_up(candidates: Sequence[dict], bench: Callable[[dict], Any]) -> None:
     stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
 
     def run(cfg: dict) -> None:
-        if stream is None:
-            bench(cfg)
-            return
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             bench(cfg)
     with ThreadPoolExecutor(n, thread_name_prefix="llmc-tune") as pool:
         for cfg, f in [(c, pool.submit(run, dict(c))) for c in candidates]:

@@ -361,11 +361,11 @@ class QMatmulSpec(KernelSpec):
                 zero.update({o: f"z{u}" for o in unit})
         # the dot's operand: code - zero, a small integer, exact in x's dtype (fp32 where the
         # interpreter dots bf16 as fp32)
-        cast = "" if self.dtype == "f32" or up else f".to({'tl.bfloat16' if self.dtype == 'bf16' else 'tl.float16'})"
+        dot_type = {"bf16": "tl.bfloat16", "f16": "tl.float16"}.get(self.dtype, "tl.float32")
+        cast = "" if self.dtype == "f32" or up else f".to({dot_type})"
         if self.packed_nibbles and self.has_zeros:
             # both planes straight from the bytes, less each plane's zero point (NIBBLES_ASM, zero_points)
             magic = float(NIBBLE_CONSTANTS[self.dtype][4])
-            dot_type = "tl.bfloat16" if self.dtype == "bf16" else "tl.float16"
             lo, hi = (f"tl.broadcast_to((-({magic} + {zero[o]})).to({dot_type}), (BLOCK_N, {run}))" for o in (0, run))
             tile.append(f"w0, w1 = _nibbles_zp(codes, {lo}, {hi})  # columns k0 + rr; k0 + {run} + rr")
         elif self.packed_nibbles:
@@ -394,7 +394,7 @@ class QMatmulSpec(KernelSpec):
         return {"run": run, "pack": run * len(offsets), "byte_offset": "k0 // 2" if four else "k0",
                 "prologue": prologue, "tile_lines": tile, "row_tile_lines": rows,
                 "nibbles_asm": _nibbles_asm(self.dtype, self.has_zeros), "dtype": self.dtype,
-                "dot_type": {"bf16": "tl.bfloat16", "f16": "tl.float16"}.get(self.dtype, "tl.float32")}
+                "dot_type": dot_type}
 
     @property
     def packed_nibbles(self) -> bool:
