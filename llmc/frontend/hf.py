@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from llmc.errors import CompileError
 from llmc.frontend.attention import register_hf_attention
 from llmc.frontend.moe import MOE_ARCHS, check_moe_config, replace_moe_blocks
 from llmc.frontend.prequantized import PrequantizedCheckpoint, read_prequantized, to_qlinear
+from llmc.frontend.repeat import NotRepeatable, first_layers, repeat_layers, uniform_layers
 from llmc.frontend.torch_export import capture
 from llmc.ir.graph import Graph
 
@@ -24,6 +26,7 @@ SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", *MOE_
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 MAX_BATCH = 1024
+log = logging.getLogger(__name__)
 
 
 def read_config(path: Path) -> dict:
@@ -89,6 +92,24 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     return model.eval()
 
 
+def _capture_layers_once(model, example, dyn, name: str) -> Graph | None:
+    """The graph of `model` exported with its first two decoder layers and grown to all of them, or
+    None where its layers are not all alike (the caller exports the whole model)."""
+    found = uniform_layers(model)
+    if found is None:
+        return None
+    prefix, layers = found
+    with first_layers(model, layers):
+        g = capture(_Forward(model), example, ["input_ids", "position_ids"], dyn, name=name)
+    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    try:
+        repeat_layers(g, prefix, len(layers), tensors)
+    except NotRepeatable as e:
+        log.info("exporting every layer: %s", e)
+        return None
+    return g
+
+
 @contextlib.contextmanager
 def _quiet_transformers():
     """transformers' progress bars and warnings off while llmc loads a model (llmc shows its own
@@ -105,8 +126,11 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def capture_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> Graph:
-    """Capture a local HF model as an llmc Graph `(input_ids[B,S], position_ids[B,S]) -> logits[B,S,V]`."""
+def capture_hf(path: str | Path, dtype: torch.dtype = torch.float32, repeat: bool = True) -> Graph:
+    """Capture a local HF model as an llmc Graph `(input_ids[B,S], position_ids[B,S]) -> logits[B,S,V]`.
+
+    With `repeat`, a model whose decoder layers are all alike is exported with two of them and the
+    others are copied in llmc's IR (`llmc.frontend.repeat`); anything else is exported whole."""
     path = Path(path)
     cfg = read_config(path)
     check_moe_config(cfg)
@@ -119,8 +143,10 @@ def capture_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> Graph:
     pos = torch.arange(ids.shape[1]).expand_as(ids).contiguous()
     dyn = {"input_ids": {0: ("B", 1, MAX_BATCH), 1: ("S", 1, max_len)},
            "position_ids": {0: ("B", 1, MAX_BATCH), 1: ("S", 1, max_len)}}
-    g = capture(_Forward(model), (ids, pos), ["input_ids", "position_ids"], dyn,
-                name=cfg["architectures"][0].replace("ForCausalLM", "").lower())
+    name = cfg["architectures"][0].replace("ForCausalLM", "").lower()
+    g = _capture_layers_once(model, (ids, pos), dyn, name) if repeat else None
+    if g is None:
+        g = capture(_Forward(model), (ids, pos), ["input_ids", "position_ids"], dyn, name=name)
     if checkpoint is not None:
         to_qlinear(g, checkpoint.linears)
     g.meta.update({

@@ -15,6 +15,7 @@ import torch
 import torch.fx
 
 from llmc.errors import CompileError, IRError
+from llmc.frontend.repeat import layer_of
 from llmc.ir.graph import Graph, Value
 from llmc.ir.types import TensorType, dtype_name, make_dim
 
@@ -71,6 +72,9 @@ class Lowerer:
         meta = {"source": source_line(self.node)} if self.node is not None else {}
         if self.node is not None:
             meta["aten"] = str(self.node.target)
+            layer = layer_of(self.node.meta.get("nn_module_stack"))
+            if layer is not None:
+                meta["layer"] = layer
         return self.g.add_node(op, list(inputs), attrs, meta=meta).out
 
     def dtype(self, node: torch.fx.Node) -> str:
