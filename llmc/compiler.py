@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import tempfile
 import time
@@ -308,17 +309,22 @@ def tune_shard(graph: Graph, tuning: dict) -> dict:
 def _tune_kernels(graph: Graph, tuner, bar) -> None:
     _tune_linears(graph, tuner, bar)
     try:
-        _tune_decode_attention(graph, tuner, bar)
+        _tune_attention(graph, tuner, bar)
     except Exception as e:  # noqa: BLE001 - an optional choice: the kernel's defaults still run
-        log.warning("decode attention tuning failed (%s: %s); the default launch is kept", type(e).__name__, e)
+        log.warning("attention tuning failed (%s: %s); the default launch is kept", type(e).__name__, e)
 
 
-def _tune_decode_attention(graph: Graph, tuner, bar) -> None:
-    """Choose the decode attention launch (key tile, pipeline depth, warps: attention.DECODE_TILE_CANDIDATES) for
-    each attention shape of the graph, timed on two steps summed: one sequence of 512 keys (batch-1 decode)
-    and 64 of 1,024 (a large batch), with the splits the runtime's CUDA graphs use. One choice serves
-    every batch, so a sequence's sums do not depend on its batch. Quantized caches keep the defaults."""
-    from llmc.codegen.attention import DECODE_TILE_CANDIDATES, paged_attention
+def _tune_attention(graph: Graph, tuner, bar) -> None:
+    """Choose the attention launches of each attention shape of the graph (bf16/f16/f32 caches; quantized ones
+    keep the defaults). One choice serves every batch, so a sequence's sums do not depend on its batch.
+
+    - decode (key tile, pipeline depth, warps: attention.DECODE_TILE_CANDIDATES), timed on two steps summed:
+      one sequence of 512 keys (batch-1 decode) and 64 of 1,024 (a large batch), with the splits the
+      runtime's CUDA graphs use;
+    - prefill (query and key tiles, depth, warps: attention.PREFILL_TILE_CANDIDATES), timed on a fresh
+      2,048-token prompt plus four 512-token chunks over 1,024 keys (a mixed step's decodes run on the
+      decode kernel)."""
+    from llmc.codegen.attention import DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES, paged_attention
     from llmc.codegen.lower import _tname, attention_types, decode_tiles_key_of
     max_len = int(graph.meta.get("max_position_embeddings") or 4096)
     seen = set()
@@ -332,24 +338,36 @@ def _tune_decode_attention(graph: Graph, tuner, bar) -> None:
         if key in seen or kd not in ("float16", "bfloat16", "float32") or qd != kd:
             continue
         seen.add(key)
-        bar.step(f"tuning decode attention ({Hq} heads over {Hkv}, {D} wide)")
-        dtype, bs, g = getattr(torch, qd), 16, torch.Generator(device="cuda").manual_seed(0)
-        steps = []
-        for seqs, ctx in ((1, 512), (64, 1024)):
-            per = ctx // bs
-            kv = torch.randn(2, seqs * per + 1, bs, Hkv, D, device="cuda", generator=g).to(dtype)
-            tables = torch.randperm(seqs * per, device="cuda", generator=g).to(torch.int32).view(seqs, per)
-            steps.append((torch.randn(seqs, Hq, D, device="cuda", generator=g).to(dtype), kv,
-                          torch.arange(seqs + 1, device="cuda", dtype=torch.int32),
-                          torch.full((seqs,), ctx, device="cuda", dtype=torch.int32), tables,
-                          torch.empty(seqs, Hq, D, device="cuda", dtype=dtype)))
+        bar.step(f"tuning attention ({Hq} heads over {Hkv}, {D} wide)")
+        dtype, window = getattr(torch, qd), int(n.attrs["window"])
+        g = torch.Generator(device="cuda").manual_seed(0)
 
-        def bench(cfg):
-            for qq, kv, qsl, lens, tables, out in steps:
-                paged_attention(qq, kv, qsl, lens, tables, D ** -0.5, True, int(n.attrs["window"]), None,
-                                max_seqlen_q=1, max_seqlen_k=max_len, out=out, decode_tiles=cfg)
-        tuner.choose(key, "decode", DECODE_TILE_CANDIDATES, bench)
-        del steps
+        def attend(steps, **kw):  # the step's lengths given: no host sync, so the tuner times a CUDA graph
+            for (qq, kv, qsl, lens, tables, out), (new, ctx) in steps:
+                paged_attention(qq, kv, qsl, lens, tables, D ** -0.5, True, window, None, out=out,
+                                max_seqlen_q=max(new), max_seqlen_k=max(ctx), **kw)
+        decode = [(_attention_step(g, [1] * seqs, [ctx] * seqs, Hq, Hkv, D, dtype), ([1], [max_len]))
+                  for seqs, ctx in ((1, 512), (64, 1024))]
+        tuner.choose(key, "decode", DECODE_TILE_CANDIDATES, lambda cfg: attend(decode, decode_tiles=cfg))
+        del decode
+        prefill = [(_attention_step(g, new, ctx, Hq, Hkv, D, dtype), (new, ctx))
+                   for new, ctx in (([2048], [2048]), ([512] * 4, [1024] * 4))]
+        tuner.choose(decode_tiles_key_of(n, "prefill"), "prefill", PREFILL_TILE_CANDIDATES,
+                     lambda cfg: attend(prefill, prefill_tiles=cfg))
+        del prefill
+
+
+def _attention_step(g, new: list[int], ctx: list[int], Hq: int, Hkv: int, D: int, dtype, bs: int = 16) -> tuple:
+    """One attention step's inputs on the GPU: sequence i has `new[i]` new tokens at the end of `ctx[i]` keys
+    (q, kv_cache, query_start_loc, seq_lens, block_tables, out), its blocks scattered over the cache."""
+    per = max(-(-c // bs) for c in ctx)
+    seqs, T = len(new), sum(new)
+    kv = torch.randn(2, seqs * per + 1, bs, Hkv, D, device="cuda", generator=g).to(dtype)
+    tables = torch.randperm(seqs * per, device="cuda", generator=g).to(torch.int32).view(seqs, per)
+    qsl = torch.tensor([0, *itertools.accumulate(new)], device="cuda", dtype=torch.int32)
+    return (torch.randn(T, Hq, D, device="cuda", generator=g).to(dtype), kv, qsl,
+            torch.tensor(ctx, device="cuda", dtype=torch.int32), tables,
+            torch.empty(T, Hq, D, device="cuda", dtype=dtype))
 
 
 def _tune_linears(graph: Graph, tuner, bar, device: str = "cuda") -> None:

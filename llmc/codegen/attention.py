@@ -230,10 +230,17 @@ DECODE_TILE_CANDIDATES = [dict(BLOCK_N=n, num_stages=st, num_warps=w)
                                            (128, 3, 8))]
 
 
+# prefill kernel launches the compile times per attention shape (the first: the default): query tiles of
+# 64 or 128 rows (tokens x the group's heads), key tiles of 32 to 128, more warps for the larger tiles
+PREFILL_TILE_CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_stages=st, num_warps=w)
+                           for m, n, st, w in ((64, 32, 2, 4), (64, 64, 2, 4), (64, 64, 3, 4), (128, 32, 2, 8),
+                                               (128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (64, 128, 2, 8))]
+
+
 def decode_tiles_key(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: str, kv_dtype: str,
-                     window: bool) -> str:
-    """The tuning record's key of a decode attention launch (tuning.json, bucket "decode")."""
-    return f"paged_attention_decode:d{head_dim}:hq{num_q_heads}:hkv{num_kv_heads}:{dtype}:{kv_dtype}" + \
+                     window: bool, mode: str = "decode") -> str:
+    """The tuning record's key of a decode (or prefill) attention launch (tuning.json, bucket `mode`)."""
+    return f"paged_attention_{mode}:d{head_dim}:hq{num_q_heads}:hkv{num_kv_heads}:{dtype}:{kv_dtype}" + \
         (":window" if window else "")
 
 
@@ -256,7 +263,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     window: int = 0, kv_scale: torch.Tensor | None = None, max_seqlen_q: int | None = None,
                     max_seqlen_k: int | None = None, *, block_m: int = 0, block_n: int = 0,
                     partition_size: int | None = None, out: torch.Tensor | None = None,
-                    decode_tiles: dict | None = None) -> torch.Tensor:
+                    decode_tiles: dict | None = None, prefill_tiles: dict | None = None) -> torch.Tensor:
     """Attention of the new tokens over their sequences' whole context, read from the paged cache.
 
     The cache must already hold the new K/V (`rope_kv_write` ran first). The new tokens of
@@ -278,6 +285,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             split override (a multiple of the key tile; keep it fixed under CUDA graphs).
         decode_tiles: the decode kernel's launch, as tuned (`DECODE_TILE_CANDIDATES`): {"BLOCK_N",
             "num_stages", "num_warps"}; block_n, if given, still wins. None: the spec's defaults.
+        prefill_tiles: the prefill kernel's launch, as tuned (`PREFILL_TILE_CANDIDATES`): {"BLOCK_M",
+            "BLOCK_N", "num_stages", "num_warps"}; block_m / block_n, if given, still win.
         out: a contiguous [T, Hq, D] tensor for the result; allocated when None.
 
     Returns:
@@ -312,12 +321,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     base = dict(head_dim=D, num_q_heads=Hq, num_kv_heads=Hkv, block_size=BS, dtype=dtype_name(q.dtype),
                 kv_dtype=dtype_name(kv_cache.dtype), sliding_window=window > 0, block_n=block_n)
     if mode == "prefill":
+        launch = dict(num_warps=4, num_stages=2)
+        if prefill_tiles:
+            launch = dict(num_warps=prefill_tiles["num_warps"], num_stages=prefill_tiles["num_stages"])
+            block_m, base["block_n"] = block_m or prefill_tiles["BLOCK_M"], block_n or prefill_tiles["BLOCK_N"]
         spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m)
         c = spec.constexprs()
         grid = (_cdiv(max_seqlen_q, c["BLOCK_Q"]), N, Hkv)
-        _module(spec).paged_attention_prefill_kernel[grid](
-            out, *tensors, *strides, qk_scale, window,
-            **c, num_warps=4, num_stages=2)
+        _module(spec).paged_attention_prefill_kernel[grid](out, *tensors, *strides, qk_scale, window, **c, **launch)
         return out
     # decode: the one query sits at the last position, so causal masks nothing
     if max_seqlen_k is None:

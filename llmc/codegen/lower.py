@@ -11,6 +11,7 @@ the eager path keeps one that grows.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -336,22 +337,25 @@ class Plan:
     def _attend(self, q, cache, qsl, lens, tables, kv_scale, attrs, h, out=None, tiles=None):
         from llmc.codegen.attention import paged_attention
         _, H, T, D = q.shape
+        decode, prefill = tiles or (None, None)
         out = paged_attention(q[0].transpose(0, 1), cache, qsl, lens, tables, attrs["scale"], attrs["causal"],
                               attrs["window"], kv_scale, max_seqlen_q=h.get("max_seqlen_q"),
                               max_seqlen_k=h.get("max_seqlen_k"), partition_size=h.get("partition_size"),
-                              out=None if out is None else out.view(T, H, D), decode_tiles=tiles)
+                              out=None if out is None else out.view(T, H, D), decode_tiles=decode,
+                              prefill_tiles=prefill)
         return out.transpose(0, 1).unsqueeze(0)
 
-    def _decode_tiles(self, n) -> dict | None:
-        """The decode attention launch tuning.json chose for this node's shape (compiler._tune_decode_attention),
-        or None: the kernel's defaults."""
+    def _attention_tiles(self, n) -> tuple[dict | None, dict | None]:
+        """The decode and prefill attention launches tuning.json chose for this node's shape
+        (compiler._tune_attention); None for either: the kernel's defaults."""
         if self.tuner is None:
-            return None
-        rec = self.tuner.lookup(decode_tiles_key_of(n), "decode")
-        return dict(rec.config) if rec is not None else None
+            return None, None
+        modes = ("decode", "prefill") if os.environ.get("LLMC_PREFILL_TILES", "1") != "0" else ("decode",)
+        recs = [self.tuner.lookup(decode_tiles_key_of(n, mode), mode) for mode in modes] + [None]
+        return tuple(dict(rec.config) if rec is not None else None for rec in recs[:2])
 
     def _op_attend_paged(self, n):
-        attrs, tiles = n.attrs, self._decode_tiles(n)
+        attrs, tiles = n.attrs, self._attention_tiles(n)
 
         def fn(x, h, outs=None):
             return self._attend(x[0], x[1], x[2], x[3], x[4], x[5] if len(x) > 5 else None, attrs, h,
@@ -360,7 +364,7 @@ class Plan:
 
     def _op_paged_attention(self, n):
         from llmc.codegen.attention import rope_kv_write
-        attrs, tiles = n.attrs, self._decode_tiles(n)
+        attrs, tiles = n.attrs, self._attention_tiles(n)
 
         def fn(x, h, outs=None):
             # the unfused form: the write kernel with an identity rotation (cos 1, sin 0) puts k and v
@@ -459,12 +463,13 @@ def attention_types(n: Node):
     return n.inputs[0].type, n.inputs[1 if n.op == "attend_paged" else 3].type
 
 
-def decode_tiles_key_of(n: Node) -> str:
-    """The tuning key of an attention node's decode launch (attention.decode_tiles_key from its IR types)."""
+def decode_tiles_key_of(n: Node, mode: str = "decode") -> str:
+    """The tuning key of an attention node's decode (or prefill) launch (attention.decode_tiles_key from its IR
+    types)."""
     from llmc.codegen.attention import decode_tiles_key
     q, cache = attention_types(n)
     return decode_tiles_key(int(q.shape[3]), int(q.shape[1]), int(cache.shape[3]), _tname(q.dtype),
-                            _tname(cache.dtype), bool(n.attrs["window"]))
+                            _tname(cache.dtype), bool(n.attrs["window"]), mode)
 
 
 def _static_spec(n: Node, block_size: int):

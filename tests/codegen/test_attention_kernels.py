@@ -47,8 +47,8 @@ def _interpreted_here() -> bool:
 
 INTERPRETED = _interpreted_here()
 
-from llmc.codegen.attention import (DECODE_TILE_CANDIDATES, PagedAttentionSpec, RopeKVWriteSpec,  # noqa: E402
-                                    decode_partition, dtype_name, paged_attention, rope_kv_write)
+from llmc.codegen.attention import (DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES, PagedAttentionSpec,  # noqa: E402
+                                    RopeKVWriteSpec, decode_partition, dtype_name, paged_attention, rope_kv_write)
 from llmc.codegen.kernels import load  # noqa: E402
 from llmc.ir.ops import _rope_ref  # noqa: E402
 from llmc.ir.paged_attention import QMAX, _read, _to_q, _write, paged_attention_ref, scale_width  # noqa: E402
@@ -250,6 +250,16 @@ def test_prefill_default_tiles():
     """The spec's own tile choice (64 x 64) on a case where one tile covers several sequences' rows."""
     c = make_case([5, 40], [2, 33], 4, 1, 16, 8, torch.float16, seed=11)
     run_attention(c)
+
+
+@pytest.mark.parametrize("tiles", PREFILL_TILE_CANDIDATES,
+                         ids=lambda t: f"m{t['BLOCK_M']}-n{t['BLOCK_N']}-s{t['num_stages']}-w{t['num_warps']}")
+def test_prefill_tuned_launches(tiles):
+    """Every prefill launch the compile may choose (attention.PREFILL_TILE_CANDIDATES): a chunk of 150 new tokens
+    after 150 cached (whole key tiles left of each query tile run unmasked), a decode row beside it, and a fresh
+    prompt of 140 (a ragged last tile)."""
+    c = make_case([300, 9, 140], [150, 1, 140], 4, 2, 32, 16, torch.float16, seed=12)
+    run_attention(c, prefill_tiles=tiles)
 
 
 # --------------------------------------------------------------------------------------------- decode

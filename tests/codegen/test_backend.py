@@ -116,9 +116,9 @@ def test_bf16_generated_kernels_give_hf_bf16_tokens(stable_bf16):
     assert greedy(art, "triton-interpret", ids[:2], 12) == [w[:12] for w in want[:2]]
 
 
-def test_plan_launches_decode_attention_as_tuning_json_chose(llama_artifact, monkeypatch):
-    """A record under the attention shape's key (bucket "decode") reaches the kernel's launch; with none, the
-    kernel keeps its defaults."""
+def test_plan_launches_attention_as_tuning_json_chose(llama_artifact, monkeypatch):
+    """Records under the attention shape's keys (buckets "decode" and "prefill") reach the kernel's launch; with
+    none, the kernel keeps its defaults; LLMC_PREFILL_TILES=0 keeps the prefill default."""
     import torch
 
     import llmc.codegen.attention as attention
@@ -127,18 +127,25 @@ def test_plan_launches_decode_attention_as_tuning_json_chose(llama_artifact, mon
     g = llama_artifact.graph
     n = next(n for n in g.nodes if n.op in ("attend_paged", "paged_attention"))
     q, cache = attention_types(n)
-    key = attention.decode_tiles_key(int(q.shape[3]), int(q.shape[1]), int(cache.shape[3]), _tname(q.dtype),
-                                     _tname(cache.dtype), bool(n.attrs["window"]))
-    cfg = {"BLOCK_N": 64, "num_stages": 3, "num_warps": 8}
-    rec = {"config": cfg, "triton_ms": 1.0, "cublas_ms": None, "prefer_cublas": False}
-    assert Plan(g, "meta", Tuner({key: {"decode": rec}}, None))._decode_tiles(n) == cfg
-    assert Plan(g, "meta", Tuner({}, None))._decode_tiles(n) is None and Plan(g, "meta")._decode_tiles(n) is None
+    keys = {mode: attention.decode_tiles_key(int(q.shape[3]), int(q.shape[1]), int(cache.shape[3]), _tname(q.dtype),
+                                             _tname(cache.dtype), bool(n.attrs["window"]), mode)
+            for mode in ("decode", "prefill")}
+    cfg = {"decode": {"BLOCK_N": 64, "num_stages": 3, "num_warps": 8},
+           "prefill": {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2, "num_warps": 8}}
+    records = {keys[m]: {m: {"config": cfg[m], "triton_ms": 1.0, "cublas_ms": None, "prefer_cublas": False}}
+               for m in keys}
+    assert Plan(g, "meta", Tuner(records, None))._attention_tiles(n) == (cfg["decode"], cfg["prefill"])
+    assert Plan(g, "meta", Tuner({}, None))._attention_tiles(n) == (None, None)
+    assert Plan(g, "meta")._attention_tiles(n) == (None, None)
+    monkeypatch.setenv("LLMC_PREFILL_TILES", "0")
+    assert Plan(g, "meta", Tuner(records, None))._attention_tiles(n) == (cfg["decode"], None)
+    monkeypatch.delenv("LLMC_PREFILL_TILES")
     seen = []
-    monkeypatch.setattr(attention, "paged_attention", lambda *a, **kw: seen.append(kw["decode_tiles"]) or
-                        torch.zeros(a[0].shape))
-    plan = Plan(g, "cpu", Tuner({key: {"decode": rec}}, None))
+    monkeypatch.setattr(attention, "paged_attention", lambda *a, **kw: seen.append(
+        (kw["decode_tiles"], kw["prefill_tiles"])) or torch.zeros(a[0].shape))
+    plan = Plan(g, "cpu", Tuner(records, None))
     step = next(s for s in plan.steps if s.node is n)
     T, H, D = 1, int(q.shape[1]), int(q.shape[3])
     x = [torch.zeros(1, H, T, D)] + [torch.zeros(1)] * 8
     step.fn(x, {"max_seqlen_q": 1, "max_seqlen_k": 64})
-    assert seen == [cfg]
+    assert seen == [(cfg["decode"], cfg["prefill"])]

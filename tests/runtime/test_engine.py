@@ -335,7 +335,7 @@ def test_optional_tuning_that_fails_leaves_the_defaults_and_the_compile_goes_on(
     def fail(*a, **kw):
         raise RuntimeError("no such launch")
     monkeypatch.setattr(compiler, "_tune_linears", lambda *a: None)
-    monkeypatch.setattr(compiler, "_tune_decode_attention", fail)
+    monkeypatch.setattr(compiler, "_tune_attention", fail)
     with caplog.at_level(logging.WARNING, logger="llmc.compiler"):
         compiler._tune_kernels(llama_artifact.graph, None, SimpleBar())
-    assert "decode attention tuning failed (RuntimeError: no such launch)" in caplog.text
+    assert "attention tuning failed (RuntimeError: no such launch)" in caplog.text
