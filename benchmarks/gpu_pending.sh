@@ -23,6 +23,13 @@
 #   LAYOUTS=1x1,2x1s,2x1 bash benchmarks/gpu_pending.sh OUT parallel   # issue 16: TP=2 overlapped steps off / on
 #   bash benchmarks/gpu_pending.sh OUT ncu-int4       # issue 14: the int4 qlinear kernel at batch 1 under Nsight
 #                                                     #   Compute (stall reasons, issue rate, bandwidth): gate_up, down
+#   bash benchmarks/gpu_pending.sh OUT profile-mixed  # issue 20: where the mixed workload's GPU time goes
+#                                                     #   (TOOLS/llmc_profile.py, TOOLS default ../shared/tools; SHAPES
+#                                                     #   default 8b; N requests)
+#   bash benchmarks/gpu_pending.sh OUT attention      # issue 20: paged attention launches against the bounds
+#                                                     #   (benchmarks/attention_bench.py; SHAPES, default "8b 1b")
+#   bash benchmarks/gpu_pending.sh OUT ab-mixed       # issue 20: TTFT and mixed workload with VAR=0 and =1 alternating
+#                                                     #   (default LLMC_PREFILL_TILES)
 #   bash benchmarks/gpu_pending.sh OUT compile-cold   # issue 20: a cold 8B compile (empty Triton and llmc caches),
 #                                                     #   candidates warmed up on threads, then with LLMC_TUNE_THREADS=0
 #
@@ -160,6 +167,38 @@ shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_grap
             python3 benchmarks/multi_step_bench.py --shape "${SHAPE:-8b}" --modes 1-sync,1,1-sync,1 --n 128 \
                 --artifact "/tmp/art-${SHAPE:-8b}.llmc" --out "$OUT" >"$OUT/overlap.log" 2>&1
             tail -6 "$OUT/overlap.log" ;;
+        profile-mixed)
+            rm -rf /tmp/tmp*
+            for shape in ${SHAPES:-8b}; do
+                python3 "${TOOLS:-../shared/tools}/llmc_profile.py" --shape $shape --n ${N:-128} \
+                    >"$OUT/profile_mixed_$shape.log" 2>&1
+                grep -v Writing "$OUT/profile_mixed_$shape.log" | tail -40
+            done ;;
+        attention)
+            for shape in ${SHAPES:-8b 1b}; do
+                python3 benchmarks/attention_bench.py --shape $shape --out "$OUT" >"$OUT/attention_$shape.log" 2>&1
+                grep -E 'sdpa' "$OUT/attention_$shape.log"; sed -n '/best llmc launch/,$p' "$OUT/attention_$shape.log"
+            done ;;
+        ab-mixed)
+            rm -rf /tmp/tmp*
+            python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import shared_artifact; \
+art = shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc'); print('compile phases', \
+{k: round(v, 1) for k, v in (getattr(art, 'compile_timings', None) or {}).items()})" >"$OUT/ab_mixed.log" 2>&1
+            grep "compile" "$OUT/ab_mixed.log" | grep -v Writing | tail -2
+            python3 -c "import json; k = json.load(open('/tmp/art-${SHAPE:-8b}.llmc/tuning.json'))['kernels']; \
+print({n: b for n, b in k.items() if n.startswith('paged_attention')}); print('token_budget', \
+json.load(open('/tmp/art-${SHAPE:-8b}.llmc/tuning.json')).get('token_budget'))" | tee -a "$OUT/ab_mixed.log"
+            var=${VAR:-LLMC_PREFILL_TILES}
+            for v in 0 1 0 1; do
+                for w in prefill mixed; do
+                    env $var=$v python3 -m llmc bench "/tmp/art-${SHAPE:-8b}.llmc" --workload $w \
+                        --num-requests $([ $w = mixed ] && echo "128 --max-num-seqs 128" || echo 5) --json \
+                        >"$OUT/ab_${w}_$v.json" 2>>"$OUT/ab_mixed.log"
+                    python3 -c "import json; d = json.load(open('$OUT/ab_${w}_$v.json')); \
+print('$var=$v $w', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'itl_ms_p50', 'gpu_busy')})" \
+                        | tee -a "$OUT/ab_mixed.log"
+                done
+            done ;;
         verify)
             python3 benchmarks/verify_bench.py --gb 16 --out "$OUT" >"$OUT/verify.log" 2>&1
             tail -4 "$OUT/verify.log" ;;
@@ -167,6 +206,6 @@ shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_grap
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap)" ;;
     esac
 done

@@ -1,0 +1,122 @@
+"""Paged attention kernels on the GPU against their hardware bounds, every launch the compile may choose.
+
+Decode (one new token per sequence): microseconds per call and the K/V bytes read per second, as a share of
+the device's copy bandwidth. Prefill (new tokens over cached context): TFLOP/s of the causal work done
+(4 D Hq per visible key and query), beside torch's SDPA on the same fresh prompt in a contiguous layout; each
+launch's largest difference from SDPA's output (fresh prompt) or from the default launch's (the other cases).
+
+    python3 benchmarks/attention_bench.py --shape 8b --out OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from llmc.codegen.attention import DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES, paged_attention  # noqa: E402
+from llmc.codegen.autotune import gpu_time_ms  # noqa: E402
+from llmc.compiler import _attention_step  # noqa: E402
+
+SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}  # Hq, Hkv, D
+DECODE_CASES = [(1, 512), (1, 4096), (16, 1024), (64, 1024), (128, 1024), (64, 4096)]
+PREFILL_CASES = {  # name: (new tokens per sequence, context per sequence)
+    "fresh 2048": ([2048], [2048]),
+    "4 chunks of 512 over 1024": ([512] * 4, [1024] * 4),
+    "mixed: 32 decodes + 2 x 512 over 1024": ([1] * 32 + [512, 512], [1024] * 34),
+}
+
+
+def timed(fn) -> float:
+    """Microseconds per call of `fn` replayed as a CUDA graph (the tuner's timing: no launch overhead)."""
+    return gpu_time_ms(fn) * 1e3
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 2 GiB device-to-device copy (read + write), ten copies back to back (a graph
+    replay of so long a copy times less than the copy itself)."""
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    end.synchronize()
+    return 2 * 10 * a.numel() / (start.elapsed_time(end) * 1e-3)
+
+
+def label(cfg: dict) -> str:
+    return "/".join(f"{k.removeprefix('BLOCK_').removeprefix('num_')[0].lower()}{v}" for k, v in cfg.items())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    Hq, Hkv, D = SHAPES[a.shape]
+    dtype, g = torch.bfloat16, torch.Generator(device="cuda").manual_seed(0)
+    bw = copy_bandwidth()
+    rows = []
+    print(f"# {a.shape}: {Hq} q heads over {Hkv}, {D} wide, bf16; {torch.cuda.get_device_name()}, "
+          f"copy {bw / 1e12:.2f} TB/s")
+    for seqs, ctx in DECODE_CASES:
+        q, kv, qsl, lens, tables, out = _attention_step(g, [1] * seqs, [ctx] * seqs, Hq, Hkv, D, dtype)
+        kv_bytes = seqs * ctx * Hkv * D * 2 * kv.element_size()
+        for cfg in [None, *DECODE_TILE_CANDIDATES]:
+            us = timed(lambda: paged_attention(q, kv, qsl, lens, tables, D ** -0.5, max_seqlen_q=1,
+                                               max_seqlen_k=4096, out=out, decode_tiles=cfg))
+            rows.append(dict(kind="decode", case=f"{seqs} x {ctx}", launch=label(cfg) if cfg else "default", us=us,
+                             of_bandwidth=kv_bytes / (us * 1e-6) / bw))
+        del kv
+    for name, (new, ctx) in PREFILL_CASES.items():
+        q, kv, qsl, lens, tables, out = _attention_step(g, new, ctx, Hq, Hkv, D, dtype)
+        flops = 4 * D * Hq * sum(sum(c - n + i + 1 for i in range(n)) for n, c in zip(new, ctx))
+        lengths = dict(max_seqlen_q=max(new), max_seqlen_k=max(ctx))
+        want = None
+        if name.startswith("fresh"):  # torch's SDPA on the same keys, gathered out of the cache: time and values
+            S = new[0]
+            qq = q.transpose(0, 1)[None]
+            kk, vv = (kv[i][tables[0].long()].reshape(-1, Hkv, D)[:S].transpose(0, 1)[None].contiguous()
+                      for i in (0, 1))
+            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                qq, kk, vv, is_causal=True, enable_gqa=True)
+            want = sdpa()[0].transpose(0, 1)
+            us = timed(sdpa)
+            rows.append(dict(kind="prefill", case=name, launch="torch sdpa (contiguous)", us=us,
+                             tflops=flops / (us * 1e-6) / 1e12))
+        for cfg in [None, *PREFILL_TILE_CANDIDATES]:
+            run = lambda: paged_attention(q, kv, qsl, lens, tables, D ** -0.5, out=out,  # noqa: E731
+                                          prefill_tiles=cfg, **lengths)
+            us = timed(run)
+            run()
+            want = out.clone() if want is None else want
+            rows.append(dict(kind="prefill", case=name, launch=label(cfg) if cfg else "default", us=us,
+                             tflops=flops / (us * 1e-6) / 1e12, max_err=float((out - want).abs().max())))
+        del kv
+    for r in rows:
+        fig = f"{r['of_bandwidth']:6.1%} of copy BW" if r["kind"] == "decode" else f"{r['tflops']:6.1f} TFLOP/s"
+        err = f"  max |diff| {r['max_err']:.4f}" if "max_err" in r else ""
+        print(f"{r['kind']:8s} {r['case']:40s} {r['launch']:26s} {r['us']:9.1f} us  {fig}{err}")
+    best = {}
+    for r in rows:
+        k = (r["kind"], r["case"])
+        if not r["launch"].startswith("torch") and (k not in best or r["us"] < best[k]["us"]):
+            best[k] = r
+    print("\n# best llmc launch per case")
+    for (kind, case), r in best.items():
+        default = next(x for x in rows if (x["kind"], x["case"]) == (kind, case) and x["launch"] == "default")
+        print(f"{kind:8s} {case:40s} {r['launch']:26s} {r['us']:9.1f} us  x{default['us'] / r['us']:.2f} default")
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / f"attention_bench_{a.shape}.json").write_text(json.dumps(dict(copy_bw=bw, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
