@@ -19,8 +19,9 @@ under the interpreter the first (default) candidate is returned untimed and noth
 so a CPU compile never writes choices it did not measure.
 The cuBLAS time is kept beside the best Triton time so the lowering can keep cuBLAS where it wins.
 
-A cold tuning spends most of its time compiling the candidates (about a second each), not timing
-them: `warm_up` first runs every candidate once on threads, so that they compile in parallel.
+A cold tuning compiles its candidates (about a second each) and times them: `warm_up` first runs every
+candidate once on threads, so that they compile in parallel, and `gpu_time_ms` times each in a few
+milliseconds of CUDA graph replays.
 """
 from __future__ import annotations
 
@@ -91,19 +92,64 @@ def can_time() -> bool:
     return _device_name() is not None and not interpreting()
 
 
+GRAPH_MS = 2.0  # GPU time of one timed replay
+REPLAYS = 5
+MAX_CALLS = 256
+
+
 def gpu_time_ms(fn: Callable[[], Any]) -> float:
     """Milliseconds per call of `fn` replayed as a CUDA graph, as the runtime replays decode steps.
 
-    Plain `do_bench` times Python launch overhead too (tens of microseconds, as long as a decode
-    linear itself), which would make every tile look alike; it is the fallback when `fn` cannot be
+    The graph holds as many calls as take about GRAPH_MS on the GPU (at most MAX_CALLS), and the median of
+    REPLAYS replays is the time. Plain `do_bench` times Python launch overhead too (tens of microseconds,
+    as long as a decode linear itself), which would make every tile look alike; triton's
+    `do_bench_cudagraph` sizes its graph from that eager time and replays it ten times, about 0.2 s a
+    candidate, most of a warm compile's tuning. Eager `do_bench` is the fallback when `fn` cannot be
     captured.
     """
-    from triton.testing import do_bench, do_bench_cudagraph
+    from triton.testing import do_bench
     try:
-        return float(do_bench_cudagraph(fn, rep=20, return_mode="median"))
+        return _graph_time_ms(fn)
     except Exception as e:
         log.debug("autotune: CUDA graph timing failed (%s), timing eagerly", e)
         return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def _graph_time_ms(fn: Callable[[], Any], graph_ms: float = GRAPH_MS, replays: int = REPLAYS) -> float:
+    import torch
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # allocations and first-launch work outside the graphs
+    stream.synchronize()
+
+    def graph_of(calls: int):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(calls):
+                fn()
+        return g
+
+    def replayed_ms(g, times: int) -> list[float]:
+        out = []
+        for _ in range(times):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            g.replay()
+            end.record(stream)
+            end.synchronize()
+            out.append(start.elapsed_time(end))
+        return out
+
+    with torch.cuda.stream(stream):
+        one = graph_of(1)
+        estimate = sorted(replayed_ms(one, 3))[1]
+        del one
+        calls = max(1, min(MAX_CALLS, int(graph_ms / max(estimate, 1e-4))))
+        many = graph_of(calls)
+        times = sorted(t / calls for t in replayed_ms(many, replays))
+        del many
+    return float(times[len(times) // 2])
 
 
 def tune_threads() -> int:
