@@ -30,6 +30,8 @@
 #                                                     #   (benchmarks/attention_bench.py; SHAPES, default "8b 1b")
 #   bash benchmarks/gpu_pending.sh OUT ab-mixed       # issue 20: TTFT and mixed workload with VAR=0 and =1 alternating
 #                                                     #   (default LLMC_PREFILL_TILES)
+#   bash benchmarks/gpu_pending.sh OUT budget         # issue 20: a compile's phases, decode and TTFT, then the mixed
+#                                                     #   workload at the measured token budget and at TOKENS (2048)
 #   bash benchmarks/gpu_pending.sh OUT compile-cold   # issue 20: a cold 8B compile (empty Triton and llmc caches),
 #                                                     #   candidates warmed up on threads, then with LLMC_TUNE_THREADS=0
 #
@@ -199,6 +201,27 @@ print('$var=$v $w', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'itl_ms_p
                         | tee -a "$OUT/ab_mixed.log"
                 done
             done ;;
+        budget)
+            rm -rf /tmp/tmp*
+            python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import shared_artifact; \
+art = shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc'); print('compile phases', \
+{k: round(v, 1) for k, v in (getattr(art, 'compile_timings', None) or {}).items()})" >"$OUT/budget.log" 2>&1
+            grep "compile" "$OUT/budget.log" | grep -v Writing | tail -2
+            cp "/tmp/art-${SHAPE:-8b}.llmc/tuning.json" "$OUT/budget_tuning.json"
+            for w in decode prefill; do
+                python3 -m llmc bench "/tmp/art-${SHAPE:-8b}.llmc" --workload $w --json >"$OUT/budget_$w.json" \
+                    2>>"$OUT/budget.log"
+            done
+            for t in default ${TOKENS:-2048} default ${TOKENS:-2048}; do
+                python3 -m llmc bench "/tmp/art-${SHAPE:-8b}.llmc" --workload mixed --num-requests 128 --max-num-seqs 128 \
+                    $([ $t = default ] || echo "--max-num-batched-tokens $t") --json >"$OUT/budget_mixed_$t.json" \
+                    2>>"$OUT/budget.log"
+                python3 -c "import json; d = json.load(open('$OUT/budget_mixed_$t.json')); \
+print('mixed tokens=$t', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttft_ms_p99', 'itl_ms_p50', 'itl_ms_p99', \
+'gpu_busy')})" | tee -a "$OUT/budget.log"
+            done
+            python3 -c "import json; [print(w, {k: json.load(open('$OUT/budget_' + w + '.json')).get(k) for k in \
+('out_tok_s', 'ttft_ms_p50', 'itl_ms_p50')}) for w in ('decode', 'prefill')]" | tee -a "$OUT/budget.log" ;;
         verify)
             python3 benchmarks/verify_bench.py --gb 16 --out "$OUT" >"$OUT/verify.log" 2>&1
             tail -4 "$OUT/verify.log" ;;
@@ -206,6 +229,6 @@ print('$var=$v $w', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'itl_ms_p
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap)" ;;
     esac
 done
