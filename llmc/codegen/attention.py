@@ -224,13 +224,10 @@ class PagedAttentionSpec(KernelSpec):
 
 # decode kernel launches the compile times per attention shape (the first: the default for 128-dim heads):
 # key tiles of 32 to 128 keys (256-key partitions hold a whole number of each, so a sequence's splits,
-# and its sums' batch independence, stay as they are), deeper load pipelines, more warps for larger tiles;
-# and partitions of 64 or 128 keys (PARTITION), whose extra splits put more programs on the GPU where few
-# sequences decode (one sequence of a few hundred keys is otherwise 2 or 3 programs per kv head)
+# and its sums' batch independence, stay as they are), deeper load pipelines, more warps for larger tiles
 DECODE_TILE_CANDIDATES = [dict(BLOCK_N=n, num_stages=st, num_warps=w)
                           for n, st, w in ((32, 2, 4), (32, 3, 4), (64, 2, 4), (64, 3, 4), (64, 3, 8), (128, 2, 8),
-                                           (128, 3, 8))] + \
-    [dict(BLOCK_N=n, num_stages=2, num_warps=4, PARTITION=p) for n, p in ((64, 128), (64, 64), (32, 64))]
+                                           (128, 3, 8))]
 
 
 # prefill kernel launches the compile times per attention shape (the first: the default): query tiles of
@@ -247,11 +244,7 @@ def decode_tiles_key(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: 
         (":window" if window else "")
 
 
-MIN_PARTITION = 256
-
-
-def decode_partition(max_seqlen_k: int, block_n: int, min_partition: int = MIN_PARTITION,
-                     max_splits: int = 128) -> int:
+def decode_partition(max_seqlen_k: int, block_n: int, min_partition: int = 256, max_splits: int = 128) -> int:
     """Keys per split of split-K decode: `min_partition` keys, more only past `max_splits` splits.
 
     The partition does not depend on how many sequences share the step, so neither does a
@@ -291,8 +284,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         block_m, block_n: tile overrides (0 = the spec's choice); partition_size: decode keys per
             split override (a multiple of the key tile; keep it fixed under CUDA graphs).
         decode_tiles: the decode kernel's launch, as tuned (`DECODE_TILE_CANDIDATES`): {"BLOCK_N",
-            "num_stages", "num_warps"} and optionally "PARTITION" (`decode_partition`'s `min_partition`);
-            block_n and partition_size, if given, still win. None: the spec's defaults.
+            "num_stages", "num_warps"}; block_n, if given, still wins. None: the spec's defaults.
         prefill_tiles: the prefill kernel's launch, as tuned (`PREFILL_TILE_CANDIDATES`): {"BLOCK_M",
             "BLOCK_N", "num_stages", "num_warps"}; block_m / block_n, if given, still win.
         out: a contiguous [T, Hq, D] tensor for the result; allocated when None.
@@ -346,8 +338,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         launch = dict(num_warps=decode_tiles["num_warps"], num_stages=decode_tiles["num_stages"])
         base["block_n"] = block_n or decode_tiles["BLOCK_N"]
     tile_n = PagedAttentionSpec(**base, mode="decode").tiles()[1]
-    partition = partition_size or decode_partition(max_seqlen_k, tile_n,
-                                                   (decode_tiles or {}).get("PARTITION", MIN_PARTITION))
+    partition = partition_size or decode_partition(max_seqlen_k, tile_n)
     assert partition % tile_n == 0, f"partition_size {partition} must be a multiple of the key tile {tile_n}"
     splits = _cdiv(max(max_seqlen_k, 1), partition)
     spec = PagedAttentionSpec(**base, mode="decode", split=splits > 1)

@@ -285,11 +285,10 @@ def test_decode(case, dtype):
 
 
 @pytest.mark.parametrize("tiles", DECODE_TILE_CANDIDATES,
-                         ids=lambda t: f"n{t['BLOCK_N']}-s{t['num_stages']}-w{t['num_warps']}-"
-                                       f"p{t.get('PARTITION', 256)}")
+                         ids=lambda t: f"n{t['BLOCK_N']}-s{t['num_stages']}-w{t['num_warps']}")
 def test_decode_tuned_launches(tiles):
     """Every launch the compile may choose (attention.DECODE_TILE_CANDIDATES): 600 keys in three 256-key
-    splits (or ten of 64 keys) of 32 to 128-key tiles, a one-key context, one of 300 over a 16-slot block size."""
+    splits of 32 to 128-key tiles, a one-key context, one of 300 over a 16-slot block size."""
     c = make_case([600, 1, 300], [1, 1, 1], 4, 2, 32, 16, torch.float16, seed=22)
     run_attention(c, decode_tiles=tiles)
 
@@ -299,8 +298,6 @@ def test_decode_partition_does_not_depend_on_the_batch():
     assert decode_partition(10, 16) == 256  # a short one uses only the first: one program per kv head
     assert decode_partition(1 << 20, 64) == (1 << 20) // 128  # past 128 splits the partitions grow
     assert decode_partition(100, 48) % 48 == 0
-    assert decode_partition(4096, 32, 64) == 64  # a tuned launch's smaller partitions (PARTITION)
-    assert decode_partition(1 << 20, 32, 64) == (1 << 20) // 128
 
 
 @pytest.mark.parametrize("tiles", [None, DECODE_TILE_CANDIDATES[-1]], ids=["fixed-tiles", "tuned-launch"])
