@@ -421,7 +421,7 @@ def _engine_options(seqs_help: str = "Sequences batched per step.", speculative:
         click.option("--max-num-batched-tokens", default=None, type=int,
                      help="Token budget per step (a longer prompt is computed in chunks). Default: the budget the "
                           "compile measured on the GPU (the fewest tokens at which the GEMMs reach full speed; "
-                          "`llmc inspect`), else 2048."),
+                          "`llmc inspect`), and 2048 at least for a step with no decode waiting; else 2048."),
         click.option("--block-size", default=_ENGINE.block_size, show_default=True,
                      help="KV cache slots per block (a power of two on the kernel backends)."),
         click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory)."),

@@ -16,7 +16,9 @@ A running decode may carry speculated tokens (`Sequence.spec_token_ids`, set by 
 then scheduled, and budgeted, as 1 + k tokens, all with logits (a verify entry); after the step the
 accepted prefix advances its computed tokens and blocks past them are freed (`BlockManager.trim`).
 With `enable_chunked_prefill` a prompt larger than the remaining budget is split across steps
-(only the final chunk is sampled); without it a prompt runs whole, so the config then requires
+(only the final chunk is sampled). The token budget bounds how long a step makes running decodes wait;
+a step with no decode to run (nothing past its prompt, nothing swapped out) takes `max_prefill_tokens`
+instead, where that is larger: a prompt alone runs in fewer, larger chunks. Without chunking a prompt runs whole, so the config then requires
 `max_num_batched_tokens >= max_model_len`: a recomputed sequence must always fit in one step.
 
 Prompt log-probabilities (`SamplingParams.prompt_logprobs`): position p's logits score prompt token
@@ -76,12 +78,15 @@ class SchedulerConfig:
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     max_model_len: int = 2048
     aging_steps: int | None = 64  # waited steps worth one priority level; None = strict
+    max_prefill_tokens: int | None = None  # a step with no decode to run; None = max_num_batched_tokens
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise ValueError(
                 "max_num_seqs and max_num_batched_tokens must be >= 1, max_model_len >= 2"
             )
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
@@ -291,6 +296,8 @@ class Scheduler:
         decodes, prefills = [], []
         for s in self.running:
             (prefills if s.is_prefill else decodes).append(s)
+        if not decodes and not self.swapped:  # no decode waits on this step: it may take more tokens
+            budget = max(budget, self.config.max_prefill_tokens or 0)
         for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING or seq.ends_in_flight:
                 continue  # preempted earlier in this loop, or ending with the token the device computes

@@ -219,7 +219,8 @@ def test_decode_graph_inputs_match_build_inputs(llama_artifact):
 
 def test_the_token_budget_is_the_one_the_compile_measured(llama_artifact):
     """max_num_batched_tokens left unset: the artifact's measured budget (tuning.json "token_budget"), at least
-    max_num_seqs; 2048 where none was measured (a CPU compile); an explicit value always wins."""
+    max_num_seqs, and 2048 at least for a step with no decode; 2048 where none was measured (a CPU compile); an
+    explicit value always wins, for every step."""
     import copy
 
     from llmc.compiler import choose_token_budget
@@ -233,10 +234,11 @@ def test_the_token_budget_is_the_one_the_compile_measured(llama_artifact):
     art.tuning = {**llama_artifact.tuning, "token_budget": {"tokens": 512, "slack": 1.1, "gemm_ms": {}}}
 
     def budget(a, **kw):
-        llm = LLM(a, backend="reference", num_blocks=16, block_size=4, **kw)
-        return llm.engine.scheduler.config.max_num_batched_tokens
-    assert budget(art) == 512 and budget(art, max_num_seqs=600) == 600 and budget(art, max_num_batched_tokens=64) == 64
-    assert budget(llama_artifact) == 2048
+        config = LLM(a, backend="reference", num_blocks=16, block_size=4, **kw).engine.scheduler.config
+        return config.max_num_batched_tokens, config.max_prefill_tokens
+    assert budget(art) == (512, 2048) and budget(art, max_num_seqs=600) == (600, 2048)
+    assert budget(art, max_num_batched_tokens=64) == (64, None)
+    assert budget(llama_artifact) == (2048, 2048)
     assert art.summary()["token_budget"]["tokens"] == 512
 
 

@@ -34,6 +34,26 @@ def test_chunked_prefill_respects_token_budget(fake_engine):
     eng.assert_drained()
 
 
+def test_a_step_with_no_decode_takes_the_prefill_budget(fake_engine):
+    """With nothing decoding, prompts run in chunks of max_prefill_tokens; once a sequence decodes, every
+    step that carries it keeps to max_num_batched_tokens (its wait stays bounded)."""
+    eng = fake_engine(cfg(max_num_batched_tokens=8, max_prefill_tokens=16), num_blocks=32)
+    long = eng.add("long", list(range(20)), max_tokens=3).leader
+    plans = [eng.step() for _ in range(2)]
+    assert [[(e.num_new_tokens, e.sample) for e in p.scheduled] for p in plans] == [[(16, False)], [(4, True)]]
+    assert long.num_output_tokens == 1
+    eng.add("big", list(range(30)), max_tokens=1)
+    p = eng.step()  # long decodes: the step keeps to 8 tokens
+    assert [e.num_new_tokens for e in p.scheduled] == [1, 7]
+    while eng.sched.has_unfinished():
+        p = eng.step()
+        decoding = any(not e.is_prefill for e in p.scheduled)
+        assert p.num_batched_tokens <= (8 if decoding else 16)
+    eng.assert_drained()
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        cfg(max_prefill_tokens=0)
+
+
 def test_without_chunking_prompts_run_whole():
     config = SchedulerConfig(
         max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False
