@@ -32,8 +32,9 @@
 #                                                     #   (default LLMC_PREFILL_TILES)
 #   bash benchmarks/gpu_pending.sh OUT budget         # issue 20: a compile's phases, decode and TTFT, then the mixed
 #                                                     #   workload at the measured token budget and at TOKENS (2048)
-#   bash benchmarks/gpu_pending.sh OUT compile-cold   # issue 20: a cold 8B compile (empty Triton and llmc caches),
-#                                                     #   candidates warmed up on threads, then with LLMC_TUNE_THREADS=0
+#   bash benchmarks/gpu_pending.sh OUT compile-cold   # issue 20: a cold 8B compile (empty Triton and llmc caches)
+#                                                     #   and its load, candidates warmed up on threads, then with
+#                                                     #   LLMC_TUNE_THREADS=0 (COLD_THREADS="default" for the first only)
 #
 # On nvidia-h200-x2 keep NVLink multicast off (the machine's NCCL_NVLS_ENABLE=0 and
 # TORCH_SYMM_MEM_DISABLE_MULTICAST=1): the workers inherit this script's environment.
@@ -132,14 +133,16 @@ No Eligible|stalled|Warp Cycles Per Issued" "$OUT/ncu_int4_$shape.log" | head -4
             rm -rf /tmp/tmp* /tmp/cold; mkdir -p /tmp/cold
             python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import random_model; \
 random_model('8b', '/tmp/cold/m')" >"$OUT/compile_cold.log" 2>&1
-            for threads in "" 0; do
+            for threads in ${COLD_THREADS:-default 0}; do
+                threads=${threads#default}
                 rm -rf /tmp/cold/a.llmc
                 LLMC_TUNE_THREADS=$threads TRITON_CACHE_DIR=/tmp/cold/triton-$threads LLMC_CACHE_DIR=/tmp/cold/llmc-$threads \
                     python3 -c "import time, llmc; t = time.time(); art = llmc.compile('/tmp/cold/m', '/tmp/cold/a.llmc', \
 dtype='bfloat16'); print('LLMC_TUNE_THREADS=${threads:-default} compile', round(time.time() - t, 1), 's', \
-{k: round(v, 1) for k, v in art.compile_timings.items()})" >>"$OUT/compile_cold.log" 2>&1
+{k: round(v, 1) for k, v in art.compile_timings.items()}); t = time.time(); llm = llmc.LLM(art.path); \
+print('load', round(time.time() - t, 1), 's')" >>"$OUT/compile_cold.log" 2>&1
             done
-            grep "compile " "$OUT/compile_cold.log" | grep -v Writing ;;
+            grep "compile \|^load" "$OUT/compile_cold.log" | grep -v Writing ;;
         parallel)
             rm -rf /tmp/tmp*
             python3 benchmarks/parallel_bench.py --shape "${SHAPE:-8b}" --layouts "${LAYOUTS:-1x1,2x1,2x1m8,1x2}" \
