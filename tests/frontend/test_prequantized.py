@@ -19,7 +19,7 @@ from llmc.ir.interpreter import Interpreter
 from tests.conftest import paged_prefill_last_logits
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its eight
-LAYERS = 2
+LAYERS = 3  # more than the two layers capture exports: the third is copied in the IR (frontend/repeat.py)
 # linears that read the same input share GPTQ's activation order (it sorts by that input's Hessian)
 INPUT_OF = {"self_attn.q_proj": "attn", "self_attn.k_proj": "attn", "self_attn.v_proj": "attn",
             "self_attn.o_proj": "o", "mlp.gate_proj": "mlp", "mlp.up_proj": "mlp", "mlp.down_proj": "down"}
