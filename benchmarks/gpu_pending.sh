@@ -50,11 +50,16 @@ export PYTHONPATH=${PYTHONPATH:-$(cd "$(dirname "$0")/.." && pwd)}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 mkdir -p "$OUT"
 
-widened() {
-    [ -d "$WIDE/w8b.llmc" ] && return
+widened_hf() {  # the widened target as a Hugging Face directory (what widen-check reads)
+    [ -f "$WIDE/w8b/widen_info.json" ] && return
     mkdir -p "$WIDE"
     python3 scripts/widen_model.py builtin:tiny-py "$WIDE/w8b" --hidden 4096 --layers 32 --heads 32 \
         --kv-heads 8 --intermediate 14336 --dtype bfloat16 >>"$OUT/widen.log" 2>&1
+}
+
+widened() {  # the widened target and tiny-py-draft compiled (what the speculation steps run)
+    [ -d "$WIDE/w8b.llmc" ] && return
+    widened_hf
     python3 -c "import llmc; llmc.compile('$WIDE/w8b', '$WIDE/w8b.llmc', dtype='bfloat16'); \
 llmc.compile('builtin:tiny-py-draft', '$WIDE/d.llmc', dtype='bfloat16')" >>"$OUT/widen.log" 2>&1
 }
@@ -80,7 +85,7 @@ for step in "$@"; do
                 tail -6 "$OUT/spec_b$b.log"
             done ;;
         widen-check)
-            widened
+            widened_hf
             python3 benchmarks/widen_check.py --bf16 "$WIDE/w8b" --tokens 65536 --out "$OUT" >"$OUT/widen_check.log" 2>&1
             tail -8 "$OUT/widen_check.log" ;;
         onnx)

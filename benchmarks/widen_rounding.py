@@ -1,8 +1,10 @@
 """Where the widening's extra bf16 rounding should fall (scripts/widen_model.py, step 7): tiny-py
 widened with ``--rounding nearest`` (the norm weights carry sqrt(h/H), q_proj sqrt(D/d), each
-rounded to nearest) and with ``--rounding feedback`` (the factors move into the linears that read
-each norm, rounded with GPTQ's error feedback), measured with Hugging Face transformers against
-tiny-py fp32 (CPU or GPU):
+rounded to nearest), with ``--rounding feedback`` (the factors move into the linears that read
+each norm, rounded with GPTQ's error feedback) and with ``--rounding copies`` (the residual's
+padding holds scaled copies of its real dims, so the norms need no factor and only q_proj's
+sqrt(D/d) is rounded, with feedback), measured with Hugging Face transformers against tiny-py fp32
+(CPU or GPU; ``--modes`` picks the widenings):
 
 - teacher-forced next-token agreement with tiny-py fp32's argmax over held-out tokens (the first
   400,000 characters of the held-out text, windows of 1024, as benchmarks/widen_check.py), for
@@ -12,13 +14,17 @@ tiny-py fp32 (CPU or GPU):
 - per linear that reads a norm, for a few layers and the LM head, the relative output error
   ``||Y - Y_exact|| / ||Y_exact||`` of the weights as written (norm weight times linear, in the
   source's coordinates, fp64) on tiny-py fp32's held-out norm outputs: nearest, the factor moved
-  into the linear but rounded to nearest (what feedback adds over moving the factor), feedback.
+  into the linear but rounded to nearest (what feedback adds over moving the factor), feedback,
+  copies (0 where a linear keeps the source's weights).
 
 The default shape, hidden 1024 with head_dim 128, rounds every weight as the Llama-3-8B shape does
 (its factors sqrt(3/8) and sqrt(3)/2 are 8B's sqrt(3/32) and sqrt(3)/4 times 2) at an eighth of the
 width, so it runs on a CPU (two cores: ~2 min to build, ~5 s per 1024-token window for the four
 models); pass the 8B shape (--hidden 4096 --layers 32 --heads 32 --kv-heads 8 --intermediate 14336)
-on a GPU. Models are built under --work (reused when their widen_info.json matches).
+on a GPU. hidden 1024 leaves room for one copy only, so ``copies`` needs a wider stand-in: the 8B
+widths with ``--layers 8`` run on the CPU (~13 min a model for 32,768 tokens) and give the 32-layer
+model's logits bit for bit, since its 24 extra layers add exact zeros to the residual. Models are
+built under --work (reused when their widen_info.json matches).
 
     python3 benchmarks/widen_rounding.py [--tokens 16384] [--hidden 1024 --layers 8 --heads 8
         --kv-heads 2 --head-dim 128 --intermediate 2048] [--dtype bfloat16] [--error-layers 0,3,7]
@@ -38,7 +44,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-MODES = ("nearest", "feedback")
+MODES = ("nearest", "feedback", "copies")
 
 from tests.scripts import load_script  # noqa: E402  (after the repository is on sys.path)
 
@@ -104,6 +110,7 @@ def norm_outputs(src, ids: torch.Tensor, layers: list[int]) -> dict[str, torch.T
 
 def layer_errors(src, dirs: dict[str, Path], x: dict[str, torch.Tensor], layers: list[int],
                  shape: dict, dtype: torch.dtype) -> dict:
+    modes = list(dirs)
     """Relative output error of each linear that reads a norm, per rounding (module docstring)."""
     from safetensors import safe_open
     from transformers import LlamaConfig
@@ -128,11 +135,17 @@ def layer_errors(src, dirs: dict[str, Path], x: dict[str, torch.Tensor], layers:
     def source(name):
         return src_t[name].get_tensor(name).double()
 
-    def placed(where, name, rows):  # the written weight, back in the source's coordinates
+    infos = {m: json.loads((d / "widen_info.json").read_text()) for m, d in dirs.items()}
+
+    def placed(m, name, rows):  # the written weight, back in the source's coordinates
+        where = wide[m]
         if name == "lm_head.weight" and name not in where:
             name = "model.embed_tokens.weight"
         w = where[name].get_tensor(name)
-        return (w[:, :p.h] if rows is None else w[rows, :p.h]).double()
+        w = w if rows is None else w[rows]
+        if infos[m].get("q_proj_in_two_terms") and name.endswith("q_proj.weight"):  # its second term reads copy 1
+            return w[:, :p.h].double() + infos[m]["copy_scales"][0] * w[:, p.h:2 * p.h].double()
+        return w[:, :p.h].double()
 
     jobs = [("lm_head", "model.norm", "lm_head.weight",
              "lm_head.weight" if "lm_head.weight" in src_t else "model.embed_tokens.weight", None, 1.0)]
@@ -150,17 +163,19 @@ def layer_errors(src, dirs: dict[str, Path], x: dict[str, torch.Tensor], layers:
         xn, w = x[norm], source(norm + ".weight")  # [T, h], [h]
         exact = xn @ (s * source(src_name)).T  # [T, N]: what the widened linear should output
 
-        def err(norm_w, lin_w):  # widened norm output is xn * norm_w / (c * w)
-            ratio = torch.where(w != 0, norm_w / (c * w), torch.ones_like(w))
+        def err(norm_w, lin_w, f=c):  # widened norm output is xn * norm_w / (f * w); copies: f = 1
+            ratio = torch.where(w != 0, norm_w / (f * w), torch.ones_like(w))
             return ((xn * ratio) @ lin_w.T - exact).norm().item() / exact.norm().item()
 
         res = {m: err(wide[m][norm + ".weight"].get_tensor(norm + ".weight")[:p.h].double(),
-                      placed(wide[m], name, rows)) for m in MODES}
+                      placed(m, name, rows), 1.0 if m == "copies" else c) for m in modes}
         res["moved_nearest"] = err(w, (c * s * source(src_name)).to(dtype).double())
-        res["feedback_over_nearest"] = res["feedback"] / res["nearest"]
+        res.update({f"{m}_over_nearest": res[m] / res["nearest"] for m in modes if m != "nearest" and "nearest" in res})
         out[label] = res
-    keys = (*MODES, "moved_nearest", "feedback_over_nearest")
-    out["geomean"] = {k: math.exp(sum(math.log(r[k]) for r in out.values()) / len(out)) for k in keys}
+    keys = list(next(iter(out.values())))
+    # geometric means over the linears a rounding touches (copies leaves k/v/gate/up exact: error 0)
+    out["geomean"] = {k: math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else 0.0
+                      for k in keys for vals in [[r[k] for r in out.values() if r[k] > 0]]}
     return out
 
 
@@ -177,6 +192,7 @@ def main() -> None:
     ap.add_argument("--error-layers", default="0,3,7", help="source layers whose linears' output error is reported")
     ap.add_argument("--error-tokens", type=int, default=8192, help="held-out tokens for the output errors")
     ap.add_argument("--work", default="/tmp/widen_rounding", help="where the widened models are built")
+    ap.add_argument("--modes", default=",".join(MODES), help="the widenings to build and compare")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     from transformers import AutoTokenizer
@@ -186,7 +202,7 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
                  head_dim=a.head_dim, intermediate=a.intermediate)
-    dirs = {m: build(src, Path(a.work), shape, dtype, m) for m in MODES}
+    dirs = {m: build(src, Path(a.work), shape, dtype, m) for m in a.modes.split(",")}
     tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
     ids = torch.tensor(tok.encode(heldout_text_path().read_text()[:400_000], add_special_tokens=False))
     res = {"shape": shape, "dtype": a.dtype, "device": DEVICE, "tokens": min(a.tokens, len(ids))}
@@ -207,8 +223,8 @@ def main() -> None:
     print(f"agreement in {time.perf_counter() - t0:.0f} s", flush=True)
     res["agreement"] = {k: h.float().mean().item() for k, h in hits.items()}
     res["logit_rel_rms_error"] = logit_err
-    res["paired"] = {f"{b}_vs_{a}": paired(hits, a, b)
-                     for a, b in (("tiny_py", "nearest"), ("tiny_py", "feedback"), ("nearest", "feedback"))}
+    res["paired"] = {f"{b}_vs_{a}": paired(hits, a, b) for a, b in
+                     [("tiny_py", m) for m in dirs] + [(x, y) for i, x in enumerate(dirs) for y in list(dirs)[i + 1:]]}
     Path(a.out).mkdir(parents=True, exist_ok=True)
     Path(a.out, "widen_rounding.json").write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res, indent=1))

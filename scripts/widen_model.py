@@ -12,7 +12,7 @@ Usage::
 
     python3 scripts/widen_model.py SRC_DIR OUT_DIR --hidden 4096 --layers 32 --heads 32 \
         --kv-heads 8 --intermediate 14336 [--head-dim 128] [--dtype bfloat16] \
-        [--rounding {nearest,feedback}]
+        [--rounding {nearest,feedback,copies}]
 
 or ``widen(src_dir, out_dir, hidden, layers, heads, kv_heads, intermediate, dtype, head_dim)``.
 
@@ -74,7 +74,7 @@ Construction, step by step (``x[:h]`` are the "real" dims, the rest "padding"):
 
    * ``nearest`` (the only mode for float32): the construction above, every scaled weight rounded
      to nearest: the norm weights ``w * sqrt(h/H)`` and q_proj's rows ``* sqrt(D/d)``.
-   * ``feedback`` (default for bfloat16 and float16): every RMSNorm weight stays the source's
+   * ``feedback``: every RMSNorm weight stays the source's
      (padded), and its factor ``c = sqrt(h/H)`` moves into the linears that read its output:
      q/k/v (input_layernorm), gate/up (post_attention_layernorm) and the LM head (final norm; the
      LM head becomes an untied ``E * c`` while the embeddings stay ``E``). q_proj takes
@@ -85,6 +85,24 @@ Construction, step by step (``x[:h]`` are the "real" dims, the rest "padding"):
      linear's *outputs* rather than weight by weight. The rounding happens in the source's
      coordinates (rows are placed afterwards), so it costs a source-sized pass whatever the
      target's shape.
+
+   * ``copies`` (default for bfloat16 and float16 where ``H >= 2h``): the norms keep no factor at
+     all. The residual's padding is not zero but holds copies of its real dims, copy j scaled by
+     ``s_j`` (`copy_scales`), with ``sum s_j^2 = H/h - 1``: every norm's mean square over H dims is
+     then the source's over h, so ``rms_norm_eps`` and the norm weights stay the source's (zero on
+     the copies), the norm outputs equal the source's, and q/k/v, gate/up and the (tied) LM head read
+     them with the source's own weights. The copies are written by the embeddings, o_proj and
+     down_proj, whose rows for copy j are the real rows times ``s_j``. Every ``s_j`` but the last is a
+     power of two, exact in any format, so those copies are bit for bit the scaled real dims; the last
+     carries the remainder (``sqrt(5/192)`` of the real dims on the 8B shape), rounded to nearest, so the
+     mean square is off by about a bf16 ulp times that copy's 0.2% share of it. The norms' outputs in
+     bf16 then differ from the source's only where that tiny error or the longer fp32 reduction moves
+     a value across a rounding boundary. Only q_proj's ``sqrt(D/d)`` is left: its rows times the
+     factor are rounded, and the rounding's remainder divided by ``s_1`` (a power of two) is a second
+     block of q_proj weights over copy 1, where input_layernorm (alone) keeps the source's weight, so
+     q_proj sums ``W_hi x + W_lo (s_1 x)`` in fp32: about 16 bits of ``sqrt(D/d) W``, no calibration.
+     (Where ``s_1`` is not a power of two, with room for one copy only, q_proj's rows are rounded with
+     error feedback instead, as ``feedback``.)
 
    On the 8B shape ``sqrt(3/32)`` and ``sqrt(3)/4`` have the mantissas of hidden 1024 / head_dim
    128's ``sqrt(3/8)`` and ``sqrt(3)/2`` (a power of two apart), so a hidden-1024 widening rounds
@@ -117,7 +135,7 @@ from llmc.errors import LLMCError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXACT_ROPE_TYPES = ("default", "linear", "llama3")
-ROUNDINGS = ("nearest", "feedback")
+ROUNDINGS = ("nearest", "feedback", "copies")
 # The linears that read each norm's output: with feedback rounding they carry the norm's factor.
 NORM_READERS = {
     "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -283,20 +301,54 @@ def calibration_hessians(src_dir, samples: int = 128) -> dict[str, torch.Tensor]
 
 
 def feedback_weights(get, p: Plan, tied: bool, dtype: torch.dtype,
-                     hessians: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                     hessians: dict[str, torch.Tensor], copies: bool = False) -> dict[str, torch.Tensor]:
     """Every linear that reads a norm's output times that norm's factor (q_proj also times
     ``sqrt(D/d)``), rounded by `feedback_round`; by source name, the LM head as ``lm_head.weight``
-    (``E * c`` when the source ties it to the embeddings)."""
-    c, q = math.sqrt(p.h / p.H), math.sqrt(p.D / p.d)
-    jobs = [("lm_head.weight", "model.embed_tokens.weight" if tied else "lm_head.weight", c, "model.norm")]
+    (``E * c`` when the source ties it to the embeddings). With `copies` the norms have no factor
+    (step 7), so only q_proj's ``sqrt(D/d)`` is left to round."""
+    c, q = (1.0 if copies else math.sqrt(p.h / p.H)), math.sqrt(p.D / p.d)
+    jobs = [] if copies else [("lm_head.weight", "model.embed_tokens.weight" if tied else "lm_head.weight", c,
+                               "model.norm")]
     for layer in range(p.L):
         pre = f"model.layers.{layer}."
         for norm, linears in NORM_READERS.items():
             for lin in linears:
-                name = pre + lin + ".weight"
-                jobs.append((name, name, c * q if lin.endswith("q_proj") else c, pre + norm))
+                name, f = pre + lin + ".weight", c * q if lin.endswith("q_proj") else c
+                if f != 1.0:
+                    jobs.append((name, name, f, pre + norm))
     return {name: feedback_round(get(src).double() * f, hessians[norm], dtype)
             for name, src, f, norm in jobs}
+
+
+def copy_scales(h: int, H: int) -> list[float]:
+    """The scales of the copies of the residual's real dims that fill its padding (rounding "copies",
+    step 7): copy j holds ``scales[j] * x[:h]`` in dims ``[(j+1)h, (j+2)h)``, and their squares sum to
+    ``H/h - 1``, so that the mean square over all H dims equals the source's over h. Every scale but
+    the last is a power of two (chosen greedily, largest first), so those copies are exact in any
+    float format; the last carries the small remainder. Needs ``H >= 2h``.
+
+    Example:
+        >>> copy_scales(384, 768), copy_scales(384, 2048)[:3]
+        ([1.0], [2.0, 0.5, 0.25])
+    """
+    from fractions import Fraction
+
+    slots = (H - h) // h
+    if slots < 1:
+        raise ValueError(f"rounding 'copies' needs a hidden size of at least twice the source's ({2 * h}); "
+                         f"{H} leaves no room for a copy: use rounding 'feedback'")
+    rest, scales = Fraction(H - h, h), []
+    while rest and len(scales) < slots - 1:
+        e = 0
+        while Fraction(4) ** e > rest:
+            e -= 1
+        while Fraction(4) ** (e + 1) <= rest:
+            e += 1
+        scales.append(2.0 ** e)
+        rest -= Fraction(4) ** e
+    if rest:
+        scales.append(math.sqrt(rest))
+    return scales
 
 
 def _check_config(cfg) -> None:
@@ -324,8 +376,8 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
         dtype: dtype of the written weights (computed in fp32, then cast).
         head_dim: target head dim; default ``hidden // heads``. Must be a multiple of the source's.
         shard_bytes: maximum size of one safetensors shard.
-        rounding: ``"nearest"`` or ``"feedback"`` (step 7 of the module docstring); default
-            feedback for a 16-bit dtype, nearest for float32 (the only mode there).
+        rounding: ``"nearest"``, ``"feedback"`` or ``"copies"`` (step 7 of the module docstring);
+            default copies for a 16-bit dtype (feedback where ``hidden < 2h``), nearest for float32.
         calib_samples: feedback rounding: calibration windows of 256 tokens.
 
     Returns:
@@ -339,15 +391,15 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
+    src, out = Path(src_dir), Path(out_dir)
+    cfg = LlamaConfig.from_pretrained(src, local_files_only=True)
     if rounding is None:
-        rounding = "nearest" if dtype == torch.float32 else "feedback"
+        rounding = "nearest" if dtype == torch.float32 else "copies" if hidden >= 2 * cfg.hidden_size else "feedback"
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, not {rounding!r}")
     if rounding == "feedback" and dtype == torch.float32:
         raise ValueError("feedback rounding is for a 16-bit dtype; float32 keeps the factors in the norms "
                          "(rounding 'nearest')")
-    src, out = Path(src_dir), Path(out_dir)
-    cfg = LlamaConfig.from_pretrained(src, local_files_only=True)
     _check_config(cfg)
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if head_dim is None:
@@ -364,17 +416,20 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
     def raw(name: str) -> torch.Tensor:
         return src_t[name].get_tensor(name).to(torch.float32)
 
-    feedback = rounding == "feedback"
-    if feedback:  # the factors live in the rounded linears; the norms are the source's
-        scaled = feedback_weights(raw, p, tied, dtype, calibration_hessians(src, calib_samples))
-        norm_scale = q_scale = 1.0
-
-        def get(name: str) -> torch.Tensor:
-            return scaled[name].float() if name in scaled else raw(name)
-    else:
-        get = raw
+    feedback, copies = rounding == "feedback", rounding == "copies"
+    scales = copy_scales(p.h, p.H) if copies else []
+    # copies: q_proj's sqrt(D/d) in two terms, the second reading copy 1, where its scale is a power of two
+    split_q = copies and p.r != 1 and math.frexp(scales[0])[0] == 0.5
+    calibrated = feedback or (copies and p.r != 1 and not split_q)
+    scaled, norm_scale, q_scale = {}, 1.0, 1.0
+    if calibrated:  # the factors live in the rounded linears; the norms are the source's
+        scaled = feedback_weights(raw, p, tied, dtype, calibration_hessians(src, calib_samples), copies)
+    elif not copies:
         norm_scale = math.sqrt(p.h / p.H)
         q_scale = math.sqrt(p.D / p.d)
+
+    def get(name: str) -> torch.Tensor:
+        return scaled[name].float() if name in scaled else raw(name)
     idx = p.dim_index()
     src_rows = torch.arange(p.d)
 
@@ -386,10 +441,25 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
     def norm(w: torch.Tensor) -> torch.Tensor:
         return pad(w * norm_scale, (p.H,))
 
+    def residual(w: torch.Tensor, k: int) -> torch.Tensor:  # [h, k'] -> [H, k]: the real rows and their copies
+        o = pad(w, (p.H, k))
+        for j, s in enumerate(scales, 1):
+            o[j * p.h:(j + 1) * p.h, :w.shape[1]] = (w * s).to(dtype)
+        return o
+
     def q_proj(w):  # [nh*d, h] -> [NH*D, H]
         o = torch.zeros(p.NH * p.D, p.H, dtype=dtype)
         for s, t in enumerate(p.q_map):
-            o[t * p.D + idx, : p.h] = (w[s * p.d + src_rows] * q_scale).to(dtype)
+            rows = w[s * p.d + src_rows].double() * math.sqrt(p.r) if split_q else w[s * p.d + src_rows] * q_scale
+            o[t * p.D + idx, : p.h] = hi = rows.to(dtype)
+            if split_q:  # the rounding's remainder, on copy 1 of the norm's output
+                o[t * p.D + idx, p.h:2 * p.h] = ((rows - hi.double()) / scales[0]).to(dtype)
+        return o
+
+    def input_norm(w: torch.Tensor) -> torch.Tensor:
+        o = norm(w)
+        if split_q:  # copy 1 of the normed residual, for q_proj's second term
+            o[p.h:2 * p.h] = w.to(dtype)
         return o
 
     def kv_proj(w):  # [nkv*d, h] -> [NKV*D, H]
@@ -400,22 +470,22 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
         return o
 
     def o_proj(w):  # [h, nh*d] -> [H, NH*D]
-        o = torch.zeros(p.H, p.NH * p.D, dtype=dtype)
+        o = torch.zeros(p.h, p.NH * p.D)
         for s, t in enumerate(p.q_map):
-            o[: p.h, t * p.D + idx] = w[:, s * p.d + src_rows].to(dtype)
-        return o
+            o[:, t * p.D + idx] = w[:, s * p.d + src_rows]
+        return residual(o, p.NH * p.D)
 
     # Ordered list of (name, shape, builder) for the whole target checkpoint.
     entries = []
     entries.append(("model.embed_tokens.weight", (V, p.H),
-                    lambda: pad(get("model.embed_tokens.weight"), (V, p.H))))
+                    lambda: residual(get("model.embed_tokens.weight").T, V).T))
     for layer in range(p.Lt):
         sl = layer % p.L
         extra = layer >= p.L
         pre, spre = f"model.layers.{layer}.", f"model.layers.{sl}."
         zero_out = (lambda shape: (lambda: torch.zeros(shape, dtype=dtype)))
         entries += [
-            (pre + "input_layernorm.weight", (p.H,), lambda n=spre: norm(get(n + "input_layernorm.weight"))),
+            (pre + "input_layernorm.weight", (p.H,), lambda n=spre: input_norm(get(n + "input_layernorm.weight"))),
             (pre + "self_attn.q_proj.weight", (p.NH * p.D, p.H),
              lambda n=spre: q_proj(get(n + "self_attn.q_proj.weight"))),
             (pre + "self_attn.k_proj.weight", (p.NKV * p.D, p.H),
@@ -433,7 +503,7 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
              lambda n=spre: pad(get(n + "mlp.up_proj.weight"), (p.I, p.H))),
             (pre + "mlp.down_proj.weight", (p.H, p.I),
              zero_out((p.H, p.I)) if extra
-             else (lambda n=spre: pad(get(n + "mlp.down_proj.weight"), (p.H, p.I)))),
+             else (lambda n=spre: residual(get(n + "mlp.down_proj.weight"), p.I))),
         ]
     entries.append(("model.norm.weight", (p.H,), lambda: norm(get("model.norm.weight"))))
     if not tied or feedback:
@@ -476,7 +546,7 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
     new.hidden_size, new.num_hidden_layers = p.H, p.Lt
     new.num_attention_heads, new.num_key_value_heads = p.NH, p.NKV
     new.head_dim, new.intermediate_size = p.D, p.I
-    new.rms_norm_eps = cfg.rms_norm_eps * p.h / p.H
+    new.rms_norm_eps = cfg.rms_norm_eps if copies else cfg.rms_norm_eps * p.h / p.H
     new.tie_word_embeddings = tied and not feedback
     new.architectures = ["LlamaForCausalLM"]
     new.dtype = dtype
@@ -494,8 +564,9 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
         "extra_layers": list(range(p.L, p.Lt)),
         "dtype": str(dtype).removeprefix("torch."),
         "rounding": rounding,
+        **({"copy_scales": scales, "q_proj_in_two_terms": split_q} if copies else {}),
         **({"calibration": {"text": "builtin:heldout", "windows": calib_samples, "window_tokens": 256}}
-           if feedback else {}),
+           if calibrated else {}),
         "note": "function-preserving widening (scripts/widen_model.py); extra layers have zero "
                 "o_proj/down_proj; logits equal the source's up to float rounding in fp32",
     }, indent=2) + "\n")
@@ -515,7 +586,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--rounding", choices=ROUNDINGS, default=None,
                     help="where a 16-bit dtype's extra rounding falls (module docstring, step 7); "
-                         "default: feedback for bfloat16/float16, nearest for float32")
+                         "default: copies for bfloat16/float16 (feedback below twice the source's hidden "
+                         "size), nearest for float32")
     ap.add_argument("--calib-samples", type=int, default=128,
                     help="feedback rounding: calibration windows of 256 tokens")
     ap.add_argument("--shard-gb", type=float, default=2.0, help="max safetensors shard size (GiB)")

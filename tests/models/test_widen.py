@@ -224,7 +224,7 @@ def test_feedback_round_beats_nearest_on_tiny_py():
 @pytest.fixture(scope="module")
 def bf16_widened(tmp_path_factory):
     out = tmp_path_factory.mktemp("wide16")
-    wm.widen(SRC, out, **SHAPE, dtype=torch.bfloat16, calib_samples=16)
+    wm.widen(SRC, out, **SHAPE, dtype=torch.bfloat16, calib_samples=16, rounding="feedback")
     return out
 
 
@@ -259,3 +259,95 @@ def test_bf16_feedback_logits_close_and_padding_zero(models, bf16_widened):
             assert ((a - o.logits).abs().max() / a.abs().max()).item() < 2e-2, prompt
             for hs in o.hidden_states:
                 assert hs[..., 384:].abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("H", [768, 1024, 2048, 4096, 5000])
+def test_copy_scales_carry_the_missing_mean_square(H):
+    scales = wm.copy_scales(384, H)
+    assert math.isclose(sum(s * s for s in scales), (H - 384) / 384, rel_tol=1e-12)
+    assert 384 * (len(scales) + 1) <= H  # the copies fit in the padding
+    for s in scales[:-1]:
+        assert math.frexp(s)[0] == 0.5, s  # a power of two: exact copies
+    if H == 4096:  # the 8B shape: eight exact copies, the last one a 0.24% share of the mean square
+        assert len(scales) == 9 and scales[-1] ** 2 / (4096 / 384) < 0.003
+
+
+def test_copies_need_twice_the_hidden_size(tmp_path):
+    with pytest.raises(ValueError, match="twice the source"):
+        wm.widen(SRC, tmp_path / "bad", **{**SHAPE, "hidden": 700, "heads": 7, "kv_heads": 7},
+                 dtype=torch.bfloat16, rounding="copies")
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.fixture(scope="module")
+def copies_widened(tmp_path_factory):
+    out = tmp_path_factory.mktemp("copies16")
+    wm.widen(SRC, out, **{**SHAPE, "hidden": 2048, "heads": 16}, dtype=torch.bfloat16, calib_samples=16)
+    return out
+
+
+def test_bf16_copies_keep_the_source_weights(copies_widened):
+    """The default bf16 widening (copies): norms, eps, k/v/gate/up and the tied embeddings are the
+    source's bit for bit; the residual writers' copy rows are the real rows times each scale."""
+    from safetensors.torch import load_file
+
+    out = copies_widened
+    w, s = load_file(out / "model.safetensors"), load_file(SRC / "model.safetensors")
+    cfg, info = json.loads((out / "config.json").read_text()), json.loads((out / "widen_info.json").read_text())
+    assert info["rounding"] == "copies" and info["copy_scales"] == wm.copy_scales(384, 2048)
+    assert info["q_proj_in_two_terms"] and "calibration" not in info
+    assert cfg["tie_word_embeddings"] is True and cfg["rms_norm_eps"] == 1e-5
+    p = wm.make_plan(384, 8, 6, 2, 64, 1024, 2048, 10, 16, 4, 128, 2048)
+    kv_rows = torch.cat([ts[0] * 128 + p.dim_index() for ts in p.kv_map])
+    q_rows = torch.cat([t * 128 + p.dim_index() for t in p.q_map])
+    for k in (0, 9):
+        pre, src = f"model.layers.{k}.", f"model.layers.{k % 8}."
+        for n in wm.NORM_READERS:
+            assert torch.equal(w[pre + n + ".weight"][:384], s[src + n + ".weight"])
+        # input_layernorm alone also norms copy 1, which q_proj's second term reads
+        assert torch.equal(w[pre + "input_layernorm.weight"][384:768], s[src + "input_layernorm.weight"])
+        assert not w[pre + "input_layernorm.weight"][768:].any()
+        assert not w[pre + "post_attention_layernorm.weight"][384:].any()
+        assert torch.equal(w[pre + "self_attn.k_proj.weight"][kv_rows, :384], s[src + "self_attn.k_proj.weight"])
+        assert not w[pre + "self_attn.k_proj.weight"][:, 384:].any()
+        assert torch.equal(w[pre + "mlp.up_proj.weight"][:1024, :384], s[src + "mlp.up_proj.weight"])
+        q = w[pre + "self_attn.q_proj.weight"][q_rows].double()
+        ideal = s[src + "self_attn.q_proj.weight"].double() * math.sqrt(2)
+        assert (q[:, :384] + 2 * q[:, 384:768] - ideal).abs().max() <= 2 ** -15 * ideal.abs().max()
+        assert (q[:, :384] - ideal).abs().max() > 2 ** -12 * ideal.abs().max()  # one bf16 alone is coarser
+        assert not q[:, 768:].any()
+    for name, t in (("model.embed_tokens.weight", w["model.embed_tokens.weight"].T),
+                    ("model.layers.2.mlp.down_proj.weight", w["model.layers.2.mlp.down_proj.weight"])):
+        real = t[:384]
+        for j, scale in enumerate(info["copy_scales"], 1):
+            assert torch.equal(t[j * 384:(j + 1) * 384], (real.double() * scale).to(torch.bfloat16)), (name, j)
+        assert not t[384 * (len(info["copy_scales"]) + 1):].any(), name
+    assert torch.equal(w["model.embed_tokens.weight"][:, :384], s["model.embed_tokens.weight"])
+
+
+def test_bf16_copies_run_like_the_source_in_bf16(copies_widened):
+    """Run in bf16, the copies widening's residual copies stay exactly their power-of-two multiples of
+    the real dims; its first norm's outputs are tiny-py bf16's bit for bit but where the one rounded
+    copy's error moves a value across a rounding boundary (~0.01% of them); and its next-token argmax
+    over held-out text is tiny-py bf16's at ~98.6% of the positions (q is rounded to bf16 at sqrt(2)
+    times tiny-py's values, so every later activation is another bf16 rounding of the same function)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def run(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, local_files_only=True).eval()
+        norm = []
+        model.model.layers[0].input_layernorm.register_forward_hook(lambda m, a, o: norm.append(o[0]))
+        with torch.no_grad():
+            return model(ids, output_hidden_states=True), norm[0]
+
+    tok = AutoTokenizer.from_pretrained(SRC, local_files_only=True)
+    ids = torch.tensor([tok.encode(heldout_text_path().read_text()[:20_000], add_special_tokens=False)[:1024]])
+    scales = json.loads((copies_widened / "widen_info.json").read_text())["copy_scales"]
+    (ref, ref_norm), (o, norm) = run(SRC), run(copies_widened)
+    for hs in o.hidden_states[:-1]:  # the residual stream (the last is the final norm's output)
+        for j, scale in enumerate(scales[:-1], 1):
+            assert torch.equal(hs[..., j * 384:(j + 1) * 384], hs[..., :384] * scale)
+    assert (norm[..., :384] != ref_norm).float().mean().item() < 1e-3
+    assert torch.equal(norm[..., 384:768], norm[..., :384] * scales[0]) and not norm[..., 768:].any()
+    same = (o.logits[0].argmax(-1) == ref.logits[0].argmax(-1)).float().mean().item()
+    assert same > 0.97, same
