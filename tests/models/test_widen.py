@@ -351,3 +351,16 @@ def test_bf16_copies_run_like_the_source_in_bf16(copies_widened):
     assert torch.equal(norm[..., 384:768], norm[..., :384] * scales[0]) and not norm[..., 768:].any()
     same = (o.logits[0].argmax(-1) == ref.logits[0].argmax(-1)).float().mean().item()
     assert same > 0.97, same
+
+
+def test_llmc_runs_a_copies_widening_like_the_source(tmp_path):
+    """llmc compiles and runs the copies widening (fp32: its residual's padding is not zero, and q_proj
+    reads copy 1) with tiny-py's greedy tokens, as the speculative-decoding benchmarks use it."""
+    import llmc
+
+    wide = wm.widen(SRC, tmp_path / "wide", **SHAPE, rounding="copies")
+    assert json.loads((wide / "widen_info.json").read_text())["q_proj_in_two_terms"]
+    params = llmc.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = [llmc.LLM(llmc.compile(m, tmp_path / f"{name}.llmc", tune=False).path).generate(PROMPTS[:2], params)
+           for name, m in (("src", "builtin:tiny-py"), ("wide", wide))]
+    assert [o.outputs[0].token_ids for o in got[0]] == [o.outputs[0].token_ids for o in got[1]]
