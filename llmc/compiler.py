@@ -325,7 +325,7 @@ def _tune_attention(graph: Graph, tuner, bar) -> None:
       2,048-token prompt plus four 512-token chunks over 1,024 keys (a mixed step's decodes run on the
       decode kernel)."""
     from llmc.codegen.attention import DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES, paged_attention
-    from llmc.codegen.lower import _tname, attention_types, decode_tiles_key_of
+    from llmc.codegen.lower import _tname, attention_tiles_key_of, attention_types
     max_len = int(graph.meta.get("max_position_embeddings") or 4096)
     seen = set()
     for n in graph.nodes:
@@ -334,7 +334,7 @@ def _tune_attention(graph: Graph, tuner, bar) -> None:
         q, cache = attention_types(n)
         D, Hq, Hkv = int(q.shape[3]), int(q.shape[1]), int(cache.shape[3])
         qd, kd = _tname(q.dtype), _tname(cache.dtype)
-        key = decode_tiles_key_of(n)
+        key = attention_tiles_key_of(n)
         if key in seen or kd not in ("float16", "bfloat16", "float32") or qd != kd:
             continue
         seen.add(key)
@@ -352,7 +352,7 @@ def _tune_attention(graph: Graph, tuner, bar) -> None:
         del decode
         prefill = [(_attention_step(g, new, ctx, Hq, Hkv, D, dtype), (new, ctx))
                    for new, ctx in (([2048], [2048]), ([512] * 4, [1024] * 4))]
-        tuner.choose(decode_tiles_key_of(n, "prefill"), "prefill", PREFILL_TILE_CANDIDATES,
+        tuner.choose(attention_tiles_key_of(n, "prefill"), "prefill", PREFILL_TILE_CANDIDATES,
                      lambda cfg: attend(prefill, prefill_tiles=cfg))
         del prefill
 

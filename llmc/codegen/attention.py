@@ -237,7 +237,7 @@ PREFILL_TILE_CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_stages=st, num_warps=w
                                                (128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (64, 128, 2, 8))]
 
 
-def decode_tiles_key(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: str, kv_dtype: str,
+def attention_tiles_key(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: str, kv_dtype: str,
                      window: bool, mode: str = "decode") -> str:
     """The tuning record's key of a decode (or prefill) attention launch (tuning.json, bucket `mode`)."""
     return f"paged_attention_{mode}:d{head_dim}:hq{num_q_heads}:hkv{num_kv_heads}:{dtype}:{kv_dtype}" + \

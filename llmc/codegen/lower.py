@@ -350,9 +350,10 @@ class Plan:
         (compiler._tune_attention); None for either: the kernel's defaults."""
         if self.tuner is None:
             return None, None
-        modes = ("decode", "prefill") if os.environ.get("LLMC_PREFILL_TILES", "1") != "0" else ("decode",)
-        recs = [self.tuner.lookup(decode_tiles_key_of(n, mode), mode) for mode in modes] + [None]
-        return tuple(dict(rec.config) if rec is not None else None for rec in recs[:2])
+        prefill = os.environ.get("LLMC_PREFILL_TILES", "1") != "0"  # 0: the prefill kernel's default launch
+        recs = (self.tuner.lookup(attention_tiles_key_of(n, "decode"), "decode"),
+                self.tuner.lookup(attention_tiles_key_of(n, "prefill"), "prefill") if prefill else None)
+        return tuple(dict(rec.config) if rec is not None else None for rec in recs)
 
     def _op_attend_paged(self, n):
         attrs, tiles = n.attrs, self._attention_tiles(n)
@@ -463,12 +464,12 @@ def attention_types(n: Node):
     return n.inputs[0].type, n.inputs[1 if n.op == "attend_paged" else 3].type
 
 
-def decode_tiles_key_of(n: Node, mode: str = "decode") -> str:
-    """The tuning key of an attention node's decode (or prefill) launch (attention.decode_tiles_key from its IR
-    types)."""
-    from llmc.codegen.attention import decode_tiles_key
+def attention_tiles_key_of(n: Node, mode: str = "decode") -> str:
+    """The tuning key of an attention node's decode (or prefill) launch (attention.attention_tiles_key from its
+    IR types)."""
+    from llmc.codegen.attention import attention_tiles_key
     q, cache = attention_types(n)
-    return decode_tiles_key(int(q.shape[3]), int(q.shape[1]), int(cache.shape[3]), _tname(q.dtype),
+    return attention_tiles_key(int(q.shape[3]), int(q.shape[1]), int(cache.shape[3]), _tname(q.dtype),
                             _tname(cache.dtype), bool(n.attrs["window"]), mode)
 
 

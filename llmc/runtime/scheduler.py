@@ -18,8 +18,9 @@ accepted prefix advances its computed tokens and blocks past them are freed (`Bl
 With `enable_chunked_prefill` a prompt larger than the remaining budget is split across steps
 (only the final chunk is sampled). The token budget bounds how long a step makes running decodes wait;
 a step with no decode to run (nothing past its prompt, nothing swapped out) takes `max_prefill_tokens`
-instead, where that is larger: a prompt alone runs in fewer, larger chunks. Without chunking a prompt runs whole, so the config then requires
-`max_num_batched_tokens >= max_model_len`: a recomputed sequence must always fit in one step.
+instead, where that is larger: a prompt alone runs in fewer, larger chunks. Without chunking a prompt
+runs whole, so the config then requires `max_num_batched_tokens >= max_model_len`: a recomputed
+sequence must always fit in one step.
 
 Prompt log-probabilities (`SamplingParams.prompt_logprobs`): position p's logits score prompt token
 p + 1, so a chunk of such a request also asks for the logits of its positions not scored yet (up to
