@@ -238,7 +238,7 @@ PREFILL_TILE_CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_stages=st, num_warps=w
 
 
 def attention_tiles_key(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: str, kv_dtype: str,
-                     window: bool, mode: str = "decode") -> str:
+                        window: bool, mode: str = "decode") -> str:
     """The tuning record's key of a decode (or prefill) attention launch (tuning.json, bucket `mode`)."""
     return f"paged_attention_{mode}:d{head_dim}:hq{num_q_heads}:hkv{num_kv_heads}:{dtype}:{kv_dtype}" + \
         (":window" if window else "")

@@ -470,7 +470,7 @@ def attention_tiles_key_of(n: Node, mode: str = "decode") -> str:
     from llmc.codegen.attention import attention_tiles_key
     q, cache = attention_types(n)
     return attention_tiles_key(int(q.shape[3]), int(q.shape[1]), int(cache.shape[3]), _tname(q.dtype),
-                            _tname(cache.dtype), bool(n.attrs["window"]), mode)
+                               _tname(cache.dtype), bool(n.attrs["window"]), mode)
 
 
 def _static_spec(n: Node, block_size: int):

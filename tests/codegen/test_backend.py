@@ -128,7 +128,7 @@ def test_plan_launches_attention_as_tuning_json_chose(llama_artifact, monkeypatc
     n = next(n for n in g.nodes if n.op in ("attend_paged", "paged_attention"))
     q, cache = attention_types(n)
     keys = {mode: attention.attention_tiles_key(int(q.shape[3]), int(q.shape[1]), int(cache.shape[3]), _tname(q.dtype),
-                                             _tname(cache.dtype), bool(n.attrs["window"]), mode)
+                                                _tname(cache.dtype), bool(n.attrs["window"]), mode)
             for mode in ("decode", "prefill")}
     cfg = {"decode": {"BLOCK_N": 64, "num_stages": 3, "num_warps": 8},
            "prefill": {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2, "num_warps": 8}}
