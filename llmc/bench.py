@@ -153,7 +153,8 @@ def bench(model, workload: str = "mixed", *, num_requests: int | None = None, se
         # the step shape the figures were measured with (the token budget is the compile's measured one
         # unless the engine was given another)
         "max_num_seqs": eng.config.max_num_seqs, "max_num_batched_tokens": eng.config.max_num_batched_tokens,
-        "max_prefill_tokens": eng.scheduler.config.max_prefill_tokens, "overlap": eng.overlap,
+        "max_prefill_tokens": eng.scheduler.config.max_prefill_tokens,
+        "step_budget": eng.scheduler.config.step_budget is not None, "overlap": eng.overlap,
     }
 
 

@@ -236,6 +236,9 @@ def inspect(artifact, ir, kernels, as_json, show_plan, plugins):
         b = s["token_budget"]
         click.echo(f"tokens     {b['tokens']} per step by default (the fewest at which the GEMMs run within "
                    f"{b['slack']}x of their best time per token, as measured at compile)")
+        if b.get("hbm_gb_s"):
+            click.echo(f"           more where decodes share a step with prompt work, to spread their K/V reads "
+                       f"(HBM measured at {b['hbm_gb_s']:,.0f} GB/s)")
     for dt, n in s["param_bytes_by_dtype"].items():
         click.echo(f"  {dt:8s} {n:>14,} bytes")
     click.echo("passes")
@@ -419,9 +422,11 @@ def _engine_options(seqs_help: str = "Sequences batched per step.", speculative:
         click.option("--device", default=None, help="cpu or cuda (default: cuda when present)."),
         click.option("--max-num-seqs", default=_ENGINE.max_num_seqs, show_default=True, help=seqs_help),
         click.option("--max-num-batched-tokens", default=None, type=int,
-                     help="Token budget per step (a longer prompt is computed in chunks). Default: the budget the "
-                          "compile measured on the GPU (the fewest tokens at which the GEMMs reach full speed; "
-                          "`llmc inspect`), and 2048 at least for a step with no decode waiting; else 2048."),
+                     help="Token budget per step (a longer prompt is computed in chunks); fixed when given. "
+                          "Default: the budget the compile measured on the GPU (the fewest tokens at which the "
+                          "GEMMs reach full speed; `llmc inspect`), 2048 at least for a step with no decode "
+                          "waiting, and for a step whose decodes share it with prompt work as many as spread "
+                          "their K/V reads and rows over the prompt chunk; else 2048."),
         click.option("--block-size", default=_ENGINE.block_size, show_default=True,
                      help="KV cache slots per block (a power of two on the kernel backends)."),
         click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory)."),

@@ -222,6 +222,7 @@ def _autotune(graph: Graph, bar, batch_invariant: bool = True, cache: bool = Tru
 
 TOKEN_BUDGET_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192)
 TOKEN_BUDGET_SLACK = 1.1
+COPY_BYTES = 1 << 30  # the device copy that measures HBM bandwidth (read and written: 2 GiB of traffic)
 
 
 def choose_token_budget(ms: dict[int, float], slack: float = TOKEN_BUDGET_SLACK) -> int:
@@ -282,8 +283,15 @@ def _measure_token_budget(graph: Graph, tuner, bar, device: str = "cuda") -> dic
             tuner.choose(key, str(m), [{}], bench=lambda cfg: run(x))
             ms[m] += count * tuner.lookup(key, str(m)).triton_ms
         del run  # its weight, before the next shape's
+    # the rate at which a step reads its decodes' K/V, as a device copy's bytes (read and written) per
+    # second: the engine's per-step budget (config.StepBudget) costs each decode's context with it
+    src = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    tuner.choose(f"hbm_copy_ms:{COPY_BYTES}", "1", [{}], bench=lambda cfg: dst.copy_(src))
+    gb_s = 2 * COPY_BYTES / tuner.lookup(f"hbm_copy_ms:{COPY_BYTES}", "1").triton_ms / 1e6
+    del src, dst
     return {"tokens": choose_token_budget(ms), "slack": TOKEN_BUDGET_SLACK,
-            "gemm_ms": {str(m): round(t, 4) for m, t in ms.items()}}
+            "gemm_ms": {str(m): round(t, 4) for m, t in ms.items()}, "hbm_gb_s": round(gb_s, 1)}
 
 
 def tune_shard(graph: Graph, tuning: dict) -> dict:

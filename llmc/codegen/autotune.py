@@ -282,7 +282,9 @@ class Tuner:
         a shape tuned once is never timed again; `save_cache` adds what it times."""
         t = cls(joint=joint)
         t.cache_path = cache_file(t.device, t.joint) if t.device is not None else None
-        t.records = _cached_records(t.cache_path)
+        t.records = _shipped_records(t.cache_path)
+        for key, by_bucket in _cached_records(t.cache_path).items():  # this machine's own timings win
+            t.records.setdefault(key, {}).update(by_bucket)
         return t
 
     def save_cache(self) -> None:
@@ -347,6 +349,16 @@ def _cached_records(path: Path | None) -> dict:
         return {}
 
 
+SHIPPED_DIR = Path(__file__).parent / "tuned"
+
+
+def _shipped_records(cache_path: Path | None) -> dict:
+    """The choices shipped with llmc for a tuning cache (`SHIPPED_DIR`, a file of the cache's own name: the
+    same GPU, triton version, joint buckets and kernel sources), so that a compile of a common shape on a
+    common GPU starts tuned; empty where none is shipped, or where the kernels changed since it was made."""
+    return _cached_records(SHIPPED_DIR / cache_path.name) if cache_path is not None else {}
+
+
 def cache_file(device: str, joint: Sequence[str]) -> Path:
     """The tuning cache of compiles on `device` that share `joint` buckets: one file per GPU name,
     triton version and version of llmc's kernel generators (its codegen sources and templates), so a
@@ -357,7 +369,7 @@ def cache_file(device: str, joint: Sequence[str]) -> Path:
     from llmc.codegen.cache import cache_root
     h = hashlib.sha256()
     for f in sorted(Path(__file__).parent.rglob("*")):
-        if f.suffix in (".py", ".jinja") and f.is_file():
+        if f.suffix in (".py", ".jinja") and f.is_file() and f.name != "autotune.py":  # it generates no kernel
             h.update(f.name.encode())
             h.update(f.read_bytes())
     for part in (device, triton.__version__, ",".join(joint)):

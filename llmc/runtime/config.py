@@ -71,6 +71,64 @@ def token_budget(tuning: dict | None) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else DEFAULT_TOKEN_BUDGET
 
 
+@dataclass(frozen=True)
+class StepBudget:
+    """Tokens for a step that carries decodes, chosen per step from what the compile measured.
+
+    A step costs its GEMMs (`gemm_ms`: milliseconds of every linear at M rows, tuning.json
+    "token_budget") plus a part that does not grow with the prompt chunk it takes: reading its decodes'
+    K/V (`kv_ms_per_token` per context token, from the measured HBM rate). Prompts are done in fewer
+    steps with larger chunks, and each step pays that fixed part once; so the chunk is the smallest of
+    the measured sizes whose cost per prompt token, (GEMMs of decodes + chunk rows + fixed) / chunk,
+    is within `slack` of the best. Many decodes with long contexts take larger chunks; a few short ones
+    keep near `floor` (the compile's budget), so their wait stays short.
+
+    Example:
+        >>> b = StepBudget(((256, 1.0), (512, 1.6), (1024, 3.0), (2048, 5.9)), kv_ms_per_token=1e-4, floor=512)
+        >>> b(0, 0), b(128, 600_000)
+        (512, 2176)
+    """
+
+    gemm_ms: tuple[tuple[int, float], ...]  # (rows, ms), rows ascending, at least two
+    kv_ms_per_token: float
+    floor: int
+    slack: float = 1.1
+
+    @classmethod
+    def of(cls, tuning: dict | None, kv_bytes_per_token: float, floor: int) -> "StepBudget | None":
+        """The budget of an artifact's tuning.json contents, None where its compile did not measure the
+        GEMMs at several sizes and the HBM rate (older artifacts, CPU compiles)."""
+        rec = (tuning or {}).get("token_budget") or {}
+        try:
+            gemm = tuple(sorted((int(m), float(t)) for m, t in rec["gemm_ms"].items()))
+            gb_s = float(rec["hbm_gb_s"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        if len(gemm) < 2 or gb_s <= 0 or any(m < 1 or t <= 0 for m, t in gemm):
+            return None
+        return cls(gemm, kv_bytes_per_token / (gb_s * 1e6), floor)
+
+    def gemm(self, m: int) -> float:
+        """The GEMMs' milliseconds at m rows: flat below the smallest measured size (the weights' read
+        bounds it), linear between sizes and past the largest."""
+        pts = self.gemm_ms
+        if m <= pts[0][0]:
+            return pts[0][1]
+        for (m0, t0), (m1, t1) in zip(pts, pts[1:]):
+            if m <= m1:
+                return t0 + (t1 - t0) * (m - m0) / (m1 - m0)
+        (m0, t0), (m1, t1) = pts[-2], pts[-1]
+        return t1 + (t1 - t0) * (m - m1) / (m1 - m0)
+
+    def __call__(self, decodes: int, context: int) -> int:
+        """Tokens for a step whose decodes take `decodes` tokens and read `context` tokens of K/V."""
+        fixed = self.kv_ms_per_token * context
+        cost = {c: (self.gemm(decodes + c) + fixed) / c for c, _ in self.gemm_ms}
+        best = min(cost.values())
+        chunk = min(c for c, g in cost.items() if g <= self.slack * best)
+        return max(self.floor, decodes + chunk)
+
+
 def _has_cuda() -> bool:
     import torch
     return torch.cuda.is_available()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ import torch
 from llmc.artifact import Artifact, load_artifact
 from llmc.errors import LLMCError, RequestError
 from llmc.runtime.block_manager import BlockManager
-from llmc.runtime.config import DEFAULT_TOKEN_BUDGET, EngineConfig, token_budget
+from llmc.runtime.config import DEFAULT_TOKEN_BUDGET, EngineConfig, StepBudget, token_budget
 from llmc.runtime.distributed import DistributedExecutor
 from llmc.runtime.executor import Executor, Feed, Launched, StepBatch, StepInput, StepResult, make_executor
 from llmc.runtime.profiling import StepProfiler
@@ -150,18 +151,22 @@ class LLMEngine:
                 cfg.kv_memory_fraction, cfg.num_cpu_blocks, artifact.tuning, cfg.cuda_graphs, self.info.max_model_len)
         self.block_manager = BlockManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           cfg.num_cpu_blocks)
-        prefill_budget = None
+        prefill_budget = step_budget = None
         if cfg.max_num_batched_tokens is None:  # the compile's measured budget, enough for a decode of every seq
             cfg.max_num_batched_tokens = max(token_budget(artifact.tuning), cfg.max_num_seqs)
             # a step with no decode waiting takes prompts in chunks of the default budget at least (the
             # measured one bounds decodes' waits: a prompt alone in smaller chunks only reads the weights
-            # more often)
+            # more often); one with decodes, as many as spread their cost (StepBudget)
             prefill_budget = max(cfg.max_num_batched_tokens, DEFAULT_TOKEN_BUDGET)
+            if os.environ.get("LLMC_STEP_BUDGET", "1") != "0":  # 0: the fixed budget (for comparisons)
+                kv_per_token = self.executor.kv_bytes / max(1, self.executor.num_blocks * cfg.block_size)
+                step_budget = StepBudget.of(artifact.tuning, kv_per_token, cfg.max_num_batched_tokens)
         budget = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else max(cfg.max_num_batched_tokens,
                                                                                       self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, budget, cfg.enable_chunked_prefill,
                                                    cfg.preemption_mode, self.max_model_len,
-                                                   max_prefill_tokens=prefill_budget), self.block_manager)
+                                                   max_prefill_tokens=prefill_budget, step_budget=step_budget),
+                                   self.block_manager)
         eos = list(self.info.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]

@@ -18,8 +18,10 @@ accepted prefix advances its computed tokens and blocks past them are freed (`Bl
 With `enable_chunked_prefill` a prompt larger than the remaining budget is split across steps
 (only the final chunk is sampled). The token budget bounds how long a step makes running decodes wait;
 a step with no decode to run (nothing past its prompt, nothing swapped out) takes `max_prefill_tokens`
-instead, where that is larger: a prompt alone runs in fewer, larger chunks. Without chunking a prompt
-runs whole, so the config then requires `max_num_batched_tokens >= max_model_len`: a recomputed
+instead, where that is larger: a prompt alone runs in fewer, larger chunks. With `step_budget` a step
+that carries decodes and has prompt work takes what it says, where that is larger: the decodes' cost
+per step (their rows, their K/V reads) is then spread over enough prompt tokens (config.StepBudget).
+Without chunking a prompt runs whole, so the config then requires `max_num_batched_tokens >= max_model_len`: a recomputed
 sequence must always fit in one step.
 
 Prompt log-probabilities (`SamplingParams.prompt_logprobs`): position p's logits score prompt token
@@ -80,6 +82,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     aging_steps: int | None = 64  # waited steps worth one priority level; None = strict
     max_prefill_tokens: int | None = None  # a step with no decode to run; None = max_num_batched_tokens
+    # a step whose decodes take d tokens reading c tokens of K/V, with prompt work to do, takes
+    # max(max_num_batched_tokens, step_budget(d, c)) tokens (config.StepBudget); None = the fixed budget
+    step_budget: Callable[[int, int], int] | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
@@ -299,6 +304,9 @@ class Scheduler:
             (prefills if s.is_prefill else decodes).append(s)
         if not decodes and not self.swapped:  # no decode waits on this step: it may take more tokens
             budget = max(budget, self.config.max_prefill_tokens or 0)
+        elif self.config.step_budget is not None and (prefills or self.waiting):
+            budget = max(budget, self.config.step_budget(sum(1 + len(s.spec_token_ids or ()) for s in decodes),
+                                                         sum(s.num_tokens for s in decodes)))
         for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING or seq.ends_in_flight:
                 continue  # preempted earlier in this loop, or ending with the token the device computes

@@ -8,6 +8,8 @@ cast truncates, so the kernels round to nearest even in integer arithmetic first
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -434,6 +436,35 @@ def test_tuning_cache_is_reused_across_compiles_per_device(tmp_path, monkeypatch
     (Tuner.persistent().cache_path).parent.mkdir(exist_ok=True)
     Tuner.persistent().cache_path.write_text("{not json")
     assert Tuner.persistent().records == {}  # a damaged cache is rebuilt, not fatal
+
+
+def test_shipped_choices_start_a_tuning_and_this_machines_own_win(tmp_path, monkeypatch):
+    """A table shipped in llmc/codegen/tuned/ under the cache file's name (same GPU, triton, joint buckets
+    and kernel sources) seeds a persistent tuner; records this machine timed win over it, and a table of
+    another name (other kernels) is not read. The tables shipped load, each named for its GPU."""
+    shipped = tmp_path / "tuned"
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(autotune, "_device_name", lambda: "Test GPU 1")
+    monkeypatch.setattr(autotune, "SHIPPED_DIR", shipped)
+    rec = lambda a: {"config": {"A": a}, "triton_ms": 1.0, "cublas_ms": None, "prefer_cublas": False}  # noqa: E731
+    path = Tuner.persistent().cache_path
+    shipped.mkdir()
+    Tuner({"k1": {"1": rec(1), "2": rec(1)}, "k2": {"1": rec(2)}}, "Test GPU 1").save(shipped / path.name)
+    Tuner({"k9": {"1": rec(9)}}, "Test GPU 1").save(shipped / ("x" + path.name))
+    assert Tuner.persistent().records == {"k1": {"1": rec(1), "2": rec(1)}, "k2": {"1": rec(2)}}
+    path.parent.mkdir(parents=True)
+    Tuner({"k1": {"1": rec(3)}, "k3": {"1": rec(4)}}, "Test GPU 1").save(path)
+    t = Tuner.persistent()
+    assert t.records == {"k1": {"1": rec(3), "2": rec(1)}, "k2": {"1": rec(2)}, "k3": {"1": rec(4)}}
+    monkeypatch.setattr(autotune, "_device_name", lambda: "Test GPU 2")
+    assert Tuner.persistent().records == {}
+    tables = sorted((Path(autotune.__file__).parent / "tuned").glob("*.json"))
+    monkeypatch.setattr(autotune, "_device_name", lambda: None)  # read as on a machine without a GPU
+    assert tables
+    for table in tables:
+        t = Tuner.load(table)
+        slug = "".join(c if c.isalnum() else "-" for c in t.device).strip("-").lower()
+        assert t.records and table.name.startswith(slug + "-")
 
 
 def test_artifact_tuner_never_times_and_runs_cublas_where_untuned(monkeypatch):

@@ -242,23 +242,86 @@ def test_the_token_budget_is_the_one_the_compile_measured(llama_artifact):
     assert art.summary()["token_budget"]["tokens"] == 512
 
 
-def test_the_compile_measures_the_budget_over_every_linear_but_the_lm_head(llama_dir, tmp_path):
+def test_steps_with_decodes_take_the_budget_the_measured_costs_give(llama_artifact, monkeypatch):
+    """An artifact whose compile measured its GEMMs at several sizes and the HBM rate gets a per-step
+    budget (StepBudget): its floor is the measured budget, its K/V cost the cache's bytes per token at
+    that rate. An explicit max_num_batched_tokens, LLMC_STEP_BUDGET=0 or an older artifact keeps the fixed
+    budget."""
+    import copy
+
+    from llmc.runtime.config import StepBudget
+    gemm = {"256": 2.0, "512": 3.0, "1024": 5.2, "2048": 10.0, "4096": 20.0, "8192": 40.5}
+    art = copy.copy(llama_artifact)
+    art.tuning = {**llama_artifact.tuning, "token_budget": {"tokens": 1024, "gemm_ms": gemm, "hbm_gb_s": 4000.0}}
+
+    def step_budget(a, **kw):
+        eng = LLM(a, backend="reference", num_blocks=16, block_size=4, **kw).engine
+        return eng, eng.scheduler.config.step_budget
+    eng, b = step_budget(art)
+    assert isinstance(b, StepBudget) and b.floor == 1024
+    assert b.gemm_ms == tuple((int(m), t) for m, t in gemm.items())
+    per_token = eng.executor.kv_bytes / (eng.executor.num_blocks * 4)
+    assert b.kv_ms_per_token == pytest.approx(per_token / 4000e9 * 1e3)  # bytes at 4,000 GB/s, in ms
+    assert step_budget(art, max_num_batched_tokens=64)[1] is None
+    old = copy.copy(art)
+    old.tuning = {**art.tuning, "token_budget": {"tokens": 1024, "gemm_ms": gemm}}
+    assert step_budget(old)[1] is None and step_budget(llama_artifact)[1] is None
+    monkeypatch.setenv("LLMC_STEP_BUDGET", "0")
+    assert step_budget(art)[1] is None
+
+
+def test_the_step_budget_spreads_the_decodes_cost_over_the_prompt_chunk():
+    """StepBudget: with no decode it is the compile's rule (its floor); more decodes and longer contexts
+    take larger chunks, on top of the decodes' own rows; the chunk is the smallest measured size whose cost
+    per prompt token is within the slack of the best; never below the floor; bad records give None."""
+    from llmc.compiler import choose_token_budget
+    from llmc.runtime.config import StepBudget
+    ms = {256: 5.6, 512: 9.7, 1024: 18.9, 2048: 37.3, 4096: 74.5, 8192: 149.0}  # an 8B-shaped step's GEMMs
+    floor = choose_token_budget(ms)
+    b = StepBudget(tuple(ms.items()), kv_ms_per_token=131072 / 4.15e9, floor=floor)
+    assert floor == 512 and b(0, 0) == 512
+    assert b.gemm(1) == b.gemm(256) == 5.6 and b.gemm(768) == pytest.approx(14.3)
+    assert b.gemm(16384) == pytest.approx(149.0 + 74.5 * 2)
+    sizes = [b(d, d * 600) for d in (8, 32, 64, 128)]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    for d, c in ((8, 8 * 600), (32, 32 * 600), (128, 128 * 600)):
+        chunk = b(d, c) - d
+        cost = {m: (b.gemm(d + m) + b.kv_ms_per_token * c) / m for m in ms}
+        assert chunk in ms and cost[chunk] <= 1.1 * min(cost.values())
+        assert all(cost[m] > 1.1 * min(cost.values()) for m in ms if m < chunk)
+    assert b(128, 128 * 600) == 128 + 2048  # 128 decodes of 600 tokens: 2.4 ms of K/V a step
+    assert StepBudget(tuple(ms.items()), 0.0, floor=4096)(8, 100) == 4096
+    bad = [None, {}, {"token_budget": {"gemm_ms": {"256": 1.0}, "hbm_gb_s": 4000}},
+           {"token_budget": {"gemm_ms": {"256": 1.0, "512": 2.0}}},
+           {"token_budget": {"gemm_ms": {"256": 1.0, "512": 2.0}, "hbm_gb_s": "x"}},
+           {"token_budget": {"gemm_ms": {"256": 1.0, "512": 0.0}, "hbm_gb_s": 4000}}]
+    assert all(StepBudget.of(t, 1000.0, 512) is None for t in bad)
+
+
+def test_the_compile_measures_the_budget_over_every_linear_but_the_lm_head(llama_dir, tmp_path, monkeypatch):
     """compiler._measure_token_budget on the CPU, a stand-in tuner timing each GEMM as M x N x K: each
     distinct shape is timed once per token count and counted as often as the graph runs it; the LM head
-    (vocabulary rows, run on the sampled rows only) is left out."""
+    (vocabulary rows, run on the sampled rows only) is left out. The HBM rate is a device copy's bytes
+    read and written per second."""
     import collections
 
     import llmc
+    import llmc.compiler
     from llmc.codegen.autotune import TuneRecord
     from llmc.compiler import TOKEN_BUDGET_CANDIDATES, _measure_token_budget
     g = llmc.compile(llama_dir, tmp_path / "bf16.llmc", dtype="bfloat16").graph
     vocab = int(g.outputs[0].type.shape[-1])
+    monkeypatch.setattr(llmc.compiler, "COPY_BYTES", 1 << 20)
 
     class Tuner:
         def __init__(self):
             self.times, self.calls = {}, []
 
         def choose(self, key, bucket, candidates, bench):
+            if key.startswith("hbm_copy_ms:"):
+                assert key == f"hbm_copy_ms:{1 << 20}" and bucket == "1"
+                self.times[(key, bucket)] = 0.5  # 2 MiB in 0.5 ms
+                return candidates[0]
             n, k = map(int, key.split(":")[1].split("x"))
             self.calls.append(key)
             self.times[(key, bucket)] = int(bucket) * n * k * 1e-9 + 1e-3  # a fixed cost, then linear in M
@@ -278,6 +341,7 @@ def test_the_compile_measures_the_budget_over_every_linear_but_the_lm_head(llama
             for m in TOKEN_BUDGET_CANDIDATES}
     assert out["gemm_ms"] == {str(m): round(v, 4) for m, v in want.items()}
     assert out["tokens"] == min(m for m in want if want[m] / m <= 1.1 * min(v / k for k, v in want.items()))
+    assert out["hbm_gb_s"] == round(2 * (1 << 20) / 0.5e-3 / 1e9, 1) == 4.2
 
 
 def test_a_quantized_artifact_measures_its_budget_over_its_quantized_linears(llama_dir, tmp_path, monkeypatch):
@@ -288,11 +352,13 @@ def test_a_quantized_artifact_measures_its_budget_over_its_quantized_linears(lla
     import re
 
     import llmc
+    import llmc.compiler
     from llmc.codegen import qmatmul as qmm
     from llmc.codegen.autotune import TuneRecord
     from llmc.compiler import TOKEN_BUDGET_CANDIDATES, _measure_token_budget
     from llmc.ir.ops import qlinear_weight_inputs
     g = llmc.compile(llama_dir, tmp_path / "w8a8.llmc", quant={"method": "smoothquant"}).graph
+    monkeypatch.setattr(llmc.compiler, "COPY_BYTES", 1 << 20)
     vocab = int(g.outputs[0].type.shape[-1])
     ran = []
 
@@ -302,6 +368,9 @@ def test_a_quantized_artifact_measures_its_budget_over_its_quantized_linears(lla
 
         def choose(self, key, bucket, candidates, bench):
             bench(candidates[0])
+            if key.startswith("hbm_copy_ms:"):
+                self.times[(key, bucket)] = 1.0
+                return candidates[0]
             n, k = map(int, re.search(r"(\d+)x(\d+)", key).groups())
             self.times[(key, bucket)] = int(bucket) * n * k * 1e-9 + 1e-3
             return candidates[0]

@@ -54,6 +54,36 @@ def test_a_step_with_no_decode_takes_the_prefill_budget(fake_engine):
         cfg(max_prefill_tokens=0)
 
 
+def test_a_step_with_decodes_and_prompt_work_takes_the_step_budget(fake_engine):
+    """With a step_budget, a step that carries decodes takes what it gives for their tokens and K/V
+    context (where more than max_num_batched_tokens) while prompt work remains; decode-only steps never
+    ask it."""
+    asked = []
+
+    def step_budget(decodes, context):
+        asked.append((decodes, context))
+        return decodes + 10 * decodes  # a chunk of 10 prompt tokens per decode
+
+    eng = fake_engine(cfg(max_num_batched_tokens=12, step_budget=step_budget), num_blocks=64)
+    a = eng.add("a", list(range(6)), max_tokens=30).leader
+    b = eng.add("b", list(range(10, 16)), max_tokens=30).leader
+    eng.step()  # both prompts: no decode yet
+    assert a.num_output_tokens == b.num_output_tokens == 1 and not asked
+    eng.add("big", list(range(20, 60)), max_tokens=2)
+    p = eng.step()
+    assert asked == [(2, 14)]  # two decodes, each 7 tokens long
+    assert [e.num_new_tokens for e in p.scheduled] == [1, 1, 20]  # 22 tokens, over the fixed 12
+    p = eng.step()
+    assert asked[1:] == [(2, 16)] and [e.num_new_tokens for e in p.scheduled] == [1, 1, 20]
+    eng.add("c", list(range(60, 66)), max_tokens=30)
+    while eng.sched.has_unfinished():
+        n = len(asked)
+        p = eng.step()
+        if not any(e.is_prefill for e in p.scheduled) and not eng.sched.waiting:
+            assert len(asked) == n  # nothing but decodes: the fixed budget, not asked
+    eng.assert_drained()
+
+
 def test_without_chunking_prompts_run_whole():
     config = SchedulerConfig(
         max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False
