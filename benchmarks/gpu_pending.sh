@@ -205,7 +205,8 @@ json.load(open('/tmp/art-${SHAPE:-8b}.llmc/tuning.json')).get('token_budget'))" 
                         --num-requests $([ $w = mixed ] && echo "128 --max-num-seqs 128" || echo 5) --json \
                         >"$OUT/ab_${w}_$v.json" 2>>"$OUT/ab_mixed.log"
                     python3 -c "import json; d = json.load(open('$OUT/ab_${w}_$v.json')); \
-print('$var=$v $w', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'itl_ms_p50', 'gpu_busy')})" \
+print('$var=$v $w', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttft_ms_p99', 'itl_ms_p50', 'itl_ms_p99', \
+'gpu_busy')})" \
                         | tee -a "$OUT/ab_mixed.log"
                 done
             done ;;
