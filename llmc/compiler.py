@@ -1,6 +1,7 @@
 """`llmc.compile`: frontend ▸ pass pipeline ▸ artifact."""
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import logging
@@ -379,10 +380,15 @@ def _attention_step(g, new: list[int], ctx: list[int], Hq: int, Hkv: int, D: int
 
 
 def _tune_linears(graph: Graph, tuner, bar, device: str = "cuda") -> None:
+    """Tune each distinct bf16/f16/f32 linear at the decode buckets (and each quantized one, `_tune_qlinear`).
+    First every linear runs once per bucket on threads with the choices already recorded (earlier compiles'
+    cache, the shipped tables; defaults where none is), so their kernels compile in parallel; then each is
+    tuned in turn, timing only what no record holds."""
     from llmc.codegen import matmul as mm
-    from llmc.codegen.autotune import M_BUCKETS
+    from llmc.codegen.autotune import M_BUCKETS, Tuner, run_on_threads
     from llmc.codegen.lower import ACT_EPILOGUE
     seen: set = set()
+    linears = []  # (weight on the device, bias, epilogue)
     for n in graph.nodes:
         if n.op in ("qlinear", "qlinear_codes"):
             _tune_qlinear(graph, n, tuner, seen, bar, device)
@@ -392,13 +398,22 @@ def _tune_linears(graph: Graph, tuner, bar, device: str = "cuda") -> None:
         b = graph.weights[n.inputs[2].name].to(device) if len(n.inputs) > 2 else None
         epi = ACT_EPILOGUE[n.attrs["act"]] if n.op == "linear_act" else ()
         key = (tuple(w.shape), w.dtype, b is not None, epi)
-        if key in seen:
-            continue
-        seen.add(key)
+        if key not in seen:
+            seen.add(key)
+            linears.append((w.to(device), b, epi))
+    if not linears:
+        return
+    xs = {(m, k, dt): torch.randn(m, k, dtype=dt, device=device)
+          for m in M_BUCKETS[:-1] for k, dt in {(int(w.shape[1]), w.dtype) for w, _, _ in linears}}
+    if isinstance(tuner, Tuner):
+        recorded = Tuner(tuner.records, tuner.device, frozen=True, joint=tuner.joint)
+        bar.step(f"compiling the recorded choices of {len(linears)} linear shapes")
+        run_on_threads([functools.partial(mm.linear, xs[(m, int(w.shape[1]), w.dtype)], w, b, epi, tuner=recorded)
+                        for w, b, epi in linears for m in M_BUCKETS[:-1]])
+    for w, b, epi in linears:
         bar.step(f"tuning linear {list(w.shape)}")
-        wc = w.to(device)
         for m in M_BUCKETS[:-1]:
-            mm.linear(torch.randn(m, w.shape[1], dtype=w.dtype, device=device), wc, b, epi, tuner=tuner)
+            mm.linear(xs[(m, int(w.shape[1]), w.dtype)], w, b, epi, tuner=tuner)
 
 
 def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar, device: str = "cuda") -> None:

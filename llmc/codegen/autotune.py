@@ -160,31 +160,38 @@ def tune_threads() -> int:
 
 
 def warm_up(candidates: Sequence[dict], bench: Callable[[dict], Any]) -> None:
-    """Run each candidate once, on threads, so that their kernels compile in parallel before any is timed.
+    """Run each candidate once, on threads, so that their kernels compile in parallel before any is timed
+    (`run_on_threads`). A candidate that fails here is left for the timing to skip, as it skips any config
+    that does not launch."""
+    run_on_threads([functools.partial(bench, dict(c)) for c in candidates])
+
+
+def run_on_threads(calls: Sequence[Callable[[], Any]]) -> None:
+    """Run each call once, on threads (`tune_threads`; none where that is below 2), so that the kernels
+    they launch compile in parallel.
 
     Triton's compiler releases the GIL (its MLIR passes run in C++, ptxas in a subprocess). Every launch goes
     to the caller's current stream, so the kernels still run one after another on the GPU, and no two
-    share a split-K tile counter at once. A candidate that fails here is left for the timing to skip, as
-    it skips any config that does not launch.
+    share a split-K tile counter at once. A call that fails is logged and left to its caller's own run.
     """
     import contextlib
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
-    n = min(len(candidates), tune_threads())
+    n = min(len(calls), tune_threads())
     if n < 2:
         return
     stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
 
-    def run(cfg: dict) -> None:
+    def run(call: Callable[[], Any]) -> None:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            bench(cfg)
+            call()
     with ThreadPoolExecutor(n, thread_name_prefix="llmc-tune") as pool:
-        for cfg, f in [(c, pool.submit(run, dict(c))) for c in candidates]:
+        for i, f in [(i, pool.submit(run, c)) for i, c in enumerate(calls)]:
             try:
                 f.result()
-            except Exception as e:  # noqa: BLE001 - timed (and skipped) below like any failing config
-                log.debug("autotune: warming up %s failed: %s", cfg, e)
+            except Exception as e:  # noqa: BLE001 - the caller's own run meets it again
+                log.debug("autotune: warm-up call %d failed: %s", i, e)
     if stream is not None:
         stream.synchronize()
 

@@ -107,6 +107,33 @@ def test_silu_mul_kernel_codes(kind, dtype):
     assert (diff <= step * 1.01).all() and (diff > 0).float().mean() < 0.02
 
 
+def test_linears_compile_their_recorded_choices_on_threads_before_tuning(llama_dir, tmp_path, monkeypatch):
+    """_tune_linears first runs every distinct linear at every decode bucket on threads with the records
+    frozen (their kernels compile in parallel; nothing is timed there), then tunes each in turn with the
+    compile's own tuner."""
+    import threading
+
+    from llmc import compiler
+    from llmc.codegen import matmul as mm
+    from llmc.codegen.autotune import M_BUCKETS, Tuner
+    art = llmc.compile(llama_dir, tmp_path / "f32.llmc")
+    calls, lock = [], threading.Lock()
+
+    def linear(x, w, b, epi, tuner):
+        with lock:
+            calls.append((threading.current_thread().name.startswith("llmc-tune"), tuner.frozen, tuple(w.shape),
+                          x.shape[0]))
+    monkeypatch.setattr(mm, "linear", linear)
+    monkeypatch.setenv("LLMC_TUNE_THREADS", "4")
+    compiler._tune_linears(art.graph, Tuner(device="test-gpu"), compiler._Progress(False), device="cpu")
+    shapes = {tuple(art.graph.weights[n.inputs[1].name].shape) for n in art.graph.nodes
+              if n.op in ("linear", "linear_act")}
+    want = sorted((s, m) for s in shapes for m in M_BUCKETS[:-1])
+    first, then = calls[:len(want)], calls[len(want):]
+    assert all(threaded and frozen for threaded, frozen, *_ in first) and sorted(r[2:] for r in first) == want
+    assert not any(threaded or frozen for threaded, frozen, *_ in then) and sorted(r[2:] for r in then) == want
+
+
 def test_linears_fed_codes_are_tuned(llama_dir, tmp_path, monkeypatch):
     """Compile tunes the linears whose codes a norm or SwiGLU made (qlinear_codes) as it tunes plain
     quantized linears: each distinct one timed once per bucket with float x of its output dtype (the
