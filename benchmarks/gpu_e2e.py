@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -26,6 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# tests.conftest makes a process that has not imported triton yet interpret its kernels (the CPU test
+# suite's setting); a benchmark runs them compiled unless TRITON_INTERPRET says otherwise
+os.environ.setdefault("TRITON_INTERPRET", "0")
 from tests.conftest import CODE_PROMPTS as PROMPTS  # noqa: E402
 
 

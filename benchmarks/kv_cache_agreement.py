@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -34,6 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# tests.conftest makes a process that has not imported triton yet interpret its kernels (the CPU test
+# suite's setting); a benchmark runs them compiled unless TRITON_INTERPRET says otherwise
+os.environ.setdefault("TRITON_INTERPRET", "0")
 from tests.conftest import CODE_PROMPTS  # noqa: E402  (the int8 test's 8 prompts)
 
 
