@@ -32,6 +32,9 @@
 #                                                     #   (default LLMC_PREFILL_TILES)
 #   bash benchmarks/gpu_pending.sh OUT budget         # issue 20: a compile's phases, decode and TTFT, then the mixed
 #                                                     #   workload at the measured token budget and at TOKENS (2048)
+#   bash benchmarks/gpu_pending.sh OUT tuned-check    # the generated matmul compiled, each tuned choice alone, and
+#                                                     #   greedy agreement under variants of a tuned artifact's choices
+#   bash benchmarks/gpu_pending.sh OUT e2e            # benchmarks/gpu_e2e.py: greedy tokens against HF eager
 #   bash benchmarks/gpu_pending.sh OUT compile-cold   # issue 20: a cold 8B compile (empty Triton and llmc caches)
 #                                                     #   and its load, candidates warmed up on threads, then with
 #                                                     #   LLMC_TUNE_THREADS=0 (COLD_THREADS="default" for the first only)
@@ -231,6 +234,15 @@ print('mixed tokens=$t', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttf
             done
             python3 -c "import json; [print(w, {k: json.load(open('$OUT/budget_' + w + '.json')).get(k) for k in \
 ('out_tok_s', 'ttft_ms_p50', 'itl_ms_p50')}) for w in ('decode', 'prefill')]" | tee -a "$OUT/budget.log" ;;
+        tuned-check)
+            TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/codegen/test_norm_elementwise_matmul.py \
+                -k "matmul or candidate or split" >"$OUT/tuned_check_tests.log" 2>&1
+            tail -3 "$OUT/tuned_check_tests.log"
+            python3 benchmarks/tuned_check.py --out "$OUT" >"$OUT/tuned_check.log" 2>&1
+            tail -30 "$OUT/tuned_check.log" ;;
+        e2e)
+            python3 benchmarks/gpu_e2e.py --out "$OUT" >"$OUT/gpu_e2e.log" 2>&1
+            tail -12 "$OUT/gpu_e2e.log" ;;
         verify)
             python3 benchmarks/verify_bench.py --gb 16 --out "$OUT" >"$OUT/verify.log" 2>&1
             tail -4 "$OUT/verify.log" ;;
@@ -238,6 +250,6 @@ print('mixed tokens=$t', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttf
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap, tuned-check, e2e)" ;;
     esac
 done
