@@ -204,6 +204,7 @@ def _autotune(graph: Graph, bar, batch_invariant: bool = True, cache: bool = Tru
     """Tune each distinct linear shape for decode-sized token counts (1..64) on this GPU; with `cache`,
     choices earlier compiles timed on this GPU are reused and new ones kept (autotune.cache_file)."""
     from llmc.codegen.autotune import DECODE_JOINT_BUCKETS, JOINT_BUCKETS, Tuner
+    from llmc.codegen.kernels import check_counters_released
     if not graph.meta.get("paged"):
         return {}
     joint = JOINT_BUCKETS if batch_invariant else DECODE_JOINT_BUCKETS
@@ -214,6 +215,7 @@ def _autotune(graph: Graph, bar, batch_invariant: bool = True, cache: bool = Tru
     except Exception as e:  # noqa: BLE001 - an optional measurement: the engine then takes 2048 tokens a step
         log.warning("measuring the token budget failed (%s: %s); the default is kept", type(e).__name__, e)
         budget = None
+    check_counters_released()  # a launch that left a count behind would have skewed the timings too
     tuner.save_cache()
     out = tuner.to_json(keys=tuner.used)  # this model's choices, not the rest of the cache
     if budget is not None:
@@ -355,7 +357,8 @@ def _tune_attention(graph: Graph, tuner, bar) -> None:
             for (qq, kv, qsl, lens, tables, out), (new, ctx) in steps:
                 paged_attention(qq, kv, qsl, lens, tables, D ** -0.5, True, window, None, out=out,
                                 max_seqlen_q=max(new), max_seqlen_k=max(ctx), **kw)
-        decode = [(_attention_step(g, [1] * seqs, [ctx] * seqs, Hq, Hkv, D, dtype), ([1], [max_len]))
+        # contexts within the model's limit, which sizes the splits as under the runtime's graphs
+        decode = [(_attention_step(g, [1] * seqs, [min(ctx, max_len)] * seqs, Hq, Hkv, D, dtype), ([1], [max_len]))
                   for seqs, ctx in ((1, 512), (64, 1024))]
         tuner.choose(key, "decode", DECODE_TILE_CANDIDATES, lambda cfg: attend(decode, decode_tiles=cfg))
         del decode

@@ -87,3 +87,15 @@ def tile_counters(device: torch.device, n: int) -> torch.Tensor:
             _RETIRED.append(buf)
         buf = _COUNTERS[key] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
     return buf
+
+
+def check_counters_released() -> None:
+    """Raise if a split launch left a tile counter above zero (each must be back at 0 once its launch is
+    done): the next split launch over that counter would finish its tile early or never, so outputs
+    would be wrong from then on, in every kernel that shares the buffer. A host sync; once per compile."""
+    for key, buf in _COUNTERS.items():
+        left = int(torch.count_nonzero(buf))
+        if left:
+            raise RuntimeError(f"{left} split-kernel tile counters on {key} were left above zero after their "
+                               "launches: a split launch did not count every split in (an llmc bug; please report "
+                               "it with the model's config.json)")

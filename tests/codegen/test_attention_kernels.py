@@ -293,6 +293,22 @@ def test_decode_tuned_launches(tiles):
     run_attention(c, decode_tiles=tiles)
 
 
+@pytest.mark.parametrize("partition", [32, 16], ids=["one-split", "split"])
+def test_decode_with_max_seqlen_k_below_a_context_is_right_and_releases_its_counters(partition):
+    """A launch sized for fewer keys than a sequence holds (max_seqlen_k 32 over contexts of 100 and 70: one
+    split of 32 keys, or two of 16 where the sequences need seven and five) still attends over every key, and
+    every split counts itself in: a count left above zero would make the next split launch over that
+    counter (matmul split-K shares the buffer) finish its tile early or never."""
+    from llmc.codegen.kernels import check_counters_released
+    c = make_case([100, 70, 9], [1, 1, 1], 4, 2, 32, 16, torch.float32, seed=23)
+    cache = c["cache"].clone()
+    ref = reference(c, cache)
+    out = paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], 32 ** -0.5, max_seqlen_q=1,
+                          max_seqlen_k=32, block_n=16, partition_size=partition)
+    close(out, ref, torch.float32)
+    check_counters_released()
+
+
 def test_decode_partition_does_not_depend_on_the_batch():
     assert decode_partition(4096, 32) == 256  # a long context is split into 16 partitions
     assert decode_partition(10, 16) == 256  # a short one uses only the first: one program per kv head
