@@ -24,6 +24,7 @@ from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.sequence import SequenceGroup, SequenceStatus
 from llmc.runtime.spec_decode import SpecConfig, SpecDecoder
+from llmc.runtime.step_graphs import graphs_captured
 from llmc.runtime.stop import StopChecker
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
@@ -260,7 +261,7 @@ class LLMEngine:
         tokens are returned by the next call."""
         if self._profiler is not None:
             self._profiler.tick()
-        t = time.perf_counter()
+        t, captured = time.perf_counter(), graphs_captured()
         flying, self._inflight = self._inflight, None
         if flying is not None:
             self._book(flying)
@@ -290,7 +291,8 @@ class LLMEngine:
                 self._abort_step(out)
                 raise
             if self.spec is not None:  # what speculation costs here, measured (steps end in a device sync)
-                self.spec.observe_step(out, proposed - t, time.perf_counter() - ran)
+                self.spec.observe_step(out, proposed - t, time.perf_counter() - ran,
+                                       one_time=graphs_captured() != captured)
         self.num_steps += 1
         if self._inflight is not None and all(e.seq.is_finished for e in self._inflight.out.scheduled):
             # every sequence in it stopped: its tokens are read and dropped now (an executor of several processes

@@ -17,6 +17,13 @@ from llmc.ir.types import dim_eval, torch_dtype
 from llmc.runtime.block_manager import slot_for
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_captured = 0  # CUDA graphs this process has captured (a step that captures one is no measure of a step's cost)
+
+
+def graphs_captured() -> int:
+    """How many step graphs this process has captured so far (target's and draft's alike)."""
+    return _captured
+
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
@@ -185,6 +192,8 @@ class StepGraphCache:
 
     def _capture_only(self, step: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
         """(graph, its outputs) of `step` captured; nothing runs."""
+        global _captured
+        _captured += 1
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = step()

@@ -205,6 +205,35 @@ def test_adaptive_k_learns_what_a_proposed_token_costs():
     assert cost > 0.5 and sum(k > 0 for k in ks[100:]) < 20
 
 
+def test_steps_that_capture_graphs_do_not_switch_auto_k_off():
+    """The first speculative steps of a batch size capture CUDA graphs (each verify row count, the draft's
+    own steps) and take many times their usual time: they decide nothing (the engine passes `one_time`),
+    so auto k speculates from the start. Had they counted, the measured cost of a proposed token would
+    have stopped every proposal."""
+    from llmc.runtime.sampler import Sampler
+    from llmc.runtime.scheduler import ScheduledSeq, SchedulerOutput
+    from llmc.runtime.sequence import Sequence
+    from llmc.runtime.spec_decode import SpecDecoder
+    from llmc.runtime.spec_decode.adaptive import AdaptiveK
+    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=10_000))
+    seq.append_token(4)
+    seq.num_computed_tokens = 3
+    dec = SpecDecoder(Ones(), AdaptiveK(k_max=4, cost=0.25, max_batch=32), 100_000, Sampler())
+    ks, spec_steps = [], 0
+    for _ in range(400):
+        dec.propose([seq])
+        k = len(seq.spec_token_ids)
+        ks.append(k)
+        out = SchedulerOutput([ScheduledSeq(seq, 1 + k, False, True, spec=list(seq.spec_token_ids))])
+        if k:
+            dec.verify(seq, seq.spec_token_ids, None, [1] * (k + 1))  # every proposed token holds
+            spec_steps += 1
+        # a speculative step costs 1.1 plain steps, but the first six capture graphs: 50x
+        capture = bool(k) and spec_steps <= 6
+        dec.observe_step(out, 0.0, (50.0 if capture else 1.1) if k else 1.0, one_time=capture)
+    assert sum(k > 0 for k in ks) >= 390 and dec.chooser.cost < 0.1, (ks, dec.chooser.cost)
+
+
 def test_speculation_stops_where_it_gives_fewer_tokens_per_second():
     """Whatever the per-token cost model says, a batch size whose speculative steps give fewer tokens
     per second than its plain steps (measured) goes plain, with one speculative step in CALIBRATE to

@@ -81,6 +81,8 @@ class SpecDecoder:
         self.since_plain: dict[int, int] = {}  # speculative steps since the bucket's last plain one
         self.per_token: dict[int, tuple[deque, deque]] = {}  # seconds per token: plain, speculative steps
         self.since_spec: dict[int, int] = {}  # plain steps since the bucket's last speculative one
+        self.costs: dict[int, deque] = {}  # the latest measured costs of a proposed token, by batch bucket
+        self.prior_cost = chooser.cost
         self._accepted_seen = 0
 
     @classmethod
@@ -110,6 +112,8 @@ class SpecDecoder:
             self.q.pop(seq.seq_id, None)
         if self._calibrating(len(seqs)) or not self._paying(len(seqs)):
             return  # a plain step: to time what one costs at this batch size, or because speculation does not pay
+        costs = self.costs.get(self._bucket(len(seqs)))
+        self.chooser.cost = _median(costs) if costs else self.prior_cost
         ks = self.chooser.choose(seqs)
         ks = [min(k, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
               for seq, k in zip(seqs, ks)]
@@ -121,12 +125,13 @@ class SpecDecoder:
             self.q[seq.seq_id] = None if prop.probs is None else prop.probs[:len(seq.spec_token_ids)]
 
     # What a proposed token costs, measured: a decode step's time with speculation, against a plain decode
-    # step's at the same batch size, gives c in the chooser's cost model 1 + c * k (adaptive.py). Its
-    # prior (0.05 for n-gram lookup, 0.25 for a draft) is only where it starts: on a GPU a small draft is
-    # launch-bound and can cost as much as the target's step. Every CALIBRATE speculative steps of a
-    # batch size without a plain one, one step goes without speculation to keep the reference current.
+    # step's at the same batch size, gives c in the chooser's cost model 1 + c * k (adaptive.py), per batch
+    # bucket; the median of the latest KEEP is used, so the first speculative steps, which capture CUDA
+    # graphs for their row counts and can take 50 times their usual time, do not decide it. Its prior (0.05
+    # for n-gram lookup, 0.25 for a draft) is only where it starts: on a GPU a small draft is launch-bound
+    # and can cost as much as the target's step. Every CALIBRATE speculative steps of a batch size without
+    # a plain one, one step goes without speculation to keep the reference current.
     CALIBRATE = 64
-    COST_EMA = 0.1
     WARM = 3  # measurements of a kind in a bucket before they decide (the first plain steps calibrate)
     KEEP = 9  # measurements kept per kind and bucket
 
@@ -157,10 +162,12 @@ class SpecDecoder:
             return True
         return False
 
-    def observe_step(self, out, propose_s: float, step_s: float) -> None:
-        """Learn a decode step's cost with and without proposals (steps with a prefill chunk say nothing)."""
+    def observe_step(self, out, propose_s: float, step_s: float, one_time: bool = False) -> None:
+        """Learn a decode step's cost with and without proposals. Steps with a prefill chunk say nothing, nor
+        does one that did `one_time` work (captured a CUDA graph for its shape, the target's or the
+        draft's: many times a step's usual time, and never again)."""
         gained, self._accepted_seen = self.accepted - self._accepted_seen, self.accepted
-        if not out.scheduled or any(e.is_prefill for e in out.scheduled) or self.chooser.is_fixed:
+        if not out.scheduled or any(e.is_prefill for e in out.scheduled) or self.chooser.is_fixed or one_time:
             return
         n = len(out.scheduled)
         b = self._bucket(n)
@@ -177,7 +184,7 @@ class SpecDecoder:
         if plain:
             k = sum(len(e.spec) for e in spec) / len(spec)
             c = min(4.0, max(0.01, ((propose_s + step_s) / plain - 1) / k))
-            self.chooser.cost += self.COST_EMA * (c - self.chooser.cost)
+            self.costs.setdefault(b, deque(maxlen=self.KEEP)).append(c)
 
     def verify(self, seq: Sequence, spec: list[int], rows: torch.Tensor | None,
                row_tokens: list[int] | None) -> tuple[list[int], list[float] | None, list[dict] | None]:

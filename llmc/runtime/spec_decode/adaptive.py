@@ -21,7 +21,9 @@ rejected one towards 0; positions after the first rejection are not observed and
 
 A sequence at k = 0 would never show its acceptance recover (repetitive text often arrives late),
 so every `probe_every` steps at k = 0 it proposes one token; a probe that is accepted is followed by
-another probe on the next step, so two lucky probes in a row are enough to come back.
+another probe on the next step, so two lucky probes in a row are enough to come back. Probes go on
+even where the cost says that no k pays: the cost is measured (spec_decode.SpecDecoder) from the
+steps that speculate, and a probe is what measures it again after a run of slow steps.
 
 Above `max_batch` sequences per step, every k is 0: the target step is then compute-bound, the
 verified positions cost nearly as much as real tokens and speculation lowers throughput.
@@ -153,7 +155,7 @@ class AdaptiveK:
             st.idle = 0
             return k
         st.idle += 1
-        if st.idle <= self.probe_every or best_k(1.0, self.cost, self.k_max, self.k_min) == 0:
-            return 0  # (no probe when even certain acceptance would not pay: a proposed token costs a step)
+        if st.idle <= self.probe_every:
+            return 0
         st.idle, st.probing = 0, True
         return 1
