@@ -115,7 +115,9 @@ class LLMEngine:
     later. A sequence that stops at step N still ran in step N + 1; that row is dropped (its K/V landed
     in blocks already freed, which no one reads). Steps that sample on the host (a seed, a penalty,
     logprobs, n > 1, prompt scores) or verify speculation run as before, after the step in flight is
-    resolved.
+    resolved. With speculation, a plain step is launched only where the next step gets no proposals
+    (under load, or where speculation does not pay: `SpecDecoder.may_overlap`), and a step in flight is
+    read before any proposal, which continues each sequence's real last token.
 
     Never left broken: a request that fails validation changes nothing, and a step that raises aborts
     the requests it held (their blocks return) before the exception leaves `step()`.
@@ -185,8 +187,7 @@ class LLMEngine:
         self.num_preemptions = 0
         self.num_steps = 0
         self.timings: dict[str, float] = {}  # seconds per phase, summed over steps
-        self.overlap = cfg.overlap and getattr(self.executor, "overlaps", False) and self.spec is None and \
-            cfg.multi_step == 1
+        self.overlap = cfg.overlap and getattr(self.executor, "overlaps", False) and cfg.multi_step == 1
         self._inflight: _InFlight | None = None
         self.num_overlapped = 0  # steps launched without the host waiting for them
         # LLMC_PROFILE_DIR: a window of steps profiled (llmc/runtime/profiling.py); workers profile their own
@@ -265,7 +266,11 @@ class LLMEngine:
         flying, self._inflight = self._inflight, None
         if flying is not None:
             self._book(flying)
+        read = None  # a step in flight whose tokens were read before proposing
         if self.spec is not None:
+            if flying is not None and self.spec.may_propose(sum(not s.is_prefill for s in self.scheduler.running)):
+                self._resolve(flying)  # proposals continue each sequence's real last token, not its stand-in
+                read, flying = flying, None
             self.spec.propose([s for s in self.scheduler.running if not s.is_prefill])
             self._time("propose", t)
         proposed = time.perf_counter()
@@ -275,7 +280,7 @@ class LLMEngine:
             seq.spec_token_ids = []  # the entries hold them; a later step plans afresh
         self._time("schedule", proposed)
         self.num_preemptions += len(out.preempted)
-        touched = set() if flying is None else {e.seq.request_id for e in flying.out.scheduled}
+        touched = {e.seq.request_id for f in (flying, read) if f is not None for e in f.out.scheduled}
         if not out.is_empty and self._overlaps(out):
             self._launch(out, flying)
         if flying is not None:
@@ -317,6 +322,8 @@ class LLMEngine:
         (`Sampler.on_device`)."""
         if not self.overlap or out.has_spec or out.scores_prompts or any(r != 1 for r in out.logits_repeats):
             return False
+        if self.spec is not None and not self.spec.may_overlap(len(out.sampled_seqs)):
+            return False  # a plain step speculation times, or one whose tokens the next step's proposals need
         seqs = out.sampled_seqs
         return Sampler.argmax_only(seqs) or (getattr(self.executor, "samples_on_device", False)
                                              and all(Sampler.on_device(s) for s in seqs))

@@ -82,6 +82,7 @@ class SpecDecoder:
         self.per_token: dict[int, tuple[deque, deque]] = {}  # seconds per token: plain, speculative steps
         self.since_spec: dict[int, int] = {}  # plain steps since the bucket's last speculative one
         self.costs: dict[int, deque] = {}  # the latest measured costs of a proposed token, by batch bucket
+        self.timing = False  # the step `propose` just planned is a plain one to time
         self.prior_cost = chooser.cost
         self._accepted_seen = 0
 
@@ -110,8 +111,14 @@ class SpecDecoder:
         for seq in seqs:
             seq.spec_token_ids = []
             self.q.pop(seq.seq_id, None)
-        if self._calibrating(len(seqs)) or not self._paying(len(seqs)):
-            return  # a plain step: to time what one costs at this batch size, or because speculation does not pay
+        self.timing = False
+        if not seqs or self._off_under_load(len(seqs)):
+            return
+        if self._calibrating(len(seqs)):
+            self.timing = True  # a plain step to time what one costs at this batch size: it must be waited for
+            return
+        if not self._paying(len(seqs)):
+            return  # a plain step, as speculation does not pay here
         costs = self.costs.get(self._bucket(len(seqs)))
         self.chooser.cost = _median(costs) if costs else self.prior_cost
         ks = self.chooser.choose(seqs)
@@ -135,6 +142,26 @@ class SpecDecoder:
     WARM = 3  # measurements of a kind in a bucket before they decide (the first plain steps calibrate)
     KEEP = 9  # measurements kept per kind and bucket
 
+    def may_propose(self, n: int) -> bool:
+        """Whether a decode step of `n` sequences may get proposals (`propose` decides; this only looks).
+        The engine reads the tokens of a step in flight before such a step: a proposal continues each
+        sequence's real last token, not the stand-in that a launched step leaves until it is read."""
+        if self._off_under_load(n):
+            return False
+        if self.chooser.is_fixed:
+            return True
+        b = self._bucket(n)
+        return not self._calibrating(n) and (self._gate_open(b) or self.since_spec.get(b, 0) + 1 >= self.CALIBRATE)
+
+    def may_overlap(self, n: int) -> bool:
+        """Whether the step just planned may be launched without the host waiting for it (the engine's
+        overlapped steps): not a plain step that `propose` wants timed, and not one whose tokens the next
+        step's proposals would wait for (`n`: the sequences it samples, which decode next)."""
+        return not self.timing and not self.may_propose(n)
+
+    def _off_under_load(self, n: int) -> bool:
+        return self.chooser.max_batch is not None and n > self.chooser.max_batch
+
     @staticmethod
     def _bucket(n: int) -> int:
         return 1 << max(0, (n - 1).bit_length())
@@ -153,14 +180,17 @@ class SpecDecoder:
         if self.chooser.is_fixed:
             return True
         b = self._bucket(n)
-        plain, spec = self.per_token.get(b, ((), ()))
-        if len(plain) < self.WARM or len(spec) < self.WARM or _median(spec) <= _median(plain):
+        if self._gate_open(b):
             return True
         self.since_spec[b] = self.since_spec.get(b, 0) + 1
         if self.since_spec[b] >= self.CALIBRATE:
             self.since_spec[b] = 0
             return True
         return False
+
+    def _gate_open(self, b: int) -> bool:
+        plain, spec = self.per_token.get(b, ((), ()))
+        return len(plain) < self.WARM or len(spec) < self.WARM or _median(spec) <= _median(plain)
 
     def observe_step(self, out, propose_s: float, step_s: float, one_time: bool = False) -> None:
         """Learn a decode step's cost with and without proposals. Steps with a prefill chunk say nothing, nor
