@@ -75,13 +75,14 @@ class SpecDecoder:
         self.q: dict[int, torch.Tensor | None] = {}  # seq_id -> the draft distributions of its proposal
         self.steps = 0  # verified proposals
         self.proposed = self.accepted = 0  # proposed tokens, and those the target kept
-        # by batch bucket, the latest measurements (medians are used: a step that captured a CUDA graph or
-        # compiled a kernel takes many times its usual time, and must not decide anything)
-        self.plain_s: dict[int, deque] = {}  # decode steps without speculation: seconds
+        # by batch bucket, the latest measurements (a step that captured a CUDA graph is not one of them)
+        self.plain_s: dict[int, deque] = {}  # decode steps without speculation: seconds (their median is used)
         self.since_plain: dict[int, int] = {}  # speculative steps since the bucket's last plain one
-        self.per_token: dict[int, tuple[deque, deque]] = {}  # seconds per token: plain, speculative steps
+        # plain steps' seconds per token; speculative steps' (seconds, tokens): how many tokens a step gives
+        # varies with what is accepted, so their rate is the sums' ratio over a window, never a median
+        self.per_token: dict[int, tuple[deque, deque]] = {}
         self.since_spec: dict[int, int] = {}  # plain steps since the bucket's last speculative one
-        self.costs: dict[int, deque] = {}  # the latest measured costs of a proposed token, by batch bucket
+        self.costs: dict[int, deque] = {}  # by batch bucket, the latest (mean k, step time / plain step time)
         self.timing = False  # the step `propose` just planned is a plain one to time
         self.prior_cost = chooser.cost
         self._accepted_seen = 0
@@ -120,7 +121,7 @@ class SpecDecoder:
         if not self._paying(len(seqs)):
             return  # a plain step, as speculation does not pay here
         costs = self.costs.get(self._bucket(len(seqs)))
-        self.chooser.cost = _median(costs) if costs else self.prior_cost
+        self.chooser.overhead, self.chooser.cost = fit_cost(costs) if costs else (0.0, self.prior_cost)
         ks = self.chooser.choose(seqs)
         ks = [min(k, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
               for seq, k in zip(seqs, ks)]
@@ -131,16 +132,19 @@ class SpecDecoder:
             seq.spec_token_ids = list(prop.tokens[:k])
             self.q[seq.seq_id] = None if prop.probs is None else prop.probs[:len(seq.spec_token_ids)]
 
-    # What a proposed token costs, measured: a decode step's time with speculation, against a plain decode
-    # step's at the same batch size, gives c in the chooser's cost model 1 + c * k (adaptive.py), per batch
-    # bucket; the median of the latest KEEP is used, so the first speculative steps, which capture CUDA
-    # graphs for their row counts and can take 50 times their usual time, do not decide it. Its prior (0.05
-    # for n-gram lookup, 0.25 for a draft) is only where it starts: on a GPU a small draft is launch-bound
-    # and can cost as much as the target's step. Every CALIBRATE speculative steps of a batch size without
-    # a plain one, one step goes without speculation to keep the reference current.
+    # What speculation costs, measured: a decode step's time with speculation against a plain decode step's
+    # at the same batch size, over the mean k proposed, gives f and c of the chooser's cost model
+    # 1 + f + c * k (adaptive.py), fitted per batch bucket over its latest COST_POINTS steps (`fit_cost`).
+    # Steps that capture CUDA graphs (50 times their usual time, once) are not measured at all. The prior
+    # (f = 0; c = 0.05 for n-gram lookup, 0.25 for a draft) is only where it starts: on a GPU a small draft
+    # is launch-bound, and what a step with it costs is mostly f, whatever k is. Every CALIBRATE speculative
+    # steps of a batch size without a plain one, one step goes without speculation to keep the reference
+    # current.
     CALIBRATE = 64
+    COST_POINTS = 32
     WARM = 3  # measurements of a kind in a bucket before they decide (the first plain steps calibrate)
-    KEEP = 9  # measurements kept per kind and bucket
+    KEEP = 9  # plain measurements kept per bucket
+    SPEC_WINDOW = 32  # speculative steps whose tokens per second decide whether speculation pays
 
     def may_propose(self, n: int) -> bool:
         """Whether a decode step of `n` sequences may get proposals (`propose` decides; this only looks).
@@ -190,7 +194,9 @@ class SpecDecoder:
 
     def _gate_open(self, b: int) -> bool:
         plain, spec = self.per_token.get(b, ((), ()))
-        return len(plain) < self.WARM or len(spec) < self.WARM or _median(spec) <= _median(plain)
+        if len(plain) < self.WARM or len(spec) < self.WARM:
+            return True
+        return sum(t for t, _ in spec) <= _median(plain) * sum(n for _, n in spec)
 
     def observe_step(self, out, propose_s: float, step_s: float, one_time: bool = False) -> None:
         """Learn a decode step's cost with and without proposals. Steps with a prefill chunk say nothing, nor
@@ -202,19 +208,19 @@ class SpecDecoder:
         n = len(out.scheduled)
         b = self._bucket(n)
         spec = [e for e in out.scheduled if e.spec]
-        plain_t, spec_t = self.per_token.setdefault(b, (deque(maxlen=self.KEEP), deque(maxlen=self.KEEP)))
+        plain_t, spec_t = self.per_token.setdefault(b, (deque(maxlen=self.KEEP), deque(maxlen=self.SPEC_WINDOW)))
         if not spec:
             plain_t.append(step_s / n)
             self.plain_s.setdefault(b, deque(maxlen=self.KEEP)).append(step_s)
             self.since_plain[b] = 0
             return
-        spec_t.append((propose_s + step_s) / (n + gained))
+        spec_t.append((propose_s + step_s, n + gained))
         self.since_plain[b] = self.since_plain.get(b, 0) + 1
         plain = _median(self.plain_s[b]) if self.plain_s.get(b) else None
         if plain:
             k = sum(len(e.spec) for e in spec) / len(spec)
-            c = min(4.0, max(0.01, ((propose_s + step_s) / plain - 1) / k))
-            self.costs.setdefault(b, deque(maxlen=self.KEEP)).append(c)
+            ratio = min(1 + 4.0 * (k + 1), (propose_s + step_s) / plain)  # (a stall caps at 4 steps a token)
+            self.costs.setdefault(b, deque(maxlen=self.COST_POINTS)).append((k, ratio))
 
     def verify(self, seq: Sequence, spec: list[int], rows: torch.Tensor | None,
                row_tokens: list[int] | None) -> tuple[list[int], list[float] | None, list[dict] | None]:
@@ -238,6 +244,21 @@ class SpecDecoder:
         self.q.pop(seq.seq_id, None)
         self.chooser.release(seq)
         self.proposer.release(seq)
+
+
+def fit_cost(points) -> tuple[float, float]:
+    """(f, c) of step time / plain step time = 1 + f + c * k by least squares over (k, ratio) points, both at
+    least 0 (c at least 0.005). Where the points' k hardly vary the two cannot be told apart, and f = 0
+    (all of it per token, as the one-term model: more cautious about large k)."""
+    n = len(points)
+    mk = sum(k for k, _ in points) / n
+    my = sum(r - 1 for _, r in points) / n
+    var = sum((k - mk) ** 2 for k, _ in points) / n
+    if var > 0.25:
+        c = max(0.005, sum((k - mk) * (r - 1 - my) for k, r in points) / (n * var))
+        if my - c * mk >= 0:
+            return my - c * mk, c
+    return 0.0, max(0.005, my / mk)  # k too alike, or a slope past the mean: all of it per token
 
 
 def _median(xs) -> float:

@@ -8,12 +8,16 @@ own next token:
 
 at a cost, in units of one plain decode step, of
 
-    cost(k) = 1 + c * k
+    cost(0) = 1,   cost(k) = 1 + f + c * k   (k >= 1)
 
 where c is the relative cost of one proposed token (its share of the draft work plus the extra
-verified position): ~0.1 for n-gram lookup, ~0.2-0.3 for a draft model. The policy picks
-k in [k_min, k_max] maximising E[tokens](k) / cost(k) (the smallest such k on ties). k = 1 beats
-k = 0 only when (1 + a) / (1 + c) > 1, i.e. a > c: below that a sequence stops speculating.
+verified position) and f what a speculative step costs whatever its k (the draft catching up on the
+tokens the last step accepted, the verify step's own extra work). Both are measured (SpecDecoder fits
+them); before that f = 0 and c is a prior: ~0.05 for n-gram lookup, ~0.25 for a draft model. On an
+H200 the shipped draft measures f ~ 0.27 and c ~ 0.015 for an 8B-sized target: a step with a draft
+costs a quarter of a step more, and each drafted token little. The policy picks k in [k_min, k_max]
+maximising E[tokens](k) / cost(k) (the smallest such k on ties). With f = 0, k = 1 beats k = 0 only
+when (1 + a) / (1 + c) > 1, i.e. a > c: below that a sequence stops speculating.
 
 a is an exponential moving average per sequence, started optimistic (`init_rate`), updated once
 per verified position with weight `ema`: each accepted token pulls it towards 1, the first
@@ -36,14 +40,15 @@ from dataclasses import dataclass
 from llmc.runtime.sequence import Sequence
 
 
-def best_k(rate: float, cost: float, k_max: int, k_min: int = 0) -> int:
-    """The k in [k_min, k_max] maximising (1 + a + ... + a^k) / (1 + cost * k); the smallest on ties."""
+def best_k(rate: float, cost: float, k_max: int, k_min: int = 0, overhead: float = 0.0) -> int:
+    """The k in [k_min, k_max] maximising (1 + a + ... + a^k) / (1 + overhead + cost * k), k = 0 costing 1;
+    the smallest on ties."""
     best, best_value = k_min, 0.0
     expected, power = 0.0, 1.0
     for k in range(k_max + 1):
         expected += power  # 1 + a + ... + a^k, well defined at a = 1 too
         power *= rate
-        value = expected / (1.0 + cost * k)
+        value = expected / (1.0 + (overhead + cost * k if k else 0.0))
         if k >= k_min and value > best_value * (1 + 1e-12):
             best, best_value = k, value
     return best
@@ -81,7 +86,7 @@ class AdaptiveK:
     """
 
     def __init__(self, k_max: int = 8, k_min: int = 0, max_batch: int | None = 32, cost: float = 0.1,
-                 init_rate: float = 0.6, ema: float = 0.2, probe_every: int = 16) -> None:
+                 init_rate: float = 0.6, ema: float = 0.15, probe_every: int = 6) -> None:
         if not 0 <= k_min <= k_max:
             raise ValueError(f"need 0 <= k_min <= k_max, got k_min={k_min}, k_max={k_max}")
         if max_batch is not None and max_batch < 0:
@@ -91,6 +96,7 @@ class AdaptiveK:
                              f"cost={cost}, init_rate={init_rate}, ema={ema}, probe_every={probe_every}")
         self.k_max, self.k_min, self.max_batch = k_max, k_min, max_batch
         self.cost, self.init_rate, self.ema, self.probe_every = cost, init_rate, ema, probe_every
+        self.overhead = 0.0  # f: what a speculative step costs whatever its k (measured by SpecDecoder)
         self._stats: dict[int, _Stats] = {}
 
     @classmethod
@@ -150,7 +156,7 @@ class AdaptiveK:
     def _choose_one(self, seq: Sequence) -> int:
         st = self._stats_of(seq)
         st.probing = False
-        k = best_k(st.rate, self.cost, self.k_max, self.k_min)
+        k = best_k(st.rate, self.cost, self.k_max, self.k_min, self.overhead)
         if k > 0:
             st.idle = 0
             return k
