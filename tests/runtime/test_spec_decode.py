@@ -124,7 +124,7 @@ def test_sampled_output_distribution_matches_plain(llama_artifact, other_draft, 
             c[key] = c.get(key, 0) + 1
         return c
     spec = LLM(llama_artifact, speculative={"method": method, "draft": other_draft, "num_speculative_tokens": 2,
-                                            "max_batch": None}, **kw)
+                                            "max_batch": None, "max_verify_rows": None}, **kw)  # 256 x 3 rows a step
     a, b = counts(LLM(llama_artifact, **kw)), counts(spec)
     st = spec.stats()
     assert st["spec_proposed_tokens"] > 1000 and 0 < st["spec_accepted_tokens"] < st["spec_proposed_tokens"]
@@ -232,6 +232,31 @@ def test_steps_that_capture_graphs_do_not_switch_auto_k_off():
         capture = bool(k) and spec_steps <= 6
         dec.observe_step(out, 0.0, (50.0 if capture else 1.1) if k else 1.0, one_time=capture)
     assert sum(k > 0 for k in ks) >= 390 and dec.chooser.overhead + dec.chooser.cost < 0.2, (ks, dec.chooser.cost)
+
+
+def test_a_step_with_proposals_verifies_at_most_the_batch_invariant_rows():
+    """Proposals are cut so that a step verifies at most VERIFY_ROWS rows (those whose GEMMs share one choice,
+    so greedy speculation keeps plain decoding's tokens in bf16 too): the longest lose tokens first."""
+    from llmc.runtime.sampler import Sampler
+    from llmc.runtime.sequence import Sequence
+    from llmc.runtime.spec_decode import VERIFY_ROWS, SpecDecoder, within_rows
+    from llmc.runtime.spec_decode.adaptive import AdaptiveK
+    assert VERIFY_ROWS == 64
+    assert within_rows([8, 1, 3], 64) == [8, 1, 3] and within_rows([8, 8], 10) == [4, 4]
+    assert within_rows([5, 1, 1], 6) == [1, 1, 1]
+    assert within_rows([2] * 64, 64) == [0] * 64
+    for batch in (1, 8, 16, 32, 100):
+        seqs = []
+        for i in range(batch):
+            seq = Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100))
+            seq.append_token(4)
+            seq.num_computed_tokens = 3
+            seqs.append(seq)
+        dec = SpecDecoder(Ones(), AdaptiveK.fixed(8, max_batch=None), 100_000, Sampler())
+        dec.propose(seqs)
+        ks = [len(s.spec_token_ids) for s in seqs]
+        assert batch + sum(ks) <= max(VERIFY_ROWS, batch) and max(ks) - min(ks) <= 1, (batch, ks)
+        assert sum(ks) == min(8 * batch, max(0, VERIFY_ROWS - batch))
 
 
 def simulate(chooser, accept: float, overhead: float, per_token: float, steps: int = 3000, seed: int = 0):

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from llmc.codegen.autotune import JOINT_BUCKETS, bucket_size
 from llmc.errors import LLMCError
 from llmc.runtime.sampler import Sampler, plain_greedy
 from llmc.runtime.sequence import Sequence
@@ -26,6 +27,11 @@ from llmc.runtime.spec_decode.base import Proposal, Proposer
 from llmc.runtime.spec_decode.rejection import accept_greedy, verify
 
 METHODS = ("draft", "ngram", "multi")
+# the most rows a step with proposals verifies: the steps of up to 64 rows share one GEMM choice at compile
+# (autotune.JOINT_BUCKETS), so a sequence's sums, hence its greedy tokens, are those of plain decoding; a
+# wider step runs library GEMMs that pick their kernels by size, and bf16 tokens then part (0.84 of them
+# the same at batch 32 with n-gram proposals on an H200, where speculation lost besides)
+VERIFY_ROWS = bucket_size(JOINT_BUCKETS[-1])
 
 
 @dataclass
@@ -36,6 +42,7 @@ class SpecConfig:
     draft: str | Path | None = None  # the draft artifact (methods draft and multi)
     num_speculative_tokens: int | str = "auto"  # k, or "auto": adaptive per sequence
     max_batch: int | None = 32  # with "auto": no speculation when more sequences decode at once
+    max_verify_rows: int | None = VERIFY_ROWS  # proposals cut to keep a step within this many rows; None: uncut
     max_ngram: int = 4
 
     @classmethod
@@ -68,10 +75,13 @@ class SpecDecoder:
         proposer: a `Proposer`.
         chooser: how many tokens to propose per sequence (an `AdaptiveK`).
         max_model_len: proposals never run past the context.
+        max_rows: proposals are cut so that a step verifies at most this many rows (`VERIFY_ROWS`).
     """
 
-    def __init__(self, proposer: Proposer, chooser, max_model_len: int, sampler: Sampler):
+    def __init__(self, proposer: Proposer, chooser, max_model_len: int, sampler: Sampler,
+                 max_rows: int | None = VERIFY_ROWS):
         self.proposer, self.chooser, self.max_model_len, self.sampler = proposer, chooser, max_model_len, sampler
+        self.max_rows = max_rows  # the most rows a step with proposals verifies (None: no limit)
         self.q: dict[int, torch.Tensor | None] = {}  # seq_id -> the draft distributions of its proposal
         self.steps = 0  # verified proposals
         self.proposed = self.accepted = 0  # proposed tokens, and those the target kept
@@ -104,7 +114,7 @@ class SpecDecoder:
         k = cfg.num_speculative_tokens
         chooser = AdaptiveK(k_max=8, cost=cost, max_batch=cfg.max_batch) if k == "auto" else \
             AdaptiveK(k_min=k, k_max=k, cost=cost, max_batch=None)
-        return cls(proposer, chooser, max_model_len, sampler)
+        return cls(proposer, chooser, max_model_len, sampler, cfg.max_verify_rows)
 
     def propose(self, seqs: list[Sequence]) -> None:
         """Set `spec_token_ids` on the decoding sequences that get a proposal this step (and clear it on the
@@ -125,6 +135,7 @@ class SpecDecoder:
         ks = self.chooser.choose(seqs)
         ks = [min(k, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
               for seq, k in zip(seqs, ks)]
+        ks = within_rows(ks, self.max_rows) if self.max_rows is not None else ks
         todo = [(s, k) for s, k in zip(seqs, ks) if k > 0]
         if not todo:
             return
@@ -244,6 +255,20 @@ class SpecDecoder:
         self.q.pop(seq.seq_id, None)
         self.chooser.release(seq)
         self.proposer.release(seq)
+
+
+def within_rows(ks: list[int], rows: int) -> list[int]:
+    """The proposal lengths `ks` cut so that the step's rows (one per sequence and one per proposed token) are
+    at most `rows`: the longest lose a token first, so the shortest keep theirs."""
+    ks = list(ks)
+    excess = len(ks) + sum(ks) - rows
+    if len(ks) >= rows:
+        return [0] * len(ks)
+    while excess > 0:
+        i = max(range(len(ks)), key=ks.__getitem__)
+        ks[i] -= 1
+        excess -= 1
+    return ks
 
 
 def fit_cost(points) -> tuple[float, float]:
