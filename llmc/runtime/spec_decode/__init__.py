@@ -28,9 +28,9 @@ from llmc.runtime.spec_decode.rejection import accept_greedy, verify
 
 METHODS = ("draft", "ngram", "multi")
 # the most rows a step with proposals verifies: the steps of up to 64 rows share one GEMM choice at compile
-# (autotune.JOINT_BUCKETS), so a sequence's sums, hence its greedy tokens, are those of plain decoding; a
-# wider step runs library GEMMs that pick their kernels by size, and bf16 tokens then part (0.84 of them
-# the same at batch 32 with n-gram proposals on an H200, where speculation lost besides)
+# (autotune.JOINT_BUCKETS), so where that is the generated kernel a sequence's sums, hence its greedy
+# tokens, are those of plain decoding; a wider step runs library GEMMs that pick their kernels by size, and
+# bf16 tokens then part (0.84 of them the same at batch 32 with n-gram proposals on an H200)
 VERIFY_ROWS = bucket_size(JOINT_BUCKETS[-1])
 
 
