@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_pending.sh OUT qmatmul        # issue 14: the quantized kernels compiled on the GPU
 #   bash benchmarks/gpu_pending.sh OUT quant-decode   # issue 14: 8B decode, bf16 vs int4 (QUANT=rtn4,rtn4-small,fp8,w8a8)
 #   bash benchmarks/gpu_pending.sh OUT spec-load      # issue 18: widened 8B target at batch 32 and 128
+#   bash benchmarks/gpu_pending.sh OUT spec-b1        # issue 18: widened 8B target at batch 1, held-out and repetitive
 #   bash benchmarks/gpu_pending.sh OUT widen-check    # issue 18: bf16 agreement of the widened target, 64k tokens
 #   bash benchmarks/gpu_pending.sh OUT onnx           # issue 19: 8B from its ONNX export against from its HF dir
 #   bash benchmarks/gpu_pending.sh OUT quant-mixed    # issue 14: 8B mixed workload, bf16 vs fp8, w8a8, int4
@@ -87,6 +88,16 @@ for step in "$@"; do
                     --out "$OUT" >"$OUT/spec_b$b.log" 2>&1
                 tail -6 "$OUT/spec_b$b.log"
             done ;;
+        spec-b1)
+            widened
+            python3 benchmarks/spec_bench.py --target "$WIDE/w8b.llmc" --draft "$WIDE/d.llmc" --dtype bfloat16 \
+                --prompts 64 --max-tokens 256 --batch 1 --repeat "${REPEAT:-1}" \
+                --configs none,draft:5,draft:auto,multi:auto,ngram --out "$OUT" >"$OUT/spec_b1.log" 2>&1
+            tail -7 "$OUT/spec_b1.log"
+            python3 benchmarks/spec_bench.py --target "$WIDE/w8b.llmc" --draft "$WIDE/d.llmc" --dtype bfloat16 \
+                --workload repetitive --prompts 16 --max-tokens 256 --batch 1 --repeat "${REPEAT:-1}" \
+                --configs none,ngram,draft:auto --out "$OUT" >"$OUT/spec_rep.log" 2>&1
+            tail -5 "$OUT/spec_rep.log" ;;
         widen-check)
             widened_hf
             python3 benchmarks/widen_check.py --bf16 "$WIDE/w8b" --tokens 65536 --out "$OUT" >"$OUT/widen_check.log" 2>&1
@@ -250,6 +261,6 @@ print('mixed tokens=$t', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttf
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap, tuned-check, e2e)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, spec-b1, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap, tuned-check, e2e)" ;;
     esac
 done
