@@ -183,3 +183,38 @@ def test_speculation_under_load_overlaps_its_plain_steps(tiny_py_artifact):
     off, plain = spec_run(False, spec)
     assert got == want == off
     assert stats["overlapped_steps"] > 0 and plain["overlapped_steps"] == 0 and stats["spec_steps"] > 0, stats
+
+
+def test_a_proposal_after_a_step_in_flight_continues_the_real_tokens(tiny_py_artifact):
+    """A sequence that stops (a stop string) while the next step is in flight leaves few enough sequences
+    to speculate: that step's tokens are read before anything is proposed, so every proposal starts from
+    each sequence's real tokens, never from the stand-in of a launched step; outputs are those of steps
+    one at a time."""
+    from collections import deque
+
+    from llmc.runtime.spec_decode import SpecDecoder
+    prompts = CODE_PROMPTS[:4]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=["\n"]) if i == 0 else
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True) for i in range(4)]
+    seen = []  # (request, tokens the proposal continued)
+
+    def spec_run(overlap):
+        spec = {"method": "ngram", "num_speculative_tokens": "auto", "max_batch": 3}
+        with LLM(tiny_py_artifact, backend="reference", num_blocks=256, overlap=overlap, speculative=spec) as llm:
+            dec = llm.engine.spec
+            for b in (1, 2, 4):  # as if plain steps of every size had been timed: they may speculate at once
+                dec.plain_s[b] = deque([1.0] * SpecDecoder.WARM)
+                dec.per_token[b] = (deque([1.0] * SpecDecoder.WARM), deque(maxlen=SpecDecoder.SPEC_WINDOW))
+            inner = dec.proposer.propose
+
+            def propose(seqs, ks):
+                seen.extend((s.request_id, list(s.token_ids)) for s in seqs)
+                return inner(seqs, ks)
+            dec.proposer.propose = propose
+            outs = llm.generate(prompts, params)
+            return {o.request_id: list(o.prompt_token_ids) + o.outputs[0].token_ids for o in outs}, llm.stats()
+    want, _ = spec_run(False)
+    seen.clear()
+    got, stats = spec_run(True)
+    assert got == want and stats["overlapped_steps"] > 0 and seen
+    assert all(want[rid][:len(ctx)] == ctx for rid, ctx in seen)
