@@ -171,21 +171,27 @@ class Ones:
         pass
 
 
+def decoding_seq(name: str, max_tokens: int = 10_000):
+    """A sequence of a 3-token prompt and one generated token, decoding (its prompt computed)."""
+    from llmc.runtime.sequence import Sequence
+    seq = Sequence(name, [1, 2, 3], SamplingParams(max_tokens=max_tokens))
+    seq.append_token(4)
+    seq.num_computed_tokens = 3
+    return seq
+
+
 def test_adaptive_k_learns_what_a_proposed_token_costs():
     """The cost of a proposed token is measured against plain decode steps of the same batch size: a
     proposer as slow as a target step drives auto k to 0, a cheap one keeps it; a plain step is taken to
     calibrate first, and again after CALIBRATE speculative steps."""
     from llmc.runtime.sampler import Sampler
     from llmc.runtime.scheduler import ScheduledSeq, SchedulerOutput
-    from llmc.runtime.sequence import Sequence
     from llmc.runtime.spec_decode import SpecDecoder
     from llmc.runtime.spec_decode.adaptive import AdaptiveK
 
 
     def run(propose_s):
-        seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=10_000))
-        seq.append_token(4)
-        seq.num_computed_tokens = 3
+        seq = decoding_seq("r")
         dec = SpecDecoder(Ones(), AdaptiveK(k_max=4, cost=0.25, max_batch=None), 100_000, Sampler())
         ks = []
         for _ in range(200):
@@ -212,12 +218,9 @@ def test_steps_that_capture_graphs_do_not_switch_auto_k_off():
     have stopped every proposal."""
     from llmc.runtime.sampler import Sampler
     from llmc.runtime.scheduler import ScheduledSeq, SchedulerOutput
-    from llmc.runtime.sequence import Sequence
     from llmc.runtime.spec_decode import SpecDecoder
     from llmc.runtime.spec_decode.adaptive import AdaptiveK
-    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=10_000))
-    seq.append_token(4)
-    seq.num_computed_tokens = 3
+    seq = decoding_seq("r")
     dec = SpecDecoder(Ones(), AdaptiveK(k_max=4, cost=0.25, max_batch=32), 100_000, Sampler())
     ks, spec_steps = [], 0
     for _ in range(400):
@@ -238,7 +241,6 @@ def test_a_step_with_proposals_verifies_at_most_the_batch_invariant_rows():
     """Proposals are cut so that a step verifies at most VERIFY_ROWS rows (those whose GEMMs share one choice,
     so greedy speculation keeps plain decoding's tokens in bf16 too): the longest lose tokens first."""
     from llmc.runtime.sampler import Sampler
-    from llmc.runtime.sequence import Sequence
     from llmc.runtime.spec_decode import VERIFY_ROWS, SpecDecoder, within_rows
     from llmc.runtime.spec_decode.adaptive import AdaptiveK
     assert VERIFY_ROWS == 64
@@ -246,12 +248,7 @@ def test_a_step_with_proposals_verifies_at_most_the_batch_invariant_rows():
     assert within_rows([5, 1, 1], 6) == [1, 1, 1]
     assert within_rows([2] * 64, 64) == [0] * 64
     for batch in (1, 8, 16, 32, 100):
-        seqs = []
-        for i in range(batch):
-            seq = Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100))
-            seq.append_token(4)
-            seq.num_computed_tokens = 3
-            seqs.append(seq)
+        seqs = [decoding_seq(f"r{i}", 100) for i in range(batch)]
         dec = SpecDecoder(Ones(), AdaptiveK.fixed(8, max_batch=None), 100_000, Sampler())
         dec.propose(seqs)
         ks = [len(s.spec_token_ids) for s in seqs]
@@ -266,12 +263,9 @@ def simulate(chooser, accept: float, overhead: float, per_token: float, steps: i
 
     from llmc.runtime.sampler import Sampler
     from llmc.runtime.scheduler import ScheduledSeq, SchedulerOutput
-    from llmc.runtime.sequence import Sequence
     from llmc.runtime.spec_decode import SpecDecoder
     rng = random.Random(seed)
-    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=10 ** 9))
-    seq.append_token(4)
-    seq.num_computed_tokens = 3
+    seq = decoding_seq("r", 10 ** 9)
     dec = SpecDecoder(Ones(), chooser, 10 ** 9, Sampler())
     tokens = elapsed = 0.0
     for _ in range(steps):
@@ -305,18 +299,12 @@ def test_speculation_stops_where_it_gives_fewer_tokens_per_second():
     measure again; a batch size where speculation pays keeps it."""
     from llmc.runtime.sampler import Sampler
     from llmc.runtime.scheduler import ScheduledSeq, SchedulerOutput
-    from llmc.runtime.sequence import Sequence
     from llmc.runtime.spec_decode import SpecDecoder
     from llmc.runtime.spec_decode.adaptive import AdaptiveK
 
 
     def run(batch, spec_step_s):
-        seqs = []
-        for i in range(batch):
-            seq = Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=10_000))
-            seq.append_token(4)
-            seq.num_computed_tokens = 3
-            seqs.append(seq)
+        seqs = [decoding_seq(f"r{i}") for i in range(batch)]
         dec = SpecDecoder(Ones(), AdaptiveK(k_max=2, cost=0.01, max_batch=None), 100_000, Sampler())
         spec_steps = []
         for _ in range(300):
