@@ -85,17 +85,19 @@ class SpecDecoder:
         self.q: dict[int, torch.Tensor | None] = {}  # seq_id -> the draft distributions of its proposal
         self.steps = 0  # verified proposals
         self.proposed = self.accepted = 0  # proposed tokens, and those the target kept
-        # by batch bucket, the latest measurements (a step that captured a CUDA graph is not one of them)
-        self.plain_s: dict[int, deque] = {}  # decode steps without speculation: seconds (their median is used)
-        self.since_plain: dict[int, int] = {}  # speculative steps since the bucket's last plain one
-        # plain steps' seconds per token; speculative steps' (seconds, tokens): how many tokens a step gives
-        # varies with what is accepted, so their rate is the sums' ratio over a window, never a median
+        # By batch bucket, the latest measurements (see "What speculation costs" below). Plain calls: seconds
+        # each (their median is used) and seconds per token; calls in the speculative regime: (seconds,
+        # tokens, sequences), as how many tokens a call gives varies with what is accepted, so their rate is
+        # the sums' ratio over a window of SPEC_WINDOW sequence-steps, never a median.
+        self.plain_s: dict[int, deque] = {}
         self.per_token: dict[int, tuple[deque, deque]] = {}
-        self.since_spec: dict[int, int] = {}  # plain steps since the bucket's last speculative one
-        self.costs: dict[int, deque] = {}  # by batch bucket, the latest (mean k, step time / plain step time)
-        self.timing = False  # the step `propose` just planned is a plain one to time
+        self.since_plain: dict[int, int] = {}  # speculative calls since the bucket's last plain measurement
+        self.since_spec: dict[int, int] = {}  # plain calls since the bucket's last speculative measurement
+        self.costs: dict[int, deque] = {}  # by batch bucket, the latest (mean k, call time / plain call time)
         self.prior_cost = chooser.cost
         self._accepted_seen = 0
+        self._regime = False  # the call `propose` just planned is in the speculative regime
+        self._last: tuple[str, float] | None = None  # the last call's kind and when it ended
 
     @classmethod
     def build(cls, cfg: SpecConfig, target_info, max_model_len: int, sampler: Sampler, executor_options: dict):
@@ -122,14 +124,11 @@ class SpecDecoder:
         for seq in seqs:
             seq.spec_token_ids = []
             self.q.pop(seq.seq_id, None)
-        self.timing = False
-        if not seqs or self._off_under_load(len(seqs)):
-            return
-        if self._calibrating(len(seqs)):
-            self.timing = True  # a plain step to time what one costs at this batch size: it must be waited for
-            return
-        if not self._paying(len(seqs)):
-            return  # a plain step, as speculation does not pay here
+        self._regime = False
+        if not seqs or self._off_under_load(len(seqs)) or self._calibrating(len(seqs)) \
+                or not self._paying(len(seqs)):
+            return  # a plain call: under load, timing plain steps, or where speculation does not pay
+        self._regime = True
         costs = self.costs.get(self._bucket(len(seqs)))
         self.chooser.overhead, self.chooser.cost = fit_cost(costs) if costs else (0.0, self.prior_cost)
         ks = self.chooser.choose(seqs)
@@ -143,19 +142,27 @@ class SpecDecoder:
             seq.spec_token_ids = list(prop.tokens[:k])
             self.q[seq.seq_id] = None if prop.probs is None else prop.probs[:len(seq.spec_token_ids)]
 
-    # What speculation costs, measured: a decode step's time with speculation against a plain decode step's
-    # at the same batch size, over the mean k proposed, gives f and c of the chooser's cost model
-    # 1 + f + c * k (adaptive.py), fitted per batch bucket over its latest COST_POINTS steps (`fit_cost`).
-    # Steps that capture CUDA graphs (50 times their usual time, once) are not measured at all. The prior
-    # (f = 0; c = 0.05 for n-gram lookup, 0.25 for a draft) is only where it starts: on a GPU a small draft
-    # is launch-bound, and what a step with it costs is mostly f, whatever k is. Every CALIBRATE speculative
-    # steps of a batch size without a plain one, one step goes without speculation to keep the reference
-    # current.
+    # What speculation costs, measured. The engine's throughput is what counts, so each call of the engine's
+    # step is timed from the end of the call before it to its own end (`observe_step`): a plain call that
+    # overlaps its step with the host's work costs what the GPU's step costs, a speculative one (whose
+    # step is waited for, as the next proposals need its tokens) its host work too. A call is measured
+    # only where the call before it was of the same kind (a decode step, plain or in the speculative
+    # regime), so that neither pays for the other's step in flight; a call with a prefill chunk, or one
+    # that did one-time work (captured a CUDA graph: 50 times a step, once), is measured not at all.
+    # The calls of the speculative regime give the gate its tokens per second (`_gate_open`), whether
+    # they proposed or not; those that proposed also give the chooser's cost model 1 + f + c * k
+    # (adaptive.py), their time against a plain call's over their mean k, fitted per batch bucket over its
+    # latest COST_POINTS calls (`fit_cost`). The prior (f = 0; c = 0.05 for n-gram lookup, 0.25 for a
+    # draft) is only where it starts: on a GPU a small draft is launch-bound, and what a step with it
+    # costs is mostly f, whatever k is. After CALIBRATE speculative calls of a batch bucket without a
+    # plain measurement, plain calls measure one; after CALIBRATE plain calls, speculative calls do.
     CALIBRATE = 64
     COST_POINTS = 32
-    WARM = 3  # measurements of a kind in a bucket before they decide (the first plain steps calibrate)
+    WARM = 3  # measurements of a kind in a bucket before they decide (the first plain calls calibrate)
     KEEP = 9  # plain measurements kept per bucket
-    SPEC_WINDOW = 32  # speculative steps whose tokens per second decide whether speculation pays
+    # the sequence-steps (a call's sequences, summed) of the latest speculative calls whose tokens per second
+    # decide whether speculation pays: 256 calls of one sequence, where one call's luck varies most, 8 of 32
+    SPEC_WINDOW = 256
 
     def may_propose(self, n: int) -> bool:
         """Whether a decode step of `n` sequences may get proposals (`propose` decides; this only looks).
@@ -166,13 +173,13 @@ class SpecDecoder:
         if self.chooser.is_fixed:
             return True
         b = self._bucket(n)
-        return not self._calibrating(n) and (self._gate_open(b) or self.since_spec.get(b, 0) + 1 >= self.CALIBRATE)
+        return not self._calibrating(n) and (self._gate_open(b) or self.since_spec.get(b, 0) >= self.CALIBRATE)
 
     def may_overlap(self, n: int) -> bool:
         """Whether the step just planned may be launched without the host waiting for it (the engine's
-        overlapped steps): not a plain step that `propose` wants timed, and not one whose tokens the next
-        step's proposals would wait for (`n`: the sequences it samples, which decode next)."""
-        return not self.timing and not self.may_propose(n)
+        overlapped steps): not one whose tokens the next step's proposals would wait for (`n`: the
+        sequences it samples, which decode next)."""
+        return not self.may_propose(n)
 
     def _off_under_load(self, n: int) -> bool:
         return self.chooser.max_batch is not None and n > self.chooser.max_batch
@@ -189,48 +196,56 @@ class SpecDecoder:
 
     def _paying(self, n: int) -> bool:
         """Whether speculation gives more tokens per second than plain decoding at this batch size, as
-        measured (the per-sequence cost model cannot see everything a wider step changes: a verify step
-        past the largest captured graph runs eagerly, a larger GEMM tile, compute-bound steps). Until both
-        are measured it does; when it does not, one step in CALIBRATE speculates to measure again."""
+        measured (the per-sequence cost model cannot see everything a wider step changes: the overlap of
+        host and device that a plain step keeps, a verify step past the largest captured graph running
+        eagerly, a larger GEMM tile, compute-bound steps). Until both are measured it does; where it does
+        not, speculative calls measure again after CALIBRATE plain ones."""
         if self.chooser.is_fixed:
             return True
         b = self._bucket(n)
-        if self._gate_open(b):
-            return True
-        self.since_spec[b] = self.since_spec.get(b, 0) + 1
-        if self.since_spec[b] >= self.CALIBRATE:
-            self.since_spec[b] = 0
-            return True
-        return False
+        return self._gate_open(b) or self.since_spec.get(b, 0) >= self.CALIBRATE
 
     def _gate_open(self, b: int) -> bool:
         plain, spec = self.per_token.get(b, ((), ()))
         if len(plain) < self.WARM or len(spec) < self.WARM:
             return True
-        return sum(t for t, _ in spec) <= _median(plain) * sum(n for _, n in spec)
+        return sum(t for t, _, _ in spec) <= _median(plain) * sum(n for _, n, _ in spec)
 
-    def observe_step(self, out, propose_s: float, step_s: float, one_time: bool = False) -> None:
-        """Learn a decode step's cost with and without proposals. Steps with a prefill chunk say nothing, nor
-        does one that did `one_time` work (captured a CUDA graph for its shape, the target's or the
-        draft's: many times a step's usual time, and never again)."""
+    def observe_step(self, out, now: float, one_time: bool = False) -> None:
+        """The engine's call that planned `out` ended at `now` (seconds, `time.perf_counter`); `one_time`: it
+        captured a CUDA graph (the target's or the draft's). See "What speculation costs" above."""
         gained, self._accepted_seen = self.accepted - self._accepted_seen, self.accepted
-        if not out.scheduled or any(e.is_prefill for e in out.scheduled) or self.chooser.is_fixed or one_time:
+        if self.chooser.is_fixed:
+            return
+        decode = bool(out.scheduled) and not any(e.is_prefill for e in out.scheduled)
+        kind = "other" if one_time or not decode else "spec" if self._regime else "plain"
+        last, self._last = self._last, (kind, now)
+        if kind == "other":
             return
         n = len(out.scheduled)
         b = self._bucket(n)
-        spec = [e for e in out.scheduled if e.spec]
-        plain_t, spec_t = self.per_token.setdefault(b, (deque(maxlen=self.KEEP), deque(maxlen=self.SPEC_WINDOW)))
-        if not spec:
-            plain_t.append(step_s / n)
-            self.plain_s.setdefault(b, deque(maxlen=self.KEEP)).append(step_s)
+        if kind == "spec":
+            self.since_plain[b] = self.since_plain.get(b, 0) + 1
+        else:
+            self.since_spec[b] = self.since_spec.get(b, 0) + 1
+        if last is None or last[0] != kind:
+            return
+        took = now - last[1]
+        plain_t, spec_t = self.per_token.setdefault(b, (deque(maxlen=self.KEEP), deque()))
+        if kind == "plain":
+            plain_t.append(took / n)
+            self.plain_s.setdefault(b, deque(maxlen=self.KEEP)).append(took)
             self.since_plain[b] = 0
             return
-        spec_t.append((propose_s + step_s, n + gained))
-        self.since_plain[b] = self.since_plain.get(b, 0) + 1
-        plain = _median(self.plain_s[b]) if self.plain_s.get(b) else None
-        if plain:
+        spec_t.append((took, n + gained, n))
+        held = sum(m for _, _, m in spec_t)
+        while held - spec_t[0][2] >= self.SPEC_WINDOW:
+            held -= spec_t.popleft()[2]
+        self.since_spec[b] = 0
+        spec = [e for e in out.scheduled if e.spec]
+        if spec and self.plain_s.get(b):
             k = sum(len(e.spec) for e in spec) / len(spec)
-            ratio = min(1 + 4.0 * (k + 1), (propose_s + step_s) / plain)  # (a stall caps at 4 steps a token)
+            ratio = min(1 + 4.0 * (k + 1), took / _median(self.plain_s[b]))  # (a stall caps at 4 steps a token)
             self.costs.setdefault(b, deque(maxlen=self.COST_POINTS)).append((k, ratio))
 
     def verify(self, seq: Sequence, spec: list[int], rows: torch.Tensor | None,
