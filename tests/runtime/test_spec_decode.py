@@ -362,3 +362,29 @@ def test_speculation_pays_for_the_overlap_that_its_calls_give_up():
         clock += 1.4 if regime[-1] else 1.0
         dec.observe_step(out, clock)
     assert sum(regime[100:]) <= 2 * (300 // SpecDecoder.CALIBRATE + 1), "".join(".S"[r] for r in regime)
+
+
+def test_speculative_calls_that_are_never_measured_stop():
+    """A speculative call is measured only after another one: where every second call is interrupted (a
+    prefill chunk, a graph capture), the gate would never learn what speculation costs. After PROBE such
+    calls the bucket goes plain for CALIBRATE calls, then probes again."""
+    from llmc.runtime.sampler import Sampler
+    from llmc.runtime.scheduler import ScheduledSeq, SchedulerOutput
+    from llmc.runtime.spec_decode import SpecDecoder
+    from llmc.runtime.spec_decode.adaptive import AdaptiveK
+    seqs = [decoding_seq(f"r{i}") for i in range(4)]
+    dec = SpecDecoder(Ones(), AdaptiveK(k_max=2, cost=0.01, max_batch=None), 100_000, Sampler())
+    spec, clock = [], 0.0
+    for i in range(600):
+        dec.propose(seqs)
+        spec.append(any(s.spec_token_ids for s in seqs))
+        out = SchedulerOutput([ScheduledSeq(s, 1 + len(s.spec_token_ids), False, True, spec=list(s.spec_token_ids))
+                               for s in seqs])
+        for s in seqs:
+            if s.spec_token_ids:
+                dec.verify(s, s.spec_token_ids, None, [1] * (len(s.spec_token_ids) + 1))  # all hold
+        clock += 3.0 if spec[-1] else 1.0
+        dec.observe_step(out, clock, one_time=spec[-1] and i % 2 == 0)
+    rounds = 600 // SpecDecoder.CALIBRATE + 1
+    assert sum(spec) <= SpecDecoder.PROBE * (rounds + 1), "".join(".S"[s] for s in spec)
+    assert not dec.per_token.get(4, ((), ()))[1]  # never measured

@@ -93,6 +93,8 @@ class SpecDecoder:
         self.per_token: dict[int, tuple[deque, deque]] = {}
         self.since_plain: dict[int, int] = {}  # speculative calls since the bucket's last plain measurement
         self.since_spec: dict[int, int] = {}  # plain calls since the bucket's last speculative measurement
+        self.unmeasured: dict[int, int] = {}  # speculative calls since the bucket's last speculative measurement
+        self.blocked: set[int] = set()  # buckets whose speculative calls went PROBE calls unmeasured
         self.costs: dict[int, deque] = {}  # by batch bucket, the latest (mean k, call time / plain call time)
         self.prior_cost = chooser.cost
         self._accepted_seen = 0
@@ -156,9 +158,12 @@ class SpecDecoder:
     # draft) is only where it starts: on a GPU a small draft is launch-bound, and what a step with it
     # costs is mostly f, whatever k is. After CALIBRATE speculative calls of a batch bucket without a
     # plain measurement, plain calls measure one; after CALIBRATE plain calls, speculative calls do.
+    # Speculative calls that go PROBE calls without a measurement (each after a prefill, or capturing a
+    # graph) stop for CALIBRATE plain calls: what is not measured never runs on for long.
     CALIBRATE = 64
     COST_POINTS = 32
     WARM = 3  # measurements of a kind in a bucket before they decide (the first plain calls calibrate)
+    PROBE = 8
     KEEP = 9  # plain measurements kept per bucket
     # the sequence-steps (a call's sequences, summed) of the latest speculative calls whose tokens per second
     # decide whether speculation pays: 256 calls of one sequence, where one call's luck varies most, 8 of 32
@@ -172,8 +177,7 @@ class SpecDecoder:
             return False
         if self.chooser.is_fixed:
             return True
-        b = self._bucket(n)
-        return not self._calibrating(n) and (self._gate_open(b) or self.since_spec.get(b, 0) >= self.CALIBRATE)
+        return not self._calibrating(n) and self._paying(n)
 
     def may_overlap(self, n: int) -> bool:
         """Whether the step just planned may be launched without the host waiting for it (the engine's
@@ -203,7 +207,10 @@ class SpecDecoder:
         if self.chooser.is_fixed:
             return True
         b = self._bucket(n)
-        return self._gate_open(b) or self.since_spec.get(b, 0) >= self.CALIBRATE
+        probing = self.since_spec.get(b, 0) >= self.CALIBRATE
+        if b in self.blocked and not probing:
+            return False
+        return self._gate_open(b) or probing
 
     def _gate_open(self, b: int) -> bool:
         plain, spec = self.per_token.get(b, ((), ()))
@@ -221,14 +228,18 @@ class SpecDecoder:
         kind = "other" if one_time or not decode else "spec" if self._regime else "plain"
         last, self._last = self._last, (kind, now)
         if kind == "other":
+            if self._regime and out.scheduled:
+                self._unmeasured("spec", self._bucket(len(out.scheduled)))
             return
         n = len(out.scheduled)
         b = self._bucket(n)
         if kind == "spec":
             self.since_plain[b] = self.since_plain.get(b, 0) + 1
+            self.blocked.discard(b)
         else:
             self.since_spec[b] = self.since_spec.get(b, 0) + 1
         if last is None or last[0] != kind:
+            self._unmeasured(kind, b)
             return
         took = now - last[1]
         plain_t, spec_t = self.per_token.setdefault(b, (deque(maxlen=self.KEEP), deque()))
@@ -241,12 +252,21 @@ class SpecDecoder:
         held = sum(m for _, _, m in spec_t)
         while held - spec_t[0][2] >= self.SPEC_WINDOW:
             held -= spec_t.popleft()[2]
-        self.since_spec[b] = 0
+        self.since_spec[b] = self.unmeasured[b] = 0
         spec = [e for e in out.scheduled if e.spec]
         if spec and self.plain_s.get(b):
             k = sum(len(e.spec) for e in spec) / len(spec)
             ratio = min(1 + 4.0 * (k + 1), took / _median(self.plain_s[b]))  # (a stall caps at 4 steps a token)
             self.costs.setdefault(b, deque(maxlen=self.COST_POINTS)).append((k, ratio))
+
+    def _unmeasured(self, kind: str, b: int) -> None:
+        """A call of `kind` in bucket `b` that measured nothing; PROBE speculative ones in a row block the bucket."""
+        if kind != "spec":
+            return
+        self.unmeasured[b] = self.unmeasured.get(b, 0) + 1
+        if self.unmeasured[b] >= self.PROBE:
+            self.blocked.add(b)
+            self.since_spec[b] = self.unmeasured[b] = 0
 
     def verify(self, seq: Sequence, spec: list[int], rows: torch.Tensor | None,
                row_tokens: list[int] | None) -> tuple[list[int], list[float] | None, list[dict] | None]:
