@@ -95,6 +95,7 @@ class SpecDecoder:
         self.since_spec: dict[int, int] = {}  # plain calls since the bucket's last speculative measurement
         self.unmeasured: dict[int, int] = {}  # speculative calls since the bucket's last speculative measurement
         self.blocked: set[int] = set()  # buckets whose speculative calls went PROBE calls unmeasured
+        self.probe_gap: dict[int, int] = {}  # plain calls between two probes where the gate is closed
         self.costs: dict[int, deque] = {}  # by batch bucket, the latest (mean k, call time / plain call time)
         self.prior_cost = chooser.cost
         self._accepted_seen = 0
@@ -159,11 +160,15 @@ class SpecDecoder:
     # costs is mostly f, whatever k is. After CALIBRATE speculative calls of a batch bucket without a
     # plain measurement, plain calls measure one; after CALIBRATE plain calls, speculative calls do.
     # Speculative calls that go PROBE calls without a measurement (each after a prefill, or capturing a
-    # graph) stop for CALIBRATE plain calls: what is not measured never runs on for long.
+    # graph) stop for CALIBRATE plain calls: what is not measured never runs on for long. A probe costs
+    # about two plain steps (the first call also waits out the plain step in flight), so each probe that
+    # finds the gate still closed doubles the gap to the next one, up to MAX_GAP; one that opens it
+    # brings the gap back to CALIBRATE.
     CALIBRATE = 64
     COST_POINTS = 32
     WARM = 3  # measurements of a kind in a bucket before they decide (the first plain calls calibrate)
     PROBE = 8
+    MAX_GAP = 1024
     KEEP = 9  # plain measurements kept per bucket
     # the sequence-steps (a call's sequences, summed) of the latest speculative calls whose tokens per second
     # decide whether speculation pays: 256 calls of one sequence, where one call's luck varies most, 8 of 32
@@ -207,7 +212,7 @@ class SpecDecoder:
         if self.chooser.is_fixed:
             return True
         b = self._bucket(n)
-        probing = self.since_spec.get(b, 0) >= self.CALIBRATE
+        probing = self.since_spec.get(b, 0) >= self.probe_gap.get(b, self.CALIBRATE)
         if b in self.blocked and not probing:
             return False
         return self._gate_open(b) or probing
@@ -253,6 +258,8 @@ class SpecDecoder:
         while held - spec_t[0][2] >= self.SPEC_WINDOW:
             held -= spec_t.popleft()[2]
         self.since_spec[b] = self.unmeasured[b] = 0
+        gap = self.probe_gap.get(b, self.CALIBRATE)
+        self.probe_gap[b] = self.CALIBRATE if self._gate_open(b) else min(self.MAX_GAP, 2 * gap)
         spec = [e for e in out.scheduled if e.spec]
         if spec and self.plain_s.get(b):
             k = sum(len(e.spec) for e in spec) / len(spec)
