@@ -10,6 +10,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Under pytest-xdist (`-n 2`, the README's command) each worker computes on one thread, it and the processes
+# its tests start: two workers of two threads each on a 2-core machine spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 # Generated kernels run on the CPU under Triton's interpreter: the triton-interpret backend and the
 # codegen tests need TRITON_INTERPRET=1 before the process's first `import triton`.
