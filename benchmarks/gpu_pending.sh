@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_pending.sh OUT qmatmul        # issue 14: the quantized kernels compiled on the GPU
 #   bash benchmarks/gpu_pending.sh OUT quant-decode   # issue 14: 8B decode, bf16 vs int4 (QUANT=rtn4,rtn4-small,fp8,w8a8)
-#   bash benchmarks/gpu_pending.sh OUT spec-load      # issue 18: widened 8B target at batch 32 and 128
+#   bash benchmarks/gpu_pending.sh OUT spec-load      # issue 18: widened 8B target at batch 32 and 128 (REPEAT runs, 3)
 #   bash benchmarks/gpu_pending.sh OUT spec-b1        # issue 18: widened 8B target at batch 1, held-out and repetitive
 #   bash benchmarks/gpu_pending.sh OUT widen-check    # issue 18: bf16 agreement of the widened target, 64k tokens
 #   bash benchmarks/gpu_pending.sh OUT onnx           # issue 19: 8B from its ONNX export against from its HF dir
@@ -85,7 +85,7 @@ for step in "$@"; do
                 n=$((b == 32 ? 64 : 128))
                 python3 benchmarks/spec_bench.py --target "$WIDE/w8b.llmc" --draft "$WIDE/d.llmc" --dtype bfloat16 \
                     --prompts $n --max-tokens 128 --batch $b --configs none,ngram,multi:auto,draft:auto \
-                    --out "$OUT" >"$OUT/spec_b$b.log" 2>&1
+                    --repeat "${REPEAT:-3}" --out "$OUT" >"$OUT/spec_b$b.log" 2>&1
                 tail -6 "$OUT/spec_b$b.log"
             done ;;
         spec-b1)
