@@ -180,6 +180,20 @@ def decoding_seq(name: str, max_tokens: int = 10_000):
     return seq
 
 
+def spec_call(dec, seqs, row_tokens):
+    """One engine call's worth of `dec`'s work on the decoding `seqs`: propose, then verify each proposal of k
+    tokens against `row_tokens(k)` (the target's greedy tokens at its k + 1 rows). Returns the step the
+    engine would have run and whether anything was proposed."""
+    from llmc.runtime.scheduler import ScheduledSeq, SchedulerOutput
+    dec.propose(seqs)
+    out = SchedulerOutput([ScheduledSeq(s, 1 + len(s.spec_token_ids), False, True, spec=list(s.spec_token_ids))
+                           for s in seqs])
+    for s in seqs:
+        if s.spec_token_ids:
+            dec.verify(s, s.spec_token_ids, None, row_tokens(len(s.spec_token_ids)))
+    return out, any(e.spec for e in out.scheduled)
+
+
 def test_adaptive_k_learns_what_a_proposed_token_costs():
     """The cost of a proposed token is measured against plain decode steps of the same batch size: a
     proposer as slow as a target step drives auto k to 0, a cheap one keeps it; a plain step is taken to
@@ -303,7 +317,6 @@ def test_speculation_stops_where_it_gives_fewer_tokens_per_second():
     per second than its plain calls (measured) goes plain, and probes again after CALIBRATE plain calls,
     then after twice as many each time the gate stays closed; a batch size where speculation pays keeps it."""
     from llmc.runtime.sampler import Sampler
-    from llmc.runtime.scheduler import ScheduledSeq, SchedulerOutput
     from llmc.runtime.spec_decode import SpecDecoder
     from llmc.runtime.spec_decode.adaptive import AdaptiveK
 
@@ -314,13 +327,8 @@ def test_speculation_stops_where_it_gives_fewer_tokens_per_second():
         regime, clock = [], 0.0
         for _ in range(steps):
             regime.append(dec.may_propose(len(seqs)))
-            dec.propose(seqs)
-            spec = any(s.spec_token_ids for s in seqs)
-            out = SchedulerOutput([ScheduledSeq(s, 1 + len(s.spec_token_ids), False, True, spec=list(s.spec_token_ids))
-                                   for s in seqs])
-            for s in seqs:
-                if s.spec_token_ids:  # one of the two proposed tokens holds: 2 tokens per sequence
-                    dec.verify(s, s.spec_token_ids, None, [1, 2, 2])
+            # one of the two proposed tokens holds: 2 tokens per sequence
+            out, spec = spec_call(dec, seqs, lambda k: [1, 2, 2])
             clock += spec_step_s if spec else 1.0
             dec.observe_step(out, clock)
         return regime
@@ -342,7 +350,6 @@ def test_speculation_pays_for_the_overlap_that_its_calls_give_up():
     speculation goes off; where each call is timed alone (the old measure: the step's own time, equal in
     both regimes) it would have looked free."""
     from llmc.runtime.sampler import Sampler
-    from llmc.runtime.scheduler import ScheduledSeq, SchedulerOutput
     from llmc.runtime.spec_decode import Proposal, SpecDecoder
     from llmc.runtime.spec_decode.adaptive import AdaptiveK
 
@@ -354,13 +361,8 @@ def test_speculation_pays_for_the_overlap_that_its_calls_give_up():
     dec = SpecDecoder(TwoMatch(), AdaptiveK(k_max=4, cost=0.05, max_batch=32), 100_000, Sampler())
     regime, clock = [], 0.0
     for _ in range(400):
-        dec.propose(seqs)
-        regime.append(any(s.spec_token_ids for s in seqs))
-        out = SchedulerOutput([ScheduledSeq(s, 1 + len(s.spec_token_ids), False, True, spec=list(s.spec_token_ids))
-                               for s in seqs])
-        for s in seqs:
-            if s.spec_token_ids:  # every proposed token holds: up to 8 more tokens a call
-                dec.verify(s, s.spec_token_ids, None, [1] * (len(s.spec_token_ids) + 1))
+        out, spec = spec_call(dec, seqs, lambda k: [1] * (k + 1))  # every proposed token holds: up to 8 more a call
+        regime.append(spec)
         # a plain call 1.0 (its step overlapped), a waited one 1.4 (the host's work no longer hidden)
         clock += 1.4 if regime[-1] else 1.0
         dec.observe_step(out, clock)
@@ -372,22 +374,16 @@ def test_speculative_calls_that_are_never_measured_stop():
     prefill chunk, a graph capture), the gate would never learn what speculation costs. After PROBE such
     calls the bucket goes plain for CALIBRATE calls, then probes again."""
     from llmc.runtime.sampler import Sampler
-    from llmc.runtime.scheduler import ScheduledSeq, SchedulerOutput
     from llmc.runtime.spec_decode import SpecDecoder
     from llmc.runtime.spec_decode.adaptive import AdaptiveK
     seqs = [decoding_seq(f"r{i}") for i in range(4)]
     dec = SpecDecoder(Ones(), AdaptiveK(k_max=2, cost=0.01, max_batch=None), 100_000, Sampler())
     spec, clock = [], 0.0
     for i in range(600):
-        dec.propose(seqs)
-        spec.append(any(s.spec_token_ids for s in seqs))
-        out = SchedulerOutput([ScheduledSeq(s, 1 + len(s.spec_token_ids), False, True, spec=list(s.spec_token_ids))
-                               for s in seqs])
-        for s in seqs:
-            if s.spec_token_ids:
-                dec.verify(s, s.spec_token_ids, None, [1] * (len(s.spec_token_ids) + 1))  # all hold
+        out, proposed = spec_call(dec, seqs, lambda k: [1] * (k + 1))  # all hold
+        spec.append(proposed)
         clock += 3.0 if spec[-1] else 1.0
         dec.observe_step(out, clock, one_time=spec[-1] and i % 2 == 0)
     rounds = 600 // SpecDecoder.CALIBRATE + 1
     assert sum(spec) <= SpecDecoder.PROBE * (rounds + 1), "".join(".S"[s] for s in spec)
-    assert not dec.per_token.get(4, ((), ()))[1]  # never measured
+    assert 4 not in dec.window  # never measured

@@ -86,11 +86,12 @@ class SpecDecoder:
         self.steps = 0  # verified proposals
         self.proposed = self.accepted = 0  # proposed tokens, and those the target kept
         # By batch bucket, the latest measurements (see "What speculation costs" below). Plain calls: seconds
-        # each (their median is used) and seconds per token; calls in the speculative regime: (seconds,
-        # tokens, sequences), as how many tokens a call gives varies with what is accepted, so their rate is
-        # the sums' ratio over a window of SPEC_WINDOW sequence-steps, never a median.
+        # each and seconds per token (their medians are used); calls in the speculative regime: a `_Window`,
+        # as how many tokens a call gives varies with what is accepted, so their rate is a ratio of sums
+        # over SPEC_WINDOW sequence-steps, never a median.
         self.plain_s: dict[int, deque] = {}
-        self.per_token: dict[int, tuple[deque, deque]] = {}
+        self.per_token: dict[int, deque] = {}
+        self.window: dict[int, _Window] = {}
         self.since_plain: dict[int, int] = {}  # speculative calls since the bucket's last plain measurement
         self.since_spec: dict[int, int] = {}  # plain calls since the bucket's last speculative measurement
         self.unmeasured: dict[int, int] = {}  # speculative calls since the bucket's last speculative measurement
@@ -218,10 +219,10 @@ class SpecDecoder:
         return self._gate_open(b) or probing
 
     def _gate_open(self, b: int) -> bool:
-        plain, spec = self.per_token.get(b, ((), ()))
-        if len(plain) < self.WARM or len(spec) < self.WARM:
+        plain, spec = self.per_token.get(b, ()), self.window.get(b)
+        if len(plain) < self.WARM or spec is None or len(spec.calls) < self.WARM:
             return True
-        return sum(t for t, _, _ in spec) <= _median(plain) * sum(n for _, n, _ in spec)
+        return spec.seconds <= _median(plain) * spec.tokens
 
     def observe_step(self, out, now: float, one_time: bool = False) -> None:
         """The engine's call that planned `out` ended at `now` (seconds, `time.perf_counter`); `one_time`: it
@@ -234,7 +235,7 @@ class SpecDecoder:
         last, self._last = self._last, (kind, now)
         if kind == "other":
             if self._regime and out.scheduled:
-                self._unmeasured("spec", self._bucket(len(out.scheduled)))
+                self._unmeasured(self._bucket(len(out.scheduled)))
             return
         n = len(out.scheduled)
         b = self._bucket(n)
@@ -244,19 +245,16 @@ class SpecDecoder:
         else:
             self.since_spec[b] = self.since_spec.get(b, 0) + 1
         if last is None or last[0] != kind:
-            self._unmeasured(kind, b)
+            if kind == "spec":
+                self._unmeasured(b)
             return
         took = now - last[1]
-        plain_t, spec_t = self.per_token.setdefault(b, (deque(maxlen=self.KEEP), deque()))
         if kind == "plain":
-            plain_t.append(took / n)
+            self.per_token.setdefault(b, deque(maxlen=self.KEEP)).append(took / n)
             self.plain_s.setdefault(b, deque(maxlen=self.KEEP)).append(took)
             self.since_plain[b] = 0
             return
-        spec_t.append((took, n + gained, n))
-        held = sum(m for _, _, m in spec_t)
-        while held - spec_t[0][2] >= self.SPEC_WINDOW:
-            held -= spec_t.popleft()[2]
+        self.window.setdefault(b, _Window()).add(took, n + gained, n, self.SPEC_WINDOW)
         self.since_spec[b] = self.unmeasured[b] = 0
         gap = self.probe_gap.get(b, self.CALIBRATE)
         self.probe_gap[b] = self.CALIBRATE if self._gate_open(b) else min(self.MAX_GAP, 2 * gap)
@@ -266,10 +264,8 @@ class SpecDecoder:
             ratio = min(1 + 4.0 * (k + 1), took / _median(self.plain_s[b]))  # (a stall caps at 4 steps a token)
             self.costs.setdefault(b, deque(maxlen=self.COST_POINTS)).append((k, ratio))
 
-    def _unmeasured(self, kind: str, b: int) -> None:
-        """A call of `kind` in bucket `b` that measured nothing; PROBE speculative ones in a row block the bucket."""
-        if kind != "spec":
-            return
+    def _unmeasured(self, b: int) -> None:
+        """A speculative call in bucket `b` that measured nothing; PROBE in a row block the bucket."""
         self.unmeasured[b] = self.unmeasured.get(b, 0) + 1
         if self.unmeasured[b] >= self.PROBE:
             self.blocked.add(b)
@@ -297,6 +293,24 @@ class SpecDecoder:
         self.q.pop(seq.seq_id, None)
         self.chooser.release(seq)
         self.proposer.release(seq)
+
+
+class _Window:
+    """A bucket's latest speculative calls, (seconds, tokens, sequences) each, and their sums: the gate reads
+    them on every engine call, so they are kept as calls come and go, not summed again."""
+
+    def __init__(self) -> None:
+        self.calls: deque = deque()
+        self.seconds = 0.0
+        self.tokens = self.seqs = 0
+
+    def add(self, seconds: float, tokens: int, seqs: int, keep: int) -> None:
+        """One more call; the oldest leave while the rest hold at least `keep` sequence-steps."""
+        self.calls.append((seconds, tokens, seqs))
+        self.seconds, self.tokens, self.seqs = self.seconds + seconds, self.tokens + tokens, self.seqs + seqs
+        while self.seqs - self.calls[0][2] >= keep:
+            t, m, q = self.calls.popleft()
+            self.seconds, self.tokens, self.seqs = self.seconds - t, self.tokens - m, self.seqs - q
 
 
 def within_rows(ks: list[int], rows: int) -> list[int]:
