@@ -217,10 +217,16 @@ class Tuner:
         self.joint = tuple(joint)  # the buckets that share one choice
         self.used: set[str] = set()  # keys chosen through this tuner (recorded or timed)
         self.cache_path: Path | None = None  # `persistent`'s file
+        # keep the generated kernel in the joint buckets even where cuBLAS was faster (`from_artifact`)
+        self.invariant = False
 
     def lookup(self, key: str, bucket: str) -> TuneRecord | None:
         rec = self.records.get(key, {}).get(bucket)
-        return TuneRecord(**rec) if rec is not None else None
+        if rec is None:
+            return None
+        if self.invariant and rec.get("prefer_cublas") and rec.get("config") and bucket in self.joint:
+            rec = {**rec, "prefer_cublas": False}
+        return TuneRecord(**rec)
 
     def choose(self, key: str, buckets: str | Sequence[str], candidates: Sequence[dict],
                bench: Callable[[dict], Any], baseline: Callable[[], Any] | None = None,
@@ -314,13 +320,20 @@ class Tuner:
         os.replace(tmp, path)
 
     @classmethod
-    def from_artifact(cls, tuning: dict | None) -> "Tuner | None":
+    def from_artifact(cls, tuning: dict | None, invariant: bool = False) -> "Tuner | None":
         """The frozen tuner of an artifact's tuning.json contents (it never times anything: a shape
-        or bucket with no record runs cuBLAS); None when it holds no records."""
+        or bucket with no record runs cuBLAS); None when it holds no records.
+
+        `invariant`: a linear whose joint buckets recorded cuBLAS as faster runs the generated kernel
+        there all the same (the group's recorded config), so that a sequence's sums are the same at every
+        step width up to the joint buckets' largest: what speculative decoding's verify steps need for
+        greedy tokens equal to plain decoding's (cuBLAS picks its kernels, and split-K, per size: an 8B
+        shape's qkv at 32 rows and at 40 sums differently). It costs what cuBLAS won by (13% on that qkv,
+        recorded beside the choice)."""
         if not (tuning and tuning.get("kernels")):
             return None
         t = cls.from_json(tuning)
-        t.frozen = True
+        t.frozen, t.invariant = True, invariant
         return t
 
     @classmethod

@@ -151,7 +151,8 @@ class LLMEngine:
         else:
             self.executor = make_executor(
                 artifact.graph, cfg.backend, cfg.device, cfg.block_size, cfg.num_blocks, kv_dtype,
-                cfg.kv_memory_fraction, cfg.num_cpu_blocks, artifact.tuning, cfg.cuda_graphs, self.info.max_model_len)
+                cfg.kv_memory_fraction, cfg.num_cpu_blocks, artifact.tuning, cfg.cuda_graphs, self.info.max_model_len,
+                invariant=speculative is not None)  # verify steps sum as plain ones: see Tuner.from_artifact
         self.block_manager = BlockManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           cfg.num_cpu_blocks)
         prefill_budget = step_budget = None

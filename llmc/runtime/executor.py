@@ -144,8 +144,10 @@ def select_backend(backend: str, device: str | torch.device | None = None) -> st
 def make_executor(graph: Graph, backend: str = "auto", device: str | None = None, block_size: int = 16,
                   num_blocks: int | None = None, kv_cache_dtype: str = "auto", memory_fraction: float = 0.5,
                   num_cpu_blocks: int = 0, tuning: dict | None = None, cuda_graphs: bool = True,
-                  max_model_len: int | None = None) -> "LocalExecutor":
+                  max_model_len: int | None = None, invariant: bool = False) -> "LocalExecutor":
     """The executor for `backend` over a paged graph; the one place that maps backend names to classes.
+    `invariant`: linears keep the generated kernels at every step width that shares a tuned choice
+    (`Tuner.from_artifact`; speculative decoding's target).
 
     Example:
         >>> ex = make_executor(art.graph, "reference", num_blocks=64)                  # doctest: +SKIP
@@ -163,7 +165,7 @@ def make_executor(graph: Graph, backend: str = "auto", device: str | None = None
     if backend == "reference":
         return ReferenceExecutor(graph, cache)
     return KernelExecutor(graph, cache, tuning, interpret=backend == "triton-interpret",
-                          cuda_graphs=backend == "cuda" and cuda_graphs, max_model_len=max_len)
+                          cuda_graphs=backend == "cuda" and cuda_graphs, max_model_len=max_len, invariant=invariant)
 
 
 class LocalExecutor:
@@ -327,11 +329,11 @@ class KernelExecutor(LocalExecutor):
     or the same kernels on the CPU under Triton's interpreter."""
 
     def __init__(self, graph: Graph, cache: KVCache, tuning: dict | None, interpret: bool, cuda_graphs: bool,
-                 max_model_len: int):
+                 max_model_len: int, invariant: bool = False):
         from llmc.codegen.autotune import Tuner
         from llmc.codegen.lower import Plan
         super().__init__(graph, cache)
-        self.plan = Plan(graph, self.device, Tuner.from_artifact(tuning), triton_matmul=interpret)
+        self.plan = Plan(graph, self.device, Tuner.from_artifact(tuning, invariant), triton_matmul=interpret)
         self.step_graphs = self.piecewise = None
         self.use_cuda_graphs = cuda_graphs  # benchmarks turn it off to time eager steps side by side
         if cuda_graphs:

@@ -505,6 +505,31 @@ def test_artifact_tuner_never_times_and_runs_cublas_where_untuned(monkeypatch):
     assert "128+" not in t.records[key]
 
 
+def test_an_invariant_artifact_tuner_keeps_the_generated_kernel_in_the_joint_buckets(monkeypatch):
+    """Where cuBLAS won a joint group, a plain engine runs it; a speculating one (`invariant`) runs the
+    group's generated config at every joint width, so a verify step of 40 rows sums each row as a plain
+    step of 32 does, and still runs cuBLAS past the joint buckets."""
+    monkeypatch.setattr(autotune, "can_time", lambda: True)  # records are read as on a GPU
+    monkeypatch.setattr(autotune, "gpu_time_ms", lambda fn: pytest.fail("timed at run time"))
+    used = []
+    monkeypatch.setattr(mm, "_launch", lambda spec, x2, w, b, y2, cfg: used.append(("triton", x2.shape[0], cfg)))
+    monkeypatch.setattr(mm, "reference", lambda x, *a, **k: used.append(("cublas", x.shape[0])))
+    key = MatmulSpec("f32", False).key(16, 32)
+    cfg = dict(candidates("1")[1])
+    rec = {"config": cfg, "triton_ms": 1.2, "cublas_ms": 1.0, "prefer_cublas": True}
+    tuning = {"format": autotune.FORMAT, "device": None,
+              "kernels": {key: {**{b: rec for b in autotune.JOINT_BUCKETS}, "128+": rec}}}
+    w = rand(16, 32)
+    for invariant in (False, True):
+        t = Tuner.from_artifact(tuning, invariant=invariant)
+        used.clear()
+        for m in (32, 40, 200):
+            mm.linear(rand(m, 32), w, tuner=t)
+        expect = [("triton", 32, cfg), ("triton", 40, cfg)] if invariant else [("cublas", 32), ("cublas", 40)]
+        assert used == expect + [("cublas", 200)], invariant
+    assert tuning["kernels"][key]["32"]["prefer_cublas"]  # the artifact's record is left as it was
+
+
 def test_kernels_ran_in_the_expected_mode():
     from llmc.codegen.cache import _device_tag
     from llmc.codegen.kernels import load

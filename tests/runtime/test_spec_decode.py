@@ -387,3 +387,53 @@ def test_speculative_calls_that_are_never_measured_stop():
     rounds = 600 // SpecDecoder.CALIBRATE + 1
     assert sum(spec) <= SpecDecoder.PROBE * (rounds + 1), "".join(".S"[s] for s in spec)
     assert 4 not in dec.window  # never measured
+
+
+
+def gate_run(batches, per_k, matching, steps=600):
+    """The gate's regime over `steps` calls: the i-th call decodes `batches(i)` sequences, of which the first
+    `matching` get proposals (all accepted); a plain call takes 1.0 whatever its width (the weights are read
+    once for all), a speculative one 1 + per_k * k (k: the most proposed for a sequence). Each sequence's
+    own cost model sees a gain (its k + 1 tokens for the call's time), so what the whole call gives is for
+    the gate to judge."""
+    from llmc.runtime.sampler import Sampler
+    from llmc.runtime.spec_decode import Proposal, SpecDecoder
+    from llmc.runtime.spec_decode.adaptive import AdaptiveK
+    pool = [decoding_seq(f"r{i}") for i in range(64)]
+    some = {s.request_id for s in pool[:matching]}
+
+    class Some(Ones):
+        def propose(self, seqs, ks):
+            return [Proposal([1] * k if s.request_id in some else []) for s, k in zip(seqs, ks)]
+
+    dec = SpecDecoder(Some(), AdaptiveK(k_max=4, cost=0.01, max_batch=None), 100_000, Sampler())
+    regime, clock = [], 0.0
+    for i in range(steps):
+        out, spec = spec_call(dec, pool[:batches(i)], lambda k: [1] * (k + 1))
+        regime.append(spec)
+        clock += 1.0 + per_k * max(len(e.spec) for e in out.scheduled)
+        dec.observe_step(out, clock)
+    return regime
+
+
+def test_the_gate_compares_calls_not_tokens_within_a_batch_bucket():
+    """Plain calls measured at the narrow end of a bucket (17 sequences, the tail of a batch) must not make
+    speculation at its wide end (32) look better than it is: 8 sequences of 32 given 4 tokens more each is
+    2x the tokens, for 2.2x the time, a loss, and the gate closes, while its time per token (2.2 / 64
+    against 1 / 17) would have called it a gain."""
+    from llmc.runtime.spec_decode import SpecDecoder
+    # the first CALIBRATE calls at 17 sequences (plain calls calibrate there, and speculation pays: 2.9x
+    # the tokens for 2.2x the time), then all at 32
+    regime = gate_run(lambda i: 17 if i < SpecDecoder.CALIBRATE else 32, per_k=0.3, matching=8)
+    assert any(regime[:SpecDecoder.CALIBRATE])
+    late = regime[200:]
+    assert sum(late) <= 0.05 * len(late), "".join(".S"[r] for r in regime)
+
+
+def test_speculation_near_break_even_stays_off():
+    """Speculation must win by MARGIN: 5 tokens a sequence for 4.7x the time (1.06x the tokens per second;
+    2 for 1.925x at k = 1) is not worth what it costs outside the calls measured; 5 for 4x (1.25x) is."""
+    marginal = gate_run(lambda i: 8, per_k=0.925, matching=8)
+    assert sum(marginal[200:]) <= 0.05 * 400, "".join(".S"[r] for r in marginal)
+    paying = gate_run(lambda i: 8, per_k=0.75, matching=8)
+    assert sum(paying[200:]) >= 0.9 * 400, "".join(".S"[r] for r in paying)

@@ -28,7 +28,8 @@ from llmc.runtime.spec_decode.rejection import accept_greedy, verify
 
 METHODS = ("draft", "ngram", "multi")
 # the most rows a step with proposals verifies: the steps of up to 64 rows share one GEMM choice at compile
-# (autotune.JOINT_BUCKETS), so where that is the generated kernel a sequence's sums, hence its greedy
+# (autotune.JOINT_BUCKETS), and a speculating engine's target runs the generated kernel there even where
+# cuBLAS was recorded faster (Tuner.from_artifact's `invariant`), so a sequence's sums, hence its greedy
 # tokens, are those of plain decoding; a wider step runs library GEMMs that pick their kernels by size, and
 # bf16 tokens then part (0.84 of them the same at batch 32 with n-gram proposals on an H200)
 VERIFY_ROWS = bucket_size(JOINT_BUCKETS[-1])
@@ -86,11 +87,10 @@ class SpecDecoder:
         self.steps = 0  # verified proposals
         self.proposed = self.accepted = 0  # proposed tokens, and those the target kept
         # By batch bucket, the latest measurements (see "What speculation costs" below). Plain calls: seconds
-        # each and seconds per token (their medians are used); calls in the speculative regime: a `_Window`,
-        # as how many tokens a call gives varies with what is accepted, so their rate is a ratio of sums
-        # over SPEC_WINDOW sequence-steps, never a median.
+        # each (their median is used); calls in the speculative regime: a `_Window`, as how many tokens a
+        # call gives varies with what is accepted, so their rate is a ratio of sums over SPEC_WINDOW
+        # sequence-steps, never a median.
         self.plain_s: dict[int, deque] = {}
-        self.per_token: dict[int, deque] = {}
         self.window: dict[int, _Window] = {}
         self.since_plain: dict[int, int] = {}  # speculative calls since the bucket's last plain measurement
         self.since_spec: dict[int, int] = {}  # plain calls since the bucket's last speculative measurement
@@ -165,6 +165,16 @@ class SpecDecoder:
     # about two plain steps (the first call also waits out the plain step in flight), so each probe that
     # finds the gate still closed doubles the gap to the next one, up to MAX_GAP; one that opens it
     # brings the gap back to CALIBRATE.
+    # The gate compares calls, not tokens: a decode step reads the weights once for all its sequences, so a
+    # plain call of 17 sequences takes about what one of 32 takes (4.4 and 4.8 ms, an 8B shape on an H200),
+    # and a bucket's plain time per token, measured at the tail of a batch, would make speculation at its
+    # full width look up to twice as good as it is. Each speculative call counts the tokens it gave per
+    # sequence (1 + accepted / sequences), against one plain call.
+    # Speculation must win by MARGIN to go on: near break-even what it costs outside the calls measured (the
+    # first call of each run waiting out a plain step, verify rows in steps with prefill chunks, the graphs
+    # its shapes capture) decides, and those are losses; where speculation pays it pays far more (2-3x at
+    # batch 1).
+    MARGIN = 0.1
     CALIBRATE = 64
     COST_POINTS = 32
     WARM = 3  # measurements of a kind in a bucket before they decide (the first plain calls calibrate)
@@ -205,7 +215,7 @@ class SpecDecoder:
         return len(self.plain_s.get(b, ())) < self.WARM or self.since_plain.get(b, 0) >= self.CALIBRATE
 
     def _paying(self, n: int) -> bool:
-        """Whether speculation gives more tokens per second than plain decoding at this batch size, as
+        """Whether speculation gives MARGIN more tokens per second than plain decoding at this batch size, as
         measured (the per-sequence cost model cannot see everything a wider step changes: the overlap of
         host and device that a plain step keeps, a verify step past the largest captured graph running
         eagerly, a larger GEMM tile, compute-bound steps). Until both are measured it does; where it does
@@ -219,10 +229,10 @@ class SpecDecoder:
         return self._gate_open(b) or probing
 
     def _gate_open(self, b: int) -> bool:
-        plain, spec = self.per_token.get(b, ()), self.window.get(b)
+        plain, spec = self.plain_s.get(b, ()), self.window.get(b)
         if len(plain) < self.WARM or spec is None or len(spec.calls) < self.WARM:
             return True
-        return spec.seconds <= _median(plain) * spec.tokens
+        return spec.seconds * (1 + self.MARGIN) <= _median(plain) * spec.gain
 
     def observe_step(self, out, now: float, one_time: bool = False) -> None:
         """The engine's call that planned `out` ended at `now` (seconds, `time.perf_counter`); `one_time`: it
@@ -250,7 +260,6 @@ class SpecDecoder:
             return
         took = now - last[1]
         if kind == "plain":
-            self.per_token.setdefault(b, deque(maxlen=self.KEEP)).append(took / n)
             self.plain_s.setdefault(b, deque(maxlen=self.KEEP)).append(took)
             self.since_plain[b] = 0
             return
@@ -296,21 +305,23 @@ class SpecDecoder:
 
 
 class _Window:
-    """A bucket's latest speculative calls, (seconds, tokens, sequences) each, and their sums: the gate reads
-    them on every engine call, so they are kept as calls come and go, not summed again."""
+    """A bucket's latest speculative calls, (seconds, tokens per sequence, sequences) each, and their sums:
+    the gate reads them on every engine call, so they are kept as calls come and go, not summed again.
+    `gain` sums the calls' tokens per sequence: what as many plain calls would have given is 1 a call."""
 
     def __init__(self) -> None:
         self.calls: deque = deque()
-        self.seconds = 0.0
-        self.tokens = self.seqs = 0
+        self.seconds = self.gain = 0.0
+        self.seqs = 0
 
     def add(self, seconds: float, tokens: int, seqs: int, keep: int) -> None:
         """One more call; the oldest leave while the rest hold at least `keep` sequence-steps."""
-        self.calls.append((seconds, tokens, seqs))
-        self.seconds, self.tokens, self.seqs = self.seconds + seconds, self.tokens + tokens, self.seqs + seqs
+        g = tokens / seqs
+        self.calls.append((seconds, g, seqs))
+        self.seconds, self.gain, self.seqs = self.seconds + seconds, self.gain + g, self.seqs + seqs
         while self.seqs - self.calls[0][2] >= keep:
             t, m, q = self.calls.popleft()
-            self.seconds, self.tokens, self.seqs = self.seconds - t, self.tokens - m, self.seqs - q
+            self.seconds, self.gain, self.seqs = self.seconds - t, self.gain - m, self.seqs - q
 
 
 def within_rows(ks: list[int], rows: int) -> list[int]:
