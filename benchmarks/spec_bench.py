@@ -105,6 +105,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per config; the median counts")
+    ap.add_argument("--warmup-runs", type=int, default=0,
+                    help="untimed runs of the whole workload first (default: one short batch): the graphs and "
+                         "kernel variants that speculation's step shapes need are then built before the timing")
     ap.add_argument("--seeded", action="store_true", help="also check that seeded sampling repeats")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
@@ -122,6 +125,8 @@ def main() -> None:
         llm = LLM(target, speculative=spec_config(name, draft), max_num_seqs=max(8, a.batch), **opts)
         warm = prompts[:min(len(prompts), max(2, a.batch))]
         llm.generate(warm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))  # kernels, graphs
+        for _ in range(a.warmup_runs):
+            llm.generate(prompts, greedy) if a.batch > 1 else [llm.generate([p], greedy) for p in prompts]
         s0 = llm.stats()
         times = []
         for _ in range(a.repeat):  # the median of a few runs: one short run is at the mercy of the host
