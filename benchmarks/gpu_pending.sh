@@ -102,7 +102,8 @@ for step in "$@"; do
             tail -5 "$OUT/spec_rep.log" ;;
         spec-schedule)
             widened
-            python3 benchmarks/schedule_agreement.py --target "$WIDE/w8b.llmc" --out "$OUT" >"$OUT/schedule.log" 2>&1
+            python3 benchmarks/schedule_agreement.py --target "$WIDE/w8b.llmc" --runs "${RUNS:-all}" --out "$OUT" \
+                >"$OUT/schedule.log" 2>&1
             tail -8 "$OUT/schedule.log" ;;
         widen-check)
             widened_hf

@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--target", required=True, help="a compiled artifact")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--runs", default="all", help="'all', or 'two-waves': only the plain and n-gram runs of two waves")
     a = ap.parse_args()
     from llmc.runtime.engine import LLM, SamplingParams
     greedy = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
@@ -51,6 +52,8 @@ def main() -> None:
         ("plain, two waves of 16", 64, 16, None, None, "plain, two waves"),
         ("ngram:3, two waves", 64, 32, None, ngram, "plain, two waves"),
     ]
+    if a.runs == "two-waves":
+        runs = [r for r in runs if "two waves" in r[0] and "of 16" not in r[0]]
     outs, rows = {}, []
     for label, n, seqs, budget, spec, ref in runs:
         opts = {"max_num_batched_tokens": budget} if budget else {}
