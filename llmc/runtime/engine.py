@@ -269,12 +269,10 @@ class LLMEngine:
             self._book(flying)
         read = None  # a step in flight whose tokens were read before proposing
         if self.spec is not None:
-            decodes = [s for s in self.scheduler.running if not s.is_prefill]
-            prompts = self.scheduler.may_take_prompts()  # no proposals: see Scheduler.may_take_prompts
-            if flying is not None and not prompts and self.spec.may_propose(len(decodes)):
+            if flying is not None and self.spec.may_propose(sum(not s.is_prefill for s in self.scheduler.running)):
                 self._resolve(flying)  # proposals continue each sequence's real last token, not its stand-in
                 read, flying = flying, None
-            self.spec.propose(decodes, plain=prompts)
+            self.spec.propose([s for s in self.scheduler.running if not s.is_prefill])
             self._time("propose", t)
         proposed = time.perf_counter()
         chained = self._plan_chains()

@@ -286,23 +286,6 @@ class Scheduler:
             return min(todo, budget)
         return todo if todo <= budget else 0
 
-    def may_take_prompts(self) -> bool:
-        """Whether the next step may carry prompt tokens: a running prefill, or a waiting request it could
-        admit (a free slot and blocks for it, or a worse running sequence to preempt for it). The engine
-        proposes nothing for such a step: a step with prefill chunks runs GEMM tiles and kernels of its
-        own, so bf16 verify rows there do not sum as in a decode step (on an H200, n-gram proposals at k = 3
-        among a second wave's prefills kept 0.88 of the plain greedy tokens, 1.0 in decode steps only)."""
-        if any(s.is_prefill for s in self.running):
-            return True
-        if not self.waiting:
-            return False
-        head = self.waiting[0]
-        if sum(self._slots(s) for s in self.running) + self._slots(head) <= self.config.max_num_seqs \
-                and self.bm.can_allocate(head):
-            return True
-        worst = self.running[-1] if len(self.running) else None
-        return worst is not None and self.running.key(worst)[:2] > self.waiting.key(head)[:2]
-
     def _entry(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> ScheduledSeq:
         prefill = seq.is_prefill
         spec = seq.spec_token_ids[:n - 1] if seq.spec_token_ids and not prefill else []

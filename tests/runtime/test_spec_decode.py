@@ -83,26 +83,6 @@ def test_ngram_batched_with_preemption_and_n2(tiny_py_artifact):
     assert llm.stats()["blocks_used"] == 0 and cached_blocks_are_real(llm, outs)
 
 
-def test_no_step_verifies_proposals_beside_prompt_tokens(tiny_py_artifact, plain_outputs):
-    """Requests arriving in waves: while a later one is being prefilled (or could be admitted), the
-    decoding ones propose nothing, so no step mixes verify rows with prompt chunks (bf16 sums differ
-    there); speculation goes on in the decode steps between, and the tokens are plain decoding's."""
-    kw = dict(backend="reference", num_blocks=256, max_num_seqs=2, max_num_batched_tokens=16)
-    llm = LLM(tiny_py_artifact, speculative={"method": "ngram", "num_speculative_tokens": 3}, **kw)
-    sch, steps = llm.engine.scheduler, []
-    schedule = sch.schedule
-
-    def recorded():
-        out = schedule()
-        steps.append((any(e.is_prefill for e in out.scheduled), any(e.spec for e in out.scheduled)))
-        return out
-    sch.schedule = recorded
-    outs = llm.generate(CODE_PROMPTS, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
-    assert any(p for p, _ in steps) and any(v for _, v in steps)
-    assert not any(p and v for p, v in steps), steps
-
-
 @pytest.fixture(scope="module")
 def other_draft(llama_dir, tmp_path_factory):
     """The tiny Llama with its logits sharpened and perturbed: a draft with the same top tokens whose q

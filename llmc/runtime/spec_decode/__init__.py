@@ -122,15 +122,14 @@ class SpecDecoder:
             AdaptiveK(k_min=k, k_max=k, cost=cost, max_batch=None)
         return cls(proposer, chooser, max_model_len, sampler, cfg.max_verify_rows)
 
-    def propose(self, seqs: list[Sequence], plain: bool = False) -> None:
+    def propose(self, seqs: list[Sequence]) -> None:
         """Set `spec_token_ids` on the decoding sequences that get a proposal this step (and clear it on the
-        others: a proposal made for a step that did not schedule its sequence is not reused). `plain`: the
-        step proposes nothing (it may carry prompt tokens: `Scheduler.may_take_prompts`)."""
+        others: a proposal made for a step that did not schedule its sequence is not reused)."""
         for seq in seqs:
             seq.spec_token_ids = []
             self.q.pop(seq.seq_id, None)
         self._regime = False
-        if plain or not seqs or self._off_under_load(len(seqs)) or self._calibrating(len(seqs)) \
+        if not seqs or self._off_under_load(len(seqs)) or self._calibrating(len(seqs)) \
                 or not self._paying(len(seqs)):
             return  # a plain call: under load, timing plain steps, or where speculation does not pay
         self._regime = True
