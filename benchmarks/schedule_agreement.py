@@ -12,6 +12,11 @@ several schedules and reports each one's token agreement with its reference:
                               with the first wave's decodes (reference B)
     plain, two waves of 16    64 requests at 16 a time: another plain schedule
     ngram:3, two waves        64 requests at 32 a time, speculating
+    plain, staggered          64 requests at 32 a time, each asking for 96 to 128 tokens: the first wave
+                              ends a request at a time, so the second is prefilled a request at a time,
+                              beside decodes (reference C)
+    plain, staggered by 16    the same at 16 a time: another plain schedule of staggered prefills
+    ngram:3, staggered        the same at 32 a time, speculating
 
     python3 benchmarks/schedule_agreement.py --target ART [--max-tokens 128] [--out DIR]
 """
@@ -40,26 +45,34 @@ def main() -> None:
     ap.add_argument("--target", required=True, help="a compiled artifact")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", default=".")
-    ap.add_argument("--runs", default="all", help="'all', or 'two-waves': only the plain and n-gram runs of two waves")
+    ap.add_argument("--runs", default="all", help="'all'; 'two-waves' or 'staggered': only those runs")
     a = ap.parse_args()
     from llmc.runtime.engine import LLM, SamplingParams
     greedy = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     ngram = {"method": "ngram", "num_speculative_tokens": 3}
-    runs = [  # label, requests, max_num_seqs, token budget, speculative, reference label
-        ("plain, one wave", 32, 32, 4096, None, None),
-        ("ngram:3, one wave", 32, 32, 4096, ngram, "plain, one wave"),
-        ("plain, two waves", 64, 32, None, None, None),
-        ("plain, two waves of 16", 64, 16, None, None, "plain, two waves"),
-        ("ngram:3, two waves", 64, 32, None, ngram, "plain, two waves"),
+    staggered = [SamplingParams(temperature=0, max_tokens=a.max_tokens - (i * 7) % (a.max_tokens // 4 + 1),
+                                ignore_eos=True) for i in range(64)]
+    runs = [  # label, requests, max_num_seqs, token budget, speculative, reference label, params
+        ("plain, one wave", 32, 32, 4096, None, None, greedy),
+        ("ngram:3, one wave", 32, 32, 4096, ngram, "plain, one wave", greedy),
+        ("plain, two waves", 64, 32, None, None, None, greedy),
+        ("plain, two waves of 16", 64, 16, None, None, "plain, two waves", greedy),
+        ("ngram:3, two waves", 64, 32, None, ngram, "plain, two waves", greedy),
+        ("plain, staggered", 64, 32, None, None, None, staggered),
+        ("plain, staggered by 16", 64, 16, None, None, "plain, staggered", staggered),
+        ("ngram:3, staggered", 64, 32, None, ngram, "plain, staggered", staggered),
     ]
     if a.runs == "two-waves":
         runs = [r for r in runs if "two waves" in r[0] and "of 16" not in r[0]]
+    elif a.runs == "staggered":
+        runs = [r for r in runs if "staggered" in r[0]]
     outs, rows = {}, []
-    for label, n, seqs, budget, spec, ref in runs:
+    for label, n, seqs, budget, spec, ref, params in runs:
         opts = {"max_num_batched_tokens": budget} if budget else {}
         llm = LLM(a.target, speculative=spec, max_num_seqs=seqs, **opts)
         prompts = heldout_prompts(llm.engine.tokenizer, n)
-        outs[label] = [o.token_ids for o in llm.generate(prompts, greedy)]
+        outs[label] = [o.token_ids for o in llm.generate(prompts, params if isinstance(params, SamplingParams)
+                                                         else params[:n])]
         row = {"run": label, "requests": n, "max_num_seqs": seqs, "reference": ref,
                "agreement": agreement(outs[label], outs[ref][:n]) if ref else 1.0,
                "spec_steps": llm.stats().get("spec_steps", 0)}
