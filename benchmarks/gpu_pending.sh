@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_pending.sh OUT qmatmul        # issue 14: the quantized kernels compiled on the GPU
 #   bash benchmarks/gpu_pending.sh OUT quant-decode   # issue 14: 8B decode, bf16 vs int4 (QUANT=rtn4,rtn4-small,fp8,w8a8)
 #   bash benchmarks/gpu_pending.sh OUT spec-load      # issue 18: widened 8B target at batch 32 and 128 (REPEAT runs, 3;
-#                                                     #   WARMUP_RUNS untimed whole runs first, 0; SPEC_BATCHES)
+#                                                     #   WARMUP_RUNS untimed whole runs first, 1; SPEC_BATCHES)
 #   bash benchmarks/gpu_pending.sh OUT spec-schedule  # issue 18: greedy agreement, plain and speculative, across schedules
 #   bash benchmarks/gpu_pending.sh OUT spec-b1        # issue 18: widened 8B target at batch 1, held-out and repetitive
 #   bash benchmarks/gpu_pending.sh OUT widen-check    # issue 18: bf16 agreement of the widened target, 64k tokens
@@ -87,7 +87,7 @@ for step in "$@"; do
                 n=$((b == 32 ? 64 : 128))
                 python3 benchmarks/spec_bench.py --target "$WIDE/w8b.llmc" --draft "$WIDE/d.llmc" --dtype bfloat16 \
                     --prompts $n --max-tokens 128 --batch $b --configs none,ngram,multi:auto,draft:auto \
-                    --repeat "${REPEAT:-3}" --warmup-runs "${WARMUP_RUNS:-0}" --out "$OUT" >"$OUT/spec_b$b.log" 2>&1
+                    --repeat "${REPEAT:-3}" --warmup-runs "${WARMUP_RUNS:-1}" --out "$OUT" >"$OUT/spec_b$b.log" 2>&1
                 tail -6 "$OUT/spec_b$b.log"
             done ;;
         spec-b1)
