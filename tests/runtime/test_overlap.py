@@ -204,7 +204,6 @@ def test_a_proposal_after_a_step_in_flight_continues_the_real_tokens(tiny_py_art
             dec = llm.engine.spec
             for b in (1, 2, 4):  # as if plain steps of every size had been timed: they may speculate at once
                 dec.plain_s[b] = deque([1.0] * SpecDecoder.WARM)
-                dec.per_token[b] = deque([1.0] * SpecDecoder.WARM)
             inner = dec.proposer.propose
 
             def propose(seqs, ks):
