@@ -437,3 +437,25 @@ def test_speculation_near_break_even_stays_off():
     assert sum(marginal[200:]) <= 0.05 * 400, "".join(".S"[r] for r in marginal)
     paying = gate_run(lambda i: 8, per_k=0.75, matching=8)
     assert sum(paying[200:]) >= 0.9 * 400, "".join(".S"[r] for r in paying)
+
+
+def test_a_closed_verdict_ends_with_the_requests_it_measured():
+    """Batch 1, one request after another: two requests whose proposals all fail close the gate; the easy
+    requests after them get speculation back from the first one on: the verdict was about requests that are
+    gone (before, the first easy request ran without speculation, its probes outvoted by the hard stretch's
+    calls in the window, and the gap between probes had grown to 512 calls)."""
+    from llmc.runtime.sampler import Sampler
+    from llmc.runtime.spec_decode import SpecDecoder
+    from llmc.runtime.spec_decode.adaptive import AdaptiveK
+    dec = SpecDecoder(Ones(), AdaptiveK(k_max=4, cost=0.01, max_batch=None), 100_000, Sampler())
+    regime, clock = [], 0.0
+    for r in range(10):  # requests of 256 tokens: two hard, then eight easy
+        seq, hard = decoding_seq(f"r{r}"), r < 2
+        for _ in range(256):
+            out, spec = spec_call(dec, [seq], lambda k: [2] * (k + 1) if hard else [1] * (k + 1))
+            regime.append(spec)
+            clock += 1.0 + 0.1 * max(len(e.spec) for e in out.scheduled)  # a cheap draft
+            dec.observe_step(out, clock)
+        dec.release(seq)
+    first, easy = regime[2 * 256:3 * 256], regime[2 * 256:]
+    assert sum(first) >= 0.9 * len(first) and sum(easy) >= 0.9 * len(easy), "".join(".S"[s] for s in regime)

@@ -97,6 +97,7 @@ class SpecDecoder:
         self.unmeasured: dict[int, int] = {}  # speculative calls since the bucket's last speculative measurement
         self.blocked: set[int] = set()  # buckets whose speculative calls went PROBE calls unmeasured
         self.probe_gap: dict[int, int] = {}  # plain calls between two probes where the gate is closed
+        self.closed_for: dict[int, set[int]] = {}  # by bucket, the sequences a closed gate's verdict measured
         self.costs: dict[int, deque] = {}  # by batch bucket, the latest (mean k, call time / plain call time)
         self.prior_cost = chooser.cost
         self._accepted_seen = 0
@@ -164,7 +165,9 @@ class SpecDecoder:
     # graph) stop for CALIBRATE plain calls: what is not measured never runs on for long. A probe costs
     # about two plain steps (the first call also waits out the plain step in flight), so each probe that
     # finds the gate still closed doubles the gap to the next one, up to MAX_GAP; one that opens it
-    # brings the gap back to CALIBRATE.
+    # brings the gap back to CALIBRATE. A closed verdict holds for the sequences it measured: once they
+    # have all finished (`release`), the bucket's speculative measurements go and the next calls measure
+    # again, so a hard request does not keep speculation off for the easy ones after it.
     # The gate compares calls, not tokens: a decode step reads the weights once for all its sequences, so a
     # plain call of 17 sequences takes about what one of 32 takes (4.4 and 4.8 ms, an 8B shape on an H200),
     # and a bucket's plain time per token, measured at the tail of a batch, would make speculation at its
@@ -263,10 +266,16 @@ class SpecDecoder:
             self.plain_s.setdefault(b, deque(maxlen=self.KEEP)).append(took)
             self.since_plain[b] = 0
             return
-        self.window.setdefault(b, _Window()).add(took, n + gained, n, self.SPEC_WINDOW)
+        window = self.window.setdefault(b, _Window())
+        window.add(took, n + gained, n, self.SPEC_WINDOW)
         self.since_spec[b] = self.unmeasured[b] = 0
-        gap = self.probe_gap.get(b, self.CALIBRATE)
-        self.probe_gap[b] = self.CALIBRATE if self._gate_open(b) else min(self.MAX_GAP, 2 * gap)
+        if len(window.calls) >= self.WARM:  # a verdict
+            if self._gate_open(b):
+                self.probe_gap[b] = self.CALIBRATE
+                self.closed_for.pop(b, None)
+            else:
+                self.probe_gap[b] = min(self.MAX_GAP, 2 * self.probe_gap.get(b, self.CALIBRATE))
+                self.closed_for[b] = {e.seq.seq_id for e in out.scheduled}
         spec = [e for e in out.scheduled if e.spec]
         if spec and self.plain_s.get(b):
             k = sum(len(e.spec) for e in spec) / len(spec)
@@ -299,9 +308,19 @@ class SpecDecoder:
         return tokens, logprobs, top
 
     def release(self, seq: Sequence) -> None:
+        """Forget `seq` (finished, aborted or preempted). Once every sequence that a closed gate's verdict
+        measured is gone, the bucket's measurements are of requests no longer there (at batch 1, the
+        request before): they are dropped, and the new sequences' calls decide afresh."""
         self.q.pop(seq.seq_id, None)
         self.chooser.release(seq)
         self.proposer.release(seq)
+        for b in [b for b, ids in self.closed_for.items() if seq.seq_id in ids]:
+            ids = self.closed_for[b]
+            ids.discard(seq.seq_id)
+            if not ids:
+                del self.closed_for[b]
+                self.window.pop(b, None)
+                self.probe_gap[b] = self.CALIBRATE
 
 
 class _Window:
