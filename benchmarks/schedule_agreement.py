@@ -32,12 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_bench import heldout_prompts  # noqa: E402
-
-
-def agreement(outs, base) -> float:
-    """The share of reference tokens that the run reproduced at the same position."""
-    return sum(x == y for o, b in zip(outs, base) for x, y in zip(o, b)) / sum(len(b) for b in base)
+from spec_bench import agreement, heldout_prompts  # noqa: E402
 
 
 def main() -> None:

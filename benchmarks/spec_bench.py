@@ -69,6 +69,11 @@ def repetitive_prompts(tok, n: int, lines: int = 12, again: int = 2, copies: int
     return out
 
 
+def agreement(outs, base) -> float:
+    """The share of the reference's greedy tokens that a run reproduced at the same position."""
+    return sum(x == y for o, b in zip(outs, base) for x, y in zip(o, b)) / sum(len(b) for b in base)
+
+
 def spec_config(name: str, draft) -> dict | None:
     """`none`, `ngram[:K]`, `draft:K|auto`, `multi:K|auto` -> the LLM's speculative= argument."""
     method, _, k = name.partition(":")
@@ -125,17 +130,19 @@ def main() -> None:
         llm = LLM(target, speculative=spec_config(name, draft), max_num_seqs=max(8, a.batch), **opts)
         warm = prompts[:min(len(prompts), max(2, a.batch))]
         llm.generate(warm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))  # kernels, graphs
+
+        def run_all():  # the workload once: its greedy tokens per prompt
+            if a.batch == 1:
+                return [llm.generate([p], greedy)[0].token_ids for p in prompts]
+            return [o.token_ids for o in llm.generate(prompts, greedy)]
         for _ in range(a.warmup_runs):
-            llm.generate(prompts, greedy) if a.batch > 1 else [llm.generate([p], greedy) for p in prompts]
+            run_all()
         s0 = llm.stats()
         times = []
         for _ in range(a.repeat):  # the median of a few runs: one short run is at the mercy of the host
             sync()
             t = time.perf_counter()
-            if a.batch == 1:
-                outs = [llm.generate([p], greedy)[0].token_ids for p in prompts]
-            else:
-                outs = [o.token_ids for o in llm.generate(prompts, greedy)]
+            outs = run_all()
             sync()
             times.append(time.perf_counter() - t)
         dt = sorted(times)[len(times) // 2]
@@ -145,7 +152,7 @@ def main() -> None:
         acc = s1["spec_accepted_tokens"] - s0["spec_accepted_tokens"]
         vsteps = s1["spec_steps"] - s0["spec_steps"]
         base = base if base is not None else outs
-        same = sum(x == y for o, b in zip(outs, base) for x, y in zip(o, b)) / sum(len(b) for b in base)
+        same = agreement(outs, base)
         row = {"proposer": name, "tok_s": len(prompts) * a.max_tokens / dt, "seconds": dt,
                "runs_s": [round(x, 4) for x in times], "steps": steps // a.repeat,
                "tokens_per_step": a.repeat * len(prompts) * a.max_tokens / max(1, steps),

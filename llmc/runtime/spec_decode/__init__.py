@@ -314,8 +314,7 @@ class SpecDecoder:
         self.q.pop(seq.seq_id, None)
         self.chooser.release(seq)
         self.proposer.release(seq)
-        for b in [b for b, ids in self.closed_for.items() if seq.seq_id in ids]:
-            ids = self.closed_for[b]
+        for b, ids in list(self.closed_for.items()):
             ids.discard(seq.seq_id)
             if not ids:
                 del self.closed_for[b]
