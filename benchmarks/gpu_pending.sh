@@ -37,6 +37,10 @@
 #                                                     #   workload at the measured token budget and at TOKENS (2048)
 #   bash benchmarks/gpu_pending.sh OUT tuned-check    # the generated matmul compiled, each tuned choice alone, and
 #                                                     #   greedy agreement under variants of a tuned artifact's choices
+#   bash benchmarks/gpu_pending.sh OUT step-profile   # issue 20: TTFT and batch-1 decode kernel by kernel (SHAPES,
+#                                                     #   default "8b"; benchmarks/step_profile.py)
+#   bash benchmarks/gpu_pending.sh OUT compile-profile  # issue 20: a cold 8B compile under cProfile (the main thread's
+#                                                     #   functions by cumulative time), empty Triton and llmc caches
 #   bash benchmarks/gpu_pending.sh OUT e2e            # benchmarks/gpu_e2e.py: greedy tokens against HF eager
 #   bash benchmarks/gpu_pending.sh OUT compile-cold   # issue 20: a cold 8B compile (empty Triton and llmc caches)
 #                                                     #   and its load, candidates warmed up on threads, then with
@@ -169,6 +173,24 @@ dtype='bfloat16'); print('LLMC_TUNE_THREADS=${threads:-default} compile', round(
 print('load', round(time.time() - t, 1), 's')" >>"$OUT/compile_cold.log" 2>&1
             done
             grep "compile \|^load" "$OUT/compile_cold.log" | grep -v Writing ;;
+        step-profile)
+            rm -rf /tmp/tmp*
+            for shape in ${SHAPES:-8b}; do
+                python3 benchmarks/step_profile.py --shape $shape --artifact /tmp/art-$shape.llmc --out "$OUT" \
+                    >"$OUT/step_profile_$shape.log" 2>&1
+                grep "^== \|# compiled" "$OUT/step_profile_$shape.log"
+                rm -rf /tmp/tmp*  # the random model's directory: the disk holds few
+            done ;;
+        compile-profile)
+            rm -rf /tmp/cold; mkdir -p /tmp/cold
+            python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import random_model; \
+random_model('8b', '/tmp/cold/m')" >"$OUT/compile_profile.log" 2>&1
+            TRITON_CACHE_DIR=/tmp/cold/triton LLMC_CACHE_DIR=/tmp/cold/llmc python3 -c "import time; t = time.time(); \
+import cProfile, pstats, llmc; print('import llmc', round(time.time() - t, 1), 's'); pr = cProfile.Profile(); t = time.time(); \
+pr.enable(); art = llmc.compile('/tmp/cold/m', '/tmp/cold/a.llmc', dtype='bfloat16'); pr.disable(); \
+print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art.compile_timings.items()}); \
+pstats.Stats(pr).sort_stats('cumulative').print_stats(70)" >>"$OUT/compile_profile.log" 2>&1
+            grep "^import llmc\|^compile " "$OUT/compile_profile.log" ;;
         parallel)
             rm -rf /tmp/tmp*
             python3 benchmarks/parallel_bench.py --shape "${SHAPE:-8b}" --layouts "${LAYOUTS:-1x1,2x1,2x1m8,1x2}" \
