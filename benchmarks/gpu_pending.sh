@@ -145,7 +145,8 @@ or row_tiles or leading or group_of_two" >"$OUT/int4_ptx_tests.log" 2>&1
             python3 -c "import sys, time; sys.path.insert(0, 'benchmarks'); from decode_bench import random_model; \
 import llmc, tempfile, pathlib; d = pathlib.Path(tempfile.mkdtemp()); random_model('8b', d / 'm'); t = time.time(); \
 art = llmc.compile(d / 'm', d / 'a.llmc', dtype='bfloat16'); print('compile', round(time.time() - t, 1), 's', \
-{k: round(v, 1) for k, v in art.compile_timings.items()}); t = time.time(); llm = llmc.LLM(art.path); \
+{k: round(v, 1) for k, v in art.compile_timings.items()}, 'weights file', round(art.weights_seconds, 1), 's'); \
+t = time.time(); llm = llmc.LLM(art.path); \
 print('load', round(time.time() - t, 1), 's')" >"$OUT/compile_8b.log" 2>&1
             grep -v Writing "$OUT/compile_8b.log" | tail -3 ;;
         ncu-int4)
@@ -169,7 +170,8 @@ random_model('8b', '/tmp/cold/m')" >"$OUT/compile_cold.log" 2>&1
                 LLMC_TUNE_THREADS=$threads TRITON_CACHE_DIR=/tmp/cold/triton-$threads LLMC_CACHE_DIR=/tmp/cold/llmc-$threads \
                     python3 -c "import time, llmc; t = time.time(); art = llmc.compile('/tmp/cold/m', '/tmp/cold/a.llmc', \
 dtype='bfloat16'); print('LLMC_TUNE_THREADS=${threads:-default} compile', round(time.time() - t, 1), 's', \
-{k: round(v, 1) for k, v in art.compile_timings.items()}); t = time.time(); llm = llmc.LLM(art.path); \
+{k: round(v, 1) for k, v in art.compile_timings.items()}, 'weights file', round(art.weights_seconds, 1), 's'); \
+t = time.time(); llm = llmc.LLM(art.path); \
 print('load', round(time.time() - t, 1), 's')" >>"$OUT/compile_cold.log" 2>&1
             done
             grep "compile \|^load" "$OUT/compile_cold.log" | grep -v Writing ;;
@@ -188,9 +190,12 @@ random_model('8b', '/tmp/cold/m')" >"$OUT/compile_profile.log" 2>&1
             TRITON_CACHE_DIR=/tmp/cold/triton LLMC_CACHE_DIR=/tmp/cold/llmc python3 -c "import time; t = time.time(); \
 import cProfile, pstats, llmc; print('import llmc', round(time.time() - t, 1), 's'); pr = cProfile.Profile(); t = time.time(); \
 pr.enable(); art = llmc.compile('/tmp/cold/m', '/tmp/cold/a.llmc', dtype='bfloat16'); pr.disable(); \
-print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art.compile_timings.items()}); \
-pstats.Stats(pr).sort_stats('cumulative').print_stats(70)" >>"$OUT/compile_profile.log" 2>&1
-            grep "^import llmc\|^compile " "$OUT/compile_profile.log" ;;
+print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art.compile_timings.items()}, \
+'weights file', round(art.weights_seconds, 1), 's'); pstats.Stats(pr).sort_stats('cumulative').print_stats(70)" >>"$OUT/compile_profile.log" 2>&1
+            grep "^import llmc\|^compile " "$OUT/compile_profile.log"
+            rm -rf /tmp/cold/a.llmc /tmp/cold/triton /tmp/cold/llmc
+            python3 benchmarks/write_bench.py /tmp/cold/m --to /tmp/cold >"$OUT/write_bench.log" 2>&1
+            cat "$OUT/write_bench.log" ;;
         parallel)
             rm -rf /tmp/tmp*
             python3 benchmarks/parallel_bench.py --shape "${SHAPE:-8b}" --layouts "${LAYOUTS:-1x1,2x1,2x1m8,1x2}" \

@@ -143,6 +143,68 @@ def _pieces_if_large(path: Path) -> list[str]:
     return hash_pieces(path) if path.stat().st_size > HASH_CHUNK else []
 
 
+_ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+              "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
+              "float8_e5m2": "F8_E5M2", "uint16": "U16", "uint32": "U32", "uint64": "U64"}
+_WRITE = 1 << 30  # the most bytes one pwrite is given (Linux writes at most ~2 GiB a call)
+
+
+def write_safetensors(tensors: dict[str, Any], path: Path, threads: int | None = None) -> list[str]:
+    """Write CPU tensors as a safetensors file and return the sha256 of each HASH_CHUNK piece of it (what
+    `hash_pieces` would read back), on `threads` threads (default: one per core, at most 16).
+
+    The file is the documented format: an 8-byte little-endian header length, a JSON header giving each
+    tensor's dtype, shape and byte range, padded with spaces to a multiple of 8, then the tensors' bytes
+    back to back (here in name order). Each piece is hashed from the tensors' own memory and written with
+    pwrite by one thread (hashlib and pwrite release the GIL), so the bytes are neither copied into one
+    buffer first nor read back to be hashed.
+    """
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    header, segments, end = {}, [], 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        kind = str(t.dtype).removeprefix("torch.")
+        if kind not in _ST_DTYPES:
+            raise ArtifactError(f"weight {name} has dtype {t.dtype}, which a safetensors file cannot hold")
+        data = memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        header[name] = {"dtype": _ST_DTYPES[kind], "shape": list(t.shape), "data_offsets": [end, end + len(data)]}
+        segments.append((end, data))
+        end += len(data)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    base = 8 + len(head)
+    segments = [(0, memoryview(len(head).to_bytes(8, "little") + head))] + [(base + o, d) for o, d in segments]
+    size = base + end
+    pieces: list[list[tuple[int, memoryview]]] = [[] for _ in range(max(1, -(-size // HASH_CHUNK)))]
+    for start, data in segments:  # each segment cut at the pieces' boundaries
+        at = 0
+        while at < len(data):
+            i = (start + at) // HASH_CHUNK
+            n = min(len(data) - at, (i + 1) * HASH_CHUNK - start - at)
+            pieces[i].append((start + at, data[at:at + n]))
+            at += n
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+
+        def write_piece(parts: list[tuple[int, memoryview]]) -> str:
+            h = hashlib.sha256()
+            for offset, data in parts:
+                h.update(data)
+                while len(data):
+                    done = os.pwrite(fd, data[:_WRITE], offset)
+                    data, offset = data[done:], offset + done
+            return h.hexdigest()
+
+        with ThreadPoolExecutor(max(1, min(len(pieces), threads or min(os.cpu_count() or 1, 16)))) as pool:
+            return list(pool.map(write_piece, pieces))
+    finally:
+        os.close(fd)
+
+
 def pieces_digest(pieces: list[str]) -> str:
     """A file recorded in pieces has this digest in the manifest's "files": the sha256 of its pieces' hex
     digests, one per line. (A whole-file sha256 would take one core a pass over the file, ~8 s for an 8B
@@ -179,6 +241,7 @@ class Artifact:
     tuning: dict[str, Any] = field(default_factory=dict)
     compile_log: Any = None
     compile_timings: dict[str, float] = field(default_factory=dict)  # seconds per compile phase (compile's)
+    weights_seconds: float | None = None  # compile's: writing and hashing the weights file, beside the tuning
 
     @property
     def info(self) -> ModelInfo:
@@ -260,15 +323,19 @@ class ArtifactWriter:
         if self.tmp.exists():
             shutil.rmtree(self.tmp)
         self.tmp.mkdir(parents=True)
+        self.seconds: float | None = None  # the weights file's write, once done
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="llmc-write")
         self._weights = self._pool.submit(self._write_weights)
 
     def _write_weights(self) -> list[str]:
-        """Write the weights file; its pieces' sha256 (`hash_pieces`)."""
-        from safetensors.torch import save_file
-        path = self.tmp / self.WEIGHTS
-        save_file({p.name: self.graph.weights[p.name].contiguous() for p in self.graph.params}, str(path))
-        return _pieces_if_large(path)
+        """Write the weights file; its pieces' sha256 (`hash_pieces`) if it is large, else []. Its seconds
+        go to `seconds` (it runs beside the tuning, so the compile's phases do not show it)."""
+        import time
+        start = time.perf_counter()
+        pieces = write_safetensors({p.name: self.graph.weights[p.name] for p in self.graph.params},
+                                   self.tmp / self.WEIGHTS)
+        self.seconds = time.perf_counter() - start
+        return pieces if len(pieces) > 1 else []
 
     def finish(self, source: str, options: dict[str, Any], tokenizer_files: list[Path] | None = None,
                tuning: dict | None = None, kernels: dict[str, str] | None = None,
@@ -318,7 +385,7 @@ class ArtifactWriter:
             self.abort()
             raise
         self._pool.shutdown()
-        return Artifact(self.out, manifest, graph, tuning or {})
+        return Artifact(self.out, manifest, graph, tuning or {}, weights_seconds=self.seconds)
 
     def abort(self) -> None:
         """Stop (after the weights file in progress) and remove what was written; `out` is left as it was."""

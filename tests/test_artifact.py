@@ -117,10 +117,36 @@ def test_a_failed_weights_write_is_raised_by_finish(llama_artifact, tmp_path, mo
     is left at the output path."""
     import llmc.artifact as artifact
 
-    def no_space(tensors, path):
+    def no_space(fd, data, offset):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr("safetensors.torch.save_file", no_space)
+    monkeypatch.setattr("os.pwrite", no_space)
     w = artifact.ArtifactWriter(llmc.load(llama_artifact.path).graph, tmp_path / "b.llmc")
     with pytest.raises(OSError, match="No space left"):
         w.finish("test", {})
     assert not (tmp_path / "b.llmc").exists() and not (tmp_path / "b.llmc.partial").exists()
+
+
+def test_weights_files_are_safetensors_hashed_as_written(tmp_path, monkeypatch):
+    """llmc writes weights files itself, piece by piece on threads: safetensors reads back every dtype a
+    graph holds (strided and empty tensors too), and the pieces' digests it returns are those a load
+    reads back from the file (`hash_pieces`), with the header and tensors cut across pieces anywhere."""
+    import torch
+    from safetensors.torch import load_file
+
+    import llmc.artifact as artifact
+    monkeypatch.setattr(artifact, "HASH_CHUNK", 100)
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w.bf16": torch.randn(9, 7, generator=g).to(torch.bfloat16), "w.t": torch.randn(6, 5, generator=g).t(),
+               "codes": torch.randint(-128, 127, (41,), dtype=torch.int8, generator=g), "packed": torch.arange(13, dtype=torch.int32),
+               "empty": torch.zeros(0, 3), "fp8": torch.randn(11, generator=g).to(torch.float8_e4m3fn),
+               "mask": torch.tensor([True, False, True]), "half": torch.randn(5, generator=g).half()}
+    path = tmp_path / "w.safetensors"
+    pieces = artifact.write_safetensors(tensors, path, threads=3)
+    back = load_file(str(path))
+    assert sorted(back) == sorted(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape, name
+        assert torch.equal(back[name].view(torch.uint8), t.contiguous().view(torch.uint8)), name
+    assert len(pieces) > 5 and pieces == artifact.hash_pieces(path, 100)
+    with pytest.raises(ArtifactError, match="complex64"):
+        artifact.write_safetensors({"z": torch.zeros(2, dtype=torch.complex64)}, tmp_path / "z.safetensors")
