@@ -439,6 +439,42 @@ def test_speculation_near_break_even_stays_off():
     assert sum(paying[200:]) >= 0.9 * 400, "".join(".S"[r] for r in paying)
 
 
+def test_a_closed_verdict_over_many_requests_outlives_them():
+    """Batch 32 with requests coming and going (each new prompt in a mixed step): the verdict of calls of 32
+    sequences, none of whose proposals pay, stands for the workload, so speculation runs on little more than
+    its probes even as the requests it measured finish (measuring again whenever they all had finished ran it
+    on 4.3% of these calls; on the GPU, 66% of a batch-32 run's steps). At batch 1 it does measure again:
+    `test_a_closed_verdict_ends_with_the_requests_it_measured`."""
+    import random
+
+    from llmc.runtime.sampler import Sampler
+    from llmc.runtime.scheduler import ScheduledSeq, SchedulerOutput
+    from llmc.runtime.spec_decode import SpecDecoder
+    from llmc.runtime.spec_decode.adaptive import AdaptiveK
+    rng = random.Random(0)
+    dec = SpecDecoder(Ones(), AdaptiveK(k_max=4, cost=0.01, max_batch=None), 100_000, Sampler())
+    left, made, regime, clock = {}, 0, [], 0.0
+    while len(left) < 32:
+        left[decoding_seq(f"r{len(left)}")] = rng.randint(32, 128)
+    for _ in range(3000):
+        seqs = list(left)  # half the proposals get their first token accepted, the rest none: a loss
+        out, spec = spec_call(dec, seqs, lambda k: [2] + [1] * k if rng.random() < 0.5 else [2] * (k + 1))
+        regime.append(spec)
+        clock += 1.0 + 0.1 * max(len(e.spec) for e in out.scheduled)
+        dec.observe_step(out, clock)
+        done = [s for s in seqs if left.__setitem__(s, left[s] - 1) or left[s] <= 0]
+        for s in done:
+            del left[s]
+            dec.release(s)
+            made += 1
+            left[decoding_seq(f"n{made}")] = rng.randint(32, 128)
+        if done:
+            clock += 1.5
+            dec.observe_step(SchedulerOutput([ScheduledSeq(s, 1, False, True) for s in left]
+                                             + [ScheduledSeq(decoding_seq("p"), 3, True, True)]), clock)
+    assert sum(regime) <= 0.02 * len(regime), "".join(".S"[s] for s in regime[:600])
+
+
 def test_a_closed_verdict_ends_with_the_requests_it_measured():
     """Batch 1, one request after another: two requests whose proposals all fail close the gate; the easy
     requests after them get speculation back from the first one on: the verdict was about requests that are
