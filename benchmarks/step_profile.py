@@ -52,7 +52,8 @@ def profile(llm, prompts: list[list[int]], max_tokens: int) -> dict:
         llm.generate([p], sp)
         sync()
         walls.append(time.perf_counter() - t)
-    with torch_profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU],
+                       acc_events=True) as prof:
         for p in prompts:
             llm.generate([p], sp)
         sync()
