@@ -171,14 +171,14 @@ random_model('8b', '/tmp/cold/m')" >"$OUT/compile_cold.log" 2>&1
                     python3 -c "import time, llmc; t = time.time(); art = llmc.compile('/tmp/cold/m', '/tmp/cold/a.llmc', \
 dtype='bfloat16'); print('LLMC_TUNE_THREADS=${threads:-default} compile', round(time.time() - t, 1), 's', \
 {k: round(v, 1) for k, v in art.compile_timings.items()}, 'weights file', round(art.weights_seconds, 1), 's'); \
-t = time.time(); llm = llmc.LLM(art.path); \
+[print('  step', round(t, 2), 's', m) for m, t in art.compile_steps]; t = time.time(); llm = llmc.LLM(art.path); \
 print('load', round(time.time() - t, 1), 's')" >>"$OUT/compile_cold.log" 2>&1
             done
-            grep "compile \|^load" "$OUT/compile_cold.log" | grep -v Writing ;;
+            grep "compile \|^load\|  step" "$OUT/compile_cold.log" | grep -v Writing ;;
         step-profile)
             rm -rf /tmp/tmp*
             for shape in ${SHAPES:-8b}; do
-                python3 benchmarks/step_profile.py --shape $shape --artifact /tmp/art-$shape.llmc --out "$OUT" \
+                python3 benchmarks/step_profile.py --shape $shape --artifact "${ARTIFACT:-/tmp/art-$shape.llmc}" --out "$OUT" \
                     >"$OUT/step_profile_$shape.log" 2>&1
                 grep "^== \|# compiled" "$OUT/step_profile_$shape.log"
                 rm -rf /tmp/tmp*  # the random model's directory: the disk holds few

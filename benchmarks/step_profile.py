@@ -37,8 +37,9 @@ def kernels(prof, requests: int) -> tuple[list[dict], float]:
     return rows, sum(r["us"] for r in rows)
 
 
-def profile(llm, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Each prompt alone, greedy, `max_tokens` new: the median wall time, then every run again under the
+def profile(llm, prompts: list[list[int]], others: list[list[int]], max_tokens: int) -> dict:
+    """Each prompt alone, greedy, `max_tokens` new: the median wall time; then each of `others` (as many, as
+    long, none sharing a prefix with `prompts`: a prefix-cache hit would skip the prefill) under the
     profiler (its kernels per request)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -54,7 +55,7 @@ def profile(llm, prompts: list[list[int]], max_tokens: int) -> dict:
         walls.append(time.perf_counter() - t)
     with torch_profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU],
                        acc_events=True) as prof:
-        for p in prompts:
+        for p in others:
             llm.generate([p], sp)
         sync()
     rows, busy = kernels(prof, len(prompts))
@@ -79,8 +80,8 @@ def main():
     fresh = lambda n: [torch.randint(0, vocab, (n,), generator=g).tolist() for _ in range(a.runs)]
     llm.generate(fresh(a.prompt_tokens)[:1], llmc.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     out = {"shape": a.shape, "commit": None,
-           "prefill": profile(llm, fresh(a.prompt_tokens), 1),
-           "decode": profile(llm, fresh(16), a.decode_tokens + 1)}
+           "prefill": profile(llm, fresh(a.prompt_tokens), fresh(a.prompt_tokens), 1),
+           "decode": profile(llm, fresh(16), fresh(16), a.decode_tokens + 1)}
     try:
         import subprocess
         out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -94,7 +95,7 @@ def main():
         print(f"== {a.shape} {what}: wall {r['wall_ms']:.2f} ms a request (runs {', '.join(f'{w:.2f}' for w in r['walls_ms'])}),"
               f" GPU {r['gpu_us'] / 1e3:.2f} ms; per token (of {per}): wall {r['wall_ms'] / per:.3f} ms,"
               f" GPU {r['gpu_us'] / per / 1e3:.3f} ms")
-        for k in r["kernels"][:25]:
+        for k in r["kernels"][:16]:
             print(f"  {k['us'] / 1e3:8.3f} ms {k['calls']:7.0f} calls {k['us_per_call']:9.2f} us/call  "
                   f"{k['us'] / r['gpu_us']:6.1%}  {k['kernel'][:90]}")
 

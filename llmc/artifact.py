@@ -242,6 +242,7 @@ class Artifact:
     compile_log: Any = None
     compile_timings: dict[str, float] = field(default_factory=dict)  # seconds per compile phase (compile's)
     weights_seconds: float | None = None  # compile's: writing and hashing the weights file, beside the tuning
+    compile_steps: list = field(default_factory=list)  # compile's: (step, seconds) in order, within the phases
 
     @property
     def info(self) -> ModelInfo:

@@ -149,6 +149,7 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         bar.phase(None)
         # seconds per phase: capture, passes, tuning (the weights file written meanwhile), write (the rest)
         art.compile_timings = bar.timings
+        art.compile_steps = bar.steps
     if draft is not None:
         from llmc.artifact import DRAFT_DIR
         keep = {k: v for k, v in options.items() if k in ("kv_cache_dtype", "fuse", "paged_kv")}
@@ -481,16 +482,25 @@ def _kernel_listing(graph: Graph, tuning: dict | None = None) -> tuple[list[dict
 
 class _Progress:
     """A rich spinner with the current compile step, or nothing when not on a terminal / not asked; it
-    also times the compile's phases (`timings`: seconds per phase name, in the order first entered)."""
+    also times the compile's phases (`timings`: seconds per phase name, in the order first entered) and
+    its steps (`steps`: (step message, seconds until the next step or phase), in order)."""
 
     def __init__(self, enabled: bool):
         self.enabled, self._p, self._t = enabled, None, None
         self.timings: dict[str, float] = {}
+        self.steps: list[tuple[str, float]] = []
         self._phase: tuple[str, float] | None = None
+        self._step: tuple[str, float] | None = None
+
+    def _end_step(self, now: float) -> None:
+        if self._step is not None:
+            self.steps.append((self._step[0], now - self._step[1]))
+            self._step = None
 
     def phase(self, name: str | None) -> None:
         """End the current phase (its time is added to `timings`) and start `name` (None: none)."""
         now = time.perf_counter()
+        self._end_step(now)
         if self._phase is not None:
             last, since = self._phase
             self.timings[last] = self.timings.get(last, 0.0) + now - since
@@ -505,6 +515,9 @@ class _Progress:
         return self
 
     def step(self, msg: str) -> None:
+        now = time.perf_counter()
+        self._end_step(now)
+        self._step = (msg, now)
         if self._p:
             self._p.update(self._t, description=msg)
 
