@@ -192,9 +192,15 @@ def dim_subs(d: Dim, mapping: dict[str, int | str]) -> Dim:
     """Substitute base symbols in a dim (`B*S` with {B: 1, S: "T"} gives `T`)."""
     if isinstance(d, int) or not any(k in d.name for k in mapping):
         return d
-    expr = sympy.sympify(d.name, locals=_SYMPY_LOCALS(d.name))
+    return _subs(d.name, tuple(sorted(mapping.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _subs(name: str, mapping: tuple[tuple[str, int | str], ...]) -> Dim:
+    """`dim_subs` of one expression: a graph holds the same few thousand times (sympy takes ~0.5 ms each)."""
+    expr = sympy.sympify(name, locals=_SYMPY_LOCALS(name))
     subs = {sympy.Symbol(k, positive=True, integer=True):
-            (v if isinstance(v, int) else sympy.Symbol(v, positive=True, integer=True)) for k, v in mapping.items()}
+            (v if isinstance(v, int) else sympy.Symbol(v, positive=True, integer=True)) for k, v in mapping}
     return make_dim(str(expr.subs(subs)))
 
 

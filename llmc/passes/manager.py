@@ -89,7 +89,8 @@ def _load_builtin_passes() -> None:
 
 
 class PassManager:
-    """Runs passes in order; with `verify=True` checks the graph after each pass."""
+    """Runs passes in order; with `verify=True` checks the graph after each pass; `progress`, if given, is
+    called with each pass as it starts."""
 
     def __init__(self, passes: list[Pass], verify: bool = False, dump_dir: str | Path | None = None,
                  progress=None):
@@ -102,6 +103,8 @@ class PassManager:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
             (self.dump_dir / "00-input.ir").write_text(str(graph))
         for i, p in enumerate(self.passes, 1):
+            if self.progress:
+                self.progress(p)
             t0 = time.perf_counter()
             try:
                 res = p.run(graph, ctx)
@@ -125,8 +128,6 @@ class PassManager:
                  "ms": round((time.perf_counter() - t0) * 1e3, 2)})
             if self.dump_dir:
                 (self.dump_dir / f"{i:02d}-{p.name}.ir").write_text(str(graph))
-            if self.progress:
-                self.progress(p)
         return graph
 
 

@@ -256,7 +256,8 @@ def dead_code(graph: Graph) -> int:
         if any(v in live for v in n.outputs) or n.meta.get("side_effect"):
             keep.append(n)
             live.update(n.inputs)
-    removed = [n for n in graph.nodes if n not in set(keep)] if len(keep) != len(graph.nodes) else []
+    kept = set(keep)
+    removed = [n for n in graph.nodes if n not in kept] if len(keep) != len(graph.nodes) else []
     if removed:
         graph.remove_nodes(removed)
     return len(removed)

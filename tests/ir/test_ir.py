@@ -106,3 +106,15 @@ def test_promotion_matches_torch():
     assert y.type.dtype == "bf16"  # a 0-d f32 constant does not promote a bf16 tensor, as in torch
     i = g.add_input("i", TensorType((4,), "i64"))
     assert g.call("mul", i, c).type.dtype == "f32"
+
+
+def test_dim_substitution_is_per_expression_and_mapping():
+    """`dim_subs` (memoised per expression and mapping) substitutes base symbols; the same expression under
+    another mapping gives that mapping's result, and dims that name none of the symbols stay as they are."""
+    from llmc.ir.types import SymDim, dim_subs, make_dim
+    bs = make_dim("B*S")
+    assert dim_subs(bs, {"B": 1, "S": "T"}) == SymDim("T")
+    assert dim_subs(bs, {"B": 2, "S": "T"}) == make_dim("2*T")
+    assert dim_subs(bs, {"B": 3, "S": 5}) == 15
+    assert dim_subs(make_dim("4*S + 1"), {"S": "T"}) == make_dim("4*T + 1")
+    assert dim_subs(make_dim("N"), {"B": 1}) == SymDim("N") and dim_subs(7, {"B": 1}) == 7
