@@ -32,7 +32,8 @@
 #   bash benchmarks/gpu_pending.sh OUT attention      # issue 20: paged attention launches against the bounds
 #                                                     #   (benchmarks/attention_bench.py; SHAPES, default "8b 1b")
 #   bash benchmarks/gpu_pending.sh OUT ab-mixed       # issue 20: TTFT and mixed workload with VAR=0 and =1 alternating
-#                                                     #   (default LLMC_PREFILL_TILES)
+#                                                     #   (default LLMC_PREFILL_TILES; LLMC_LONG_PREFILL_GRAPHS:
+#                                                     #   a lone prompt of up to 2,048 tokens on a step graph)
 #   bash benchmarks/gpu_pending.sh OUT budget         # issue 20: a compile's phases, decode and TTFT, then the mixed
 #                                                     #   workload at the measured token budget and at TOKENS (2048)
 #   bash benchmarks/gpu_pending.sh OUT tuned-check    # the generated matmul compiled, each tuned choice alone, and

@@ -1,12 +1,13 @@
 """CUDA graphs of whole steps, one per step shape: decode and prefill buckets.
 
-A decode step of B sequences and one sequence's prefill chunk of up to 512 tokens each replay a graph
-of the next bucket up. Eager, a step's few hundred launches cost more host time than the GPU spends on
-them. A speculative verify step reaches the executor as one-token rows (see executor.py), so it
+A decode step of B sequences and one sequence's prefill chunk of up to 512 tokens (2,048 with
+LLMC_LONG_PREFILL_GRAPHS=1, experimental) each replay a graph of the next bucket up. Eager, a step's
+few hundred launches cost more host time than the GPU spends on them. A speculative verify step reaches the executor as one-token rows (see executor.py), so it
 replays a decode graph.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import numpy as np
@@ -25,6 +26,16 @@ def graphs_captured() -> int:
     return _captured
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+# experimental (LLMC_LONG_PREFILL_GRAPHS=1): one sequence's prefill of up to 2,048 tokens on a graph too, in
+# steps of 256 so that padding stays under 256 rows. A 2,048-token prompt alone runs eagerly otherwise, and
+# its launches cost the host more than the GPU's time on a 1B model (7.4 ms of kernels, 21.7 ms wall on an
+# H200). Not the default until measured: each such graph keeps an arena of its own.
+LONG_PREFILL_BUCKETS = tuple(range(768, 2049, 256))
+
+
+def prefill_buckets() -> tuple[int, ...]:
+    """The prefill graphs' token buckets: PREFILL_BUCKETS, and LONG_PREFILL_BUCKETS where asked for."""
+    return PREFILL_BUCKETS + (LONG_PREFILL_BUCKETS if os.environ.get("LLMC_LONG_PREFILL_GRAPHS") == "1" else ())
 
 
 def blocks_covering(i: int, token_ids: list[int], start_pos: int, table: list[int], block_size: int) -> int:
@@ -36,12 +47,13 @@ def blocks_covering(i: int, token_ids: list[int], start_pos: int, table: list[in
     return used
 
 
-def graph_kind(batch) -> tuple[str, int] | None:
-    """(kind, bucket) of the graph that can run `batch` (a list of StepInput), or None: run eager."""
+def graph_kind(batch, prefill: tuple[int, ...] = PREFILL_BUCKETS) -> tuple[str, int] | None:
+    """(kind, bucket) of the graph that can run `batch` (a list of StepInput), or None: run eager. `prefill`:
+    the prefill buckets (`prefill_buckets`)."""
     if all(len(s.token_ids) == 1 and s.num_logits == 1 for s in batch) and len(batch) <= DECODE_BUCKETS[-1]:
         return "decode", _bucket(DECODE_BUCKETS, len(batch))
-    if len(batch) == 1 and batch[0].num_logits == 1 and len(batch[0].token_ids) <= PREFILL_BUCKETS[-1]:
-        return "prefill", _bucket(PREFILL_BUCKETS, len(batch[0].token_ids))
+    if len(batch) == 1 and batch[0].num_logits == 1 and len(batch[0].token_ids) <= prefill[-1]:
+        return "prefill", _bucket(prefill, len(batch[0].token_ids))
     return None
 
 
@@ -82,13 +94,14 @@ class StepGraphCache:
         self.receives = list(receives)
         self.graphs: dict[tuple[str, int, object], _StepGraph] = {}
         self._pool = None
+        self.prefill = prefill_buckets()
 
     def run(self, batch, greedy: bool, feed=None) -> torch.Tensor | None:
         """Replay (capturing on first use) the graph for `batch`: argmax tokens [rows] with `greedy`, else fp32
         logits [rows, V], on the device and not waited for (copies: the graph's output buffer is reused by
         its next replay). None when no graph shape fits the batch. `feed` (executor.Feed) overwrites input
         tokens with the previous step's argmax rows on the device."""
-        kind = graph_kind(batch)
+        kind = graph_kind(batch, self.prefill)
         if kind is None:
             return None
         dg = self._graph(kind, greedy)
@@ -104,7 +117,7 @@ class StepGraphCache:
         decode graph: step j + 1 feeds each row step j's argmax on the device, so the host syncs once.
         The host writes step j + 1's positions and slots while the device runs step j. Returns the
         tokens [len(batch), k] on the host, or None when no decode graph fits the batch."""
-        kind = graph_kind(batch)
+        kind = graph_kind(batch, self.prefill)
         if kind is None or kind[0] != "decode":
             return None
         dg = self._graph(kind, True)
@@ -121,7 +134,7 @@ class StepGraphCache:
     def captured(self, batch) -> bool | None:
         """Whether `run_stage` would replay a graph captured before (None: no graph fits the batch). A capture
         must not overlap another stream's NCCL work: the caller lets pending sends finish first."""
-        kind = graph_kind(batch)
+        kind = graph_kind(batch, self.prefill)
         return None if kind is None else (*kind, "stage") in self.graphs
 
     def run_stage(self, batch, received: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -131,7 +144,7 @@ class StepGraphCache:
         into the graph's buffer (rows past them are padding rows, in no sequence). Returns every output of
         the stage's graph cut to the batch's rows: the values the next stage receives, or, on the last
         stage, the logits rows. They are views of the graph's buffers, valid until its next replay."""
-        kind = graph_kind(batch)
+        kind = graph_kind(batch, self.prefill)
         if kind is None:
             return None
         dg = self._graph(kind, None)

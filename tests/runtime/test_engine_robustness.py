@@ -251,3 +251,20 @@ def test_close_releases_the_device_memory_it_holds_and_a_closed_llm_says_so(llam
     assert all(r() is None for r in held)
     with pytest.raises(LLMCError, match="closed"):
         llm.generate([[1, 2, 3]], GREEDY)
+
+
+def test_long_prefill_graphs_are_asked_for(monkeypatch):
+    """One sequence's prefill replays a graph of the next bucket up, to 512 tokens; with
+    LLMC_LONG_PREFILL_GRAPHS=1 to 2,048 in steps of 256 (padding under 256 rows); past the last bucket, or
+    with several sequences, it runs eagerly."""
+    from llmc.runtime.executor import StepInput
+    from llmc.runtime.step_graphs import graph_kind, prefill_buckets
+    prompt = lambda n: [StepInput(list(range(n)), 0, list(range(n // 16 + 1)))]  # noqa: E731
+    monkeypatch.delenv("LLMC_LONG_PREFILL_GRAPHS", raising=False)
+    assert graph_kind(prompt(300), prefill_buckets()) == ("prefill", 512)
+    assert graph_kind(prompt(513), prefill_buckets()) is None
+    monkeypatch.setenv("LLMC_LONG_PREFILL_GRAPHS", "1")
+    long = prefill_buckets()
+    assert [graph_kind(prompt(n), long) for n in (300, 513, 769, 2000, 2048)] == [
+        ("prefill", 512), ("prefill", 768), ("prefill", 1024), ("prefill", 2048), ("prefill", 2048)]
+    assert graph_kind(prompt(2049), long) is None and graph_kind(prompt(700) + prompt(8), long) is None
