@@ -43,8 +43,10 @@ def is_onnx(model: Any) -> bool:
 
 
 def capture(model: Any, example_inputs: Sequence[torch.Tensor] | None = None, dtype: str = "float32",
-            dynamic: dict | None = None, tokenizer: str | Path | None = None) -> tuple[Graph, str, list[Path]]:
-    """Run the right frontend. Returns the graph, a source label and the tokenizer files to ship."""
+            dynamic: dict | None = None, tokenizer: str | Path | None = None,
+            status=None) -> tuple[Graph, str, list[Path]]:
+    """Run the right frontend. Returns the graph, a source label and the tokenizer files to ship. `status`:
+    called with a line as each part of a Hugging Face capture starts."""
     if dtype not in DTYPES:
         raise CompileError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if is_onnx(model):
@@ -64,7 +66,7 @@ def capture(model: Any, example_inputs: Sequence[torch.Tensor] | None = None, dt
         return g, f"module:{type(model).__qualname__}", []
     from llmc.frontend.hf import TOKENIZER_FILES, capture_hf
     path, source = resolve_model(model)
-    g = capture_hf(path, DTYPES[dtype])
+    g = capture_hf(path, DTYPES[dtype], status=status)
     return g, source, [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
 
 
@@ -121,8 +123,9 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
     bar = _Progress(progress)
     with bar:
         bar.phase("capture")
-        bar.step("reading the ONNX graph" if is_onnx(model) else "capturing with torch.export")
-        graph, source, tok_files = capture(model, example_inputs, dtype, dynamic, tokenizer)
+        bar.step("reading the ONNX graph" if is_onnx(model) else "capturing with torch.export"
+                 if isinstance(model, torch.nn.Module) else "reading the model directory")
+        graph, source, tok_files = capture(model, example_inputs, dtype, dynamic, tokenizer, status=bar.step)
         plist = pipeline(list(passes or []), before=before, after=after, options={**options, "quant": quant})
         bar.phase("passes")
         bar.step(f"running {len(plist)} passes")

@@ -92,7 +92,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     return model.eval()
 
 
-def _capture_layers_once(model, example, dyn, name: str) -> Graph | None:
+def _capture_layers_once(model, example, dyn, name: str, status=lambda msg: None) -> Graph | None:
     """The graph of `model` exported with its first two decoder layers and grown to all of them, or
     None where its layers are not all alike (the caller exports the whole model)."""
     found = uniform_layers(model)
@@ -101,6 +101,7 @@ def _capture_layers_once(model, example, dyn, name: str) -> Graph | None:
     prefix, layers = found
     with first_layers(model, layers):
         g = capture(_Forward(model), example, ["input_ids", "position_ids"], dyn, name=name)
+    status(f"growing the graph to {len(layers)} layers")
     tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     try:
         repeat_layers(g, prefix, len(layers), tensors)
@@ -126,15 +127,19 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def capture_hf(path: str | Path, dtype: torch.dtype = torch.float32, repeat: bool = True) -> Graph:
+def capture_hf(path: str | Path, dtype: torch.dtype = torch.float32, repeat: bool = True,
+               status=None) -> Graph:
     """Capture a local HF model as an llmc Graph `(input_ids[B,S], position_ids[B,S]) -> logits[B,S,V]`.
 
     With `repeat`, a model whose decoder layers are all alike is exported with two of them and the
-    others are copied in llmc's IR (`llmc.frontend.repeat`); anything else is exported whole."""
+    others are copied in llmc's IR (`llmc.frontend.repeat`); anything else is exported whole. `status`,
+    if given, is called with a line as each part starts (the compile's progress and step times)."""
+    status = status or (lambda msg: None)
     path = Path(path)
     cfg = read_config(path)
     check_moe_config(cfg)
     checkpoint = read_prequantized(path, cfg["quantization_config"]) if "quantization_config" in cfg else None
+    status("loading the model with transformers")
     model = load_model(path, dtype, checkpoint)
     replace_moe_blocks(model, cfg["architectures"][0])  # each sparse MoE block as one `moe` op
     max_len = int(cfg.get("max_position_embeddings") or 4096)
@@ -144,7 +149,8 @@ def capture_hf(path: str | Path, dtype: torch.dtype = torch.float32, repeat: boo
     dyn = {"input_ids": {0: ("B", 1, MAX_BATCH), 1: ("S", 1, max_len)},
            "position_ids": {0: ("B", 1, MAX_BATCH), 1: ("S", 1, max_len)}}
     name = cfg["architectures"][0].replace("ForCausalLM", "").lower()
-    g = _capture_layers_once(model, (ids, pos), dyn, name) if repeat else None
+    status("capturing with torch.export")
+    g = _capture_layers_once(model, (ids, pos), dyn, name, status) if repeat else None
     if g is None:
         g = capture(_Forward(model), (ids, pos), ["input_ids", "position_ids"], dyn, name=name)
     if checkpoint is not None:
