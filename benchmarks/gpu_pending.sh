@@ -42,6 +42,8 @@
 #                                                     #   default "8b"; benchmarks/step_profile.py)
 #   bash benchmarks/gpu_pending.sh OUT compile-profile  # issue 20: a cold 8B compile under cProfile (the main thread's
 #                                                     #   functions by cumulative time), empty Triton and llmc caches
+#   bash benchmarks/gpu_pending.sh OUT prefill-flags  # issue 20: TTFT and greedy tokens with LLMC_SDPA_PREFILL and
+#                                                     #   LLMC_LONG_PREFILL_GRAPHS each way (SHAPES, default "8b 1b")
 #   bash benchmarks/gpu_pending.sh OUT e2e            # benchmarks/gpu_e2e.py: greedy tokens against HF eager
 #   bash benchmarks/gpu_pending.sh OUT compile-cold   # issue 20: a cold 8B compile (empty Triton and llmc caches)
 #                                                     #   and its load, candidates warmed up on threads, then with
@@ -183,6 +185,15 @@ print('load', round(time.time() - t, 1), 's')" >>"$OUT/compile_cold.log" 2>&1
                     >"$OUT/step_profile_$shape.log" 2>&1
                 grep "^== \|# compiled" "$OUT/step_profile_$shape.log"
                 rm -rf /tmp/tmp*  # the random model's directory: the disk holds few
+            done ;;
+        prefill-flags)
+            rm -rf /tmp/tmp*
+            for shape in ${SHAPES:-8b 1b}; do
+                python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import shared_artifact; \
+shared_artifact('$shape', '/tmp/art-$shape.llmc')" >"$OUT/prefill_flags_$shape.log" 2>&1
+                rm -rf /tmp/tmp*
+                python3 benchmarks/prefill_flags.py /tmp/art-$shape.llmc --out "$OUT" >>"$OUT/prefill_flags_$shape.log" 2>&1
+                tail -9 "$OUT/prefill_flags_$shape.log"
             done ;;
         compile-profile)
             rm -rf /tmp/cold; mkdir -p /tmp/cold

@@ -258,6 +258,30 @@ def decode_partition(max_seqlen_k: int, block_n: int, min_partition: int = 256, 
     return _cdiv(per, block_n) * block_n
 
 
+def fresh_prompt_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of one sequence's first T tokens, all of its context, on torch's SDPA (FlashAttention
+    where the GPU has it): its K/V gathered out of the (16-bit) paged cache, where `rope_kv_write` put them.
+
+    Args:
+        q: [T, Hq, D] queries of positions 0..T-1.
+        kv_cache: [2, NB, BS, Hkv, D] float16 / bfloat16 / float32 cache.
+        block_tables: [1, M] int32, the sequence's blocks in order (the first ceil(T / BS) are read).
+        scale: softmax scale. out: a [T, Hq, D] tensor for the result (allocated when None).
+    Returns:
+        [T, Hq, D] in q's dtype; no host sync (T is the step's static token count).
+    """
+    T, Hq, D = q.shape
+    _, _, BS, Hkv, _ = kv_cache.shape
+    blocks = block_tables[0, :_cdiv(T, BS)].long()
+    k, v = (kv_cache[i].index_select(0, blocks).reshape(-1, Hkv, D)[:T].transpose(0, 1)[None] for i in (0, 1))
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale,
+                                                         enable_gqa=Hq != Hkv)
+    if out is None:
+        return o[0].transpose(0, 1).contiguous()
+    return out.copy_(o[0].transpose(0, 1))
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, causal: bool = True,
                     window: int = 0, kv_scale: torch.Tensor | None = None, max_seqlen_q: int | None = None,

@@ -375,7 +375,8 @@ class KernelExecutor(LocalExecutor):
     def outputs(self, inputs: dict[str, torch.Tensor], seqs: list[StepInput]) -> list[torch.Tensor]:
         """Every output of the plan (a pipeline stage's are the values it hands the next stage)."""
         hints = {"max_seqlen_q": max(len(s.token_ids) for s in seqs),
-                 "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in seqs)}
+                 "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in seqs),
+                 "fresh": len(seqs) == 1 and seqs[0].start_pos == 0}  # a lone prompt with nothing cached
         if self.piecewise is not None and self.use_cuda_graphs:
             out = self.piecewise.run(inputs, hints)
             if out is not None:

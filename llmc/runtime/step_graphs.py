@@ -47,6 +47,11 @@ def blocks_covering(i: int, token_ids: list[int], start_pos: int, table: list[in
     return used
 
 
+def _sdpa_prefill() -> bool:
+    from llmc.codegen import lower
+    return lower.SDPA_PREFILL
+
+
 def graph_kind(batch, prefill: tuple[int, ...] = PREFILL_BUCKETS) -> tuple[str, int] | None:
     """(kind, bucket) of the graph that can run `batch` (a list of StepInput), or None: run eager. `prefill`:
     the prefill buckets (`prefill_buckets`)."""
@@ -104,7 +109,7 @@ class StepGraphCache:
         kind = graph_kind(batch, self.prefill)
         if kind is None:
             return None
-        dg = self._graph(kind, greedy)
+        dg = self._graph(kind, greedy, fresh=kind[0] == "prefill" and batch[0].start_pos == 0 and _sdpa_prefill())
         dg.load(batch, self.block_size)
         if feed is not None:  # after the copy of the step's inputs, and before the replay that reads them
             feed.apply(dg.inputs["input_ids"])
@@ -156,22 +161,23 @@ class StepGraphCache:
         return [o[tuple(slice(0, dim_eval(d, rows)) for d in v.type.shape)]
                 for o, v in zip(dg.out, self.plan.graph.outputs)]
 
-    def _graph(self, kind: tuple[str, int], greedy: bool | None) -> "_StepGraph":
+    def _graph(self, kind: tuple[str, int], greedy: bool | None, fresh: bool = False) -> "_StepGraph":
         """The graph for `kind` (captured on first use) that returns what `_capture` says for `greedy`; a
-        pipeline stage's (greedy None) are kept under "stage"."""
-        key = (*kind, "stage" if greedy is None else greedy)
+        pipeline stage's (greedy None) are kept under "stage"; `fresh`: a prefill graph only for prompts
+        with nothing cached (LLMC_SDPA_PREFILL: its attention on SDPA)."""
+        key = (*kind, "stage" if greedy is None else greedy) + (("fresh",) if fresh else ())
         dg = self.graphs.get(key)
         if dg is None:
-            dg = self.graphs[key] = self._capture(*kind, greedy)
+            dg = self.graphs[key] = self._capture(*kind, greedy, fresh)
         return dg
 
-    def _capture(self, kind: str, size: int, greedy: bool | None) -> "_StepGraph":
+    def _capture(self, kind: str, size: int, greedy: bool | None, fresh: bool = False) -> "_StepGraph":
         """A graph for `kind` at `size` that returns argmax tokens (greedy), logits (False), or every output of
         the plan (None: a pipeline stage's)."""
         max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
         dg = _StepGraph(kind, size, max_blocks, self.device)
         # fixed for the capture: keys per split follow the longest context the model allows
-        hints = {"max_seqlen_q": dg.q, "max_seqlen_k": self.max_model_len}
+        hints = {"max_seqlen_q": dg.q, "max_seqlen_k": self.max_model_len, "fresh": fresh}
         if self.receives:
             dims = bound_dims(self.plan.graph, dg.inputs)
             dg.recv = {v.name: torch.zeros([dim_eval(d, dims) for d in v.type.shape], dtype=torch_dtype(v.type.dtype),

@@ -1,0 +1,63 @@
+"""The experimental prefill switches, each way, on one artifact: LLMC_SDPA_PREFILL (a lone fresh prompt's
+attention on SDPA) and LLMC_LONG_PREFILL_GRAPHS (a lone prompt of up to 2,048 tokens on a step graph).
+For each combination, in a fresh process: the time to first token of a 2,048-token prompt (`llmc bench
+--workload prefill`) and the greedy tokens of held-out prompts of 2,048, 1,000 and 300 tokens (fewer where
+the context is shorter), compared with both switches off.
+
+    python3 benchmarks/prefill_flags.py ARTIFACT [--rounds 2] [--out DIR]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMBOS = [("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")]
+GREEDY = """
+import json, sys
+import llmc
+from llmc.models import heldout_text_path
+llm = llmc.LLM(sys.argv[1])
+ids = llm.engine.tokenizer.encode(heldout_text_path().read_text()[:40000])
+cap = llm.engine.max_model_len - 32  # room for the new tokens (a small model's context)
+prompts = [ids[i * 3000:i * 3000 + min(n, cap)] for i, n in enumerate((2048, 1000, 300))]
+outs = llm.generate(prompts, [llmc.SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * 3)
+print(json.dumps([o.token_ids for o in outs]))
+"""
+
+
+def run(cmd: list[str], sdpa: str, graphs: str) -> str:
+    env = {**os.environ, "LLMC_SDPA_PREFILL": sdpa, "LLMC_LONG_PREFILL_GRAPHS": graphs,
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("artifact")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args()
+    rows, base = [], None
+    for r in range(a.rounds):
+        for sdpa, graphs in COMBOS:
+            bench = json.loads(run([sys.executable, "-m", "llmc", "bench", a.artifact, "--workload", "prefill",
+                                    "--num-requests", "5", "--json"], sdpa, graphs))
+            tokens = json.loads(run([sys.executable, "-c", GREEDY, a.artifact], sdpa, graphs).strip().splitlines()[-1])
+            base = tokens if base is None else base
+            same = sum(x == y for t, b in zip(tokens, base) for x, y in zip(t, b)) / sum(len(b) for b in base)
+            row = {"round": r, "sdpa": sdpa, "long_graphs": graphs, "ttft_ms_p50": bench["ttft_ms_p50"],
+                   "ttft_ms_p99": bench["ttft_ms_p99"], "greedy_same_as_off": same}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    Path(a.out, f"prefill_flags_{Path(a.artifact).stem}.json").write_text(json.dumps(rows, indent=1))
+    print(f"{'SDPA':>5} {'graphs':>7} {'TTFT p50 ms':>12} {'greedy=':>8}")
+    for row in rows:
+        print(f"{row['sdpa']:>5} {row['long_graphs']:>7} {row['ttft_ms_p50']:12.2f} {row['greedy_same_as_off']:8.4f}")
+
+
+if __name__ == "__main__":
+    main()
