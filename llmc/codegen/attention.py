@@ -274,7 +274,12 @@ def fresh_prompt_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     T, Hq, D = q.shape
     _, _, BS, Hkv, _ = kv_cache.shape
     blocks = block_tables[0, :_cdiv(T, BS)].long()
-    k, v = (kv_cache[i].index_select(0, blocks).reshape(-1, Hkv, D)[:T].transpose(0, 1)[None] for i in (0, 1))
+    # a graph's padding rows may run past the table (a bucket above the model's context): zero keys there,
+    # which no real query reaches (causal)
+    short = T - blocks.shape[0] * BS
+    pad = (0, 0, 0, 0, 0, max(short, 0))
+    k, v = (torch.nn.functional.pad(kv_cache[i].index_select(0, blocks).reshape(-1, Hkv, D), pad)[:T]
+            .transpose(0, 1)[None] for i in (0, 1))
     o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale,
                                                          enable_gqa=Hq != Hkv)
     if out is None:

@@ -2,8 +2,8 @@
 
 A decode step of B sequences and one sequence's prefill chunk of up to 512 tokens (2,048 with
 LLMC_LONG_PREFILL_GRAPHS=1, experimental) each replay a graph of the next bucket up. Eager, a step's
-few hundred launches cost more host time than the GPU spends on them. A speculative verify step reaches the executor as one-token rows (see executor.py), so it
-replays a decode graph.
+few hundred launches cost more host time than the GPU spends on them. A speculative verify step reaches
+the executor as one-token rows (see executor.py), so it replays a decode graph.
 """
 from __future__ import annotations
 

@@ -267,6 +267,9 @@ def test_fresh_prompt_attention_on_sdpa(hq, hkv, n, bs, dtype):
     buf = torch.empty_like(c["q"])
     assert fresh_prompt_attention(c["q"], cache, c["bt"], 24 ** -0.5, out=buf) is buf
     close(buf, ref, dtype)
+    # a graph's padding rows past the table's end (a bucket above the context): the real rows are unchanged
+    pad = torch.cat([c["q"], torch.randn(2 * bs, hq, 24).to(dtype)])
+    close(fresh_prompt_attention(pad, cache, c["bt"], 24 ** -0.5)[:n], ref, dtype)
 
 
 @pytest.mark.parametrize("tiles", PREFILL_TILE_CANDIDATES,
