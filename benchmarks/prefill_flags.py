@@ -1,8 +1,8 @@
 """The experimental prefill switches, each way, on one artifact: LLMC_SDPA_PREFILL (a lone fresh prompt's
 attention on SDPA) and LLMC_LONG_PREFILL_GRAPHS (a lone prompt of up to 2,048 tokens on a step graph).
-For each combination, in a fresh process: the time to first token of a 2,048-token prompt (`llmc bench
---workload prefill`) and the greedy tokens of held-out prompts of 2,048, 1,000 and 300 tokens (fewer where
-the context is shorter), compared with both switches off.
+For each combination, in a fresh process with prefix caching off (every prompt fresh): the greedy tokens of
+held-out prompts of 2,048, 1,000 and 300 tokens (fewer where the context is shorter), each alone, compared
+with both switches off; then the time to first token of a 2,048-token prompt (`llmc.bench`, workload prefill).
 
     python3 benchmarks/prefill_flags.py ARTIFACT [--rounds 2] [--out DIR]
 """
@@ -15,16 +15,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 COMBOS = [("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")]
-GREEDY = """
+COMBO = """
 import json, sys
 import llmc
+from llmc.bench import bench
 from llmc.models import heldout_text_path
-llm = llmc.LLM(sys.argv[1])
+llm = llmc.LLM(sys.argv[1], enable_prefix_caching=False)  # every prompt fresh, the bench's and these alike
 ids = llm.engine.tokenizer.encode(heldout_text_path().read_text()[:40000])
 cap = llm.engine.max_model_len - 32  # room for the new tokens (a small model's context)
 prompts = [ids[i * 3000:i * 3000 + min(n, cap)] for i, n in enumerate((2048, 1000, 300))]
-outs = llm.generate(prompts, [llmc.SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * 3)
-print(json.dumps([o.token_ids for o in outs]))
+outs = [llm.generate([p], llmc.SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0] for p in prompts]
+r = bench(llm, "prefill", num_requests=5)
+print(json.dumps({"ttft_ms_p50": r["ttft_ms_p50"], "ttft_ms_p99": r["ttft_ms_p99"],
+                  "tokens": [o.token_ids for o in outs]}))
 """
 
 
@@ -43,13 +46,12 @@ def main():
     rows, base = [], None
     for r in range(a.rounds):
         for sdpa, graphs in COMBOS:
-            bench = json.loads(run([sys.executable, "-m", "llmc", "bench", a.artifact, "--workload", "prefill",
-                                    "--num-requests", "5", "--json"], sdpa, graphs))
-            tokens = json.loads(run([sys.executable, "-c", GREEDY, a.artifact], sdpa, graphs).strip().splitlines()[-1])
+            got = json.loads(run([sys.executable, "-c", COMBO, a.artifact], sdpa, graphs).strip().splitlines()[-1])
+            tokens = got["tokens"]
             base = tokens if base is None else base
             same = sum(x == y for t, b in zip(tokens, base) for x, y in zip(t, b)) / sum(len(b) for b in base)
-            row = {"round": r, "sdpa": sdpa, "long_graphs": graphs, "ttft_ms_p50": bench["ttft_ms_p50"],
-                   "ttft_ms_p99": bench["ttft_ms_p99"], "greedy_same_as_off": same}
+            row = {"round": r, "sdpa": sdpa, "long_graphs": graphs, "ttft_ms_p50": got["ttft_ms_p50"],
+                   "ttft_ms_p99": got["ttft_ms_p99"], "greedy_same_as_off": same}
             rows.append(row)
             print(json.dumps(row), flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
