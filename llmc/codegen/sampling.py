@@ -42,8 +42,31 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     N, V = x.shape
     out = torch.empty(N, dtype=torch.int64, device=x.device)
-    if N:
+    if not N:
+        return out[0] if squeeze else out
+    mod = compiled(ArgmaxSpec(dtype_name(x.dtype)))
+    splits = argmax_splits(N, V)
+    if splits == 1:
         block = min(4096, 1 << max(0, (V - 1).bit_length()))
-        compiled(ArgmaxSpec(dtype_name(x.dtype))).argmax_kernel[(N,)](x, out, x.stride(0), V, BLOCK=block,
-                                                                   num_warps=8 if block >= 2048 else 4)
+        mod.argmax_kernel[(N,)](x, out, x.stride(0), V, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    else:
+        chunk = -(-V // (splits * SPLIT_BLOCK)) * SPLIT_BLOCK
+        val = torch.empty(N, splits, dtype=torch.float32, device=x.device)
+        idx = torch.empty(N, splits, dtype=torch.int32, device=x.device)
+        nan = torch.empty_like(idx)
+        mod.argmax_split_kernel[(N, splits)](x, val, idx, nan, x.stride(0), V, chunk, SPLITS=splits,
+                                             BLOCK=SPLIT_BLOCK, num_warps=4)
+        mod.argmax_merge_kernel[(N,)](val, idx, nan, out, SPLITS=splits,
+                                      BLOCK_S=1 << max(0, (splits - 1).bit_length()), num_warps=1)
     return out[0] if squeeze else out
+
+
+SPLIT_BLOCK = 2048  # logits a split program reads per loop step
+SPLIT_PROGRAMS = 264  # about two programs per SM of an H200 (132 SMs)
+
+
+def argmax_splits(rows: int, vocab: int) -> int:
+    """Programs per row: one where `rows` alone fill the GPU, else enough for about SPLIT_PROGRAMS in all (a
+    batch-1 decode's 128K-vocabulary row on 63 SMs, not one), each over SPLIT_BLOCK logits at least. The
+    result does not depend on it (argmax is exact, ties to the lowest index)."""
+    return max(1, min(-(-vocab // SPLIT_BLOCK), SPLIT_PROGRAMS // rows, 64))

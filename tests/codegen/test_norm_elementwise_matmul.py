@@ -326,6 +326,27 @@ def test_argmax(dtype, nv):
     assert torch.equal(argmax(logits[0]), logits[0].argmax())
 
 
+def test_argmax_split_over_programs(monkeypatch):
+    """A row split over programs (a batch-1 decode's vocabulary on many SMs) gives torch.argmax's index: ties
+    across splits to the lowest index, the first NaN over everything, an all -inf row 0, and a split past the
+    row's end (rounded-up chunks) taking no part."""
+    import llmc.codegen.sampling as sampling
+    assert [sampling.argmax_splits(n, v) for n, v in ((1, 128256), (8, 128256), (128, 128256), (300, 128256),
+                                                      (1, 1000))] == [63, 33, 2, 1, 1]
+    monkeypatch.setattr(sampling, "SPLIT_BLOCK", 16)
+    N, V = 66, 65  # 4 splits of 32 logits: the last starts past the row
+    assert sampling.argmax_splits(N, V) == 4
+    g = torch.Generator().manual_seed(5)
+    logits = (rand(N, V, gen=g) * 2).round()
+    logits[0] = float("-inf")
+    logits[1, 40] = logits[1, 3] = float("nan")
+    logits[2] = 0.0
+    logits[2, 17] = logits[2, 50] = 1.0  # a tie across two splits
+    logits[3, 64] = 100.0  # the last logit, alone in its split
+    assert torch.equal(argmax(logits), logits.argmax(-1))
+    assert torch.equal(argmax(logits.bfloat16()), logits.bfloat16().argmax(-1))
+
+
 # ---------------------------------------------------------------------------------------- autotune
 
 def test_m_bucket():
