@@ -33,7 +33,9 @@
 #                                                     #   (benchmarks/attention_bench.py; SHAPES, default "8b 1b")
 #   bash benchmarks/gpu_pending.sh OUT ab-mixed       # issue 20: TTFT and mixed workload with VAR=0 and =1 alternating
 #                                                     #   (default LLMC_PREFILL_TILES; LLMC_LONG_PREFILL_GRAPHS:
-#                                                     #   a lone prompt of up to 2,048 tokens on a step graph)
+#                                                     #   a lone prompt of up to 2,048 tokens on a step graph;
+#                                                     #   WORKLOADS="decode" VAR=LLMC_SPLIT_ARGMAX: batch-1 decode
+#                                                     #   with the argmax row on one program or split)
 #   bash benchmarks/gpu_pending.sh OUT budget         # issue 20: a compile's phases, decode and TTFT, then the mixed
 #                                                     #   workload at the measured token budget and at TOKENS (2048)
 #   bash benchmarks/gpu_pending.sh OUT tuned-check    # the generated matmul compiled, each tuned choice alone, and
@@ -260,7 +262,7 @@ print({n: b for n, b in k.items() if n.startswith('paged_attention')}); print('t
 json.load(open('/tmp/art-${SHAPE:-8b}.llmc/tuning.json')).get('token_budget'))" | tee -a "$OUT/ab_mixed.log"
             var=${VAR:-LLMC_PREFILL_TILES}
             for v in 0 1 0 1; do
-                for w in prefill mixed; do
+                for w in ${WORKLOADS:-prefill mixed}; do
                     env $var=$v python3 -m llmc bench "/tmp/art-${SHAPE:-8b}.llmc" --workload $w \
                         --num-requests $([ $w = mixed ] && echo "128 --max-num-seqs 128" || echo 5) --json \
                         >"$OUT/ab_${w}_$v.json" 2>>"$OUT/ab_mixed.log"

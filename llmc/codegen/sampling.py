@@ -1,6 +1,7 @@
 """Greedy sampling on the device: a row-wise argmax over the logits, ties to the lowest index."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if not N:
         return out[0] if squeeze else out
     mod = compiled(ArgmaxSpec(dtype_name(x.dtype)))
-    splits = argmax_splits(N, V)
+    splits = argmax_splits(N, V) if SPLIT_ARGMAX else 1
     if splits == 1:
         block = min(4096, 1 << max(0, (V - 1).bit_length()))
         mod.argmax_kernel[(N,)](x, out, x.stride(0), V, BLOCK=block, num_warps=8 if block >= 2048 else 4)
@@ -61,6 +62,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out[0] if squeeze else out
 
 
+SPLIT_ARGMAX = os.environ.get("LLMC_SPLIT_ARGMAX", "1") != "0"  # 0: one program a row (to compare)
 SPLIT_BLOCK = 2048  # logits a split program reads per loop step
 SPLIT_PROGRAMS = 264  # about two programs per SM of an H200 (132 SMs)
 

@@ -331,6 +331,7 @@ def test_argmax_split_over_programs(monkeypatch):
     across splits to the lowest index, the first NaN over everything, an all -inf row 0, and a split past the
     row's end (rounded-up chunks) taking no part."""
     import llmc.codegen.sampling as sampling
+    monkeypatch.setattr(sampling, "SPLIT_ARGMAX", True)
     assert [sampling.argmax_splits(n, v) for n, v in ((1, 128256), (8, 128256), (128, 128256), (300, 128256),
                                                       (1, 1000))] == [63, 33, 2, 1, 1]
     monkeypatch.setattr(sampling, "SPLIT_BLOCK", 16)
