@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_bench import agreement  # noqa: E402
 COMBOS = [("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")]
 COMBO = """
 import json, sys
@@ -49,7 +51,7 @@ def main():
             got = json.loads(run([sys.executable, "-c", COMBO, a.artifact], sdpa, graphs).strip().splitlines()[-1])
             tokens = got["tokens"]
             base = tokens if base is None else base
-            same = sum(x == y for t, b in zip(tokens, base) for x, y in zip(t, b)) / sum(len(b) for b in base)
+            same = agreement(tokens, base)
             row = {"round": r, "sdpa": sdpa, "long_graphs": graphs, "ttft_ms_p50": got["ttft_ms_p50"],
                    "ttft_ms_p99": got["ttft_ms_p99"], "greedy_same_as_off": same}
             rows.append(row)

@@ -11,6 +11,10 @@ from llmc.codegen.elementwise import compiled
 from llmc.codegen.kernels import KernelSpec
 from llmc.ir.types import dtype_name, torch_dtype
 
+SPLIT_ARGMAX = os.environ.get("LLMC_SPLIT_ARGMAX", "1") != "0"  # 0: one program a row (to compare)
+SPLIT_BLOCK = 2048  # logits a split program reads per loop step
+SPLIT_PROGRAMS = 264  # about two programs per SM of an H200 (132 SMs)
+
 
 @dataclass(frozen=True)
 class ArgmaxSpec(KernelSpec):
@@ -60,11 +64,6 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         mod.argmax_merge_kernel[(N,)](val, idx, nan, out, SPLITS=splits,
                                       BLOCK_S=1 << max(0, (splits - 1).bit_length()), num_warps=1)
     return out[0] if squeeze else out
-
-
-SPLIT_ARGMAX = os.environ.get("LLMC_SPLIT_ARGMAX", "1") != "0"  # 0: one program a row (to compare)
-SPLIT_BLOCK = 2048  # logits a split program reads per loop step
-SPLIT_PROGRAMS = 264  # about two programs per SM of an H200 (132 SMs)
 
 
 def argmax_splits(rows: int, vocab: int) -> int:

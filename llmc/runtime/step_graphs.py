@@ -52,6 +52,12 @@ def _sdpa_prefill() -> bool:
     return lower.SDPA_PREFILL
 
 
+def fresh_prompt(batch) -> bool:
+    """Whether a step is one sequence's prompt with nothing cached before it: its attention's keys are all
+    its own new tokens (the `fresh` hint, LLMC_SDPA_PREFILL)."""
+    return len(batch) == 1 and batch[0].start_pos == 0
+
+
 def graph_kind(batch, prefill: tuple[int, ...] = PREFILL_BUCKETS) -> tuple[str, int] | None:
     """(kind, bucket) of the graph that can run `batch` (a list of StepInput), or None: run eager. `prefill`:
     the prefill buckets (`prefill_buckets`)."""
@@ -109,7 +115,7 @@ class StepGraphCache:
         kind = graph_kind(batch, self.prefill)
         if kind is None:
             return None
-        dg = self._graph(kind, greedy, fresh=kind[0] == "prefill" and batch[0].start_pos == 0 and _sdpa_prefill())
+        dg = self._graph(kind, greedy, fresh=kind[0] == "prefill" and fresh_prompt(batch) and _sdpa_prefill())
         dg.load(batch, self.block_size)
         if feed is not None:  # after the copy of the step's inputs, and before the replay that reads them
             feed.apply(dg.inputs["input_ids"])
