@@ -17,16 +17,13 @@ the rendered module is imported).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from functools import lru_cache
-from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
 
-from llmc.codegen.elementwise import interpreting
-from llmc.codegen.kernels import KernelSpec, load, tile_counters
+from llmc.codegen.elementwise import compiled, interpreting
+from llmc.codegen.kernels import KernelSpec, tile_counters
 from llmc.ir.paged_attention import QMAX, scale_width, tiny
 
 LOG2E = 1.4426950408889634
@@ -45,17 +42,6 @@ def _pow2(x: int) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _module(spec: KernelSpec) -> ModuleType:
-    """`load(spec)` memoized per process: rendering and hashing on every call cost more host time than
-    a decode step's kernels take on the GPU. Keyed by the interpret flag too, which picks the module."""
-    return _load_memo(spec, os.environ.get("TRITON_INTERPRET", ""))
-
-
-@lru_cache(maxsize=None)
-def _load_memo(spec: KernelSpec, interpret: str) -> ModuleType:
-    return load(spec)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,7 +123,7 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         q_out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return q_out
-    _module(spec).rope_kv_write_kernel[(T,)](
+    compiled(spec).rope_kv_write_kernel[(T,)](
         q, k, v, cos, sin, slot_mapping, q_out, kv_cache, *((kv_scale,) if quant else ()),
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *q_out.stride(),
         *kv_cache.stride(), *(kv_scale.stride() if quant else ()),
@@ -258,35 +244,6 @@ def decode_partition(max_seqlen_k: int, block_n: int, min_partition: int = 256, 
     return _cdiv(per, block_n) * block_n
 
 
-def fresh_prompt_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of one sequence's first T tokens, all of its context, on torch's SDPA (FlashAttention
-    where the GPU has it): its K/V gathered out of the (16-bit) paged cache, where `rope_kv_write` put them.
-
-    Args:
-        q: [T, Hq, D] queries of positions 0..T-1.
-        kv_cache: [2, NB, BS, Hkv, D] float16 / bfloat16 / float32 cache.
-        block_tables: [1, M] int32, the sequence's blocks in order (the first ceil(T / BS) are read).
-        scale: softmax scale. out: a [T, Hq, D] tensor for the result (allocated when None).
-    Returns:
-        [T, Hq, D] in q's dtype; no host sync (T is the step's static token count).
-    """
-    T, Hq, D = q.shape
-    _, _, BS, Hkv, _ = kv_cache.shape
-    blocks = block_tables[0, :_cdiv(T, BS)].long()
-    # a graph's padding rows may run past the table (a bucket above the model's context): zero keys there,
-    # which no real query reaches (causal)
-    short = T - blocks.shape[0] * BS
-    pad = (0, 0, 0, 0, 0, max(short, 0))
-    k, v = (torch.nn.functional.pad(kv_cache[i].index_select(0, blocks).reshape(-1, Hkv, D), pad)[:T]
-            .transpose(0, 1)[None] for i in (0, 1))
-    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale,
-                                                         enable_gqa=Hq != Hkv)
-    if out is None:
-        return o[0].transpose(0, 1).contiguous()
-    return out.copy_(o[0].transpose(0, 1))
-
-
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, causal: bool = True,
                     window: int = 0, kv_scale: torch.Tensor | None = None, max_seqlen_q: int | None = None,
@@ -357,7 +314,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m)
         c = spec.constexprs()
         grid = (_cdiv(max_seqlen_q, c["BLOCK_Q"]), N, Hkv)
-        _module(spec).paged_attention_prefill_kernel[grid](out, *tensors, *strides, qk_scale, window, **c, **launch)
+        compiled(spec).paged_attention_prefill_kernel[grid](out, *tensors, *strides, qk_scale, window, **c, **launch)
         return out
     # decode: the one query sits at the last position, so causal masks nothing
     if max_seqlen_k is None:
@@ -371,7 +328,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     assert partition % tile_n == 0, f"partition_size {partition} must be a multiple of the key tile {tile_n}"
     splits = _cdiv(max(max_seqlen_k, 1), partition)
     spec = PagedAttentionSpec(**base, mode="decode", split=splits > 1)
-    mod, c = _module(spec), spec.constexprs()
+    mod, c = compiled(spec), spec.constexprs()
     # partials: [N, Hq, splits] running max / sum and [N, Hq, splits, BLOCK_D] unnormalized output, fp32
     m_part = torch.empty((N, Hq, splits), dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)

@@ -25,12 +25,6 @@ from llmc.ir.ops import RefEnv, get_op, is_elementwise
 from llmc.ir.interpreter import bind_dims
 from llmc.ir.types import dim_eval, make_dim, torch_dtype
 
-# experimental (LLMC_SDPA_PREFILL=1): a lone fresh prompt's attention (one sequence, no cached context, an
-# eager step) on torch's SDPA, FlashAttention on an H200, over its K/V gathered from the cache: 84 us
-# against the prefill kernel's 132-146 us for 2,048 tokens of the 8B shape (benchmarks/attention_bench.py).
-# Not the default until measured end to end.
-SDPA_PREFILL = os.environ.get("LLMC_SDPA_PREFILL") == "1"
-
 ACT_EPILOGUE = {"silu": ("silu",), "relu": ("relu",), "gelu": ("gelu",),
                 "gelu_tanh": (("gelu", {"approximate": "tanh"}),)}
 
@@ -341,12 +335,8 @@ class Plan:
         return Step(n, fn, "triton:rope_kv_write", into=fn)
 
     def _attend(self, q, cache, qsl, lens, tables, kv_scale, attrs, h, out=None, tiles=None):
-        from llmc.codegen.attention import fresh_prompt_attention, paged_attention
+        from llmc.codegen.attention import paged_attention
         _, H, T, D = q.shape
-        if h.get("fresh") and SDPA_PREFILL and kv_scale is None and attrs["causal"] and not attrs["window"] and T > 1:
-            o = fresh_prompt_attention(q[0].transpose(0, 1), cache, tables, attrs["scale"],
-                                       out=None if out is None else out.view(T, H, D))
-            return o.transpose(0, 1).unsqueeze(0)
         decode, prefill = tiles or (None, None)
         out = paged_attention(q[0].transpose(0, 1), cache, qsl, lens, tables, attrs["scale"], attrs["causal"],
                               attrs["window"], kv_scale, max_seqlen_q=h.get("max_seqlen_q"),

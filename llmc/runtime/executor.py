@@ -22,7 +22,7 @@ import torch
 from llmc.errors import ArtifactError, LLMCError
 from llmc.ir.graph import Graph
 from llmc.runtime.kv_cache import KVCache, with_kv_cache_dtype
-from llmc.runtime.step_graphs import StepGraphCache, fresh_prompt
+from llmc.runtime.step_graphs import StepGraphCache
 from llmc.runtime.transfer import to_device
 
 BACKENDS = ("auto", "cuda", "triton-interpret", "reference")
@@ -375,8 +375,7 @@ class KernelExecutor(LocalExecutor):
     def outputs(self, inputs: dict[str, torch.Tensor], seqs: list[StepInput]) -> list[torch.Tensor]:
         """Every output of the plan (a pipeline stage's are the values it hands the next stage)."""
         hints = {"max_seqlen_q": max(len(s.token_ids) for s in seqs),
-                 "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in seqs),
-                 "fresh": fresh_prompt(seqs)}
+                 "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in seqs)}
         if self.piecewise is not None and self.use_cuda_graphs:
             out = self.piecewise.run(inputs, hints)
             if out is not None:

@@ -1,7 +1,7 @@
 """CUDA graphs of whole steps, one per step shape: decode and prefill buckets.
 
-A decode step of B sequences and one sequence's prefill chunk of up to 512 tokens (2,048 with
-LLMC_LONG_PREFILL_GRAPHS=1, experimental) each replay a graph of the next bucket up. Eager, a step's
+A decode step of B sequences and one sequence's prefill chunk of up to 2,048 tokens (512 with
+LLMC_LONG_PREFILL_GRAPHS=0) each replay a graph of the next bucket up. Eager, a step's
 few hundred launches cost more host time than the GPU spends on them. A speculative verify step reaches
 the executor as one-token rows (see executor.py), so it replays a decode graph.
 """
@@ -26,16 +26,18 @@ def graphs_captured() -> int:
     return _captured
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
-# experimental (LLMC_LONG_PREFILL_GRAPHS=1): one sequence's prefill of up to 2,048 tokens on a graph too, in
-# steps of 256 so that padding stays under 256 rows. A 2,048-token prompt alone runs eagerly otherwise, and
-# its launches cost the host more than the GPU's time on a 1B model (7.4 ms of kernels, 21.7 ms wall on an
-# H200). Not the default until measured: each such graph keeps an arena of its own.
+# one sequence's prefill of up to 2,048 tokens on a graph too, in steps of 256 so that padding stays under 256
+# rows (LLMC_LONG_PREFILL_GRAPHS=0: eager above 512). Eager, a 2,048-token prompt's launches cost the host
+# more than the GPU's time on a 1B model: its time to first token on an H200 is 8.0-8.4 ms on a graph against
+# 11.4-17.1 ms eager (8B: 49.7 against 50.3 ms; benchmarks/prefill_flags.py). Each such graph, captured on
+# first use, keeps an arena of its own.
 LONG_PREFILL_BUCKETS = tuple(range(768, 2049, 256))
 
 
 def prefill_buckets() -> tuple[int, ...]:
-    """The prefill graphs' token buckets: PREFILL_BUCKETS, and LONG_PREFILL_BUCKETS where asked for."""
-    return PREFILL_BUCKETS + (LONG_PREFILL_BUCKETS if os.environ.get("LLMC_LONG_PREFILL_GRAPHS") == "1" else ())
+    """The prefill graphs' token buckets: PREFILL_BUCKETS, then LONG_PREFILL_BUCKETS unless
+    LLMC_LONG_PREFILL_GRAPHS=0."""
+    return PREFILL_BUCKETS + (LONG_PREFILL_BUCKETS if os.environ.get("LLMC_LONG_PREFILL_GRAPHS", "1") != "0" else ())
 
 
 def blocks_covering(i: int, token_ids: list[int], start_pos: int, table: list[int], block_size: int) -> int:
@@ -45,17 +47,6 @@ def blocks_covering(i: int, token_ids: list[int], start_pos: int, table: list[in
     if used > len(table):
         raise LLMCError(f"sequence {i}: {end} tokens need more blocks than its table has")
     return used
-
-
-def _sdpa_prefill() -> bool:
-    from llmc.codegen import lower
-    return lower.SDPA_PREFILL
-
-
-def fresh_prompt(batch) -> bool:
-    """Whether a step is one sequence's prompt with nothing cached before it: its attention's keys are all
-    its own new tokens (the `fresh` hint, LLMC_SDPA_PREFILL)."""
-    return len(batch) == 1 and batch[0].start_pos == 0
 
 
 def graph_kind(batch, prefill: tuple[int, ...] = PREFILL_BUCKETS) -> tuple[str, int] | None:
@@ -115,7 +106,7 @@ class StepGraphCache:
         kind = graph_kind(batch, self.prefill)
         if kind is None:
             return None
-        dg = self._graph(kind, greedy, fresh=kind[0] == "prefill" and fresh_prompt(batch) and _sdpa_prefill())
+        dg = self._graph(kind, greedy)
         dg.load(batch, self.block_size)
         if feed is not None:  # after the copy of the step's inputs, and before the replay that reads them
             feed.apply(dg.inputs["input_ids"])
@@ -167,23 +158,22 @@ class StepGraphCache:
         return [o[tuple(slice(0, dim_eval(d, rows)) for d in v.type.shape)]
                 for o, v in zip(dg.out, self.plan.graph.outputs)]
 
-    def _graph(self, kind: tuple[str, int], greedy: bool | None, fresh: bool = False) -> "_StepGraph":
+    def _graph(self, kind: tuple[str, int], greedy: bool | None) -> "_StepGraph":
         """The graph for `kind` (captured on first use) that returns what `_capture` says for `greedy`; a
-        pipeline stage's (greedy None) are kept under "stage"; `fresh`: a prefill graph only for prompts
-        with nothing cached (LLMC_SDPA_PREFILL: its attention on SDPA)."""
-        key = (*kind, "stage" if greedy is None else greedy) + (("fresh",) if fresh else ())
+        pipeline stage's (greedy None) are kept under "stage"."""
+        key = (*kind, "stage" if greedy is None else greedy)
         dg = self.graphs.get(key)
         if dg is None:
-            dg = self.graphs[key] = self._capture(*kind, greedy, fresh)
+            dg = self.graphs[key] = self._capture(*kind, greedy)
         return dg
 
-    def _capture(self, kind: str, size: int, greedy: bool | None, fresh: bool = False) -> "_StepGraph":
+    def _capture(self, kind: str, size: int, greedy: bool | None) -> "_StepGraph":
         """A graph for `kind` at `size` that returns argmax tokens (greedy), logits (False), or every output of
         the plan (None: a pipeline stage's)."""
         max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
         dg = _StepGraph(kind, size, max_blocks, self.device)
         # fixed for the capture: keys per split follow the longest context the model allows
-        hints = {"max_seqlen_q": dg.q, "max_seqlen_k": self.max_model_len, "fresh": fresh}
+        hints = {"max_seqlen_q": dg.q, "max_seqlen_k": self.max_model_len}
         if self.receives:
             dims = bound_dims(self.plan.graph, dg.inputs)
             dg.recv = {v.name: torch.zeros([dim_eval(d, dims) for d in v.type.shape], dtype=torch_dtype(v.type.dtype),

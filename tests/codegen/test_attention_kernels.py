@@ -48,8 +48,8 @@ def _interpreted_here() -> bool:
 INTERPRETED = _interpreted_here()
 
 from llmc.codegen.attention import (DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES, PagedAttentionSpec,  # noqa: E402
-                                    RopeKVWriteSpec, decode_partition, dtype_name, fresh_prompt_attention,
-                                    paged_attention, rope_kv_write)
+                                    RopeKVWriteSpec, decode_partition, dtype_name, paged_attention,
+                                    rope_kv_write)
 from llmc.codegen.kernels import load  # noqa: E402
 from llmc.ir.ops import _rope_ref  # noqa: E402
 from llmc.ir.paged_attention import QMAX, _read, _to_q, _write, paged_attention_ref, scale_width  # noqa: E402
@@ -251,25 +251,6 @@ def test_prefill_default_tiles():
     """The spec's own tile choice (64 x 64) on a case where one tile covers several sequences' rows."""
     c = make_case([5, 40], [2, 33], 4, 1, 16, 8, torch.float16, seed=11)
     run_attention(c)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-@pytest.mark.parametrize("hq, hkv, n, bs", [(4, 2, 37, 4), (6, 2, 16, 16), (2, 2, 9, 4)])
-def test_fresh_prompt_attention_on_sdpa(hq, hkv, n, bs, dtype):
-    """A lone fresh prompt's attention on torch's SDPA over its K/V gathered from shuffled cache blocks (a ragged
-    last block, GQA groups of 2 and 3, none) equals the reference, into a given buffer too."""
-    c = make_case([n], [n], hq, hkv, 24, bs, dtype, seed=13)
-    cache = c["cache"].clone()
-    ref = reference(c, cache)
-    out = fresh_prompt_attention(c["q"], cache, c["bt"], 24 ** -0.5)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    close(out, ref, dtype)
-    buf = torch.empty_like(c["q"])
-    assert fresh_prompt_attention(c["q"], cache, c["bt"], 24 ** -0.5, out=buf) is buf
-    close(buf, ref, dtype)
-    # a graph's padding rows past the table's end (a bucket above the context): the real rows are unchanged
-    pad = torch.cat([c["q"], torch.randn(2 * bs, hq, 24).to(dtype)])
-    close(fresh_prompt_attention(pad, cache, c["bt"], 24 ** -0.5)[:n], ref, dtype)
 
 
 @pytest.mark.parametrize("tiles", PREFILL_TILE_CANDIDATES,

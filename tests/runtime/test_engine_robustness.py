@@ -253,75 +253,18 @@ def test_close_releases_the_device_memory_it_holds_and_a_closed_llm_says_so(llam
         llm.generate([[1, 2, 3]], GREEDY)
 
 
-def test_long_prefill_graphs_are_asked_for(monkeypatch):
-    """One sequence's prefill replays a graph of the next bucket up, to 512 tokens; with
-    LLMC_LONG_PREFILL_GRAPHS=1 to 2,048 in steps of 256 (padding under 256 rows); past the last bucket, or
-    with several sequences, it runs eagerly."""
+def test_long_prefill_graphs_unless_turned_off(monkeypatch):
+    """One sequence's prefill replays a graph of the next bucket up: to 2,048 tokens in steps of 256 above 512
+    (padding under 256 rows); with LLMC_LONG_PREFILL_GRAPHS=0 to 512 only; past the last bucket, or with
+    several sequences, it runs eagerly."""
     from llmc.runtime.executor import StepInput
     from llmc.runtime.step_graphs import graph_kind, prefill_buckets
     prompt = lambda n: [StepInput(list(range(n)), 0, list(range(n // 16 + 1)))]  # noqa: E731
     monkeypatch.delenv("LLMC_LONG_PREFILL_GRAPHS", raising=False)
-    assert graph_kind(prompt(300), prefill_buckets()) == ("prefill", 512)
-    assert graph_kind(prompt(513), prefill_buckets()) is None
-    monkeypatch.setenv("LLMC_LONG_PREFILL_GRAPHS", "1")
     long = prefill_buckets()
     assert [graph_kind(prompt(n), long) for n in (300, 513, 769, 2000, 2048)] == [
         ("prefill", 512), ("prefill", 768), ("prefill", 1024), ("prefill", 2048), ("prefill", 2048)]
     assert graph_kind(prompt(2049), long) is None and graph_kind(prompt(700) + prompt(8), long) is None
-
-
-def test_a_fresh_prompt_attends_on_sdpa_where_asked(llama_artifact, monkeypatch):
-    """LLMC_SDPA_PREFILL: a lone fresh prompt's eager step attends on torch's SDPA (fresh_prompt_attention), with
-    the logits of the prefill kernel's step; a step with cached context or with two sequences keeps the
-    kernel; greedy tokens are the same either way."""
-    import llmc.codegen.attention as attention
-    import llmc.codegen.lower as lower
-    calls = []
-    real = attention.fresh_prompt_attention
-    monkeypatch.setattr(attention, "fresh_prompt_attention", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    prompts = [list(range(1, 30)), list(range(40, 52))]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    runs = {}
-    for on in (False, True):
-        monkeypatch.setattr(lower, "SDPA_PREFILL", on)
-        llm = LLM(llama_artifact, backend="triton-interpret", num_blocks=64, block_size=4)
-        runs[on] = [o.token_ids for o in llm.generate(prompts[:1], params)] + \
-            [o.token_ids for o in llm.generate(prompts, params)]
-        if not on:
-            assert calls == []
-    assert runs[True] == runs[False]
-    # one fresh prompt alone: its prefill, once a layer; the two together and the repeated prompt's prefix hit:
-    # the kernel
-    layers = llama_artifact.graph.meta["num_hidden_layers"]
-    assert len(calls) == layers and all(shape[0] == len(prompts[0]) for shape in calls)
-
-
-def test_fresh_prompts_get_prefill_graphs_of_their_own(monkeypatch):
-    """With LLMC_SDPA_PREFILL a prefill graph captured for a prompt with nothing cached (its attention on SDPA)
-    replays only for such prompts: one with a cached prefix gets the kernel's graph of the same bucket."""
-    import llmc.codegen.lower as lower
-    from llmc.runtime import step_graphs
-    from llmc.runtime.executor import StepInput
-    captured = []
-
-    class Graph:
-        def __init__(self):
-            self.graph = type("Replay", (), {"replay": lambda self: None})()
-            self.out = torch.zeros(4, dtype=torch.int64)
-
-        def load(self, batch, block_size):
-            pass
-
-    def capture(self, kind, size, greedy, fresh=False):
-        captured.append((kind, size, greedy, fresh))
-        return Graph()
-    monkeypatch.setattr(step_graphs.StepGraphCache, "_capture", capture)
-    cache = step_graphs.StepGraphCache(None, {}, 4, 64, torch.device("cpu"), None)
-    for on in (False, True):
-        monkeypatch.setattr(lower, "SDPA_PREFILL", on)
-        captured.clear()
-        cache.graphs.clear()
-        for start in (0, 8, 0, 8):  # fresh, a cached prefix, each twice: one capture each at most
-            cache.run([StepInput(list(range(20)), start, list(range(8)), 1)], True)
-        assert captured == ([("prefill", 32, True, True), ("prefill", 32, True, False)] if on
-                            else [("prefill", 32, True, False)])
+    monkeypatch.setenv("LLMC_LONG_PREFILL_GRAPHS", "0")
+    assert graph_kind(prompt(300), prefill_buckets()) == ("prefill", 512)
+    assert graph_kind(prompt(513), prefill_buckets()) is None

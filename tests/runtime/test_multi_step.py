@@ -107,7 +107,7 @@ def test_a_graph_chain_feeds_each_step_its_previous_tokens(tiny_py_artifact, mon
         def __init__(self, fn):
             self.replay = fn
 
-    def capture(self, kind, size, greedy, fresh=False):
+    def capture(self, kind, size, greedy):
         dg = step_graphs._StepGraph(kind, size, (self.max_model_len + self.block_size - 1) // self.block_size,
                                     self.device)
         inputs = {**dg.inputs, **self.kv}
