@@ -44,9 +44,12 @@
 #                                                     #   default "8b"; benchmarks/step_profile.py)
 #   bash benchmarks/gpu_pending.sh OUT compile-profile  # issue 20: a cold 8B compile under cProfile (the main thread's
 #                                                     #   functions by cumulative time), empty Triton and llmc caches
-#   bash benchmarks/gpu_pending.sh OUT prefill-flags  # issue 20: TTFT and greedy tokens with LLMC_SDPA_PREFILL and
-#                                                     #   LLMC_LONG_PREFILL_GRAPHS each way (SHAPES, default "8b 1b")
+#   bash benchmarks/gpu_pending.sh OUT prefill-flags  # issue 20: TTFT and greedy tokens with LLMC_LONG_PREFILL_GRAPHS
+#                                                     #   each way (SHAPES, default "8b 1b")
 #   bash benchmarks/gpu_pending.sh OUT e2e            # benchmarks/gpu_e2e.py: greedy tokens against HF eager
+#   bash benchmarks/gpu_pending.sh OUT kernels        # the generated kernels compiled on the GPU against their
+#                                                     #   references (norm, elementwise, matmul, attention, sampling;
+#                                                     #   PDL on as by default on Hopper, LLMC_PDL=0 to compare)
 #   bash benchmarks/gpu_pending.sh OUT compile-cold   # issue 20: a cold 8B compile (empty Triton and llmc caches)
 #                                                     #   and its load, candidates warmed up on threads, then with
 #                                                     #   LLMC_TUNE_THREADS=0 (COLD_THREADS="default" for the first only)
@@ -195,7 +198,7 @@ print('load', round(time.time() - t, 1), 's')" >>"$OUT/compile_cold.log" 2>&1
 shared_artifact('$shape', '/tmp/art-$shape.llmc')" >"$OUT/prefill_flags_$shape.log" 2>&1
                 rm -rf /tmp/tmp*
                 python3 benchmarks/prefill_flags.py /tmp/art-$shape.llmc --out "$OUT" >>"$OUT/prefill_flags_$shape.log" 2>&1
-                tail -9 "$OUT/prefill_flags_$shape.log"
+                tail -5 "$OUT/prefill_flags_$shape.log"
             done ;;
         compile-profile)
             rm -rf /tmp/cold; mkdir -p /tmp/cold
@@ -299,6 +302,11 @@ print('mixed tokens=$t', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttf
             tail -3 "$OUT/tuned_check_tests.log"
             python3 benchmarks/tuned_check.py --out "$OUT" >"$OUT/tuned_check.log" 2>&1
             tail -30 "$OUT/tuned_check.log" ;;
+        kernels)
+            TRITON_INTERPRET=0 timeout ${KERNELS_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider \
+                tests/codegen/test_norm_elementwise_matmul.py tests/codegen/test_attention_kernels.py \
+                tests/runtime/test_sampler.py >"$OUT/kernels.log" 2>&1
+            tail -3 "$OUT/kernels.log" ;;
         e2e)
             python3 benchmarks/gpu_e2e.py --out "$OUT" >"$OUT/gpu_e2e.log" 2>&1
             tail -12 "$OUT/gpu_e2e.log" ;;
@@ -309,6 +317,6 @@ print('mixed tokens=$t', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttf
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, spec-b1, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap, tuned-check, e2e)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, spec-b1, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap, tuned-check, kernels, e2e)" ;;
     esac
 done

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from llmc.codegen.kernels import KernelSpec, load
+from llmc.codegen.kernels import KernelSpec, load, pdl_enabled
 from llmc.errors import CompileError
 from llmc.ir.ops import get_op
 from llmc.ir.types import FLOAT_DTYPES, TensorType, dtype_name, torch_dtype
@@ -94,13 +94,13 @@ def cast_helpers(dtypes) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _module(spec: KernelSpec, interpret: bool) -> ModuleType:
-    return load(spec)
+def _module(spec: KernelSpec, interpret: bool, pdl: bool) -> ModuleType:
+    return load(spec, pdl)
 
 
 def compiled(spec: KernelSpec) -> ModuleType:
     """`kernels.load(spec)` memoized per spec: a launch must not re-render and re-hash its template."""
-    return _module(spec, interpreting())
+    return _module(spec, interpreting(), pdl_enabled())
 
 
 def _lit(value: Any, dtype: str) -> str:

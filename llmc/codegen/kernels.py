@@ -8,6 +8,7 @@ artifact's kernels/ folder is for reading, never for loading.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -50,14 +51,61 @@ class KernelSpec:
                                            if not isinstance(getattr(self, f.name), (list, dict, tuple))) + ")"
 
 
-def render(spec: KernelSpec) -> str:
+@lru_cache(maxsize=None)
+def _hopper_or_newer() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def pdl_enabled() -> bool:
+    """Whether kernels are rendered and launched for programmatic dependent launch (PDL): compiled for a
+    GPU of compute capability 9.0 or newer (the interpreter runs no PTX), unless `LLMC_PDL=0`.
+
+    With PDL a kernel's programs are placed on the GPU while the kernel before it on the stream runs its
+    last programs, and wait there (`griddepcontrol.wait`, the first thing every program does) until it has
+    completed and its writes are visible; so what overlaps is a launch's start-up, never a memory access.
+    Each template takes the variable `pdl` (`_pdl.jinja`), and `load` launches exactly the kernels whose
+    source waits with the launch attribute, so a kernel never starts early without waiting.
+    """
+    from llmc.codegen.elementwise import interpreting
+    return os.environ.get("LLMC_PDL", "1") != "0" and not interpreting() and _hopper_or_newer()
+
+
+def render(spec: KernelSpec, pdl: bool | None = None) -> str:
+    """The source of `spec`; `pdl` (default `pdl_enabled()`) is the templates' `pdl` variable."""
     d = str(Path(spec.template_dir).resolve()) if spec.template_dir else None
-    return _env(d).get_template(spec.template).render(**spec.context())
+    pdl = pdl_enabled() if pdl is None else pdl
+    return _env(d).get_template(spec.template).render(**{"pdl": pdl, **spec.context()})
 
 
-def load(spec: KernelSpec) -> ModuleType:
-    """The rendered, imported module of `spec` (cached by content hash)."""
-    return load_source(render(spec), spec.name)
+class PDLKernel:
+    """A jitted kernel whose source waits on the kernel before it (`_pdl.jinja`): `kernel[grid](...)`
+    launches it with Triton's `launch_pdl`. Everything else is the kernel's own."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        launch = self.fn[grid]
+        return lambda *args, **kwargs: launch(*args, launch_pdl=True, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
+
+
+def _launch_with_pdl(module: ModuleType) -> ModuleType:
+    from triton.runtime.jit import JITFunction
+    for name, fn in list(vars(module).items()):
+        if isinstance(fn, JITFunction) and "gdc_wait()" in fn.src:
+            setattr(module, name, PDLKernel(fn))
+    return module
+
+
+def load(spec: KernelSpec, pdl: bool | None = None) -> ModuleType:
+    """The rendered, imported module of `spec` (cached by content hash); with `pdl` (default
+    `pdl_enabled()`) its kernels wait on the kernel before them and launch as PDL dependents."""
+    pdl = pdl_enabled() if pdl is None else pdl
+    module = load_source(render(spec, pdl), spec.name)
+    return _launch_with_pdl(module) if pdl else module
 
 
 _COUNTERS: dict[str, torch.Tensor] = {}

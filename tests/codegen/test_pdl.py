@@ -1,0 +1,108 @@
+"""Programmatic dependent launch (kernels.pdl_enabled): every generated kernel waits on the kernel before it
+before it touches memory, only waiting kernels launch with the attribute, and the switch stays off where no
+Hopper GPU compiles (the interpreter, this CPU machine) or under LLMC_PDL=0."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmc.codegen.kernels import TEMPLATES, PDLKernel, pdl_enabled, render
+from llmc.codegen.norm import RmsNormSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_kernel_waits_first():
+    kernels = 0
+    for path in sorted(TEMPLATES.glob("*.py.jinja")):
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if not re.match(r"def \w+_kernel\(", line):
+                continue
+            kernels += 1
+            end = next(j for j in range(i, len(lines)) if lines[j].rstrip().endswith("):"))
+            assert lines[end + 1] == '{% include "_pdl.jinja" %}', f"{path.name}: {line} does not wait first"
+    assert kernels >= 17
+
+
+def test_render_takes_the_switch():
+    spec = RmsNormSpec(64, "bf16", True)
+    on, off = render(spec, pdl=True), render(spec, pdl=False)
+    assert on.count("tl.extra.cuda.gdc_wait()") == 1 and on.count("gdc_launch_dependents()") == 1
+    assert "gdc" not in off
+    assert render(spec) == off  # no Hopper GPU compiles here: the default is off
+    assert not pdl_enabled()
+
+
+def test_off_by_environment(monkeypatch):
+    import llmc.codegen.elementwise as ew
+    import llmc.codegen.kernels as k
+    monkeypatch.setattr(k, "_hopper_or_newer", lambda: True)
+    monkeypatch.setattr(ew, "interpreting", lambda: False)
+    assert pdl_enabled()
+    monkeypatch.setenv("LLMC_PDL", "0")
+    assert not pdl_enabled()
+
+
+def test_a_pdl_kernel_launches_with_the_attribute():
+    calls = []
+
+    class Fn:
+        src = "tl.extra.cuda.gdc_wait()"
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((grid, a, kw))
+
+    k = PDLKernel(Fn())
+    k[(3, 2)](1, 2, BLOCK=4, num_warps=4)
+    assert calls == [((3, 2), (1, 2), {"launch_pdl": True, "BLOCK": 4, "num_warps": 4})]
+    assert k.src == Fn.src
+
+
+CHILD = r'''
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+from llmc.codegen.kernels import PDLKernel, load
+from llmc.codegen.matmul import MatmulSpec
+from llmc.codegen.norm import RmsNormSpec
+
+mm = load(MatmulSpec("bf16", False, ()), pdl=True)
+assert isinstance(mm.matmul_kernel, PDLKernel) and isinstance(mm._finish, JITFunction), "only kernels wrapped"
+assert isinstance(load(MatmulSpec("bf16", False, ()), pdl=False).matmul_kernel, JITFunction)
+norm = load(RmsNormSpec(256, "bf16", True), pdl=True).rms_norm_kernel.fn
+cases = [
+    (mm.matmul_kernel.fn, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32",
+      "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32"},
+     {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "M_TILES": 1}),
+    (norm, {"x_ptr": "*bf16", "r_ptr": "*bf16", "h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+            "stride_x": "i32", "stride_r": "i32", "stride_h": "i32", "stride_out": "i32", "eps": "fp32"},
+     {"BLOCK": 256}),
+]
+for fn, sig, consts in cases:
+    sig = {**sig, **{k: "constexpr" for k in consts}}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 3, "launch_pdl": True})
+    assert k.metadata.launch_pdl
+    lines = k.asm["ptx"].splitlines()
+    wait = [i for i, l in enumerate(lines) if "griddepcontrol.wait" in l]
+    mem = [i for i, l in enumerate(lines) if re.search(r"\b(ld\.global|st\.global|cp\.async|atom\.|red\.)", l)]
+    assert len(wait) == 1 and mem and wait[0] < min(mem), (fn.__name__, wait, mem[:3])
+print("ok")
+'''
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "1") == "0", reason="the child compiles; a GPU run has the "
+                                                                          "real launches")
+def test_compiled_for_hopper_the_wait_precedes_every_memory_access():
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-3000:]
