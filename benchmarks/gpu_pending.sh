@@ -52,7 +52,9 @@
 #                                                     #   PDL on as by default on Hopper, LLMC_PDL=0 to compare)
 #   bash benchmarks/gpu_pending.sh OUT compile-cold   # issue 20: a cold 8B compile (empty Triton and llmc caches)
 #                                                     #   and its load, candidates warmed up on threads, then with
-#                                                     #   LLMC_TUNE_THREADS=0 (COLD_THREADS="default" for the first only)
+#                                                     #   LLMC_TUNE_THREADS=0 (COLD_THREADS="default" for the first only;
+#                                                     #   COLD_PROCESSES="0 16": each also with kernels compiled in
+#                                                     #   16 worker processes, LLMC_TUNE_PROCESSES)
 #
 # On nvidia-h200-x2 keep NVLink multicast off (the machine's NCCL_NVLS_ENABLE=0 and
 # TORCH_SYMM_MEM_DISABLE_MULTICAST=1): the workers inherit this script's environment.
@@ -173,14 +175,17 @@ No Eligible|stalled|Warp Cycles Per Issued" "$OUT/ncu_int4_$shape.log" | head -4
             python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import random_model; \
 random_model('8b', '/tmp/cold/m')" >"$OUT/compile_cold.log" 2>&1
             for threads in ${COLD_THREADS:-default 0}; do
+              for procs in ${COLD_PROCESSES:-0}; do
                 threads=${threads#default}
                 rm -rf /tmp/cold/a.llmc
-                LLMC_TUNE_THREADS=$threads TRITON_CACHE_DIR=/tmp/cold/triton-$threads LLMC_CACHE_DIR=/tmp/cold/llmc-$threads \
+                LLMC_TUNE_THREADS=$threads LLMC_TUNE_PROCESSES=$procs TRITON_CACHE_DIR=/tmp/cold/triton-$threads-$procs \
+                    LLMC_CACHE_DIR=/tmp/cold/llmc-$threads-$procs \
                     python3 -c "import time, llmc; t = time.time(); art = llmc.compile('/tmp/cold/m', '/tmp/cold/a.llmc', \
-dtype='bfloat16'); print('LLMC_TUNE_THREADS=${threads:-default} compile', round(time.time() - t, 1), 's', \
+dtype='bfloat16'); print('LLMC_TUNE_THREADS=${threads:-default} LLMC_TUNE_PROCESSES=$procs compile', round(time.time() - t, 1), 's', \
 {k: round(v, 1) for k, v in art.compile_timings.items()}, 'weights file', round(art.weights_seconds, 1), 's'); \
 [print('  step', round(t, 2), 's', m) for m, t in art.compile_steps]; t = time.time(); llm = llmc.LLM(art.path); \
 print('load', round(time.time() - t, 1), 's')" >>"$OUT/compile_cold.log" 2>&1
+              done
             done
             grep "compile \|^load\|  step" "$OUT/compile_cold.log" | grep -v Writing ;;
         step-profile)

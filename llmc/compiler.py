@@ -1,6 +1,7 @@
 """`llmc.compile`: frontend ▸ pass pipeline ▸ artifact."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -12,6 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
+from llmc.codegen.precompile import CompilePool, tune_processes
 from llmc.errors import CompileError
 from llmc.ir.graph import Graph
 from llmc.passes.manager import Pass, PassContext, PassManager
@@ -121,7 +123,10 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
     if draft is not None:
         check_draft(model, draft)
     bar = _Progress(progress)
-    with bar:
+    # kernel compiles in worker processes (LLMC_TUNE_PROCESSES): started now, their imports overlap the capture
+    workers = CompilePool(tune_processes()) if tune and tune_processes() and torch.cuda.is_available() \
+        else contextlib.nullcontext()
+    with bar, workers:
         bar.phase("capture")
         bar.step("reading the ONNX graph" if is_onnx(model) else "capturing with torch.export"
                  if isinstance(model, torch.nn.Module) else "reading the model directory")

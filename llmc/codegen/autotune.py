@@ -168,7 +168,8 @@ def warm_up(candidates: Sequence[dict], bench: Callable[[dict], Any]) -> None:
 
 def run_on_threads(calls: Sequence[Callable[[], Any]]) -> None:
     """Run each call once, on threads (`tune_threads`; none where that is below 2), so that the kernels
-    they launch compile in parallel.
+    they launch compile in parallel; during a compile with worker processes (`precompile.CompilePool`,
+    LLMC_TUNE_PROCESSES) those kernels are compiled there first.
 
     Triton's compiler releases the GIL (its MLIR passes run in C++, ptxas in a subprocess). Every launch goes
     to the caller's current stream, so the kernels still run one after another on the GPU, and no two
@@ -178,6 +179,11 @@ def run_on_threads(calls: Sequence[Callable[[], Any]]) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
+
+    from llmc.codegen import precompile
+    pool = precompile.active()
+    if pool is not None:  # their kernels compiled in worker processes first: the runs below find them cached
+        pool.compile(calls)
     n = min(len(calls), tune_threads())
     if n < 2:
         return
