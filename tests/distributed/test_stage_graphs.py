@@ -80,7 +80,7 @@ def test_stage_graphs_give_the_unsplit_models_logits(stages):
     # one graph per kind and bucket and stage: prefill 16, decode 2, decode 1
     assert all(sorted(g.graphs) == [("decode", 1, "stage"), ("decode", 2, "stage"), ("prefill", 16, "stage")]
                for _, g in pipe)
-    assert pipe[1][1].captured(steps[-1]) is True and pipe[1][1].captured([StepInput([1] * 600, 0, [0], 1)]) is None
+    assert pipe[1][1].captured(steps[-1]) is True and pipe[1][1].captured([StepInput([1] * 2100, 0, [0], 1)]) is None
 
 
 def test_pipeline_workers_replay_stage_graphs_between_eager_micro_batches(stages, monkeypatch):
