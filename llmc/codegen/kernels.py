@@ -53,7 +53,8 @@ class KernelSpec:
 
 @lru_cache(maxsize=None)
 def _hopper_or_newer() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    # an NVIDIA GPU only: ROCm reports gfx9 devices as capability 9.x too
+    return torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9
 
 
 def pdl_enabled() -> bool:
