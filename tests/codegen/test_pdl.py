@@ -106,3 +106,20 @@ def test_compiled_for_hopper_the_wait_precedes_every_memory_access():
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_not_on_rocm(monkeypatch):
+    import torch
+
+    import llmc.codegen.kernels as k
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 4))  # an MI300's gfx942
+    k._hopper_or_newer.cache_clear()
+    try:
+        monkeypatch.setattr(torch.version, "hip", "6.2")
+        assert not k._hopper_or_newer()
+        k._hopper_or_newer.cache_clear()
+        monkeypatch.setattr(torch.version, "hip", None)
+        assert k._hopper_or_newer()
+    finally:
+        k._hopper_or_newer.cache_clear()
