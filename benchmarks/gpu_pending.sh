@@ -36,6 +36,9 @@
 #                                                     #   a lone prompt of up to 2,048 tokens on a step graph;
 #                                                     #   WORKLOADS="decode" VAR=LLMC_SPLIT_ARGMAX: batch-1 decode
 #                                                     #   with the argmax row on one program or split)
+#   bash benchmarks/gpu_pending.sh OUT tuned-table    # the shipped tuning table remade: SHAPES (default "8b 1b")
+#                                                     #   compiled with an empty LLMC_CACHE_DIR, its tuning/*.json
+#                                                     #   under OUT/tuned (copy it to llmc/codegen/tuned/)
 #   bash benchmarks/gpu_pending.sh OUT budget         # issue 20: a compile's phases, decode and TTFT, then the mixed
 #                                                     #   workload at the measured token budget and at TOKENS (2048)
 #   bash benchmarks/gpu_pending.sh OUT tuned-check    # the generated matmul compiled, each tuned choice alone, and
@@ -280,6 +283,17 @@ print('$var=$v $w', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttft_ms_
                         | tee -a "$OUT/ab_mixed.log"
                 done
             done ;;
+        tuned-table)
+            rm -rf /tmp/tmp* /tmp/tuned-cache
+            for shape in ${SHAPES:-8b 1b}; do
+                LLMC_CACHE_DIR=/tmp/tuned-cache python3 -c "import sys; sys.path.insert(0, 'benchmarks'); \
+from decode_bench import shared_artifact; art = shared_artifact('$shape', '/tmp/tuned-$shape.llmc'); \
+print('$shape compile phases', {k: round(v, 1) for k, v in (getattr(art, 'compile_timings', None) or {}).items()})" \
+                    >>"$OUT/tuned_table.log" 2>&1
+                rm -rf /tmp/tmp* "/tmp/tuned-$shape.llmc"
+            done
+            mkdir -p "$OUT/tuned" && cp /tmp/tuned-cache/tuning/*.json "$OUT/tuned/"
+            grep "compile phases" "$OUT/tuned_table.log"; ls "$OUT/tuned" ;;
         budget)
             rm -rf /tmp/tmp*
             python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import shared_artifact; \
@@ -322,6 +336,6 @@ print('mixed tokens=$t', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttf
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, spec-b1, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap, tuned-check, kernels, e2e)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, spec-b1, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap, tuned-check, tuned-table, kernels, e2e)" ;;
     esac
 done
