@@ -7,6 +7,7 @@ the executor as one-token rows (see executor.py), so it replays a decode graph.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Callable
 
@@ -16,6 +17,8 @@ import torch
 from llmc.errors import LLMCError
 from llmc.ir.types import dim_eval, torch_dtype
 from llmc.runtime.block_manager import slot_for
+
+log = logging.getLogger(__name__)
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _captured = 0  # CUDA graphs this process has captured (a step that captures one is no measure of a step's cost)
@@ -95,6 +98,7 @@ class StepGraphCache:
         self.device, self.argmax = device, argmax
         self.receives = list(receives)
         self.graphs: dict[tuple[str, int, object], _StepGraph] = {}
+        self.refused: set[tuple] = set()  # graphs whose capture ran out of device memory: their steps run eagerly
         self._pool = None
         self.prefill = prefill_buckets()
 
@@ -104,9 +108,9 @@ class StepGraphCache:
         its next replay). None when no graph shape fits the batch. `feed` (executor.Feed) overwrites input
         tokens with the previous step's argmax rows on the device."""
         kind = graph_kind(batch, self.prefill)
-        if kind is None:
+        dg = self._graph(kind, greedy) if kind is not None else None
+        if dg is None:
             return None
-        dg = self._graph(kind, greedy)
         dg.load(batch, self.block_size)
         if feed is not None:  # after the copy of the step's inputs, and before the replay that reads them
             feed.apply(dg.inputs["input_ids"])
@@ -120,9 +124,9 @@ class StepGraphCache:
         The host writes step j + 1's positions and slots while the device runs step j. Returns the
         tokens [len(batch), k] on the host, or None when no decode graph fits the batch."""
         kind = graph_kind(batch, self.prefill)
-        if kind is None or kind[0] != "decode":
+        dg = self._graph(kind, True) if kind is not None and kind[0] == "decode" else None
+        if dg is None:
             return None
-        dg = self._graph(kind, True)
         n = len(batch)
         tokens = torch.empty(k, n, dtype=torch.int64, device=self.device)
         for j in range(k):
@@ -137,7 +141,7 @@ class StepGraphCache:
         """Whether `run_stage` would replay a graph captured before (None: no graph fits the batch). A capture
         must not overlap another stream's NCCL work: the caller lets pending sends finish first."""
         kind = graph_kind(batch, self.prefill)
-        return None if kind is None else (*kind, "stage") in self.graphs
+        return None if kind is None or (*kind, "stage") in self.refused else (*kind, "stage") in self.graphs
 
     def run_stage(self, batch, received: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """A pipeline stage's share of a step on its graph, or None when no graph fits the batch.
@@ -147,9 +151,9 @@ class StepGraphCache:
         the stage's graph cut to the batch's rows: the values the next stage receives, or, on the last
         stage, the logits rows. They are views of the graph's buffers, valid until its next replay."""
         kind = graph_kind(batch, self.prefill)
-        if kind is None:
+        dg = self._graph(kind, None) if kind is not None else None
+        if dg is None:
             return None
-        dg = self._graph(kind, None)
         dg.load(batch, self.block_size)
         for v, t in zip(self.receives, received):
             dg.recv[v.name][tuple(slice(0, n) for n in t.shape)].copy_(t)
@@ -158,13 +162,21 @@ class StepGraphCache:
         return [o[tuple(slice(0, dim_eval(d, rows)) for d in v.type.shape)]
                 for o, v in zip(dg.out, self.plan.graph.outputs)]
 
-    def _graph(self, kind: tuple[str, int], greedy: bool | None) -> "_StepGraph":
+    def _graph(self, kind: tuple[str, int], greedy: bool | None) -> "_StepGraph | None":
         """The graph for `kind` (captured on first use) that returns what `_capture` says for `greedy`; a
-        pipeline stage's (greedy None) are kept under "stage"."""
+        pipeline stage's (greedy None) are kept under "stage". None where its capture ran out of device
+        memory (its arena, warm-up runs or graph did not fit): that shape's steps then run eagerly, as those
+        of a shape with no graph, and the engine goes on; it is not tried again."""
         key = (*kind, "stage" if greedy is None else greedy)
         dg = self.graphs.get(key)
-        if dg is None:
-            dg = self.graphs[key] = self._capture(*kind, greedy)
+        if dg is None and key not in self.refused:
+            try:
+                dg = self.graphs[key] = self._capture(*kind, greedy)
+            except torch.cuda.OutOfMemoryError as e:
+                self.refused.add(key)
+                torch.cuda.empty_cache()
+                log.warning("no CUDA graph for %s steps of %d: its capture ran out of device memory (%s); they run "
+                            "eagerly", kind[0], kind[1], str(e).splitlines()[0][:200])
         return dg
 
     def _capture(self, kind: str, size: int, greedy: bool | None) -> "_StepGraph":

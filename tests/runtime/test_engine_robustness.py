@@ -253,6 +253,39 @@ def test_close_releases_the_device_memory_it_holds_and_a_closed_llm_says_so(llam
         llm.generate([[1, 2, 3]], GREEDY)
 
 
+def test_a_graph_that_does_not_fit_leaves_its_steps_eager(monkeypatch, caplog):
+    """A step graph whose capture runs out of device memory (a long prefill bucket's arena on a full GPU) is
+    not an error: that shape's steps run eagerly from then on (run returns None, as for a shape without a
+    graph), the capture is not tried again, a warning says so, and other shapes keep their graphs."""
+    from llmc.runtime import step_graphs
+    from llmc.runtime.executor import StepInput
+    tried = []
+
+    class Graph:
+        def __init__(self):
+            self.graph = type("Replay", (), {"replay": lambda self: None})()
+            self.out = torch.zeros(4, dtype=torch.int64)
+
+        def load(self, batch, block_size, offset=0):
+            pass
+
+    def capture(self, kind, size, greedy):
+        tried.append((kind, size))
+        if size == 2048:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
+        return Graph()
+    monkeypatch.setattr(step_graphs.StepGraphCache, "_capture", capture)
+    cache = step_graphs.StepGraphCache(None, {}, 16, 4096, torch.device("cpu"), None)
+    long, short = [StepInput(list(range(2000)), 0, list(range(126)))], [StepInput(list(range(20)), 0, [0, 1])]
+    with caplog.at_level("WARNING", logger="llmc.runtime.step_graphs"):
+        assert cache.run(long, True) is None and cache.run(long, True) is None
+    assert "out of device memory" in caplog.text and "they run eagerly" in caplog.text
+    assert cache.run(short, True) is not None
+    assert cache.captured(long) is False  # a pipeline stage's graph of that shape: not tried yet
+    assert cache.run_stage(long, []) is None and cache.captured(long) is None  # refused too: eager
+    assert tried == [("prefill", 2048), ("prefill", 32), ("prefill", 2048)]
+
+
 def test_long_prefill_graphs_unless_turned_off(monkeypatch):
     """One sequence's prefill replays a graph of the next bucket up: to 2,048 tokens in steps of 256 above 512
     (padding under 256 rows); with LLMC_LONG_PREFILL_GRAPHS=0 to 512 only; past the last bucket, or with
