@@ -27,7 +27,8 @@ def compile_one(cfg) -> float:
     from llmc.codegen.matmul import MatmulSpec
     fn = load(MatmulSpec("bf16", False, ())).matmul_kernel
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32",
-           "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32"}
+           "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32",
+           "prefetch_k": "i32"}
     consts = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "M_TILES"), cfg))
     sig.update({k: "constexpr" for k in consts})
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})

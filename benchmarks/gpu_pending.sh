@@ -35,7 +35,8 @@
 #                                                     #   (default LLMC_PREFILL_TILES; LLMC_LONG_PREFILL_GRAPHS:
 #                                                     #   a lone prompt of up to 2,048 tokens on a step graph;
 #                                                     #   WORKLOADS="decode" VAR=LLMC_SPLIT_ARGMAX: batch-1 decode
-#                                                     #   with the argmax row on one program or split)
+#                                                     #   with the argmax row on one program or split;
+#                                                     #   VAR=LLMC_PDL, VAR=LLMC_PDL_PREFETCH likewise)
 #   bash benchmarks/gpu_pending.sh OUT tuned-table    # the shipped tuning table remade: SHAPES (default "8b 1b")
 #                                                     #   compiled with an empty LLMC_CACHE_DIR, its tuning/*.json
 #                                                     #   under OUT/tuned (copy it to llmc/codegen/tuned/)

@@ -12,6 +12,7 @@ gelu, ...) runs on the fp32 accumulator, so y is written once and never read bac
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -30,6 +31,12 @@ EPILOGUE_OPS = tuple(op for op in UNARY_OPS if op != "cast")
 # a program covers up to this many row tiles, each w tile it loads feeding one dot per row tile:
 # at up to 64 tokens a step reads w once, with the 16-row tiles of batch 1 (see `m_tiles`)
 MAX_M_TILES = 4
+# experimental (LLMC_PDL_PREFETCH=1, read once per process; with programmatic dependent launch, kernels.pdl_enabled):
+# a matmul of up to 64 rows sends for the first columns of its weight rows into L2 before it waits on the kernel
+# before it, PREFETCH_BYTES in all over its programs, so that the weight stream does not stop between kernels
+PDL_PREFETCH = os.environ.get("LLMC_PDL_PREFETCH") == "1"
+PREFETCH_BYTES = 4 << 20
+PREFETCH_LINES = 2  # 128-byte lines of a weight row per prefetch step
 
 
 def _norm_epilogue(epilogue: Sequence) -> tuple:
@@ -80,6 +87,7 @@ class MatmulSpec(KernelSpec):
         for op, _ in self.epilogue:
             summary = f"{op}({summary})"
         return {"has_bias": self.has_bias, "epilogue_lines": lines, "dot": dot, "max_m_tiles": MAX_M_TILES,
+                "pdl_defer": PDL_PREFETCH, "line_elems": 128 // e, "prefetch_lines": PREFETCH_LINES,
                 "bytes_comment": bytes_comment, "store_cast": cast_expr("acc", self.dtype), "summary": summary,
                 "helpers": [HELPERS[h] for h in sorted(helpers)] + cast_helpers([self.dtype])}
 
@@ -135,6 +143,18 @@ def m_tiles(m: int, block_m: int) -> int:
     return 1 << (tiles - 1).bit_length() if m <= 64 and tiles <= MAX_M_TILES else 1
 
 
+def prefetch_columns(M: int, K: int, grid: tuple[int, int, int], cfg: dict, itemsize: int) -> int:
+    """Weight columns each program of a launch prefetches into L2 before it waits (LLMC_PDL_PREFETCH): about
+    PREFETCH_BYTES over all programs, in whole steps of PREFETCH_LINES lines of 128 bytes a row, at most a
+    program's share of K; none above 64 rows, where a step is no longer a weight stream."""
+    step = PREFETCH_LINES * 128 // itemsize
+    per_split = -(-K // (cfg["SPLIT_K"] * cfg["BLOCK_K"])) * cfg["BLOCK_K"]
+    if M > 64:
+        return 0
+    cols = PREFETCH_BYTES // (grid[0] * grid[1] * grid[2] * cfg["BLOCK_N"] * itemsize)
+    return min(cols // step * step, -(-per_split // step) * step)
+
+
 def _launch(spec: MatmulSpec, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y2: torch.Tensor,
             cfg: dict) -> None:
     mod = compiled(spec)
@@ -146,7 +166,8 @@ def _launch(spec: MatmulSpec, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor
     ws = torch.empty((split_k, M, N) if split_k > 1 else (1,), dtype=torch.float32, device=x2.device)
     counts = tile_counters(x2.device, grid[0] * grid[1]) if split_k > 1 else ws
     bias = (b,) if spec.has_bias else ()
-    mod.matmul_kernel[grid](x2, w, *bias, y2, ws, counts, x2.stride(0), w.stride(0), y2.stride(0), M, N, K,
+    pre = prefetch_columns(M, K, grid, cfg, x2.element_size()) if PDL_PREFETCH else 0
+    mod.matmul_kernel[grid](x2, w, *bias, y2, ws, counts, x2.stride(0), w.stride(0), y2.stride(0), M, N, K, pre,
                             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split_k,
                             M_TILES=mt, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 

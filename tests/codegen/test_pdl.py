@@ -49,6 +49,20 @@ def test_off_by_environment(monkeypatch):
     assert not pdl_enabled()
 
 
+def test_prefetch_columns():
+    """LLMC_PDL_PREFETCH's share of each program: about PREFETCH_BYTES over the grid, in whole steps of two
+    128-byte lines a row, at most the program's K range rounded up to a step; nothing above 64 rows."""
+    from llmc.codegen.matmul import PREFETCH_BYTES, prefetch_columns
+    cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
+    assert prefetch_columns(1, 2048, (1, 48, 1), cfg, 2) == 640  # a 1B-shape qkv: 640 of 2,048 columns, 3.75 MiB
+    assert 48 * 64 * 640 * 2 <= PREFETCH_BYTES
+    assert prefetch_columns(1, 500, (1, 4, 1), cfg, 2) == 512  # a small weight: all of it (a whole step)
+    assert prefetch_columns(1, 4096, (1, 96, 1), cfg, 2) == 256  # an 8B-shape qkv
+    assert prefetch_columns(1, 4096, (1, 448, 1), cfg, 2) == 0  # an 8B-shape gate_up: under a step a program
+    assert prefetch_columns(1, 14336, (1, 64, 8), {**cfg, "SPLIT_K": 8}, 2) % 128 == 0
+    assert prefetch_columns(128, 4096, (1, 48, 1), cfg, 2) == 0
+
+
 def test_a_pdl_kernel_launches_with_the_attribute():
     calls = []
 
@@ -80,7 +94,8 @@ assert isinstance(load(MatmulSpec("bf16", False, ()), pdl=False).matmul_kernel, 
 norm = load(RmsNormSpec(256, "bf16", True), pdl=True).rms_norm_kernel.fn
 cases = [
     (mm.matmul_kernel.fn, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32",
-      "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32"},
+      "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32",
+      "prefetch_k": "i32"},
      {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "M_TILES": 1}),
     (norm, {"x_ptr": "*bf16", "r_ptr": "*bf16", "h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
             "stride_x": "i32", "stride_r": "i32", "stride_h": "i32", "stride_out": "i32", "eps": "fp32"},
@@ -96,6 +111,21 @@ for fn, sig, consts in cases:
     wait = [i for i, l in enumerate(lines) if "griddepcontrol.wait" in l]
     mem = [i for i, l in enumerate(lines) if re.search(r"\b(ld\.global|st\.global|cp\.async|atom\.|red\.)", l)]
     assert len(wait) == 1 and mem and wait[0] < min(mem), (fn.__name__, wait, mem[:3])
+
+# LLMC_PDL_PREFETCH: the weight lines sent for into L2 before the wait, still no other access before it
+import llmc.codegen.matmul as matmul
+matmul.PDL_PREFETCH = True
+fn, sig, consts = cases[0]
+pre = load(MatmulSpec("bf16", False, ()), pdl=True).matmul_kernel.fn
+assert pre is not fn
+sig = {**sig, **{k: "constexpr" for k in consts}}
+src = ASTSource(pre, sig, constexprs={(pre.arg_names.index(k),): v for k, v in consts.items()})
+lines = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 3, "launch_pdl": True}).asm["ptx"].splitlines()
+wait = [i for i, l in enumerate(lines) if "griddepcontrol.wait" in l]
+fetch = [i for i, l in enumerate(lines) if "prefetch.global.L2" in l]
+mem = [i for i, l in enumerate(lines) if re.search(r"\b(ld\.global|st\.global|cp\.async|atom\.|red\.)", l)]
+assert len(wait) == 1 and fetch and max(fetch) < wait[0] < min(mem), (wait, fetch[:3], mem[:3])
 print("ok")
 '''
 
