@@ -58,12 +58,13 @@ def _hopper_or_newer() -> bool:
 
 
 def pdl_enabled() -> bool:
-    """Whether kernels are rendered and launched for programmatic dependent launch (PDL): compiled for a
-    GPU of compute capability 9.0 or newer (the interpreter runs no PTX), unless `LLMC_PDL=0`.
+    """Whether kernels are rendered and launched for programmatic dependent launch (PDL): compiled for an
+    NVIDIA GPU of compute capability 9.0 or newer (the interpreter runs no PTX), unless `LLMC_PDL=0`.
 
     With PDL a kernel's programs are placed on the GPU while the kernel before it on the stream runs its
-    last programs, and wait there (`griddepcontrol.wait`, the first thing every program does) until it has
-    completed and its writes are visible; so what overlaps is a launch's start-up, never a memory access.
+    last programs, and wait there (`griddepcontrol.wait`, before any memory access) until it has completed
+    and its writes are visible; so what overlaps is a launch's start-up (and, with LLMC_PDL_PREFETCH, a
+    matmul's first weight lines on their way into L2), never a read of another kernel's output.
     Each template takes the variable `pdl` (`_pdl.jinja`), and `load` launches exactly the kernels whose
     source waits with the launch attribute, so a kernel never starts early without waiting.
     """

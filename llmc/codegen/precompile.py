@@ -191,8 +191,8 @@ def serve(lines, write) -> None:
     for line in lines:
         try:
             r = json.loads(line)
-            fn = getattr(_import(r["module"], r["path"]), r["name"])
-            getattr(fn, "fn", fn).preload(r["data"])  # a PDLKernel holds the jitted function
+            # a JITFunction (or a kernels.PDLKernel, which hands preload to the one it holds)
+            getattr(_import(r["module"], r["path"]), r["name"]).preload(r["data"])
             answer = {"ok": True}
         except Exception as e:  # noqa: BLE001 - reported to the pool, which compiles it in its own process
             answer = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}

@@ -14,18 +14,18 @@ from llmc.codegen import autotune, precompile
 from llmc.codegen.precompile import CompilePool, Request, collect, serve
 
 STAND_IN = '''
-class Kernel:
+class Kernel:  # as a JITFunction, whose .fn is the Python function and has no preload
+    fn = print
+
     def preload(self, data):
         if data == "bad":
             raise ValueError("no such specialization")
         open(data, "w").write("compiled")
 
 
-class Wrapped:  # as kernels.PDLKernel: the jitted function under .fn
-    fn = Kernel()
+from llmc.codegen.kernels import PDLKernel
 
-
-kernel, pdl_kernel = Kernel(), Wrapped()
+kernel, pdl_kernel = Kernel(), PDLKernel(Kernel())
 '''
 
 
