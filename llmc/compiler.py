@@ -124,8 +124,8 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         check_draft(model, draft)
     bar = _Progress(progress)
     # kernel compiles in worker processes (LLMC_TUNE_PROCESSES): started now, their imports overlap the capture
-    workers = CompilePool(tune_processes()) if tune and tune_processes() and torch.cuda.is_available() \
-        else contextlib.nullcontext()
+    processes = tune_processes() if tune and torch.cuda.is_available() else 0
+    workers = CompilePool(processes) if processes else contextlib.nullcontext()
     with bar, workers:
         bar.phase("capture")
         bar.step("reading the ONNX graph" if is_onnx(model) else "capturing with torch.export"

@@ -100,7 +100,8 @@ def _module(spec: KernelSpec, interpret: bool, pdl: bool) -> ModuleType:
 
 def compiled(spec: KernelSpec) -> ModuleType:
     """`kernels.load(spec)` memoized per spec: a launch must not re-render and re-hash its template."""
-    return _module(spec, interpreting(), pdl_enabled())
+    interpret = interpreting()
+    return _module(spec, interpret, pdl_enabled(interpret))
 
 
 def _lit(value: Any, dtype: str) -> str:

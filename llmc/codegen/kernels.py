@@ -57,7 +57,7 @@ def _hopper_or_newer() -> bool:
     return torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9
 
 
-def pdl_enabled() -> bool:
+def pdl_enabled(interpret: bool | None = None) -> bool:
     """Whether kernels are rendered and launched for programmatic dependent launch (PDL): compiled for an
     NVIDIA GPU of compute capability 9.0 or newer (the interpreter runs no PTX), unless `LLMC_PDL=0`.
 
@@ -66,10 +66,13 @@ def pdl_enabled() -> bool:
     and its writes are visible; so what overlaps is a launch's start-up (and, with LLMC_PDL_PREFETCH, a
     matmul's first weight lines on their way into L2), never a read of another kernel's output.
     Each template takes the variable `pdl` (`_pdl.jinja`), and `load` launches exactly the kernels whose
-    source waits with the launch attribute, so a kernel never starts early without waiting.
+    source waits with the launch attribute, so a kernel never starts early without waiting. `interpret`:
+    `interpreting()` where the caller has it already (every launch asks, through `compiled`).
     """
-    from llmc.codegen.elementwise import interpreting
-    return os.environ.get("LLMC_PDL", "1") != "0" and not interpreting() and _hopper_or_newer()
+    if interpret is None:
+        from llmc.codegen.elementwise import interpreting
+        interpret = interpreting()
+    return not interpret and _hopper_or_newer() and os.environ.get("LLMC_PDL", "1") != "0"
 
 
 def render(spec: KernelSpec, pdl: bool | None = None) -> str:

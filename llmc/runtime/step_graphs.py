@@ -52,9 +52,10 @@ def blocks_covering(i: int, token_ids: list[int], start_pos: int, table: list[in
     return used
 
 
-def graph_kind(batch, prefill: tuple[int, ...] = PREFILL_BUCKETS) -> tuple[str, int] | None:
+def graph_kind(batch, prefill: tuple[int, ...] | None = None) -> tuple[str, int] | None:
     """(kind, bucket) of the graph that can run `batch` (a list of StepInput), or None: run eager. `prefill`:
-    the prefill buckets (`prefill_buckets`)."""
+    the prefill buckets (default `prefill_buckets()`, what a StepGraphCache holds)."""
+    prefill = prefill_buckets() if prefill is None else prefill
     if all(len(s.token_ids) == 1 and s.num_logits == 1 for s in batch) and len(batch) <= DECODE_BUCKETS[-1]:
         return "decode", _bucket(DECODE_BUCKETS, len(batch))
     if len(batch) == 1 and batch[0].num_logits == 1 and len(batch[0].token_ids) <= prefill[-1]:
