@@ -263,8 +263,8 @@ def _measure_token_budget(graph: Graph, tuner, bar, device: str = "cuda") -> dic
     shapes: collections.Counter = collections.Counter()
     quantized: dict = {}
     for n in graph.nodes:
-        if n.op in ("linear", "linear_act"):
-            w = graph.weights[n.inputs[1].name]
+        if n.op in ("linear", "linear_act", "silu_mul_linear"):
+            w = graph.weights[n.inputs[2 if n.op == "silu_mul_linear" else 1].name]
             if w.dtype in (torch.bfloat16, torch.float16) and int(w.shape[0]) != vocab:
                 shapes[(int(w.shape[0]), int(w.shape[1]), w.dtype)] += 1
         elif n.op in ("qlinear", "qlinear_codes"):
@@ -400,32 +400,37 @@ def _tune_linears(graph: Graph, tuner, bar, device: str = "cuda") -> None:
     from llmc.codegen.autotune import M_BUCKETS, Tuner, run_on_threads
     from llmc.codegen.lower import ACT_EPILOGUE
     seen: set = set()
-    linears = []  # (weight on the device, bias, epilogue)
+    linears = []  # (weight on the device, bias, epilogue, whether the SwiGLU product is its prologue)
     for n in graph.nodes:
         if n.op in ("qlinear", "qlinear_codes"):
             _tune_qlinear(graph, n, tuner, seen, bar, device)
-        if n.op not in ("linear", "linear_act"):
+        if n.op not in ("linear", "linear_act", "silu_mul_linear"):
             continue
-        w = graph.weights[n.inputs[1].name]
-        b = graph.weights[n.inputs[2].name].to(device) if len(n.inputs) > 2 else None
+        at = 2 if n.op == "silu_mul_linear" else 1  # the weight's operand
+        w = graph.weights[n.inputs[at].name]
+        b = graph.weights[n.inputs[at + 1].name].to(device) if len(n.inputs) > at + 1 else None
         epi = ACT_EPILOGUE[n.attrs["act"]] if n.op == "linear_act" else ()
-        key = (tuple(w.shape), w.dtype, b is not None, epi)
+        key = (tuple(w.shape), w.dtype, b is not None, epi, at == 2)
         if key not in seen:
             seen.add(key)
-            linears.append((w.to(device), b, epi))
+            linears.append((w.to(device), b, epi, at == 2))
     if not linears:
         return
-    xs = {(m, k, dt): torch.randn(m, k, dtype=dt, device=device)
-          for m in M_BUCKETS[:-1] for k, dt in {(int(w.shape[1]), w.dtype) for w, _, _ in linears}}
+    # x [m, K], or gate and up as the halves of one [m, 2K] (a fused gate/up projection's output)
+    xs = {(m, k, dt, pro): torch.randn(m, 2 * k if pro else k, dtype=dt, device=device)
+          for m in M_BUCKETS[:-1] for k, dt, pro in {(int(w.shape[1]), w.dtype, pro) for w, _, _, pro in linears}}
+
+    def call(w, b, epi, pro, m, tuner):
+        K, x = int(w.shape[1]), xs[(m, int(w.shape[1]), w.dtype, pro)]
+        return mm.linear(x[:, :K], w, b, epi, tuner=tuner, up=x[:, K:] if pro else None)
     if isinstance(tuner, Tuner):
         recorded = Tuner(tuner.records, tuner.device, frozen=True, joint=tuner.joint)
         bar.step(f"compiling the recorded choices of {len(linears)} linear shapes")
-        run_on_threads([functools.partial(mm.linear, xs[(m, int(w.shape[1]), w.dtype)], w, b, epi, tuner=recorded)
-                        for w, b, epi in linears for m in M_BUCKETS[:-1]])
-    for w, b, epi in linears:
-        bar.step(f"tuning linear {list(w.shape)}")
+        run_on_threads([functools.partial(call, *lin, m, recorded) for lin in linears for m in M_BUCKETS[:-1]])
+    for lin in linears:
+        bar.step(f"tuning linear {list(lin[0].shape)}" + (" (SwiGLU prologue)" if lin[3] else ""))
         for m in M_BUCKETS[:-1]:
-            mm.linear(xs[(m, int(w.shape[1]), w.dtype)], w, b, epi, tuner=tuner)
+            call(*lin, m, tuner)
 
 
 def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar, device: str = "cuda") -> None:

@@ -233,14 +233,15 @@ class Plan:
             kernel, spec = "triton:matmul|cublas", f"epilogue={epilogue} triton for M<={tuned}, cublas above"
         return Step(n, fn, kernel, spec, into=lambda x, h, outs: fn(x, h, outs[0]))
 
-    def _tuned_buckets(self, n, epilogue) -> str | None:
+    def _tuned_buckets(self, n, epilogue, prologue: str = "") -> str | None:
         """The largest token bucket below which tuning.json prefers the generated matmul (None: never)."""
         from llmc.codegen import matmul as mm
         from llmc.codegen.autotune import M_BUCKETS
         if self.tuner is None:
             return None
-        w = n.inputs[1].type
-        spec = mm.MatmulSpec(w.dtype, len(n.inputs) > 2, tuple(epilogue))
+        at = 2 if prologue else 1  # the weight's operand
+        w = n.inputs[at].type
+        spec = mm.MatmulSpec(w.dtype, len(n.inputs) > at + 1, tuple(epilogue), prologue)
         key = spec.key(int(w.shape[0]), int(w.shape[1]))
         best = None
         for b in M_BUCKETS[:-1]:
@@ -255,6 +256,33 @@ class Plan:
 
     def _op_linear_act(self, n):
         return self._linear(n, ACT_EPILOGUE[n.attrs["act"]])
+
+    def _op_silu_mul_linear(self, n):
+        """The down projection with the SwiGLU product in its prologue (fuse_linear_prologue): the generated
+        matmul forms silu(gate) * up as it loads each tile; where cuBLAS runs the shape (tuning.json, or no
+        tuning), the product kernel runs first, as unfused. LLMC_SILU_PROLOGUE=0 (read when a plan is built)
+        runs the product kernel first everywhere, with the same tiles: the unfused form, to compare with."""
+        from llmc.codegen import matmul as mm
+        tuner, use_triton = self.tuner, self.triton_matmul
+        prologue = os.environ.get("LLMC_SILU_PROLOGUE", "1") != "0"
+
+        def fn(x, h, out=None):
+            g, u, w = x[:3]
+            b = x[3] if len(x) > 3 else None
+            if use_triton:
+                return mm.matmul(g, w, b, up=u, out=out) if prologue else mm.matmul(mm.silu_mul_product(g, u), w, b,
+                                                                                    out=out)
+            if tuner is not None:
+                return mm.linear(g, w, b, tuner=tuner, out=out, up=u, prologue=prologue)
+            return mm.reference(mm.silu_mul_product(g, u), w, b, out=out)
+        kernel, spec = "triton:fused_elementwise+cublas", ""
+        tuned = self._tuned_buckets(n, (), prologue="silu_mul") if not use_triton else None
+        if use_triton:
+            kernel, spec = "triton:matmul", "silu_mul prologue" if prologue else "silu_mul kernel first"
+        elif tuned:
+            kernel = "triton:matmul|fused_elementwise+cublas"
+            spec = f"silu_mul {'prologue' if prologue else 'kernel first'}: triton for M<={tuned}, cublas above"
+        return Step(n, fn, kernel, spec, into=lambda x, h, outs: fn(x, h, outs[0]))
 
     def _op_qlinear(self, n):
         """A quantized linear: the weight is repacked once into the kernel's layout (`qmatmul.prepare`),

@@ -12,6 +12,7 @@ gelu, ...) runs on the fp32 accumulator, so y is written once and never read bac
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -37,6 +38,7 @@ MAX_M_TILES = 4
 PDL_PREFETCH = os.environ.get("LLMC_PDL_PREFETCH") == "1"
 PREFETCH_BYTES = 4 << 20
 PREFETCH_LINES = 2  # 128-byte lines of a weight row per prefetch step
+PROLOGUES = ("", "silu_mul")  # x as loaded, or silu(gate) * up formed from two inputs (`silu_mul_linear`)
 
 
 def _norm_epilogue(epilogue: Sequence) -> tuple:
@@ -52,21 +54,26 @@ def _norm_epilogue(epilogue: Sequence) -> tuple:
 
 @dataclass(frozen=True)
 class MatmulSpec(KernelSpec):
-    """y = epilogue(x @ w.T + b) for x, w, b, y of `dtype`; epilogue: unary op names or (op, attrs) pairs."""
+    """y = epilogue(x @ w.T + b) for x, w, b, y of `dtype`; epilogue: unary op names or (op, attrs) pairs;
+    prologue "silu_mul": x is silu(gate) * up, formed from two inputs as each tile is loaded."""
 
     template = "matmul.py.jinja"
     dtype: str
     has_bias: bool
     epilogue: tuple = ()
+    prologue: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         object.__setattr__(self, "epilogue", _norm_epilogue(self.epilogue))
+        if self.prologue not in PROLOGUES:
+            raise CompileError(f"matmul prologue: {self.prologue!r} is not one of {PROLOGUES}")
 
     def key(self, n: int, k: int) -> str:
         """The autotune key: this kernel at a static weight shape [n, k]."""
         epi = "+".join(op + "".join(f"[{k_}={v}]" for k_, v in at) for op, at in self.epilogue) or "none"
-        return f"matmul[{self.dtype},bias={int(self.has_bias)},epilogue={epi}]N{n}K{k}"
+        pro = f",prologue={self.prologue}" if self.prologue else ""
+        return f"matmul[{self.dtype},bias={int(self.has_bias)},epilogue={epi}{pro}]N{n}K{k}"
 
     def context(self) -> dict[str, Any]:
         helpers: set[str] = set()
@@ -83,10 +90,13 @@ class MatmulSpec(KernelSpec):
         bytes_comment = (f"bytes: w read once ({e}NK), x ({e}MK, from L2 per N tile), y written once ({e}MN); "
                          f"unfused, each of the {len(self.epilogue) + self.has_bias} epilogue ops would read and "
                          f"write y again ({2 * e}MN each)")
-        summary = "x @ w.T" + (" + b" if self.has_bias else "")
+        summary = ("(silu(gate) * up)" if self.prologue else "x") + " @ w.T" + (" + b" if self.has_bias else "")
         for op, _ in self.epilogue:
             summary = f"{op}({summary})"
+        # the product as the unfused elementwise kernel computes and stores it (fp32, then x's dtype)
+        prologue_expr = cast_expr(op_expr("silu_mul", ["g", "u"], {}, helpers), self.dtype) if self.prologue else ""
         return {"has_bias": self.has_bias, "epilogue_lines": lines, "dot": dot, "max_m_tiles": MAX_M_TILES,
+                "prologue": self.prologue, "prologue_expr": prologue_expr,
                 "pdl_defer": PDL_PREFETCH, "line_elems": 128 // e, "prefetch_lines": PREFETCH_LINES,
                 "bytes_comment": bytes_comment, "store_cast": cast_expr("acc", self.dtype), "summary": summary,
                 "helpers": [HELPERS[h] for h in sorted(helpers)] + cast_helpers([self.dtype])}
@@ -117,10 +127,26 @@ def candidates(bucket: str, shared: bool = True) -> list[dict]:
             _cfg(64, 64, 64, 1, 4, 4), _cfg(128, 256, 64, 1, 8, 3), _cfg(64, 256, 64, 1, 8, 3)]
 
 
+def silu_mul_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up by the generated elementwise kernel, as the unfused graph computes it: the input
+    of a `silu_mul_linear` step that runs on cuBLAS (a prologue has no place there)."""
+    from llmc.codegen.elementwise import fused_elementwise
+    return fused_elementwise(_silu_mul_spec(dtype_name(gate.dtype)), [gate, up])[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _silu_mul_spec(dtype: str):
+    from llmc.codegen.elementwise import spec_from_ops
+    return spec_from_ops([("g", dtype, "full"), ("u", dtype, "full")], [("silu_mul", ["g", "u"], {}, "y")], ["y"])
+
+
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = (),
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
     """The same computation with torch (cuBLAS on the GPU) and the IR ops' reference implementations.
-    `out`: a contiguous [..., N] tensor to write y into."""
+    `out`: a contiguous [..., N] tensor to write y into. `up`: x is the gate of silu(x) * up, formed in
+    fp32 and rounded to x's dtype once (as the generated kernels form it)."""
+    if up is not None:
+        x = (F.silu(x.float()) * up.float()).to(x.dtype)
     if out is not None and not epilogue and x.is_contiguous():
         x2, y2 = x.view(-1, x.shape[-1]), out.view(-1, w.shape[0])
         if b is None:
@@ -156,7 +182,7 @@ def prefetch_columns(M: int, K: int, grid: tuple[int, int, int], cfg: dict, item
 
 
 def _launch(spec: MatmulSpec, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y2: torch.Tensor,
-            cfg: dict) -> None:
+            cfg: dict, u2: torch.Tensor | None = None) -> None:
     mod = compiled(spec)
     M, K = x2.shape
     N = w.shape[0]
@@ -167,14 +193,22 @@ def _launch(spec: MatmulSpec, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor
     counts = tile_counters(x2.device, grid[0] * grid[1]) if split_k > 1 else ws
     bias = (b,) if spec.has_bias else ()
     pre = prefetch_columns(M, K, grid, cfg, x2.element_size()) if PDL_PREFETCH else 0
-    mod.matmul_kernel[grid](x2, w, *bias, y2, ws, counts, x2.stride(0), w.stride(0), y2.stride(0), M, N, K, pre,
+    up = (u2,) if spec.prologue else ()
+    mod.matmul_kernel[grid](x2, *up, w, *bias, y2, ws, counts, x2.stride(0), w.stride(0), y2.stride(0), M, N, K, pre,
                             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split_k,
                             M_TILES=mt, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
+def _rows(t: torch.Tensor, K: int) -> torch.Tensor:
+    """t [..., K] as [M, K] with a unit column stride (a view where one exists)."""
+    t = t if t.stride(-1) == 1 else t.contiguous()
+    return t.view(-1, K) if t.dim() == 2 or t.is_contiguous() else t.reshape(-1, K)
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = (), *,
-           tuner: Tuner | None = None, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = epilogue(x @ w.T + b) with a generated Triton kernel.
+           tuner: Tuner | None = None, config: dict | None = None, out: torch.Tensor | None = None,
+           up: torch.Tensor | None = None) -> torch.Tensor:
+    """y = epilogue(x @ w.T + b) with a generated Triton kernel; with `up`, y = epilogue((silu(x) * up) @ w.T + b).
 
     Args:
         x: [..., K] activations (any row stride, unit column stride).
@@ -186,6 +220,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
             None: the bucket's default tiles, untimed.
         config: a fixed config instead (a dict as in `candidates`).
         out: a contiguous [..., N] tensor to write y into; allocated when None.
+        up: x's shape and dtype: x is then the gate of the SwiGLU product, which the kernel forms as it loads
+            each tile (rounded to x's dtype, as the product kernel stores it). Typically x and up are the two
+            halves of a fused gate/up projection's output, so they share a row stride.
 
     Returns:
         y [..., N] of x's dtype.
@@ -197,9 +234,12 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
     N = w.shape[0]
     assert w.dim() == 2 and w.shape[1] == K, f"matmul: weight {list(w.shape)} does not match x's last dim {K}"
     assert w.dtype == x.dtype and (b is None or (b.shape == (N,) and b.dtype == x.dtype)), "matmul: mixed dtypes"
-    spec = MatmulSpec(dtype_name(x.dtype), b is not None, tuple(epilogue))
-    x2 = x if x.stride(-1) == 1 else x.contiguous()
-    x2 = x2.view(-1, K) if x2.dim() == 2 or x2.is_contiguous() else x2.reshape(-1, K)
+    assert up is None or (up.shape == x.shape and up.dtype == x.dtype), "matmul: up differs from x"
+    spec = MatmulSpec(dtype_name(x.dtype), b is not None, tuple(epilogue), "silu_mul" if up is not None else "")
+    x2 = _rows(x, K)
+    u2 = _rows(up, K) if up is not None else None
+    if u2 is not None and u2.stride(0) != x2.stride(0):  # the kernel steps both by x's row stride
+        x2, u2 = x2.contiguous(), u2.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     b = b.contiguous() if b is not None else None
     M = x2.shape[0]
@@ -208,32 +248,45 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
         return y
     y2 = y.view(-1, N)
     if K == 0:
-        return y.copy_(reference(x, w, b, epilogue))
+        return y.copy_(reference(x, w, b, epilogue, up=up))
     if config is None and tuner is None:
         config = candidates(m_bucket(M))[0]
     elif config is None:
         bucket = m_bucket(M)
         group = tuner.joint if bucket in tuner.joint else (bucket,)
-        io = timing_io(group, K, N, x2.dtype, x2.device)
-        config = tuner.choose(spec.key(N, K), group, candidates(bucket, len(group) > 1),
-                              bench=lambda cfg: [_launch(spec, xi, w, b, yi, cfg) for xi, yi in io()],
-                              baseline=lambda: [reference(xi, w, b, spec.epilogue) for xi, _ in io()],
-                              margin=JOINT_MARGIN if len(group) > 1 else 0.97)
-    _launch(spec, x2, w, b, y2, config)
+        if spec.prologue:  # gate and up as the halves of one [m, 2K] output, as a fused gate/up writes them
+            io = timing_io(group, 2 * K, N, x2.dtype, x2.device)
+            bench = lambda cfg: [_launch(spec, xi[:, :K], w, b, yi, cfg, xi[:, K:]) for xi, yi in io()]
+            baseline = lambda: [reference(silu_mul_product(xi[:, :K], xi[:, K:]), w, b, spec.epilogue)
+                                for xi, _ in io()]
+        else:
+            io = timing_io(group, K, N, x2.dtype, x2.device)
+            bench = lambda cfg: [_launch(spec, xi, w, b, yi, cfg) for xi, yi in io()]
+            baseline = lambda: [reference(xi, w, b, spec.epilogue) for xi, _ in io()]
+        config = tuner.choose(spec.key(N, K), group, candidates(bucket, len(group) > 1), bench=bench,
+                              baseline=baseline, margin=JOINT_MARGIN if len(group) > 1 else 0.97)
+    _launch(spec, x2, w, b, y2, config, *(() if u2 is None else (u2,)))
     return y
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = (), *,
-           tuner: Tuner | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+           tuner: Tuner | None = None, out: torch.Tensor | None = None, up: torch.Tensor | None = None,
+           prologue: bool = True) -> torch.Tensor:
     """`matmul`, or cuBLAS (torch) where the tuner recorded that cuBLAS is faster for this shape bucket,
-    or where a frozen tuner (an artifact's) has no record for it."""
+    or where a frozen tuner (an artifact's) has no record for it. With `up` the cuBLAS path runs the SwiGLU
+    product kernel first (`silu_mul_product`), so both paths give the same x; `prologue=False` does so on
+    the generated path too, with the tiles tuned for the prologue (the unfused form, to compare with)."""
+    rec = None
     if tuner is not None:
-        spec = MatmulSpec(dtype_name(x.dtype), b is not None, tuple(epilogue))
+        spec = MatmulSpec(dtype_name(x.dtype), b is not None, tuple(epilogue), "silu_mul" if up is not None else "")
         M = x.numel() // max(1, x.shape[-1])
         rec = tuner.lookup(spec.key(w.shape[0], w.shape[1]), m_bucket(M))
         if rec.prefer_cublas if rec is not None else tuner.frozen:
-            return reference(x, w, b, epilogue, out)
-    return matmul(x, w, b, epilogue, tuner=tuner, out=out)
+            return reference(x if up is None else silu_mul_product(x, up), w, b, epilogue, out)
+    if up is not None and not prologue:
+        return matmul(silu_mul_product(x, up), w, b, epilogue, out=out,
+                      config=dict(rec.config) if rec is not None else candidates(m_bucket(x.numel() // x.shape[-1]))[0])
+    return matmul(x, w, b, epilogue, tuner=tuner, out=out, up=up)
 
 
 def triton_cdiv(a: int, b: int) -> int:

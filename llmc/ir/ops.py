@@ -469,6 +469,25 @@ register_op("linear_act", "nn", ("x", "weight", "bias?"), _linear_infer,
             traits=("linear", "no_fold"))
 
 
+def _silu_mul_linear_infer(ts, a):
+    gate, up = ts[0], ts[1]
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise IRError(f"silu_mul_linear: gate {gate} and up {up} differ")
+    return _linear_infer([gate, *ts[2:]], a)
+
+
+def _silu_mul_linear_ref(x, a, env):
+    return F.linear(F.silu(x[0]) * x[1], x[2], x[3] if len(x) > 3 else None)
+
+
+# not a "linear" by trait: operand 1 is the up projection, not the weight (generic passes that read a linear's
+# weight as operand 1 must not take it for one); tensor parallelism unfuses it first (llmc/ir/sharding.py)
+register_op("silu_mul_linear", "nn", ("gate", "up", "weight", "bias?"), _silu_mul_linear_infer,
+            _silu_mul_linear_ref, doc="(silu(gate) * up) @ weight.T + bias: the SwiGLU product in the down "
+            "projection's prologue (rounded to x's dtype first, as the unfused product is stored)",
+            traits=("no_fold",))
+
+
 def _moe_infer(ts, a):
     x, router, gate_up, down = ts
     H = x.shape[-1]

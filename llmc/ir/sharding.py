@@ -157,7 +157,22 @@ def shard_graph(g: Graph, tp_size: int, rank: int, expert_parallel: bool = False
         return g
     from llmc.ir.act_quant import unfuse_act_quant
     unfuse_act_quant(g)  # W8A8 / FP8 linears quantize their own (on a row-parallel linear: sliced) input
+    unfuse_silu_mul_linear(g)  # the MLP rule reads silu_mul -> linear (a shard keeps the product kernel)
     return plan_sharding(g, tp_size, expert_parallel).apply(rank)
+
+
+def unfuse_silu_mul_linear(g: Graph) -> int:
+    """Each `silu_mul_linear` (fuse_linear_prologue) back to `silu_mul` then `linear`, in place (exact: the
+    fused op is defined as that composition); returns how many were unfused."""
+    fused = [n for n in g.nodes if n.op == "silu_mul_linear"]
+    for n in fused:
+        act = g.make_node("silu_mul", n.inputs[:2], {}, meta=n.meta)
+        g.insert_before(n, act)
+        lin = g.make_node("linear", [act.outputs[0], *n.inputs[2:]], {}, meta=n.meta)
+        g.insert_before(n, lin)
+        g.replace_uses(n.outputs[0], lin.outputs[0])
+        g.remove_nodes([n])
+    return len(fused)
 
 
 def plan_sharding(g: Graph, tp_size: int, expert_parallel: bool = False) -> ShardPlan:

@@ -302,6 +302,32 @@ def test_matmul_row_tiles_of_one_program_equal_tiles_alone(split_k):
         close(matmul(x[i:i + 1], w, b, ("silu",), config=cfg)[0], full[i], torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 17, 70])  # one row tile; row tiles in one program; one tile per program
+def test_silu_mul_prologue_equals_the_product_kernel_then_the_matmul(dtype, m):
+    """The SwiGLU product formed in the matmul's prologue (silu_mul_linear) gives the bits of the product kernel
+    followed by the plain matmul on the same tiles, with gate and up the halves of one gate/up output, with a
+    bias and with split-K; and it matches the torch reference."""
+    g = torch.Generator().manual_seed(m)
+    K, N = 96, 40
+    gu = rand(m, 2 * K, dtype=dtype, gen=g)
+    gate, up = gu[:, :K], gu[:, K:]  # strided rows, as a fused gate/up projection writes them
+    w, b = (rand(N, K, gen=g) / K ** 0.5).to(dtype), rand(N, dtype=dtype, gen=g)
+    product = mm.silu_mul_product(gate, up)
+    for cfg in (None, dict(candidates("1")[6], BLOCK_K=32)):  # the default tiles; 4 splits of K
+        for bias in (None, b):
+            fused = matmul(gate, w, bias, up=up, config=cfg)
+            assert torch.equal(fused, matmul(product, w, bias, config=cfg))
+            close(fused, reference(gate, w, bias, up=up), dtype)
+    # an untuned linear (cuBLAS) forms the same product first; with prologue=False the generated path does too
+    close(mm.linear(gate, w, b, tuner=Tuner(frozen=True), up=up), reference(product, w, b), dtype)
+    assert torch.equal(mm.linear(gate, w, b, up=up, prologue=False), matmul(product, w, b))
+    # the prologue is part of the kernel's identity and its tuning key
+    assert MatmulSpec("bf16", False, (), "silu_mul").key(N, K) != MatmulSpec("bf16", False, ()).key(N, K)
+    with pytest.raises(CompileError, match="prologue"):
+        MatmulSpec("f32", False, (), "gelu_mul")
+
+
 def test_matmul_leading_dims_and_strided_rows():
     x = rand(2, 3, 48)[:, :, :40]  # rows with a stride > K
     w, b = rand(24, 40) / 40 ** 0.5, rand(24)

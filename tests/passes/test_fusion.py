@@ -9,6 +9,7 @@ from llmc.passes.fuse_parallel_linears import FuseParallelLinears
 from llmc.passes.fuse_add_rmsnorm import FuseAddRmsNorm
 from llmc.passes.fuse_elementwise import FuseElementwise
 from llmc.passes.fuse_linear_epilogue import FuseLinearEpilogue
+from llmc.passes.fuse_linear_prologue import FuseLinearPrologue
 QKV = """graph t(%x: f32[T,8]) {
   dims T[1..64]
   param %q.weight: f32[8,8]
@@ -89,8 +90,36 @@ EPI_AFTER = """graph t(%x: f32[T,8]) {
 """
 
 
+PRO = """graph t(%x: f32[T,8]) {
+  dims T[1..64]
+  param %wgu: f32[12,8]
+  param %w: f32[8,6]
+  param %b: f32[8]
+  %0: f32[T,12] = linear(%x, %wgu)
+  %1: f32[T,6] = slice(%0) {dim=1, start=0, end=6, step=1}
+  %2: f32[T,6] = slice(%0) {dim=1, start=6, end=12, step=1}
+  %3: f32[T,6] = silu_mul(%1, %2)
+  %4: f32[T,8] = linear(%3, %w, %b)
+  return %4
+}
+"""
+PRO_AFTER = """graph t(%x: f32[T,8]) {
+  dims T[1..64]
+  param %wgu: f32[12,8]
+  param %w: f32[8,6]
+  param %b: f32[8]
+  %0: f32[T,12] = linear(%x, %wgu)
+  %1: f32[T,6] = slice(%0) {dim=1, start=0, end=6, step=1}
+  %2: f32[T,6] = slice(%0) {dim=1, start=6, end=12, step=1}
+  %5: f32[T,8] = silu_mul_linear(%1, %2, %w, %b)
+  return %5
+}
+"""
+
+
 CASES = [("qkv", QKV, QKV_AFTER, FuseParallelLinears), ("add_rmsnorm", ADDN, ADDN_AFTER, FuseAddRmsNorm),
-         ("elementwise", EW, EW_AFTER, FuseElementwise), ("epilogue", EPI, EPI_AFTER, FuseLinearEpilogue)]
+         ("elementwise", EW, EW_AFTER, FuseElementwise), ("epilogue", EPI, EPI_AFTER, FuseLinearEpilogue),
+         ("prologue", PRO, PRO_AFTER, FuseLinearPrologue)]
 
 
 @pytest.mark.parametrize("name,before,after,cls", CASES, ids=[c[0] for c in CASES])
@@ -124,7 +153,9 @@ def test_whole_model_fused_equals_unfused(llama_dir):
     fused = llmc.compile(llama_dir, None, verify=True)
     plain = llmc.compile(llama_dir, None, verify=True, fuse=False)
     per_layer = lambda a: {op: n for op, n in a.graph.op_counts().items()}
-    assert per_layer(fused)["linear"] == 2 * 4 + 1 and per_layer(plain)["linear"] == 2 * 7 + 1
+    # per layer: qkv, o and gate/up linears, and the down projection with the SwiGLU product in its prologue
+    assert per_layer(fused)["linear"] == 2 * 3 + 1 and per_layer(plain)["linear"] == 2 * 7 + 1
+    assert per_layer(fused)["silu_mul_linear"] == 2 and "silu_mul" not in per_layer(fused)
     assert "rope_kv_write" in per_layer(fused) and "paged_attention" not in per_layer(fused)
     p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
