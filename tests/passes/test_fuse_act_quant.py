@@ -119,15 +119,15 @@ def test_linears_compile_their_recorded_choices_on_threads_before_tuning(llama_d
     art = llmc.compile(llama_dir, tmp_path / "f32.llmc")
     calls, lock = [], threading.Lock()
 
-    def linear(x, w, b, epi, tuner):
+    def linear(x, w, b, epi, tuner, up=None):
         with lock:
             calls.append((threading.current_thread().name.startswith("llmc-tune"), tuner.frozen, tuple(w.shape),
                           x.shape[0]))
     monkeypatch.setattr(mm, "linear", linear)
     monkeypatch.setenv("LLMC_TUNE_THREADS", "4")
     compiler._tune_linears(art.graph, Tuner(device="test-gpu"), compiler._Progress(False), device="cpu")
-    shapes = {tuple(art.graph.weights[n.inputs[1].name].shape) for n in art.graph.nodes
-              if n.op in ("linear", "linear_act")}
+    shapes = {tuple(art.graph.weights[n.inputs[2 if n.op == "silu_mul_linear" else 1].name].shape)
+              for n in art.graph.nodes if n.op in ("linear", "linear_act", "silu_mul_linear")}
     want = sorted((s, m) for s in shapes for m in M_BUCKETS[:-1])
     first, then = calls[:len(want)], calls[len(want):]
     assert all(threaded and frozen for threaded, frozen, *_ in first) and sorted(r[2:] for r in first) == want

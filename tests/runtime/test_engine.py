@@ -332,8 +332,9 @@ def test_the_compile_measures_the_budget_over_every_linear_but_the_lm_head(llama
 
     t = Tuner()
     out = _measure_token_budget(g, t, SimpleBar(), device="cpu")
-    runs = collections.Counter((int(g.weights[n.inputs[1].name].shape[0]), int(g.weights[n.inputs[1].name].shape[1]))
-                               for n in g.nodes if n.op in ("linear", "linear_act"))
+    weights = [g.weights[n.inputs[2 if n.op == "silu_mul_linear" else 1].name] for n in g.nodes
+               if n.op in ("linear", "linear_act", "silu_mul_linear")]  # the down projection: silu_mul_linear
+    runs = collections.Counter((int(w.shape[0]), int(w.shape[1])) for w in weights)
     shapes = {s for s in runs if s[0] != vocab}
     assert any(n == vocab for n, _ in runs)  # the graph's LM head is a linear: what is left out
     assert len(t.calls) == len(shapes) * len(TOKEN_BUDGET_CANDIDATES) and all(f"{vocab}x" not in c for c in t.calls)
