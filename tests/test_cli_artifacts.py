@@ -121,7 +121,7 @@ def test_plugin_defines_a_users_op(llama_dir, llama_artifact, tmp_path, monkeypa
     plugin = tmp_path / "my_op.py"
     plugin.write_text(PLUGIN)
     art = tmp_path / "custom.llmc"
-    code, out = cli("compile", llama_dir, "-o", art, "--pass", f"{plugin}:UseIt", "--pass-before", "fuse_linear_prologue")
+    code, out = cli("compile", llama_dir, "-o", art, "--pass", f"{plugin}:UseIt")
     assert code == 0, out
     monkeypatch.delitem(ops.OPS, "cli_test_swiglu")  # a fresh process: only llmc's own ops
     for cmd in (["run", art, "--prompt", PROMPT], ["inspect", art]):

@@ -4,9 +4,14 @@ Unfused, the product is a kernel of its own between the gate/up projection and t
 reads gate and up and writes the product, which the down projection then reads back. Fused
 (`silu_mul_linear`), the down projection's generated matmul loads gate and up tiles where it loaded
 its input and forms the product in registers, rounded to the activation dtype exactly as the unfused
-kernel stores it, so the result is the same bit for bit and a layer launches one kernel fewer. At
-decode (a few rows) the product is recomputed per output tile at no measurable cost; where the tuner
-hands a step to cuBLAS (long prefill steps), the lowering runs the product kernel and cuBLAS as before.
+kernel stores it, so the result is the same bit for bit, a layer launches one kernel fewer and no [T, I]
+product is stored (a quarter less activation memory at Llama's MLP width). Where the tuner hands a step
+to cuBLAS, the lowering runs the product kernel and cuBLAS as unfused.
+
+Opt-in (`--pass fuse_linear_prologue`), not in the default pipeline: on the H200 the prologue kernel, which
+recomputes the product for every output tile and cannot stream its x tiles asynchronously, was timed 3.8-4.3x
+slower than the product kernel plus cuBLAS at every decode bucket (8B and 1B down projections), so the tuner
+chose cuBLAS there, where the unfused graph runs the faster generated GEMV (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 

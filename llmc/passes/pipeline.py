@@ -13,7 +13,7 @@ from llmc.passes.paged_kv import PagedKV
 from llmc.passes.fuse_add_rmsnorm import FuseAddRmsNorm
 from llmc.passes.fuse_elementwise import FuseElementwise
 from llmc.passes.fuse_linear_epilogue import FuseLinearEpilogue
-from llmc.passes.fuse_linear_prologue import FuseLinearPrologue
+from llmc.passes.fuse_linear_prologue import FuseLinearPrologue  # noqa: F401  (opt-in: --pass fuse_linear_prologue)
 from llmc.passes.fuse_act_quant import FuseActQuant
 from llmc.passes.fuse_parallel_linears import FuseParallelLinears
 from llmc.passes.fuse_rope_kv_write import FuseRopeKVWrite
@@ -34,7 +34,7 @@ def default_passes(options: dict | None = None) -> list[Pass]:
         *quantize_passes(opts.get("quant")),
         # phase 3: fusion: horizontal, then vertical
         *([FuseParallelLinears(), FuseAddRmsNorm(), FuseRopeKVWrite(), FuseLinearEpilogue(), FuseActQuant(),
-           FuseLinearPrologue(), FuseElementwise(),
+           FuseElementwise(),
            DeadCode()] if opts.get("fuse", True) else []),
         # phase 4: lower and plan memory                                  (codegen)
     ]

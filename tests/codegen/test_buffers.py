@@ -46,12 +46,10 @@ def test_plan_packs_values_by_lifetime(llama_artifact):
     assert not outputs & set(bp.buffers), "graph outputs must not live in the arena"
     for T in (1, 7, 64, 65, 300, 4097):
         stats = _check_layout(bp, {"T": T, "N": 2, "L": 2})
-        # near the lower bound (bucketing adds at most 12.5%; the greedy packing of this model's MLP, whose gate/up
-        # output lives on into the down projection that forms the SwiGLU product, 18% of the bucket's peak; alignment
-        # a little), far below no reuse
-        assert stats["arena_bytes"] <= 1.35 * stats["peak_live_bytes"] + 256 * stats["values"], stats
+        # near the lower bound (bucketing adds at most 12.5%, alignment a little), far below no reuse
+        assert stats["arena_bytes"] <= 1.15 * stats["peak_live_bytes"] + 256 * stats["values"], stats
         if T >= 64:  # (tiny values below: the 256-byte alignment dominates)
-            assert stats["arena_bytes"] * 3.5 < stats["unshared_bytes"], stats
+            assert stats["arena_bytes"] * 4 < stats["unshared_bytes"], stats
     # bindings in one bucket share a placement; each binding gets its exact sizes
     a, b = bp.layout({"T": 4097}), bp.layout({"T": 4100})
     assert a.offsets == b.offsets and a.sizes != b.sizes
@@ -99,14 +97,17 @@ def test_planned_kernels_write_into_the_arena(llama_artifact):
 
 
 def test_the_swiglu_prologue_shrinks_the_arena(tmp_path):
-    """With the SwiGLU product formed in the down projection's prologue (fuse_linear_prologue) no [T, I] product
-    is stored: at Llama's MLP width (I = 4H, bf16) the arena is about a quarter smaller than unfused."""
+    """With the SwiGLU product formed in the down projection's prologue (the opt-in fuse_linear_prologue) no
+    [T, I] product is stored: at Llama's MLP width (I = 4H, bf16) the arena is about a quarter smaller."""
     import llmc
     from llmc.ir.sharding import unfuse_silu_mul_linear
+    from llmc.passes.fuse_linear_prologue import FuseLinearPrologue
     from tests.distributed.conftest import make_llama
-    art = llmc.compile(make_llama(tmp_path, "l", 4, 2, False, intermediate=4 * 48, layers=2), None, dtype="bfloat16")
+    art = llmc.compile(make_llama(tmp_path, "l", 4, 2, False, intermediate=4 * 48, layers=2), None, dtype="bfloat16",
+                       passes=[FuseLinearPrologue()])
     plain = art.graph.clone()
     assert unfuse_silu_mul_linear(plain) == 2
     for T in (64, 2048):
         fused, unfused = (Plan(g, "meta").buffers.stats({"T": T, "N": 2, "L": 2}) for g in (art.graph, plain))
         assert fused["arena_bytes"] < 0.8 * unfused["arena_bytes"], (fused, unfused)
+
