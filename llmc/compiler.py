@@ -16,6 +16,7 @@ import torch
 from llmc.codegen.precompile import CompilePool, tune_processes
 from llmc.errors import CompileError
 from llmc.ir.graph import Graph
+from llmc.ir.ops import linear_weight_inputs
 from llmc.passes.manager import Pass, PassContext, PassManager
 from llmc.artifact import MANIFEST, Artifact, ArtifactWriter
 
@@ -264,7 +265,7 @@ def _measure_token_budget(graph: Graph, tuner, bar, device: str = "cuda") -> dic
     quantized: dict = {}
     for n in graph.nodes:
         if n.op in ("linear", "linear_act", "silu_mul_linear"):
-            w = graph.weights[n.inputs[2 if n.op == "silu_mul_linear" else 1].name]
+            w = graph.weights[linear_weight_inputs(n)[0].name]
             if w.dtype in (torch.bfloat16, torch.float16) and int(w.shape[0]) != vocab:
                 shapes[(int(w.shape[0]), int(w.shape[1]), w.dtype)] += 1
         elif n.op in ("qlinear", "qlinear_codes"):
@@ -406,14 +407,15 @@ def _tune_linears(graph: Graph, tuner, bar, device: str = "cuda") -> None:
             _tune_qlinear(graph, n, tuner, seen, bar, device)
         if n.op not in ("linear", "linear_act", "silu_mul_linear"):
             continue
-        at = 2 if n.op == "silu_mul_linear" else 1  # the weight's operand
-        w = graph.weights[n.inputs[at].name]
-        b = graph.weights[n.inputs[at + 1].name].to(device) if len(n.inputs) > at + 1 else None
+        wv, bv = linear_weight_inputs(n)
+        w = graph.weights[wv.name]
+        b = graph.weights[bv.name].to(device) if bv is not None else None
         epi = ACT_EPILOGUE[n.attrs["act"]] if n.op == "linear_act" else ()
-        key = (tuple(w.shape), w.dtype, b is not None, epi, at == 2)
+        pro = n.op == "silu_mul_linear"
+        key = (tuple(w.shape), w.dtype, b is not None, epi, pro)
         if key not in seen:
             seen.add(key)
-            linears.append((w.to(device), b, epi, at == 2))
+            linears.append((w.to(device), b, epi, pro))
     if not linears:
         return
     # x [m, K], or gate and up as the halves of one [m, 2K] (a fused gate/up projection's output)

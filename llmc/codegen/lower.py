@@ -233,15 +233,16 @@ class Plan:
             kernel, spec = "triton:matmul|cublas", f"epilogue={epilogue} triton for M<={tuned}, cublas above"
         return Step(n, fn, kernel, spec, into=lambda x, h, outs: fn(x, h, outs[0]))
 
-    def _tuned_buckets(self, n, epilogue, prologue: str = "") -> str | None:
+    def _tuned_buckets(self, n, epilogue) -> str | None:
         """The largest token bucket below which tuning.json prefers the generated matmul (None: never)."""
         from llmc.codegen import matmul as mm
         from llmc.codegen.autotune import M_BUCKETS
+        from llmc.ir.ops import linear_weight_inputs
         if self.tuner is None:
             return None
-        at = 2 if prologue else 1  # the weight's operand
-        w = n.inputs[at].type
-        spec = mm.MatmulSpec(w.dtype, len(n.inputs) > at + 1, tuple(epilogue), prologue)
+        wv, bv = linear_weight_inputs(n)
+        w = wv.type
+        spec = mm.MatmulSpec(w.dtype, bv is not None, tuple(epilogue), "silu_mul" if n.op == "silu_mul_linear" else "")
         key = spec.key(int(w.shape[0]), int(w.shape[1]))
         best = None
         for b in M_BUCKETS[:-1]:
@@ -276,7 +277,7 @@ class Plan:
                 return mm.linear(g, w, b, tuner=tuner, out=out, up=u, prologue=prologue)
             return mm.reference(mm.silu_mul_product(g, u), w, b, out=out)
         kernel, spec = "triton:fused_elementwise+cublas", ""
-        tuned = self._tuned_buckets(n, (), prologue="silu_mul") if not use_triton else None
+        tuned = self._tuned_buckets(n, ()) if not use_triton else None
         if use_triton:
             kernel, spec = "triton:matmul", "silu_mul prologue" if prologue else "silu_mul kernel first"
         elif tuned:

@@ -265,7 +265,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
             baseline = lambda: [reference(xi, w, b, spec.epilogue) for xi, _ in io()]
         config = tuner.choose(spec.key(N, K), group, candidates(bucket, len(group) > 1), bench=bench,
                               baseline=baseline, margin=JOINT_MARGIN if len(group) > 1 else 0.97)
-    _launch(spec, x2, w, b, y2, config, *(() if u2 is None else (u2,)))
+    _launch(spec, x2, w, b, y2, config, u2)
     return y
 
 
@@ -276,16 +276,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
     or where a frozen tuner (an artifact's) has no record for it. With `up` the cuBLAS path runs the SwiGLU
     product kernel first (`silu_mul_product`), so both paths give the same x; `prologue=False` does so on
     the generated path too, with the tiles tuned for the prologue (the unfused form, to compare with)."""
-    rec = None
+    rec, M = None, x.numel() // max(1, x.shape[-1])
     if tuner is not None:
         spec = MatmulSpec(dtype_name(x.dtype), b is not None, tuple(epilogue), "silu_mul" if up is not None else "")
-        M = x.numel() // max(1, x.shape[-1])
         rec = tuner.lookup(spec.key(w.shape[0], w.shape[1]), m_bucket(M))
         if rec.prefer_cublas if rec is not None else tuner.frozen:
             return reference(x if up is None else silu_mul_product(x, up), w, b, epilogue, out)
     if up is not None and not prologue:
         return matmul(silu_mul_product(x, up), w, b, epilogue, out=out,
-                      config=dict(rec.config) if rec is not None else candidates(m_bucket(x.numel() // x.shape[-1]))[0])
+                      config=dict(rec.config) if rec is not None else candidates(m_bucket(M))[0])
     return matmul(x, w, b, epilogue, tuner=tuner, out=out, up=up)
 
 

@@ -529,6 +529,13 @@ def _qlinear_operands(x: list, a: dict) -> tuple:
     return qw, sc, zeros, bias
 
 
+def linear_weight_inputs(n) -> tuple:
+    """(weight, bias or None): the weight operands (Values) of a `linear` or `linear_act` node, or of a
+    `silu_mul_linear` node, whose first two inputs are the SwiGLU product's gate and up."""
+    rest = n.inputs[2 if n.op == "silu_mul_linear" else 1:]
+    return rest[0], rest[1] if len(rest) > 1 else None
+
+
 def qlinear_weight_inputs(n) -> tuple:
     """(qweight, scales, zeros or None, bias or None): the weight operands (Values) of a `qlinear` node, or of
     a `qlinear_codes` node, whose first two inputs are the activation codes and their scales."""

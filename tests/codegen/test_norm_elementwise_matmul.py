@@ -421,7 +421,7 @@ def test_decode_buckets_share_one_choice_timed_on_their_sum(monkeypatch):
             2: {1: 1.5, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0, 64: 1.0}}
     seen = []
 
-    def fake_launch(spec, x2, w, b, y2, cfg):
+    def fake_launch(spec, x2, w, b, y2, cfg, u2=None):
         seen.append((x2.shape[0], cfg["A"]))
         return cost[cfg["A"]].get(x2.shape[0], 9.0)
 
@@ -454,7 +454,7 @@ def test_a_tie_goes_to_the_generated_kernel_for_a_joint_group_and_to_cublas_alon
     the same at every batch size), not for 128+ (a bucket of its own, where a tie keeps cuBLAS)."""
     monkeypatch.setattr(autotune, "can_time", lambda: True)
     monkeypatch.setattr(autotune, "gpu_time_ms", lambda fn: sum(fn()))
-    monkeypatch.setattr(mm, "_launch", lambda spec, x2, w, b, y2, cfg: 1.02)
+    monkeypatch.setattr(mm, "_launch", lambda spec, x2, w, b, y2, cfg, u2=None: 1.02)
     monkeypatch.setattr(mm, "candidates", lambda bucket, shared=True: [{"A": 1}])
     monkeypatch.setattr(mm, "reference", lambda *a, **k: 1.0)
     t = Tuner(device="test-gpu")
@@ -464,7 +464,7 @@ def test_a_tie_goes_to_the_generated_kernel_for_a_joint_group_and_to_cublas_alon
     key = MatmulSpec("f32", False).key(16, 32)
     assert not t.lookup(key, "1").prefer_cublas and not t.lookup(key, "64").prefer_cublas
     assert t.lookup(key, "128+").prefer_cublas
-    monkeypatch.setattr(mm, "_launch", lambda spec, x2, w, b, y2, cfg: 1.04)  # 4% slower: cuBLAS
+    monkeypatch.setattr(mm, "_launch", lambda spec, x2, w, b, y2, cfg, u2=None: 1.04)  # 4% slower: cuBLAS
     t2 = Tuner(device="test-gpu")
     mm.matmul(rand(3, 32), w, tuner=t2)
     assert t2.lookup(key, "1").prefer_cublas
@@ -539,7 +539,7 @@ def test_artifact_tuner_never_times_and_runs_cublas_where_untuned(monkeypatch):
     monkeypatch.setattr(autotune, "can_time", lambda: True)
     monkeypatch.setattr(autotune, "gpu_time_ms", lambda fn: pytest.fail("timed at run time"))
     used = []
-    monkeypatch.setattr(mm, "_launch", lambda spec, x2, w, b, y2, cfg: used.append(("triton", x2.shape[0])))
+    monkeypatch.setattr(mm, "_launch", lambda spec, x2, w, b, y2, cfg, u2=None: used.append(("triton", x2.shape[0])))
     monkeypatch.setattr(mm, "reference", lambda x, *a, **k: used.append(("cublas", x.shape[0])))
     key = MatmulSpec("f32", False).key(16, 32)
     rec = {"config": dict(candidates("1")[0]), "triton_ms": 1.0, "cublas_ms": 2.0, "prefer_cublas": False}
@@ -560,7 +560,7 @@ def test_an_invariant_artifact_tuner_keeps_the_generated_kernel_in_the_joint_buc
     monkeypatch.setattr(autotune, "can_time", lambda: True)  # records are read as on a GPU
     monkeypatch.setattr(autotune, "gpu_time_ms", lambda fn: pytest.fail("timed at run time"))
     used = []
-    monkeypatch.setattr(mm, "_launch", lambda spec, x2, w, b, y2, cfg: used.append(("triton", x2.shape[0], cfg)))
+    monkeypatch.setattr(mm, "_launch", lambda spec, x2, w, b, y2, cfg, u2=None: used.append(("triton", x2.shape[0], cfg)))
     monkeypatch.setattr(mm, "reference", lambda x, *a, **k: used.append(("cublas", x.shape[0])))
     key = MatmulSpec("f32", False).key(16, 32)
     cfg = dict(candidates("1")[1])

@@ -116,6 +116,7 @@ def test_linears_compile_their_recorded_choices_on_threads_before_tuning(llama_d
     from llmc import compiler
     from llmc.codegen import matmul as mm
     from llmc.codegen.autotune import M_BUCKETS, Tuner
+    from llmc.ir.ops import linear_weight_inputs
     art = llmc.compile(llama_dir, tmp_path / "f32.llmc")
     calls, lock = [], threading.Lock()
 
@@ -126,7 +127,7 @@ def test_linears_compile_their_recorded_choices_on_threads_before_tuning(llama_d
     monkeypatch.setattr(mm, "linear", linear)
     monkeypatch.setenv("LLMC_TUNE_THREADS", "4")
     compiler._tune_linears(art.graph, Tuner(device="test-gpu"), compiler._Progress(False), device="cpu")
-    shapes = {tuple(art.graph.weights[n.inputs[2 if n.op == "silu_mul_linear" else 1].name].shape)
+    shapes = {tuple(art.graph.weights[linear_weight_inputs(n)[0].name].shape)
               for n in art.graph.nodes if n.op in ("linear", "linear_act", "silu_mul_linear")}
     want = sorted((s, m) for s in shapes for m in M_BUCKETS[:-1])
     first, then = calls[:len(want)], calls[len(want):]
