@@ -46,6 +46,10 @@
 #                                                     #   greedy agreement under variants of a tuned artifact's choices
 #   bash benchmarks/gpu_pending.sh OUT step-profile   # issue 20: TTFT and batch-1 decode kernel by kernel (SHAPES,
 #                                                     #   default "8b"; benchmarks/step_profile.py)
+#   COLD_ENVS="LLMC_TRITON_SETUP=0 -" bash benchmarks/gpu_pending.sh OUT compile-ab  # issue 20: cold 8B compiles
+#                                                     #   (fresh process, empty caches) under each setting, REPEAT times
+#   bash benchmarks/gpu_pending.sh OUT compile-spy    # issue 20: a cold 8B compile sampled by py-spy (every thread;
+#                                                     #   the wheel under .whl/), then a fresh prompt's TTFT traced
 #   bash benchmarks/gpu_pending.sh OUT compile-profile  # issue 20: a cold 8B compile under cProfile (the main thread's
 #                                                     #   functions by cumulative time), empty Triton and llmc caches
 #   bash benchmarks/gpu_pending.sh OUT prefill-flags  # issue 20: TTFT and greedy tokens with LLMC_LONG_PREFILL_GRAPHS
@@ -192,6 +196,51 @@ print('load', round(time.time() - t, 1), 's')" >>"$OUT/compile_cold.log" 2>&1
               done
             done
             grep "compile \|^load\|  step" "$OUT/compile_cold.log" | grep -v Writing ;;
+        compile-ab)
+            # cold 8B compiles, one fresh process and empty Triton and llmc caches each, under each of COLD_ENVS
+            # (space-separated; each a comma-joined list of VAR=VALUE, "-" for none), in that order, REPEAT times
+            rm -rf /tmp/tmp* /tmp/cold; mkdir -p /tmp/cold
+            python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import random_model; \
+random_model('8b', '/tmp/cold/m')" >"$OUT/compile_ab.log" 2>&1
+            for r in $(seq ${REPEAT:-1}); do
+              for envs in ${COLD_ENVS:--}; do
+                rm -rf /tmp/cold/a.llmc /tmp/cold/triton /tmp/cold/llmc
+                settings=${envs//,/ }; [ "$envs" = - ] && settings=
+                env $settings TRITON_CACHE_DIR=/tmp/cold/triton LLMC_CACHE_DIR=/tmp/cold/llmc python3 -c "import time; \
+t0 = time.time(); import llmc.compiler; t = time.time(); \
+art = llmc.compile('/tmp/cold/m', '/tmp/cold/a.llmc', dtype='bfloat16'); t1 = time.time(); \
+from llmc.codegen import triton_setup as ts; print('$envs: imports', round(t - t0, 1), 's, compile', round(t1 - t, 1), \
+'s, both', round(t1 - t0, 1), 's', {k: round(v, 1) for k, v in art.compile_timings.items()}, 'weights file', \
+round(art.weights_seconds, 1), 's, triton set-up', ts.seconds and round(ts.seconds, 2), ts.error); \
+[print('  step', round(t, 2), 's', m) for m, t in art.compile_steps if t > 0.3]; t = time.time(); \
+llm = llmc.LLM(art.path); print('  load', round(time.time() - t, 1), 's')" >>"$OUT/compile_ab.log" 2>&1
+              done
+            done
+            rm -rf /tmp/cold/triton /tmp/cold/llmc
+            grep "imports\|  load\|  step" "$OUT/compile_ab.log" | grep -v Writing ;;
+        compile-spy)
+            # a cold 8B compile and its load sampled by py-spy (wheel under .whl/, carried): every thread's
+            # stacks, idle ones too, 100 a second; then a fresh prompt's TTFT traced on the artifact
+            pip install -q --no-index .whl/py_spy-*.whl >"$OUT/compile_spy.log" 2>&1
+            rm -rf /tmp/tmp* /tmp/cold; mkdir -p /tmp/cold
+            python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import random_model; \
+random_model('8b', '/tmp/cold/m')" >>"$OUT/compile_spy.log" 2>&1
+            TRITON_CACHE_DIR=/tmp/cold/triton LLMC_CACHE_DIR=/tmp/cold/llmc py-spy record -r 100 --threads --idle \
+                --nonblocking -f raw -o "$OUT/compile_stacks.txt" -- python3 -c "import time; t = time.time(); \
+import llmc.compiler; print('imports', round(time.time() - t, 1), 's'); t = time.time(); \
+art = llmc.compile('/tmp/cold/m', '/tmp/cold/a.llmc', dtype='bfloat16'); print('compile', round(time.time() - t, 1), \
+'s', {k: round(v, 1) for k, v in art.compile_timings.items()}, 'weights file', round(art.weights_seconds, 1), 's'); \
+[print('  step', round(t, 2), 's', m) for m, t in art.compile_steps]; t = time.time(); llm = llmc.LLM(art.path); \
+print('load', round(time.time() - t, 1), 's')" >>"$OUT/compile_spy.log" 2>&1
+            grep "^imports\|compile \|^load\|  step" "$OUT/compile_spy.log" | grep -v Writing
+            python3 benchmarks/stack_summary.py "$OUT/compile_stacks.txt" --top 12 >"$OUT/compile_stacks_all.txt" 2>&1
+            for w in _tune_linears llmc-tune llmc-write; do
+                python3 benchmarks/stack_summary.py "$OUT/compile_stacks.txt" --within $w --top 25 \
+                    >"$OUT/compile_stacks_$w.txt" 2>&1
+            done
+            TRITON_CACHE_DIR=/tmp/cold/triton LLMC_CACHE_DIR=/tmp/cold/llmc python3 benchmarks/ttft_trace.py \
+                /tmp/cold/a.llmc --out "$OUT" >"$OUT/ttft_trace.log" 2>&1
+            tail -40 "$OUT/ttft_trace.log" ;;
         step-profile)
             rm -rf /tmp/tmp*
             for shape in ${SHAPES:-8b}; do

@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,7 +133,6 @@ def hash_pieces(path: Path, chunk_bytes: int | None = None, threads: int | None 
 
 def _hash_ranges(ranges: list[tuple[Path, int, int | None]], threads: int | None = None) -> list[str]:
     """sha256 of each (path, offset, size) range (`_sha256_range`), on `threads` threads (default: one per core)."""
-    import os
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(max(1, min(len(ranges), threads or os.cpu_count() or 1))) as pool:
         return list(pool.map(lambda r: _sha256_range(*r), ranges))
@@ -159,7 +159,6 @@ def write_safetensors(tensors: dict[str, Any], path: Path, threads: int | None =
     pwrite by one thread (hashlib and pwrite release the GIL), so the bytes are neither copied into one
     buffer first nor read back to be hashed.
     """
-    import os
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -215,7 +214,6 @@ def pieces_digest(pieces: list[str]) -> str:
 def _sha256_range(path: Path, offset: int = 0, size: int | None = None) -> str:
     """sha256 of `size` bytes of `path` from `offset` (None: to its end). hashlib and the reads release the
     GIL: threads run it in parallel."""
-    import os
     h = hashlib.sha256()
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -314,10 +312,16 @@ class ArtifactWriter:
     """
 
     WEIGHTS = "weights.safetensors"
-    # the weights file's threads: it is written while the tuning compiles kernels on every core, so it takes a
-    # few of them, not all (with 16, a cold 8B compile's kernel compiles took 12.5 s against 9.7 s the day
-    # before with one writing thread; the two were different machine instances, so this is not settled)
+    # the weights file's threads ($LLMC_WRITE_THREADS): it is written while the tuning compiles kernels on every
+    # core, so it takes a few of them, not all (with 16, a cold 8B compile's kernel compiles took 12.5 s against
+    # 9.7 s the day before with one writing thread; the two were different machine instances, so this is not
+    # settled)
     WRITE_THREADS = 4
+
+    @classmethod
+    def write_threads(cls) -> int:
+        v = os.environ.get("LLMC_WRITE_THREADS", "")
+        return max(1, int(v)) if v.strip().isdigit() else cls.WRITE_THREADS
 
     def __init__(self, graph: Graph, out: str | Path):
         from concurrent.futures import ThreadPoolExecutor
@@ -338,7 +342,7 @@ class ArtifactWriter:
         import time
         start = time.perf_counter()
         pieces = write_safetensors({p.name: self.graph.weights[p.name] for p in self.graph.params},
-                                   self.tmp / self.WEIGHTS, threads=self.WRITE_THREADS)
+                                   self.tmp / self.WEIGHTS, threads=self.write_threads())
         self.seconds = time.perf_counter() - start
         return pieces if len(pieces) > 1 else []
 

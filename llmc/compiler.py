@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
+from llmc.codegen import triton_setup
 from llmc.codegen.precompile import CompilePool, tune_processes
 from llmc.errors import CompileError
 from llmc.ir.graph import Graph
@@ -124,6 +125,8 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
     if draft is not None:
         check_draft(model, draft)
     bar = _Progress(progress)
+    if tune and torch.cuda.is_available():
+        triton_setup.start()  # Triton's once-per-process set-up, beside the capture (before the tuning's threads)
     # kernel compiles in worker processes (LLMC_TUNE_PROCESSES): started now, their imports overlap the capture
     processes = tune_processes() if tune and torch.cuda.is_available() else 0
     workers = CompilePool(processes) if processes else contextlib.nullcontext()
@@ -428,7 +431,8 @@ def _tune_linears(graph: Graph, tuner, bar, device: str = "cuda") -> None:
     if isinstance(tuner, Tuner):
         recorded = Tuner(tuner.records, tuner.device, frozen=True, joint=tuner.joint)
         bar.step(f"compiling the recorded choices of {len(linears)} linear shapes")
-        run_on_threads([functools.partial(call, *lin, m, recorded) for lin in linears for m in M_BUCKETS[:-1]])
+        run_on_threads([functools.partial(call, *lin, m, recorded) for lin in linears for m in M_BUCKETS[:-1]],
+                       shared_kernels=True)
     for lin in linears:
         bar.step(f"tuning linear {list(lin[0].shape)}" + (" (SwiGLU prologue)" if lin[3] else ""))
         for m in M_BUCKETS[:-1]:

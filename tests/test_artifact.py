@@ -150,3 +150,15 @@ def test_weights_files_are_safetensors_hashed_as_written(tmp_path, monkeypatch):
     assert len(pieces) > 5 and pieces == artifact.hash_pieces(path, 100)
     with pytest.raises(ArtifactError, match="complex64"):
         artifact.write_safetensors({"z": torch.zeros(2, dtype=torch.complex64)}, tmp_path / "z.safetensors")
+
+
+def test_the_weights_file_threads_follow_the_environment(monkeypatch):
+    from llmc.artifact import ArtifactWriter
+    monkeypatch.delenv("LLMC_WRITE_THREADS", raising=False)
+    assert ArtifactWriter.write_threads() == ArtifactWriter.WRITE_THREADS
+    monkeypatch.setenv("LLMC_WRITE_THREADS", "16")
+    assert ArtifactWriter.write_threads() == 16
+    monkeypatch.setenv("LLMC_WRITE_THREADS", "0")
+    assert ArtifactWriter.write_threads() == 1
+    monkeypatch.setenv("LLMC_WRITE_THREADS", "many")
+    assert ArtifactWriter.write_threads() == ArtifactWriter.WRITE_THREADS

@@ -166,7 +166,7 @@ def warm_up(candidates: Sequence[dict], bench: Callable[[dict], Any]) -> None:
     run_on_threads([functools.partial(bench, dict(c)) for c in candidates])
 
 
-def run_on_threads(calls: Sequence[Callable[[], Any]]) -> None:
+def run_on_threads(calls: Sequence[Callable[[], Any]], shared_kernels: bool = False) -> None:
     """Run each call once, on threads (`tune_threads`; none where that is below 2), so that the kernels
     they launch compile in parallel; during a compile with worker processes (`precompile.CompilePool`,
     LLMC_TUNE_PROCESSES) those kernels are compiled there first.
@@ -174,13 +174,21 @@ def run_on_threads(calls: Sequence[Callable[[], Any]]) -> None:
     Triton's compiler releases the GIL (its MLIR passes run in C++, ptxas in a subprocess). Every launch goes
     to the caller's current stream, so the kernels still run one after another on the GPU, and no two
     share a split-K tile counter at once. A call that fails is logged and left to its caller's own run.
+
+    Triton's once-per-process set-up is done first (`triton_setup.ready`), so that the threads do not each
+    do it. With `shared_kernels` (calls that share kernels: a linear's token buckets with one recorded
+    choice) and no worker processes, the kernels the calls would compile are collected first
+    (`precompile.collect`, each call run once without compiling or launching) and each distinct one is
+    compiled once on the threads; each call would otherwise compile it at the same time, Triton having no
+    lock there. The calls then run on the threads, finding their kernels compiled.
     """
     import contextlib
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
-    from llmc.codegen import precompile
+    from llmc.codegen import precompile, triton_setup
+    triton_setup.ready()
     pool = precompile.active()
     if pool is not None:  # their kernels compiled in worker processes first: the runs below find them cached
         pool.compile(calls)
@@ -192,8 +200,14 @@ def run_on_threads(calls: Sequence[Callable[[], Any]]) -> None:
     def run(call: Callable[[], Any]) -> None:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             call()
-    with ThreadPoolExecutor(n, thread_name_prefix="llmc-tune") as pool:
-        for i, f in [(i, pool.submit(run, c)) for i, c in enumerate(calls)]:
+    with ThreadPoolExecutor(n, thread_name_prefix="llmc-tune") as threads:
+        if shared_kernels and pool is None and triton_setup.enabled():
+            for r, f in [(r, threads.submit(precompile.compile_here, r)) for r in precompile.collect(calls)]:
+                try:
+                    f.result()
+                except Exception as e:  # noqa: BLE001 - the call that launches it compiles it, or fails, itself
+                    log.debug("autotune: compiling %s of %s ahead failed: %s", r.name, r.module, e)
+        for i, f in [(i, threads.submit(run, c)) for i, c in enumerate(calls)]:
             try:
                 f.result()
             except Exception as e:  # noqa: BLE001 - the caller's own run meets it again
@@ -385,6 +399,11 @@ def _shipped_records(cache_path: Path | None) -> dict:
     return _cached_records(SHIPPED_DIR / cache_path.name) if cache_path is not None else {}
 
 
+# codegen modules that generate no kernel (they time, compile or set Triton up): a change to them keeps the
+# tuning caches and the shipped tables valid
+NOT_KERNEL_SOURCES = frozenset({"autotune.py", "precompile.py", "triton_setup.py"})
+
+
 def cache_file(device: str, joint: Sequence[str]) -> Path:
     """The tuning cache of compiles on `device` that share `joint` buckets: one file per GPU name,
     triton version and version of llmc's kernel generators (its codegen sources and templates), so a
@@ -395,7 +414,7 @@ def cache_file(device: str, joint: Sequence[str]) -> Path:
     from llmc.codegen.cache import cache_root
     h = hashlib.sha256()
     for f in sorted(Path(__file__).parent.rglob("*")):
-        if f.suffix in (".py", ".jinja") and f.is_file() and f.name != "autotune.py":  # it generates no kernel
+        if f.suffix in (".py", ".jinja") and f.is_file() and f.name not in NOT_KERNEL_SOURCES:
             h.update(f.name.encode())
             h.update(f.read_bytes())
     for part in (device, triton.__version__, ",".join(joint)):

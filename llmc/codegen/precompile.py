@@ -186,13 +186,18 @@ def _import(module: str, path: str):
     return sys.modules[module]
 
 
+def compile_here(r: Request) -> None:
+    """Compile the kernel of a request in this process (Triton's `preload`: into its in-memory and on-disk
+    caches, so that the launch that needs it finds it compiled)."""
+    # a JITFunction (or a kernels.PDLKernel, which hands preload to the one it holds)
+    getattr(_import(r.module, r.path), r.name).preload(r.data)
+
+
 def serve(lines, write) -> None:
     """A worker's loop: each request line (`Request.line`) answered with one line, {"ok": true} or the error."""
     for line in lines:
         try:
-            r = json.loads(line)
-            # a JITFunction (or a kernels.PDLKernel, which hands preload to the one it holds)
-            getattr(_import(r["module"], r["path"]), r["name"]).preload(r["data"])
+            compile_here(Request(**json.loads(line)))
             answer = {"ok": True}
         except Exception as e:  # noqa: BLE001 - reported to the pool, which compiles it in its own process
             answer = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}

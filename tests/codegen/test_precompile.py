@@ -109,3 +109,36 @@ def test_off_unless_asked(monkeypatch):
     monkeypatch.setenv("LLMC_TUNE_PROCESSES", "8")
     assert precompile.tune_processes() == 8
     assert CompilePool(0).compile([lambda: 1 / 0]) == 0  # no workers: nothing collected, nothing run
+
+
+def test_run_on_threads_compiles_each_distinct_kernel_once_before_the_calls(monkeypatch):
+    """Without worker processes, calls that share a kernel (a linear's buckets with one recorded choice) have
+    it compiled once, on the threads, before any call runs; a compile that fails is left to the calls."""
+    events = []
+    reqs = [Request("m", "p", "k", "a"), Request("m", "p", "k", "b"), Request("m", "p", "k", "bad")]
+    monkeypatch.setattr(precompile, "_ACTIVE", None)
+    monkeypatch.setattr(precompile, "collect", lambda calls: (events.append(("collect", len(calls))), reqs)[1])
+
+    def compile_here(r):
+        if r.data == "bad":
+            raise RuntimeError("out of resources")
+        events.append(("compile", r.data))
+    monkeypatch.setattr(precompile, "compile_here", compile_here)
+    monkeypatch.setattr(autotune, "tune_threads", lambda: 4)
+    calls = [lambda i=i: events.append(("call", i)) for i in range(5)]
+    autotune.run_on_threads(calls, shared_kernels=True)
+    kinds = [e[0] for e in events]
+    assert kinds[0] == "collect" and events[0] == ("collect", 5)
+    assert sorted(e for e in events if e[0] == "compile") == [("compile", "a"), ("compile", "b")]
+    assert kinds.index("call") > max(i for i, k in enumerate(kinds) if k == "compile")
+    assert sorted(e[1] for e in events if e[0] == "call") == list(range(5))
+    events.clear()
+    autotune.run_on_threads(calls)  # candidates of one tuning (each its own kernel): nothing collected
+    assert sorted(events) == [("call", i) for i in range(5)]
+
+
+def test_compile_here_is_what_a_worker_runs(stand_in, tmp_path):
+    precompile.compile_here(Request("llmc_test_kernels.stand_in", stand_in, "pdl_kernel", str(tmp_path / "c")))
+    assert (tmp_path / "c").read_text() == "compiled"
+    with pytest.raises(ValueError, match="no such specialization"):
+        precompile.compile_here(Request("llmc_test_kernels.stand_in", stand_in, "kernel", "bad"))
