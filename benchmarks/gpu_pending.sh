@@ -48,6 +48,7 @@
 #                                                     #   default "8b"; benchmarks/step_profile.py)
 #   COLD_ENVS="LLMC_TRITON_SETUP=0 -" bash benchmarks/gpu_pending.sh OUT compile-ab  # issue 20: cold 8B compiles
 #                                                     #   (fresh process, empty caches) under each setting, REPEAT times
+#                                                     #   (DIRTY=1: the model written afresh right before each)
 #   bash benchmarks/gpu_pending.sh OUT compile-spy    # issue 20: a cold 8B compile sampled by py-spy (every thread;
 #                                                     #   the wheel under .whl/), then a fresh prompt's TTFT traced
 #   bash benchmarks/gpu_pending.sh OUT compile-profile  # issue 20: a cold 8B compile under cProfile (the main thread's
@@ -198,14 +199,19 @@ print('load', round(time.time() - t, 1), 's')" >>"$OUT/compile_cold.log" 2>&1
             grep "compile \|^load\|  step" "$OUT/compile_cold.log" | grep -v Writing ;;
         compile-ab)
             # cold 8B compiles, one fresh process and empty Triton and llmc caches each, under each of COLD_ENVS
-            # (space-separated; each a comma-joined list of VAR=VALUE, "-" for none), in that order, REPEAT times
+            # (space-separated; each a comma-joined list of VAR=VALUE, "-" for none), in that order, REPEAT times.
+            # The model is on disk first (sync: as one downloaded earlier); DIRTY=1 writes it afresh right before
+            # each compile instead (as a model just saved: 16 GB of dirty pages that throttle the disk writes)
             rm -rf /tmp/tmp* /tmp/cold; mkdir -p /tmp/cold
-            python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import random_model; \
-random_model('8b', '/tmp/cold/m')" >"$OUT/compile_ab.log" 2>&1
+            model() { python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import random_model; \
+random_model('8b', '/tmp/cold/m')" >>"$OUT/compile_ab.log" 2>&1; }
+            [ "${DIRTY:-0}" = 1 ] || { model; sync; }
             for r in $(seq ${REPEAT:-1}); do
               for envs in ${COLD_ENVS:--}; do
                 rm -rf /tmp/cold/a.llmc /tmp/cold/triton /tmp/cold/llmc
                 settings=${envs//,/ }; [ "$envs" = - ] && settings=
+                if [ "${DIRTY:-0}" = 1 ]; then rm -rf /tmp/cold/m; sync; model; else sync; fi
+                echo -n "DIRTY=${DIRTY:-0} " >>"$OUT/compile_ab.log"; grep -E "^(Dirty|Writeback):" /proc/meminfo | tr -s ' ' | tr '\n' ' ' >>"$OUT/compile_ab.log"
                 env $settings TRITON_CACHE_DIR=/tmp/cold/triton LLMC_CACHE_DIR=/tmp/cold/llmc python3 -c "import time; \
 t0 = time.time(); import llmc.compiler; t = time.time(); \
 art = llmc.compile('/tmp/cold/m', '/tmp/cold/a.llmc', dtype='bfloat16'); t1 = time.time(); \
@@ -216,7 +222,7 @@ round(art.weights_seconds, 1), 's, triton set-up', ts.seconds and round(ts.secon
 llm = llmc.LLM(art.path); print('  load', round(time.time() - t, 1), 's')" >>"$OUT/compile_ab.log" 2>&1
               done
             done
-            rm -rf /tmp/cold/triton /tmp/cold/llmc
+            rm -rf /tmp/cold  # 32 GB: the device's disk holds about 50 GB free
             grep "imports\|  load\|  step" "$OUT/compile_ab.log" | grep -v Writing ;;
         compile-spy)
             # a cold 8B compile and its load sampled by py-spy (wheel under .whl/, carried): every thread's

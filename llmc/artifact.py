@@ -312,16 +312,16 @@ class ArtifactWriter:
     """
 
     WEIGHTS = "weights.safetensors"
-    # the weights file's threads ($LLMC_WRITE_THREADS): it is written while the tuning compiles kernels on every
-    # core, so it takes a few of them, not all (with 16, a cold 8B compile's kernel compiles took 12.5 s against
-    # 9.7 s the day before with one writing thread; the two were different machine instances, so this is not
-    # settled)
-    WRITE_THREADS = 4
+    # the weights file's threads ($LLMC_WRITE_THREADS; default one per core, at most 16). It is written while
+    # the tuning compiles kernels, and with a matching tuning table it is what a cold compile waits for last:
+    # cold 8B compiles on an H200 host of 16 cores wrote it in 5.2 s with 16 threads against 5.8-7.7 s with 4,
+    # and compiled their kernels in the same 1.9-2.0 s (benchmarks/RESULTS.md, 2026-12-02)
+    MAX_WRITE_THREADS = 16
 
     @classmethod
     def write_threads(cls) -> int:
         v = os.environ.get("LLMC_WRITE_THREADS", "")
-        return max(1, int(v)) if v.strip().isdigit() else cls.WRITE_THREADS
+        return max(1, int(v)) if v.strip().isdigit() else min(cls.MAX_WRITE_THREADS, os.cpu_count() or 1)
 
     def __init__(self, graph: Graph, out: str | Path):
         from concurrent.futures import ThreadPoolExecutor

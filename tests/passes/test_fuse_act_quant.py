@@ -108,9 +108,10 @@ def test_silu_mul_kernel_codes(kind, dtype):
 
 
 def test_linears_compile_their_recorded_choices_on_threads_before_tuning(llama_dir, tmp_path, monkeypatch):
-    """_tune_linears first runs every distinct linear at every decode bucket on threads with the records
-    frozen (their kernels compile in parallel; nothing is timed there), then tunes each in turn with the
-    compile's own tuner."""
+    """_tune_linears first runs every distinct linear at every decode bucket with the records frozen: once
+    here, collecting the kernels they would compile (each distinct one is then compiled once, on threads),
+    then on threads (they find their kernels compiled; nothing is timed there); then it tunes each in turn
+    with the compile's own tuner."""
     import threading
 
     from llmc import compiler
@@ -130,7 +131,8 @@ def test_linears_compile_their_recorded_choices_on_threads_before_tuning(llama_d
     shapes = {tuple(art.graph.weights[linear_weight_inputs(n)[0].name].shape)
               for n in art.graph.nodes if n.op in ("linear", "linear_act", "silu_mul_linear")}
     want = sorted((s, m) for s in shapes for m in M_BUCKETS[:-1])
-    first, then = calls[:len(want)], calls[len(want):]
+    collected, first, then = calls[:len(want)], calls[len(want):2 * len(want)], calls[2 * len(want):]
+    assert all(frozen and not threaded for threaded, frozen, *_ in collected) and sorted(r[2:] for r in collected) == want
     assert all(threaded and frozen for threaded, frozen, *_ in first) and sorted(r[2:] for r in first) == want
     assert not any(threaded or frozen for threaded, frozen, *_ in then) and sorted(r[2:] for r in then) == want
 
