@@ -125,8 +125,6 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
     if draft is not None:
         check_draft(model, draft)
     bar = _Progress(progress)
-    if tune and torch.cuda.is_available():
-        triton_setup.start()  # Triton's once-per-process set-up, beside the capture (before the tuning's threads)
     # kernel compiles in worker processes (LLMC_TUNE_PROCESSES): started now, their imports overlap the capture
     processes = tune_processes() if tune and torch.cuda.is_available() else 0
     workers = CompilePool(processes) if processes else contextlib.nullcontext()
@@ -136,6 +134,8 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
                  if isinstance(model, torch.nn.Module) else "reading the model directory")
         graph, source, tok_files = capture(model, example_inputs, dtype, dynamic, tokenizer, status=bar.step)
         plist = pipeline(list(passes or []), before=before, after=after, options={**options, "quant": quant})
+        if tune and torch.cuda.is_available():
+            triton_setup.start()  # Triton's once-per-process set-up, beside the passes (before the tuning's threads)
         bar.phase("passes")
         bar.step(f"running {len(plist)} passes")
         ctx = PassContext(options=dict(options), state={"status": bar.step})

@@ -5,12 +5,15 @@ subprocess), and the first kernel it compiles makes it hash its own sources (`tr
 for its version. None of these is guarded by a lock. When a compile's tuning starts 16 threads that launch
 their first kernels at once, each does all of it for itself: sampled on a cold 8B compile (py-spy, every
 thread), the threads spent 74 thread-seconds in the driver's C compile and 28 in hashing Triton's sources,
-about 6 s of each thread's 12 s.
+about 6 s of each thread's 12 s (with 16 GB of the model's freshly written pages in the page cache; about
+1 s when the disk was idle).
 
-`start()` does this set-up on a background thread, once per process; a compile calls it as it begins, so
-that the set-up overlaps the capture (the C compile waits on a subprocess, which holds no GIL). `ready()`
-waits for it, starting it first where nothing has: `autotune.run_on_threads` calls it before its threads
-launch anything. A set-up step that fails is logged and left to the kernel launch that needs it, which
+`start()` does this set-up on a background thread, once per process; a compile calls it as its passes
+begin, so that the set-up overlaps them (the C compile waits on a subprocess, which holds no GIL). Started
+with the capture instead, it slowed the capture's imports and export by about 2 s (five cold 8B compiles
+on an H200 host: capture 11.4 s on average against 9.4 s without it), more than it saved the tuning (2.9
+against 3.8 s). `ready()` waits for it, starting it first where nothing has: `autotune.run_on_threads`
+calls it before its threads launch anything. A set-up step that fails is logged and left to the kernel launch that needs it, which
 meets the same error as it would have without this module.
 """
 from __future__ import annotations
