@@ -21,7 +21,8 @@
 #   bash benchmarks/gpu_pending.sh OUT parallel-moe   # issue 16 (nvidia-h200-x2): trimmed Mixtral, EP=2 against one GPU
 #   bash benchmarks/gpu_pending.sh OUT allreduce      # issue 16 (nvidia-h200-x2): NCCL vs symmetric-memory all_reduce
 #   bash benchmarks/gpu_pending.sh OUT verify         # issue 20: a load's weight check, 16 GB, on the machine's cores
-#   bash benchmarks/gpu_pending.sh OUT mixed-graphs   # issue 20: 8B mixed workload, eager mixed steps vs piecewise graphs
+#   bash benchmarks/gpu_pending.sh OUT mixed-graphs   # issue 20: mixed workload, eager mixed steps vs piecewise graphs
+#                                                     #   (SHAPE, default 8b; N requests, default 128; 128 at once)
 #   bash benchmarks/gpu_pending.sh OUT overlap        # issue 20: steps waited for vs overlapped (SHAPE, default 8b)
 #   LAYOUTS=1x1,2x1s,2x1 bash benchmarks/gpu_pending.sh OUT parallel   # issue 16: TP=2 overlapped steps off / on
 #   bash benchmarks/gpu_pending.sh OUT ncu-int4       # issue 14: the int4 qlinear kernel at batch 1 under Nsight
@@ -293,14 +294,16 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
                 --out "$OUT/moe" >"$OUT/parallel_moe.log" 2>&1
             tail -6 "$OUT/parallel_moe.log" ;;
         mixed-graphs)
+            # LLMC_MIXED_GRAPHS 0 and 1 alternating, twice: N requests (default 128) at once, 128 sequences at most
             rm -rf /tmp/tmp*
             python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import shared_artifact; \
 shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_graphs.log" 2>&1
-            for v in 0 1; do
+            for v in 0 1 0 1; do
                 LLMC_MIXED_GRAPHS=$v python3 -m llmc bench "/tmp/art-${SHAPE:-8b}.llmc" --workload mixed \
-                    --num-requests 128 --max-num-seqs 128 --json >"$OUT/mixed_graphs_$v.json" 2>>"$OUT/mixed_graphs.log"
-            done
-            tail -c 600 "$OUT/mixed_graphs_1.json" ;;
+                    --num-requests ${N:-128} --max-num-seqs 128 --json >"$OUT/mixed_graphs_$v.json" 2>>"$OUT/mixed_graphs.log"
+                python3 -c "import json; d = json.load(open('$OUT/mixed_graphs_$v.json')); print('LLMC_MIXED_GRAPHS=$v', \
+{k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'itl_ms_p50', 'itl_ms_p99', 'gpu_busy')})" | tee -a "$OUT/mixed_graphs.log"
+            done ;;
         overlap)
             rm -rf /tmp/tmp*
             python3 benchmarks/multi_step_bench.py --shape "${SHAPE:-8b}" --modes 1-sync,1,1-sync,1 --n 128 \
@@ -392,6 +395,6 @@ print('mixed tokens=$t', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttf
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, spec-b1, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap, tuned-check, tuned-table, kernels, e2e)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, spec-b1, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, compile-ab, compile-spy, step-profile, prefill-flags, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap, tuned-check, tuned-table, kernels, e2e)" ;;
     esac
 done
