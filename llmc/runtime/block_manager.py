@@ -19,6 +19,7 @@ or used (ref > 0, and ref == the number of block tables that hold it); never bot
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from llmc.runtime.sequence import Sequence
@@ -118,10 +119,11 @@ class BlockManager:
         return [slot_for(seq.block_table, p, self.block_size) for p in range(start, end)]
 
     # ---- prefix hashing ------------------------------------------------------------------
-    def _block_keys(self, seq: Sequence, num_full: int, start: int = 0) -> list[_BlockKey]:
-        """Keys of full blocks [start, num_full); chain hashes are memoised on the seq (those of
-        the blocks before `start` must be there already)."""
-        bs, keys = self.block_size, []
+    def _block_keys(self, seq: Sequence, num_full: int, start: int = 0) -> Iterator[_BlockKey]:
+        """Keys of full blocks [start, num_full), made as they are asked for (a lookup that stops at its
+        first miss makes no more: a fresh prompt's admission checks one block, not all of them); chain
+        hashes are memoised on the seq (those of the blocks before `start` must be there already)."""
+        bs = self.block_size
         parent = seq.block_hashes[start - 1] if start else -1
         tokens = seq.token_ids
         for i in range(start, num_full):
@@ -129,8 +131,7 @@ class BlockManager:
             if i == len(seq.block_hashes):
                 seq.block_hashes.append(hash(key))
             parent = seq.block_hashes[i]
-            keys.append(key)
-        return keys
+            yield key
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         # a sequence still scoring its prompt (prompt_logprobs) computes every position: a hit would skip

@@ -269,3 +269,23 @@ def test_blocks_filled_by_decoding_are_registered_once_each():
     bm.free(a)
     assert a.num_marked_blocks == 0
     check(bm, [b])
+
+
+def test_a_fresh_prompts_admission_check_hashes_one_block():
+    """Checking whether a long fresh prompt fits looks its prefix up block by block and stops at the first
+    miss: one block's key is made, not every block's (the scheduler checks each waiting prompt a step
+    until it is admitted). Allocating it then registers every full block as in flight, and a second prompt
+    with the same first blocks finds them."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    s = make_seq(range(100, 181))  # 20 full blocks and one token
+    assert bm.can_allocate(s) and bm.can_allocate(s)
+    assert len(s.block_hashes) == 1
+    bm.allocate(s)
+    assert len(s.block_hashes) == 20
+    computed(bm, s)
+    t = make_seq(list(range(100, 140)) + [7, 7, 7])
+    assert bm.can_allocate(t)
+    assert len(t.block_hashes) == 10  # its 10 full blocks before the last token: all hits
+    bm.allocate(t)
+    assert t.block_table[:10] == s.block_table[:10] and t.num_computed_tokens == 40
+    check(bm, [s, t])
