@@ -13,8 +13,8 @@ begin, so that the set-up overlaps them (the C compile waits on a subprocess, wh
 with the capture instead, it slowed the capture's imports and export by about 2 s (five cold 8B compiles
 on an H200 host: capture 11.4 s on average against 9.4 s without it), more than it saved the tuning (2.9
 against 3.8 s). `ready()` waits for it, starting it first where nothing has: `autotune.run_on_threads`
-calls it before its threads launch anything. A set-up step that fails is logged and left to the kernel launch that needs it, which
-meets the same error as it would have without this module.
+calls it before its threads launch anything. A set-up step that fails is logged and left to the kernel
+launch that needs it, which meets the same error as it would have without this module.
 """
 from __future__ import annotations
 
