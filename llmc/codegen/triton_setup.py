@@ -19,6 +19,7 @@ launch that needs it, which meets the same error as it would have without this m
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 log = logging.getLogger(__name__)
@@ -44,14 +45,11 @@ def _steps() -> None:
 def enabled() -> bool:
     """$LLMC_TRITON_SETUP (default on): 0 leaves Triton's set-up to the first launches, and
     `autotune.run_on_threads` lets its calls compile their kernels themselves (for comparisons)."""
-    import os
     return os.environ.get("LLMC_TRITON_SETUP", "1").strip() != "0"
 
 
 def _needed() -> bool:
     """Only a process that will launch compiled kernels: a CUDA GPU, and Triton not interpreting."""
-    import os
-
     import torch
     return enabled() and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 

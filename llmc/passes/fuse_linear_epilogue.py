@@ -18,8 +18,7 @@ def _rule(ctx) -> RewriteRule:
     root = P.op("silu", "relu", "gelu")(P.op("linear", "qlinear").any_args().named("lin"))
 
     def rewrite(b, m):
-        users = [n for n in b.graph.nodes if m["lin"] in n.inputs]
-        if len(users) != 1 or m["lin"] in b.graph.outputs:
+        if not b.sole_reader(m["lin"]):
             ctx.explain.append(f"fuse_linear_epilogue: declined %{m['lin'].name}: its output has other users")
             return None
         act = m.root.producer

@@ -33,8 +33,7 @@ def _rule(ctx) -> RewriteRule:
         if g.type.shape != u.type.shape or g.type.dtype != u.type.dtype or g.type.dtype not in FLOAT_DTYPES:
             ctx.explain.append(f"fuse_linear_prologue: declined %{m['act'].name}: gate and up differ in shape or dtype")
             return None
-        users = [n for n in b.graph.nodes if m["act"] in n.inputs]
-        if len(users) != 1 or m["act"] in b.graph.outputs:
+        if not b.sole_reader(m["act"]):
             ctx.explain.append(f"fuse_linear_prologue: declined %{m['act'].name}: the product has other users")
             return None
         return b.call("silu_mul_linear", g, u, m["w"], *([m["b"]] if "b" in m else []))

@@ -232,6 +232,11 @@ class Builder:
         self.graph.insert_before(self.anchor, node)
         return node
 
+    def sole_reader(self, v: Value) -> bool:
+        """Whether one node alone reads `v` and it is no graph output: a fusion that folds `v` into that node
+        leaves nothing else needing it."""
+        return sum(v in n.inputs for n in self.graph.nodes) == 1 and v not in self.graph.outputs
+
     def param(self, name: str, tensor: torch.Tensor) -> Value:
         """A new weight (e.g. concatenated or folded at compile time)."""
         name = self.graph.fresh(name)
