@@ -23,6 +23,11 @@
 #   bash benchmarks/gpu_pending.sh OUT verify         # issue 20: a load's weight check, 16 GB, on the machine's cores
 #   bash benchmarks/gpu_pending.sh OUT mixed-graphs   # issue 20: mixed workload, eager mixed steps vs piecewise graphs
 #                                                     #   (SHAPE, default 8b; N requests, default 128; 128 at once)
+#   bash benchmarks/gpu_pending.sh OUT mixed-ab       # issue 20: the same in one engine per shape, the switch flipped
+#                                                     #   between runs after an untimed run each way (SHAPES "1b 8b")
+#   bash benchmarks/gpu_pending.sh OUT warm-up        # issue 20: first runs after a load with the warm-up off and on
+#   TOOLS=.bench_tools bash benchmarks/gpu_pending.sh OUT issue-bench  # issue 20: llmc_bench.py per shape (SHAPES)
+#                                                     #   and LLMC_MIXED_GRAPHS value (MIXED, default "0 1")
 #   bash benchmarks/gpu_pending.sh OUT overlap        # issue 20: steps waited for vs overlapped (SHAPE, default 8b)
 #   LAYOUTS=1x1,2x1s,2x1 bash benchmarks/gpu_pending.sh OUT parallel   # issue 16: TP=2 overlapped steps off / on
 #   bash benchmarks/gpu_pending.sh OUT ncu-int4       # issue 14: the int4 qlinear kernel at batch 1 under Nsight
@@ -304,6 +309,39 @@ shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_grap
                 python3 -c "import json; d = json.load(open('$OUT/mixed_graphs_$v.json')); print('LLMC_MIXED_GRAPHS=$v', \
 {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'itl_ms_p50', 'itl_ms_p99', 'gpu_busy')})" | tee -a "$OUT/mixed_graphs.log"
             done ;;
+        mixed-ab)
+            # one engine per shape, eager mixed steps against piecewise graphs flipped between runs (SHAPES, default
+            # "1b 8b"; N_1b, N_8b requests, default 256 and 128; REPEAT timed runs each, default 3)
+            rm -rf /tmp/tmp*
+            for shape in ${SHAPES:-1b 8b}; do
+                n=N_$shape
+                python3 benchmarks/mixed_graphs_bench.py --shape $shape --n ${!n:-$([ $shape = 1b ] && echo 256 || echo 128)} \
+                    --repeat ${REPEAT:-3} --artifact "/tmp/art-$shape.llmc" --out "$OUT/mixed_ab_$shape" \
+                    >"$OUT/mixed_ab_$shape.log" 2>&1
+                tail -9 "$OUT/mixed_ab_$shape.log"
+            done ;;
+        warm-up)
+            # fresh processes from the compile's Triton cache, the load-time warm-up off and on alternating (SHAPES,
+            # default "1b 8b"; N_1b, N_8b requests, default 256 and 128; REPEAT, default 2)
+            rm -rf /tmp/tmp*
+            for shape in ${SHAPES:-1b 8b}; do
+                n=N_$shape
+                python3 benchmarks/warm_up_bench.py --shape $shape --n ${!n:-$([ $shape = 1b ] && echo 256 || echo 128)} \
+                    --repeat ${REPEAT:-2} --out "$OUT/warm_up_$shape" >"$OUT/warm_up_$shape.log" 2>&1
+                tail -6 "$OUT/warm_up_$shape.log"
+            done ;;
+        issue-bench)
+            # the issue's own tool (TOOLS/llmc_bench.py), per shape (SHAPES, default "1b 8b"), under each of MIXED
+            # (LLMC_MIXED_GRAPHS values, default "0 1")
+            for shape in ${SHAPES:-1b 8b}; do
+                for v in ${MIXED:-0 1}; do
+                    rm -rf /tmp/tmp*
+                    LLMC_MIXED_GRAPHS=$v PYTHONPATH=. python3 "${TOOLS:-../shared/tools}/llmc_bench.py" --shape $shape \
+                        --n $([ $shape = 1b ] && echo 256 || echo 128) --out "$OUT" >"$OUT/llmc_bench_${shape}_$v.log" 2>&1
+                    echo "$shape LLMC_MIXED_GRAPHS=$v: $(grep -E '^(compile|load|decode|ttft|throughput)' \
+                        "$OUT/llmc_bench_${shape}_$v.log" | cut -c1-90 | tr '\n' '|')"
+                done
+            done ;;
         overlap)
             rm -rf /tmp/tmp*
             python3 benchmarks/multi_step_bench.py --shape "${SHAPE:-8b}" --modes 1-sync,1,1-sync,1 --n 128 \
@@ -395,6 +433,6 @@ print('mixed tokens=$t', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttf
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, spec-b1, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, compile-ab, compile-spy, step-profile, prefill-flags, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, overlap, tuned-check, tuned-table, kernels, e2e)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, spec-b1, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, compile-ab, compile-spy, step-profile, prefill-flags, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, mixed-ab, warm-up, issue-bench, overlap, tuned-check, tuned-table, kernels, e2e)" ;;
     esac
 done

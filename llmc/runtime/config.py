@@ -32,6 +32,7 @@ class EngineConfig:
     expert_parallel: bool = False  # MoE experts split by expert over the tensor-parallel ranks
     multi_step: int = 1  # greedy decode steps run back to back on the device per engine step (engine.py)
     overlap: bool = True  # greedy steps: schedule step N + 1 while the device runs step N (engine.py)
+    warm_up: bool = True  # at load, on a GPU: capture the decode graphs, compile the mixed steps' kernels
 
     def validate(self) -> None:
         """Raise LLMCError naming the first option out of range."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 import os
 import time
@@ -26,6 +27,8 @@ from llmc.runtime.sequence import SequenceGroup, SequenceStatus
 from llmc.runtime.spec_decode import SpecConfig, SpecDecoder
 from llmc.runtime.step_graphs import graphs_captured
 from llmc.runtime.stop import StopChecker
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
@@ -171,6 +174,17 @@ class LLMEngine:
                                                    cfg.preemption_mode, self.max_model_len,
                                                    max_prefill_tokens=prefill_budget, step_budget=step_budget),
                                    self.block_manager)
+        self.warm_up_s, self.warm_up_steps = 0.0, 0
+        if cfg.warm_up and getattr(self.executor, "device", None) is not None and \
+                self.executor.device.type == "cuda" and hasattr(self.executor, "warm_up"):
+            # the largest step the scheduler makes: its budget, a lone prompt's chunk, or decodes beside the
+            # step budget's largest chunk
+            top = max(budget, prefill_budget or 0,
+                      step_budget.gemm_ms[-1][0] + cfg.max_num_seqs if step_budget is not None else 0)
+            t0 = time.perf_counter()
+            self.warm_up_steps = self.executor.warm_up(cfg.max_num_seqs, min(top, self.max_model_len - 1))
+            self.warm_up_s = time.perf_counter() - t0
+            log.info("warm-up: %d step shapes in %.2f s", self.warm_up_steps, self.warm_up_s)
         eos = list(self.info.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
@@ -595,6 +609,7 @@ class LLMEngine:
             "cow_copies": bm.stats.cow_copies,
             "steps": self.num_steps,
             "overlapped_steps": self.num_overlapped,
+            "warm_up_s": round(self.warm_up_s, 3),
             **_spec_stats(self.spec),
             **{f"ms_per_step_{k}": round(v * 1e3 / max(1, self.num_steps), 4) for k, v in self.timings.items()},
         }

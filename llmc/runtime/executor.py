@@ -191,6 +191,20 @@ class LocalExecutor:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def warm_up(self, max_num_seqs: int, max_tokens: int) -> int:
+        """Run the steps of `warm_up_batches`, greedy and not, so that an engine's first requests do not pay
+        for what a step shape costs once on a GPU: each decode graph captured, each kernel specialization
+        of mixed steps compiled (and each piecewise bucket captured). The engine calls it at load on a GPU
+        only. Their K/V lands in block 0, which holds nothing yet. Returns the steps run."""
+        batches = warm_up_batches(max_num_seqs, max_tokens, self.block_size)
+        for batch in batches:
+            for greedy in (True, False):
+                batch.greedy = greedy
+                self.execute(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return 2 * len(batches)
+
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
         seqs = self._begin(batch)
@@ -341,11 +355,13 @@ class KernelExecutor(LocalExecutor):
             receives = set(graph.meta.get("pipeline", {}).get("receives", []))  # a pipeline stage's
             self.step_graphs = StepGraphCache(self.plan, self.kv, self.block_size, max_model_len, self.device,
                                               argmax, [v for v in graph.inputs if v.name in receives])
-            # experimental: mixed steps on piecewise graphs (not on a stage that receives: its received rows
-            # would need padding to the bucket too)
-            if os.environ.get("LLMC_MIXED_GRAPHS") == "1" and not receives:
+            # mixed steps on piecewise graphs (not on a stage that receives: its received rows would need padding
+            # to the bucket too); buckets are captured on first use, so a plan that never runs one costs nothing.
+            # `mixed_graphs` switches them per step (benchmarks flip it on a live engine)
+            if not receives:
                 from llmc.runtime.piecewise import PiecewiseGraphs
                 self.piecewise = PiecewiseGraphs(self.plan, self.step_graphs._warm, self.step_graphs._capture_only)
+        self.mixed_graphs = os.environ.get("LLMC_MIXED_GRAPHS") == "1"
 
     def _forward(self, seqs, greedy):
         if self.step_graphs is not None and self.use_cuda_graphs and not greedy:
@@ -376,7 +392,7 @@ class KernelExecutor(LocalExecutor):
         """Every output of the plan (a pipeline stage's are the values it hands the next stage)."""
         hints = {"max_seqlen_q": max(len(s.token_ids) for s in seqs),
                  "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in seqs)}
-        if self.piecewise is not None and self.use_cuda_graphs:
+        if self.piecewise is not None and self.use_cuda_graphs and self.mixed_graphs:
             out = self.piecewise.run(inputs, hints)
             if out is not None:
                 return out
@@ -384,6 +400,28 @@ class KernelExecutor(LocalExecutor):
 
     def _logits(self, inputs, seqs):
         return self.outputs(inputs, seqs)[0]
+
+
+WARM_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def warm_up_batches(max_num_seqs: int, max_tokens: int, block_size: int) -> list[StepBatch]:
+    """The step shapes an engine of up to `max_num_seqs` sequences and `max_tokens` tokens a step meets, one
+    step each, every sequence on block 0: a decode step of each decode graph's bucket up to max_num_seqs'
+    (each captures its graph), and mixed steps of T = each of WARM_TOKENS up to max_tokens, T - 1 and
+    max_tokens (Triton specializes a kernel on whether a size divides by 16; piecewise graphs are captured
+    per bucket), each a prompt chunk beside T // 4 decodes (at most max_num_seqs - 1), so that the logits
+    rows' count takes the widths between the decode buckets."""
+    from llmc.runtime.step_graphs import DECODE_BUCKETS
+    top = next((b for b in DECODE_BUCKETS if b >= max_num_seqs), DECODE_BUCKETS[-1])
+    batches = [StepBatch([StepInput([0], 0, [0]) for _ in range(b)]) for b in DECODE_BUCKETS if b <= top]
+    sizes = sorted({n for b in WARM_TOKENS if b <= max_tokens for n in (b - 1, b)} | {max_tokens})
+    for T in sizes:
+        d = min(max_num_seqs - 1, T // 4)
+        chunk = T - d
+        batches.append(StepBatch([*(StepInput([0], 0, [0]) for _ in range(d)),
+                                  StepInput([0] * chunk, 0, [0] * -(-chunk // block_size), 1, True)]))
+    return batches
 
 
 def as_decode_rows(seqs: list[StepInput]) -> list[StepInput]:

@@ -1,0 +1,59 @@
+"""The load-time warm-up's steps (executor.warm_up_batches): which shapes they cover, that each runs on
+a fresh cache, and that an engine which warmed up generates what one that did not does."""
+from __future__ import annotations
+
+import pytest
+
+from llmc.runtime.executor import make_executor, warm_up_batches
+from llmc.runtime.step_graphs import DECODE_BUCKETS
+
+
+def _shape(batch):
+    return len(batch.seqs), sum(len(s.token_ids) for s in batch.seqs), batch.num_logits
+
+
+@pytest.mark.parametrize("max_num_seqs,max_tokens", [(128, 2176), (64, 512), (3, 40), (1, 16)])
+def test_batches_cover_the_decode_buckets_and_the_token_sizes(max_num_seqs, max_tokens):
+    batches = warm_up_batches(max_num_seqs, max_tokens, block_size=16)
+    decodes = [len(b.seqs) for b in batches if all(len(s.token_ids) == 1 for s in b.seqs)]
+    top = next(b for b in DECODE_BUCKETS if b >= max_num_seqs)
+    assert decodes[:len([b for b in DECODE_BUCKETS if b <= top])] == [b for b in DECODE_BUCKETS if b <= top]
+    mixed = [_shape(b) for b in batches if any(s.prefill for s in b.seqs)]
+    tokens = [t for _, t, _ in mixed]
+    assert tokens == sorted(set(tokens)) and tokens[-1] == max_tokens
+    for b in (16, 32, 64, 128, 256, 512, 1024, 2048):
+        if b <= max_tokens:
+            assert b in tokens and b - 1 in tokens  # both sides of Triton's divisible-by-16 specialization
+    for n, t, rows in mixed:
+        assert n <= max_num_seqs and rows == n  # one logits row per decode and one for the chunk
+    for batch in batches:  # every sequence's table covers its tokens
+        for s in batch.seqs:
+            assert len(s.block_table) * 16 >= s.start_pos + len(s.token_ids)
+
+
+def test_every_step_runs_on_a_fresh_cache(llama_artifact):
+    ex = make_executor(llama_artifact.graph, "reference", num_blocks=8, block_size=4)
+    for batch in warm_up_batches(4, 24, block_size=4):
+        for greedy in (True, False):
+            batch.greedy = greedy
+            r = ex.execute(batch)
+            rows = batch.num_logits
+            assert (r.tokens if greedy else r.logits).shape[0] == rows
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+def test_an_engine_after_the_warm_up_generates_the_same(llama_artifact, kv_cache_dtype):
+    """The warm-up's steps write junk K/V into block 0 (and, quantized, its scales); the first request's
+    blocks include block 0 (the free list hands it out first), and its tokens are those of an engine that never ran them."""
+    from llmc.runtime.engine import LLM, SamplingParams
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[3, 4, 5, 6, 7], [9, 8, 7]]
+    outs = []
+    for warm in (False, True):
+        with LLM(llama_artifact, backend="reference", num_blocks=32, block_size=4,
+                 kv_cache_dtype=kv_cache_dtype) as llm:
+            assert llm.stats()["warm_up_s"] == 0  # the engine warms up on a GPU only
+            if warm:
+                assert llm.engine.executor.warm_up(4, 24) == 2 * len(warm_up_batches(4, 24, 4))
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, p)])
+    assert outs[0] == outs[1]
