@@ -1,0 +1,94 @@
+"""An engine's first mixed-workload run with and without the load-time warm-up (EngineConfig.warm_up), each
+setting in fresh processes that start from the same Triton cache: the one the artifact's compile left
+(what a user has after `llmc compile`), copied per process, so no process inherits another's compiles.
+
+Per process: load to ready (the warm-up included), the warm-up's own time, then the mixed workload
+(`llmc.bench.bench`, `--n` requests, `--max-num-seqs` at once) twice: the first run is what a user's first
+requests see, the second an engine that every step shape has met. Settings alternate, `--repeat` each.
+
+    python3 benchmarks/warm_up_bench.py --shape 1b --n 256 --out OUT      # GPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def child(a) -> None:
+    import torch
+
+    from llmc.bench import bench
+    from llmc.runtime.engine import LLM
+    from llmc.runtime.step_graphs import graphs_captured
+    t0 = time.perf_counter()
+    llm = LLM(a.artifact, max_num_seqs=a.max_num_seqs, warm_up=a.warm == "1")
+    torch.cuda.synchronize()
+    row = {"warm_up": a.warm == "1", "load_s": time.perf_counter() - t0, "warm_up_s": llm.stats()["warm_up_s"]}
+    for run in ("first", "second"):
+        g = graphs_captured()
+        r = bench(llm, "mixed", num_requests=a.n)
+        row.update({f"{run}_out_tok_s": r["out_tok_s"], f"{run}_gpu_busy": r["gpu_busy"],
+                    f"{run}_ttft_ms_p50": r["ttft_ms_p50"], f"{run}_graphs_captured": graphs_captured() - g})
+    llm.close()
+    print("ROW " + json.dumps(row), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="1b")
+    ap.add_argument("--n", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--artifact", default=None)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)  # a child process's setting
+    a = ap.parse_args()
+    if a.warm is not None:
+        return child(a)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = Path(f"/tmp/warm-up-triton-{a.shape}")
+    art = a.artifact or f"/tmp/art-{a.shape}.llmc"
+    if not Path(art).exists():  # compiled here with a Triton cache of its own: what the children start from
+        shutil.rmtree(base, ignore_errors=True)
+        env = {**os.environ, "TRITON_CACHE_DIR": str(base)}
+        subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench "
+                        f"import shared_artifact; shared_artifact({a.shape!r}, {art!r})"], env=env, check=True)
+    rows = []
+    for i in range(a.repeat):
+        for warm in ("0", "1"):
+            cache = Path(f"/tmp/warm-up-triton-run{i}{warm}")
+            shutil.rmtree(cache, ignore_errors=True)
+            if base.exists():
+                shutil.copytree(base, cache)
+            env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+            p = subprocess.run([sys.executable, __file__, "--artifact", art, "--n", str(a.n), "--max-num-seqs",
+                                str(a.max_num_seqs), "--warm", warm], env=env, capture_output=True, text=True)
+            (out / f"warm_up_{i}{warm}.log").write_text(p.stdout[-20000:] + p.stderr[-20000:])
+            line = next((x for x in p.stdout.splitlines() if x.startswith("ROW ")), None)
+            if line is None:
+                print(f"# run {i} warm_up={warm} failed (rc {p.returncode}): {p.stderr[-800:]}", flush=True)
+                continue
+            rows.append(json.loads(line[4:]))
+            print(json.dumps(rows[-1]), flush=True)
+    (out / "warm_up_bench.json").write_text(json.dumps({"shape": a.shape, "n": a.n, "rows": rows}, indent=1))
+    print(f"# {a.shape}; mixed workload, {a.n} requests, {a.max_num_seqs} at once; each row a fresh process")
+    print(f"{'warm-up':>8s} {'load s':>7s} {'of it warm-up':>13s} {'1st tok/s':>10s} {'1st busy':>8s} "
+          f"{'graphs':>6s} {'2nd tok/s':>10s} {'graphs':>6s}")
+    for r in rows:
+        print(f"{'on' if r['warm_up'] else 'off':>8s} {r['load_s']:7.2f} {r['warm_up_s']:13.2f} "
+              f"{r['first_out_tok_s']:10.0f} {r['first_gpu_busy'] or 0:8.2f} {r['first_graphs_captured']:6d} "
+              f"{r['second_out_tok_s']:10.0f} {r['second_graphs_captured']:6d}")
+
+
+if __name__ == "__main__":
+    main()
