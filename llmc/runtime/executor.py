@@ -361,7 +361,7 @@ class KernelExecutor(LocalExecutor):
             if not receives:
                 from llmc.runtime.piecewise import PiecewiseGraphs
                 self.piecewise = PiecewiseGraphs(self.plan, self.step_graphs._warm, self.step_graphs._capture_only)
-        self.mixed_graphs = os.environ.get("LLMC_MIXED_GRAPHS") == "1"
+        self.mixed_graphs = os.environ.get("LLMC_MIXED_GRAPHS", "1") != "0"  # 0: mixed steps eager
 
     def _forward(self, seqs, greedy):
         if self.step_graphs is not None and self.use_cuda_graphs and not greedy:

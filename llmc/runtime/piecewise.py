@@ -4,7 +4,7 @@ attention ops, per token bucket, attention run eagerly between the pieces.
 A step of several sequences with prompt chunks fits no whole-step graph (step_graphs.py): its attention
 depends on every sequence's length. Everything else in a layer (norms, GEMMs, rope and KV writes,
 activations, tensor-parallel all_reduces) depends only on the step's token count. So the tokens are
-padded to a bucket (256 .. 8192; padding rows: token 0 at position 0, no KV write, in no sequence),
+padded to a bucket (16 .. 8192; padding rows: token 0 at position 0, no KV write, in no sequence),
 each run of steps between two attention ops is one captured graph, and each attention op runs
 eagerly on the step's real metadata, writing its output where the next piece reads it. The steps after
 the last attention op (the last layer's MLP, the final norm, the logits rows and the LM head) run
@@ -23,7 +23,10 @@ import torch
 from llmc.ir.interpreter import bind_dims
 from llmc.ir.types import dim_eval, torch_dtype
 
-MIXED_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
+# powers of two: up to 64 a step's linears keep the tuned choice of its own token count (a padded step's
+# count is in the same tuning bucket, autotune.m_bucket, as the real one; steps of up to 64 tokens share the
+# batch-invariant generated kernel), so padding changes no sum there
+MIXED_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 BREAKS = ("attend_paged", "paged_attention")  # depend on each sequence's length: run eagerly
 PADDED = {"input_ids": 0, "positions": 0, "slot_mapping": -1}  # the token-count inputs and their padding
 
