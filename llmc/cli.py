@@ -456,6 +456,10 @@ def _engine_options(seqs_help: str = "Sequences batched per step.", speculative:
                               "whose tokens the GPU can choose (greedy, or sampled without a seed, penalty or "
                               "logprobs); greedy outputs are the same either way, and outputs reach the caller "
                               "one step later. Not with pipeline stages (--pipeline-parallel-size > 1)."),
+            click.option("--warm-up/--no-warm-up", "warm_up", default=_ENGINE.warm_up, show_default=True,
+                         help="On a GPU, before the first request: capture the decode step graphs up to "
+                              "--max-num-seqs and compile the kernels of each mixed step size (a few seconds), "
+                              "so that the first requests do not wait for them."),
         ]
 
     def apply(f):
@@ -508,7 +512,7 @@ def _parallel_options(f):
 @_plugin_option
 def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
         stop, as_json, stream, backend, device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-        kv_cache_dtype, spec_method, draft_path, spec_tokens, multi_step, overlap, tensor_parallel_size,
+        kv_cache_dtype, spec_method, draft_path, spec_tokens, multi_step, overlap, warm_up, tensor_parallel_size,
         pipeline_parallel_size, expert_parallel, plugins):
     """Generate text from ARTIFACT with the paged-KV engine.
 
@@ -538,7 +542,7 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
               num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, backend=backend, device=device,
               tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-              expert_parallel=expert_parallel, multi_step=multi_step, overlap=overlap)
+              expert_parallel=expert_parallel, multi_step=multi_step, overlap=overlap, warm_up=warm_up)
     out = _Printer(items, params, as_json, art.tokenizer_dir is not None)
     requests = [it.text if it.text is not None else it.token_ids for it in items]
     if stream:
@@ -752,8 +756,8 @@ def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend,
 @_plugin_option
 def serve(artifact, host, port, api_key, served_model_name, chat_template, max_queue, shutdown_timeout, backend,
           device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, spec_method,
-          draft_path, spec_tokens, multi_step, overlap, tensor_parallel_size, pipeline_parallel_size, expert_parallel,
-          plugins):
+          draft_path, spec_tokens, multi_step, overlap, warm_up, tensor_parallel_size, pipeline_parallel_size,
+          expert_parallel, plugins):
     """Serve ARTIFACT over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /health and /metrics (Prometheus).
 
@@ -790,7 +794,7 @@ def serve(artifact, host, port, api_key, served_model_name, chat_template, max_q
                    max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
                    kv_cache_dtype=kv_cache_dtype, backend=backend, device=device,
                    tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                   expert_parallel=expert_parallel, multi_step=multi_step, overlap=overlap)
+                   expert_parallel=expert_parallel, multi_step=multi_step, overlap=overlap, warm_up=warm_up)
     try:
         app = create_app(llm, name, api_key=api_key, chat_template=template, max_queue=max_queue,
                          shutdown_timeout=shutdown_timeout)
@@ -881,7 +885,7 @@ def bench():
 @_plugin_option
 def bench_artifact(artifact, workload, num_requests, seed, as_json, backend, device, max_num_seqs,
                    max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, spec_method, draft_path,
-                   spec_tokens, multi_step, overlap, plugins):
+                   spec_tokens, multi_step, overlap, warm_up, plugins):
     """Benchmark ARTIFACT offline through llmc.LLM: output tokens per second, time to first token and
     inter-token latency (p50/p99, from the streamed outputs of every request), and on CUDA the fraction
     of the time the GPU spends in the model's steps.
@@ -909,7 +913,7 @@ def bench_artifact(artifact, workload, num_requests, seed, as_json, backend, dev
                         progress=sys.stderr.isatty(), max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
                         kv_cache_dtype=kv_cache_dtype, backend=backend, device=device, multi_step=multi_step,
-                        overlap=overlap)
+                        overlap=overlap, warm_up=warm_up)
     click.echo(json.dumps(res) if as_json else offline.format_report(res))
 
 
