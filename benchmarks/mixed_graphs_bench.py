@@ -5,7 +5,8 @@ the switch flipped between runs of the same workload.
 of some step shapes to compile (and graph buckets to capture) inside the timed run, and whichever run
 comes first pays for them. This runs the whole workload once each way untimed first, then `--repeat`
 timed runs of each setting alternating, and reports every run, the medians and their ratio, with the
-engine's step counts and host time per step over each run. Last, greedy tokens of `--prompts`
+engine's step counts and host time per step over each run (prefix caching off: the runs send the same
+prompts). Last, greedy tokens of `--prompts`
 held-out prompts (all admitted at once: their first step is a mixed one) under each setting.
 
     python3 benchmarks/mixed_graphs_bench.py --shape 1b --n 256 --out OUT     # GPU
@@ -39,7 +40,9 @@ def main() -> None:
     from llmc.runtime.engine import LLM, SamplingParams
     out, art, prompts = shared_setup(a)
     rows = []
-    with LLM(art, max_num_seqs=a.max_num_seqs) as llm:
+    # no prefix caching: every run sends the workload's same prompts, which a cache would serve from the
+    # previous run's blocks
+    with LLM(art, max_num_seqs=a.max_num_seqs, enable_prefix_caching=False) as llm:
         ex = llm.engine.executor
         if getattr(ex, "piecewise", None) is None:
             print("# this executor has no piecewise graphs (no CUDA graphs here): both settings run eagerly")

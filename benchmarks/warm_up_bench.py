@@ -30,7 +30,8 @@ def child(a) -> None:
     from llmc.runtime.engine import LLM
     from llmc.runtime.step_graphs import graphs_captured
     t0 = time.perf_counter()
-    llm = LLM(a.artifact, max_num_seqs=a.max_num_seqs, warm_up=a.warm == "1")
+    # no prefix caching: the second run sends the first's prompts, which a cache would serve
+    llm = LLM(a.artifact, max_num_seqs=a.max_num_seqs, warm_up=a.warm == "1", enable_prefix_caching=False)
     torch.cuda.synchronize()
     row = {"warm_up": a.warm == "1", "load_s": time.perf_counter() - t0, "warm_up_s": llm.stats()["warm_up_s"]}
     for run in ("first", "second"):

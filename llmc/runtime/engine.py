@@ -182,7 +182,7 @@ class LLMEngine:
             top = max(budget, prefill_budget or 0,
                       step_budget.gemm_ms[-1][0] + cfg.max_num_seqs if step_budget is not None else 0)
             t0 = time.perf_counter()
-            self.warm_up_steps = self.executor.warm_up(cfg.max_num_seqs, min(top, self.max_model_len - 1))
+            self.warm_up_steps = self.executor.warm_up(cfg.max_num_seqs, top, self.max_model_len - 1)
             self.warm_up_s = time.perf_counter() - t0
             log.info("warm-up: %d step shapes in %.2f s", self.warm_up_steps, self.warm_up_s)
         eos = list(self.info.eos_token_ids)

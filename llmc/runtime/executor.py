@@ -191,12 +191,12 @@ class LocalExecutor:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def warm_up(self, max_num_seqs: int, max_tokens: int) -> int:
+    def warm_up(self, max_num_seqs: int, max_tokens: int, max_chunk: int | None = None) -> int:
         """Run the steps of `warm_up_batches`, greedy and not, so that an engine's first requests do not pay
         for what a step shape costs once on a GPU: each decode graph captured, each kernel specialization
         of mixed steps compiled (and each piecewise bucket captured). The engine calls it at load on a GPU
         only. Their K/V lands in block 0, which holds nothing yet. Returns the steps run."""
-        batches = warm_up_batches(max_num_seqs, max_tokens, self.block_size)
+        batches = warm_up_batches(max_num_seqs, max_tokens, self.block_size, max_chunk)
         for batch in batches:
             for greedy in (True, False):
                 batch.greedy = greedy
@@ -405,22 +405,31 @@ class KernelExecutor(LocalExecutor):
 WARM_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def warm_up_batches(max_num_seqs: int, max_tokens: int, block_size: int) -> list[StepBatch]:
+def warm_up_batches(max_num_seqs: int, max_tokens: int, block_size: int, max_chunk: int | None = None
+                    ) -> list[StepBatch]:
     """The step shapes an engine of up to `max_num_seqs` sequences and `max_tokens` tokens a step meets, one
     step each, every sequence on block 0: a decode step of each decode graph's bucket up to max_num_seqs'
     (each captures its graph), and mixed steps of T = each of WARM_TOKENS up to max_tokens, T - 1 and
     max_tokens (Triton specializes a kernel on whether a size divides by 16; piecewise graphs are captured
-    per bucket), each a prompt chunk beside T // 4 decodes (at most max_num_seqs - 1), so that the logits
-    rows' count takes the widths between the decode buckets."""
+    per bucket), each T // 4 decodes (at most max_num_seqs - 1) beside prompt chunks of at most `max_chunk`
+    tokens (a sequence's context; a step of several prompts may hold more), so that the logits rows' count
+    takes the widths between the decode buckets."""
     from llmc.runtime.step_graphs import DECODE_BUCKETS
     top = next((b for b in DECODE_BUCKETS if b >= max_num_seqs), DECODE_BUCKETS[-1])
     batches = [StepBatch([StepInput([0], 0, [0]) for _ in range(b)]) for b in DECODE_BUCKETS if b <= top]
     sizes = sorted({n for b in WARM_TOKENS if b <= max_tokens for n in (b - 1, b)} | {max_tokens})
+    max_chunk = max_chunk or max_tokens
     for T in sizes:
         d = min(max_num_seqs - 1, T // 4)
-        chunk = T - d
-        batches.append(StepBatch([*(StepInput([0], 0, [0]) for _ in range(d)),
-                                  StepInput([0] * chunk, 0, [0] * -(-chunk // block_size), 1, True)]))
+        while d > 0 and d + -(-(T - d) // max_chunk) > max_num_seqs:
+            d -= 1
+        if -(-(T - d) // max_chunk) > max_num_seqs - d:
+            continue  # no step of max_num_seqs sequences holds T tokens
+        seqs = [StepInput([0], 0, [0]) for _ in range(d)]
+        for at in range(0, T - d, max_chunk):
+            n = min(max_chunk, T - d - at)
+            seqs.append(StepInput([0] * n, 0, [0] * -(-n // block_size), 1, True))
+        batches.append(StepBatch(seqs))
     return batches
 
 

@@ -12,9 +12,10 @@ def _shape(batch):
     return len(batch.seqs), sum(len(s.token_ids) for s in batch.seqs), batch.num_logits
 
 
-@pytest.mark.parametrize("max_num_seqs,max_tokens", [(128, 2176), (64, 512), (3, 40), (1, 16)])
-def test_batches_cover_the_decode_buckets_and_the_token_sizes(max_num_seqs, max_tokens):
-    batches = warm_up_batches(max_num_seqs, max_tokens, block_size=16)
+@pytest.mark.parametrize("max_num_seqs,max_tokens,max_chunk", [(128, 2176, None), (64, 512, None), (3, 40, None),
+                                                             (1, 16, None), (128, 8320, 4095), (4, 100, 30)])
+def test_batches_cover_the_decode_buckets_and_the_token_sizes(max_num_seqs, max_tokens, max_chunk):
+    batches = warm_up_batches(max_num_seqs, max_tokens, 16, max_chunk)
     decodes = [len(b.seqs) for b in batches if all(len(s.token_ids) == 1 for s in b.seqs)]
     top = next(b for b in DECODE_BUCKETS if b >= max_num_seqs)
     assert decodes[:len([b for b in DECODE_BUCKETS if b <= top])] == [b for b in DECODE_BUCKETS if b <= top]
@@ -25,7 +26,9 @@ def test_batches_cover_the_decode_buckets_and_the_token_sizes(max_num_seqs, max_
         if b <= max_tokens:
             assert b in tokens and b - 1 in tokens  # both sides of Triton's divisible-by-16 specialization
     for n, t, rows in mixed:
-        assert n <= max_num_seqs and rows == n  # one logits row per decode and one for the chunk
+        assert n <= max_num_seqs and rows == n  # one logits row per decode and one per chunk
+    for batch in batches:  # no chunk longer than a sequence's context
+        assert all(len(s.token_ids) <= (max_chunk or max_tokens) for s in batch.seqs)
     for batch in batches:  # every sequence's table covers its tokens
         for s in batch.seqs:
             assert len(s.block_table) * 16 >= s.start_pos + len(s.token_ids)
