@@ -16,12 +16,15 @@ every kernel for the bucket's shapes) and returns that step's outputs.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 
 from llmc.ir.interpreter import bind_dims
 from llmc.ir.types import dim_eval, torch_dtype
+
+log = logging.getLogger(__name__)
 
 # powers of two: up to 64 a step's linears keep the tuned choice of its own token count (a padded step's
 # count is in the same tuning bucket, autotune.m_bucket, as the real one; steps of up to 64 tokens share the
@@ -57,6 +60,7 @@ class PiecewiseGraphs:
         self.plan, self.warm, self.capture = plan, warm, capture
         self.breaks = [i for i, st in enumerate(plan.steps) if st.node.op in BREAKS]
         self.buckets: dict[int, _Bucket] = {}
+        self.refused: set[int] = set()  # buckets whose capture ran out of device memory
 
     def bucket(self, inputs: dict[str, torch.Tensor]) -> int | None:
         """The token bucket a step of these inputs replays, or None (too many tokens, or no attention op)."""
@@ -71,10 +75,22 @@ class PiecewiseGraphs:
         size = self.bucket(inputs)
         if size is None:
             return None
+        if size in self.refused:
+            return None
         b = self.buckets.get(size)
         if b is None:
             b = self.buckets[size] = _Bucket()
-            return self._capture(b, size, inputs, hints)
+            try:
+                return self._capture(b, size, inputs, hints)
+            except torch.cuda.OutOfMemoryError as e:
+                # the bucket's arena, warm-up runs or graphs did not fit: its steps run eagerly (the caller's
+                # plan runs this one again whole, rewriting the same K/V), and it is not tried again
+                del self.buckets[size]
+                self.refused.add(size)
+                torch.cuda.empty_cache()
+                log.warning("no piecewise graphs for mixed steps of up to %d tokens: their capture ran out of "
+                            "device memory (%s); they run eagerly", size, str(e).splitlines()[0][:200])
+                return None
         T = int(inputs["input_ids"].shape[0])
         for name, pad in PADDED.items():
             buf = b.buffers[name]

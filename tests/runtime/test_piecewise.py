@@ -61,3 +61,19 @@ def test_mixed_steps_on_pieces_give_the_plans_outputs(llama_artifact):
     # the same K/V (up to the rounding of GEMMs over more rows): the padding rows and the warm-ups left none
     for a, b in zip(plain.kv.values(), pieces.kv.values()):
         assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+
+
+def test_a_bucket_whose_capture_runs_out_of_memory_runs_eagerly(llama_artifact):
+    """Its run returns None (the executor then runs the plan), the bucket is dropped and never tried again."""
+    ex = make_executor(llama_artifact.graph, "triton-interpret", num_blocks=32, block_size=4)
+    calls = []
+
+    def capture(fn):
+        calls.append(fn)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    pw = PiecewiseGraphs(ex.plan, lambda fn: fn(), capture)
+    seqs = [StepInput([3, 4, 5, 6], 0, [0], 1, True), StepInput([7, 8], 0, [1], 1, True)]
+    hints = {"max_seqlen_q": 4, "max_seqlen_k": 4}
+    assert pw.run(ex.build_inputs(seqs), hints) is None
+    assert pw.refused == {16} and not pw.buckets and len(calls) == 1
+    assert pw.run(ex.build_inputs(seqs), hints) is None and len(calls) == 1
