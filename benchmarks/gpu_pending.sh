@@ -322,12 +322,14 @@ shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_grap
             done ;;
         warm-up)
             # fresh processes from the compile's Triton cache, the load-time warm-up off and on alternating (SHAPES,
-            # default "1b 8b"; N_1b, N_8b requests, default 256 and 128; REPEAT, default 2)
+            # default "1b 8b"; N_1b, N_8b requests, default 256 and 128; REPEAT, default 2; SETTINGS, default off,on:
+            # add ahead for the warm-up's kernels compiled on threads first, LLMC_WARM_UP_AHEAD=1)
             rm -rf /tmp/tmp*
             for shape in ${SHAPES:-1b 8b}; do
                 n=N_$shape
                 python3 benchmarks/warm_up_bench.py --shape $shape --n ${!n:-$([ $shape = 1b ] && echo 256 || echo 128)} \
-                    --repeat ${REPEAT:-2} --out "$OUT/warm_up_$shape" >"$OUT/warm_up_$shape.log" 2>&1
+                    --repeat ${REPEAT:-2} --settings ${SETTINGS:-off,on} --out "$OUT/warm_up_$shape" \
+                    >"$OUT/warm_up_$shape.log" 2>&1
                 tail -6 "$OUT/warm_up_$shape.log"
             done ;;
         issue-bench)

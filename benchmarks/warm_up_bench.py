@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--settings", default="off,on", help="the rows of each repeat, in order: off (no warm-up), on, "
+                    "ahead (on, with LLMC_WARM_UP_AHEAD=1: its kernels compiled on threads first)")
     ap.add_argument("--artifact", default=None)
     ap.add_argument("--out", default=".")
     ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)  # a child process's setting
@@ -66,27 +68,28 @@ def main() -> None:
                         f"import shared_artifact; shared_artifact({a.shape!r}, {art!r})"], env=env, check=True)
     rows = []
     for i in range(a.repeat):
-        for warm in ("0", "1"):
-            cache = Path(f"/tmp/warm-up-triton-run{i}{warm}")
+        for setting in a.settings.split(","):
+            warm = "0" if setting == "off" else "1"
+            cache = Path(f"/tmp/warm-up-triton-run{i}{setting}")
             shutil.rmtree(cache, ignore_errors=True)
             if base.exists():
                 shutil.copytree(base, cache)
-            env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+            env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "LLMC_WARM_UP_AHEAD": "1" if setting == "ahead" else "0"}
             p = subprocess.run([sys.executable, __file__, "--artifact", art, "--n", str(a.n), "--max-num-seqs",
                                 str(a.max_num_seqs), "--warm", warm], env=env, capture_output=True, text=True)
-            (out / f"warm_up_{i}{warm}.log").write_text(p.stdout[-20000:] + p.stderr[-20000:])
+            (out / f"warm_up_{i}{setting}.log").write_text(p.stdout[-20000:] + p.stderr[-20000:])
             line = next((x for x in p.stdout.splitlines() if x.startswith("ROW ")), None)
             if line is None:
-                print(f"# run {i} warm_up={warm} failed (rc {p.returncode}): {p.stderr[-800:]}", flush=True)
+                print(f"# run {i} {setting} failed (rc {p.returncode}): {p.stderr[-800:]}", flush=True)
                 continue
-            rows.append(json.loads(line[4:]))
+            rows.append({"setting": setting, **json.loads(line[4:])})
             print(json.dumps(rows[-1]), flush=True)
     (out / "warm_up_bench.json").write_text(json.dumps({"shape": a.shape, "n": a.n, "rows": rows}, indent=1))
     print(f"# {a.shape}; mixed workload, {a.n} requests, {a.max_num_seqs} at once; each row a fresh process")
     print(f"{'warm-up':>8s} {'load s':>7s} {'of it warm-up':>13s} {'1st tok/s':>10s} {'1st busy':>8s} "
           f"{'graphs':>6s} {'2nd tok/s':>10s} {'graphs':>6s}")
     for r in rows:
-        print(f"{'on' if r['warm_up'] else 'off':>8s} {r['load_s']:7.2f} {r['warm_up_s']:13.2f} "
+        print(f"{r['setting']:>8s} {r['load_s']:7.2f} {r['warm_up_s']:13.2f} "
               f"{r['first_out_tok_s']:10.0f} {r['first_gpu_busy'] or 0:8.2f} {r['first_graphs_captured']:6d} "
               f"{r['second_out_tok_s']:10.0f} {r['second_graphs_captured']:6d}")
 

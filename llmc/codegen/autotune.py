@@ -202,11 +202,7 @@ def run_on_threads(calls: Sequence[Callable[[], Any]], shared_kernels: bool = Fa
             call()
     with ThreadPoolExecutor(n, thread_name_prefix="llmc-tune") as threads:
         if shared_kernels and pool is None and triton_setup.enabled():
-            for r, f in [(r, threads.submit(precompile.compile_here, r)) for r in precompile.collect(calls)]:
-                try:
-                    f.result()
-                except Exception as e:  # noqa: BLE001 - the call that launches it compiles it, or fails, itself
-                    log.debug("autotune: compiling %s of %s ahead failed: %s", r.name, r.module, e)
+            precompile.compile_ahead(calls, threads)
         for i, f in [(i, threads.submit(run, c)) for i, c in enumerate(calls)]:
             try:
                 f.result()

@@ -92,6 +92,19 @@ def collect(calls: Sequence[Callable[[], Any]]) -> list[Request]:
     return list(found.values())
 
 
+def compile_ahead(calls: Sequence[Callable[[], Any]], threads) -> int:
+    """Compile each distinct kernel that `calls` would compile (`collect`) on `threads`, a
+    concurrent.futures executor; returns how many. A compile that fails is logged and left to the call
+    that launches the kernel, which compiles it (or fails) itself."""
+    reqs = collect(calls)
+    for r, f in [(r, threads.submit(compile_here, r)) for r in reqs]:
+        try:
+            f.result()
+        except Exception as e:  # noqa: BLE001 - see above
+            log.debug("precompile: compiling %s of %s ahead failed: %s", r.name, r.module, e)
+    return len(reqs)
+
+
 class CompilePool:
     """Worker processes that compile kernels into Triton's on-disk cache (module docstring).
 

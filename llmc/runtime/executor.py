@@ -11,6 +11,7 @@ Attention metadata is built here from the batch and passed to the plan as explic
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -362,6 +363,41 @@ class KernelExecutor(LocalExecutor):
                 from llmc.runtime.piecewise import PiecewiseGraphs
                 self.piecewise = PiecewiseGraphs(self.plan, self.step_graphs._warm, self.step_graphs._capture_only)
         self.mixed_graphs = os.environ.get("LLMC_MIXED_GRAPHS", "1") != "0"  # 0: mixed steps eager
+
+    def warm_up(self, max_num_seqs: int, max_tokens: int, max_chunk: int | None = None) -> int:
+        # LLMC_WARM_UP_AHEAD=1 (experimental, off until measured on a GPU): the steps' kernels compiled on
+        # threads first (precompile.compile_ahead), as a compile's tuning compiles its choices; the steps below
+        # then find them in Triton's cache instead of compiling each in turn
+        if self.step_graphs is not None and self.use_cuda_graphs and os.environ.get("LLMC_WARM_UP_AHEAD") == "1":
+            self.compile_ahead(warm_up_batches(max_num_seqs, max_tokens, self.block_size, max_chunk))
+        return super().warm_up(max_num_seqs, max_tokens, max_chunk)
+
+    def compile_ahead(self, batches: list[StepBatch]) -> int:
+        """Compile, on `tune_threads` threads, the kernels that `batches` (greedy and not) run eagerly: each step
+        run once with nothing launched (`precompile.collect`: the KV cache and every graph untouched), then each
+        distinct kernel compiled once. Returns how many."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from llmc.codegen import precompile, triton_setup
+        from llmc.codegen.autotune import tune_threads
+        n = tune_threads()
+        if n < 2 or not triton_setup.enabled():
+            return 0
+        triton_setup.ready()
+
+        def step(batch: StepBatch, greedy: bool) -> None:
+            batch.greedy = greedy
+            self.execute(batch)
+        graphs, self.use_cuda_graphs = self.use_cuda_graphs, False  # every step eager: its kernels, not a capture's
+        try:
+            with ThreadPoolExecutor(n, thread_name_prefix="llmc-warm") as threads:
+                return precompile.compile_ahead([functools.partial(step, b, g) for b in batches for g in (True, False)],
+                                                threads)
+        finally:
+            self.use_cuda_graphs = graphs
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
 
     def _forward(self, seqs, greedy):
         if self.step_graphs is not None and self.use_cuda_graphs and not greedy:

@@ -60,3 +60,25 @@ def test_an_engine_after_the_warm_up_generates_the_same(llama_artifact, kv_cache
                 assert llm.engine.executor.warm_up(4, 24) == 2 * len(warm_up_batches(4, 24, 4))
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, p)])
     assert outs[0] == outs[1]
+
+
+def test_kernels_compiled_ahead_run_every_step_eagerly(llama_artifact, monkeypatch):
+    """LLMC_WARM_UP_AHEAD's collection runs each warm-up step once, greedy and not, with graphs off (so the
+    eager kernels are the ones collected), and puts the executor's graph setting back after."""
+    from llmc.codegen import precompile, triton_setup
+    ex = make_executor(llama_artifact.graph, "triton-interpret", num_blocks=32, block_size=4)
+    ex.use_cuda_graphs = True  # as on a GPU
+    seen = []
+
+    def compile_ahead(calls, threads):
+        for call in calls:
+            call()
+            seen.append(ex.use_cuda_graphs)
+        return len(calls)
+    monkeypatch.setattr(precompile, "compile_ahead", compile_ahead)
+    monkeypatch.setattr(triton_setup, "ready", lambda: None)
+    monkeypatch.setattr(triton_setup, "enabled", lambda: True)
+    monkeypatch.setenv("LLMC_TUNE_THREADS", "2")
+    batches = warm_up_batches(2, 20, 4)
+    assert ex.compile_ahead(batches) == 2 * len(batches) == len(seen)
+    assert not any(seen) and ex.use_cuda_graphs is True
