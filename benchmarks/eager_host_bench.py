@@ -7,7 +7,7 @@ A random Llama of `--layers` small layers is compiled and run by the triton-inte
 relowered to take cuBLAS for linears (as a GPU's mixed steps of more than 64 tokens do), the interpreter's
 kernel launch and the library GEMM each replaced by a no-op: what remains of `Plan.run` is llmc's own Python
 per step (argument checks, specs and their module lookups, grids, views, the arena) and the few torch ops it
-runs itself. Each timed step carries 100 decoding sequences and one fresh 600-token prompt. Prints the median
+runs itself. `--piecewise` times `PiecewiseGraphs.run` instead, each captured piece's replay a no-op. Each timed step carries 100 decoding sequences and one fresh 600-token prompt. Prints the median
 `Plan.run` and engine-step milliseconds and the kernel launches a step; `--profile` adds the llmc functions by
 their own time. Compare trees side by side on one machine.
 """
@@ -29,6 +29,9 @@ def main():
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--piecewise", action="store_true", help="the step on piecewise graphs (llmc/runtime/piecewise.py) "
+                    "instead, each captured piece's replay a no-op: the host's cost around the pieces (the attention "
+                    "launches between them, the padded inputs, the eager tail)")
     a = ap.parse_args()
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -57,15 +60,28 @@ def main():
         launches[0] += 1
         return out if out is not None else x.new_empty((*x.shape[:-1], w.shape[0]))
     mm.reference = no_gemm
+    if a.piecewise:
+        from types import SimpleNamespace
+
+        from llmc.runtime.piecewise import PiecewiseGraphs
+
+        def capture(fn):  # the pieces' launches are no-ops: a capture runs them once, a replay does nothing
+            fn()
+            return SimpleNamespace(replay=lambda: None), None
+        ex.piecewise = PiecewiseGraphs(ex.plan, lambda fn: fn(), capture)
+        ex.use_cuda_graphs = ex.mixed_graphs = True
     plan_ms = []
-    run = ex.plan.run
+    run = ex.plan.run if not a.piecewise else ex.piecewise.run
 
     def timed_run(*args, **kwargs):
         t = time.perf_counter()
         out = run(*args, **kwargs)
         plan_ms.append((time.perf_counter() - t) * 1e3)
         return out
-    ex.plan.run = timed_run
+    if a.piecewise:
+        ex.piecewise.run = timed_run
+    else:
+        ex.plan.run = timed_run
     rng = random.Random(0)
     for _ in range(100):
         eng.add_request([rng.randrange(500) for _ in range(20)],
