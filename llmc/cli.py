@@ -458,8 +458,9 @@ def _engine_options(seqs_help: str = "Sequences batched per step.", speculative:
                               "one step later. Not with pipeline stages (--pipeline-parallel-size > 1)."),
             click.option("--warm-up/--no-warm-up", "warm_up", default=_ENGINE.warm_up, show_default=True,
                          help="On a GPU, before the first request: capture the decode step graphs up to "
-                              "--max-num-seqs and compile the kernels of each mixed step size (a few seconds), "
-                              "so that the first requests do not wait for them."),
+                              "--max-num-seqs and compile the kernels of each mixed step size, so that the first "
+                              "requests do not wait for them: a second or two, longer on the first load after a "
+                              "compile, while Triton compiles those kernels into its cache."),
         ]
 
     def apply(f):
