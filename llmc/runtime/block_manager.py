@@ -243,6 +243,13 @@ class BlockManager:
     def try_append(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """`append_slots(seq, num_new_tokens)` where `can_append` holds, else None (nothing changed): the two
         in one pass over the blocks, as the scheduler does for each running sequence every step."""
+        if num_new_tokens == 1:  # a decode: the common case, without the general pass's ranges
+            i, table = seq.num_computed_tokens // self.block_size, seq.block_table
+            if i < len(table) and self._ref[table[i]] == 1:
+                return []  # its own block has room
+            if i == len(table) and (self._free or self._evictable):
+                table.append(self._take())
+                return []
         touched, new = self._blocks_to_write(seq, num_new_tokens)
         return self._append(seq, touched, new) if self._fits(seq, touched, new) else None
 
