@@ -66,7 +66,7 @@ class Sampler:
     def argmax_only(seqs: list[Sequence]) -> bool:
         """Whether each row's token is just its argmax, with no logprob asked: then the logits need
         not leave the device (the runner reduces them where they are)."""
-        return all(plain_greedy(s.params) and s.params.num_logprobs is None for s in seqs)
+        return all(s.argmax_only for s in seqs)
 
     def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Apply penalties, temperature and filters; returns new float32 logits [N, V]. Nothing here waits for
@@ -175,7 +175,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def plain_greedy(p) -> bool:
-    return p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+    return p.plain_greedy
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:

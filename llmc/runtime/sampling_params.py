@@ -73,6 +73,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalty: each token is the row's argmax."""
+        return self.greedy and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0 and \
+            self.frequency_penalty == 0.0
+
+    @property
     def num_logprobs(self) -> int | None:
         """`logprobs` as None (off) or k >= 0 alternatives per token (True is 0, False None)."""
         lp = self.logprobs

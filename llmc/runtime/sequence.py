@@ -84,6 +84,8 @@ class Sequence:
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
+        # each token just the row's argmax, no logprob asked (Sampler.argmax_only): fixed with the params
+        self.argmax_only = params.plain_greedy and params.num_logprobs is None
         self.priority: int = params.priority
         self.arrival: int = 0  # global admission order, set by Scheduler.add
         self.arrival_step: int = 0  # scheduler step at arrival, for aging
