@@ -362,7 +362,11 @@ class KernelExecutor(LocalExecutor):
             if not receives:
                 from llmc.runtime.piecewise import PiecewiseGraphs
                 self.piecewise = PiecewiseGraphs(self.plan, self.step_graphs._warm, self.step_graphs._capture_only)
-        self.mixed_graphs = os.environ.get("LLMC_MIXED_GRAPHS", "1") != "0"  # 0: mixed steps eager
+        # on by default on one GPU, where it was measured; a tensor-parallel shard's pieces would capture its
+        # collectives, not yet measured there: LLMC_MIXED_GRAPHS=1 turns them on, 0 off everywhere
+        from llmc.ir.ops import FAMILIES
+        collective = any(n.op in FAMILIES.get("collective", ()) for n in graph.nodes)
+        self.mixed_graphs = os.environ.get("LLMC_MIXED_GRAPHS", "0" if collective else "1") != "0"
 
     def warm_up(self, max_num_seqs: int, max_tokens: int, max_chunk: int | None = None) -> int:
         # LLMC_WARM_UP_AHEAD=1 (experimental, off until measured on a GPU): the steps' kernels compiled on

@@ -77,3 +77,18 @@ def test_a_bucket_whose_capture_runs_out_of_memory_runs_eagerly(llama_artifact):
     assert pw.run(ex.build_inputs(seqs), hints) is None
     assert pw.refused == {16} and not pw.buckets and len(calls) == 1
     assert pw.run(ex.build_inputs(seqs), hints) is None and len(calls) == 1
+
+
+def test_on_by_default_except_on_a_tensor_parallel_shard(llama_artifact, monkeypatch):
+    """One GPU's plan takes piecewise graphs unless LLMC_MIXED_GRAPHS=0; a shard's (its pieces would hold
+    its collectives) only with LLMC_MIXED_GRAPHS=1."""
+    from llmc.ir.sharding import shard_graph
+    g = llama_artifact.graph
+    shard = shard_graph(g.clone(), 2, 0)  # in place: a copy
+    monkeypatch.delenv("LLMC_MIXED_GRAPHS", raising=False)
+    made = lambda graph: make_executor(graph, "triton-interpret", num_blocks=8, block_size=4)  # noqa: E731
+    assert made(g).mixed_graphs and not made(shard).mixed_graphs
+    monkeypatch.setenv("LLMC_MIXED_GRAPHS", "1")
+    assert made(shard).mixed_graphs
+    monkeypatch.setenv("LLMC_MIXED_GRAPHS", "0")
+    assert not made(g).mixed_graphs
