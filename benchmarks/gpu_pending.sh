@@ -85,6 +85,11 @@ export PYTHONPATH=${PYTHONPATH:-$(cd "$(dirname "$0")/.." && pwd)}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 mkdir -p "$OUT"
 
+requests_for() {  # the mixed workload's requests for a shape: $N_<shape>, else 256 for 1b and 128 for others
+    local n=N_$1
+    echo "${!n:-$([ "$1" = 1b ] && echo 256 || echo 128)}"
+}
+
 widened_hf() {  # the widened target as a Hugging Face directory (what widen-check reads)
     [ -f "$WIDE/w8b/widen_info.json" ] && return
     mkdir -p "$WIDE"
@@ -314,8 +319,7 @@ shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_grap
             # "1b 8b"; N_1b, N_8b requests, default 256 and 128; REPEAT timed runs each, default 3)
             rm -rf /tmp/tmp*
             for shape in ${SHAPES:-1b 8b}; do
-                n=N_$shape
-                python3 benchmarks/mixed_graphs_bench.py --shape $shape --n ${!n:-$([ $shape = 1b ] && echo 256 || echo 128)} \
+                python3 benchmarks/mixed_graphs_bench.py --shape $shape --n $(requests_for $shape) \
                     --repeat ${REPEAT:-3} --artifact "/tmp/art-$shape.llmc" --out "$OUT/mixed_ab_$shape" \
                     >"$OUT/mixed_ab_$shape.log" 2>&1
                 tail -9 "$OUT/mixed_ab_$shape.log"
@@ -326,20 +330,19 @@ shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_grap
             # add ahead for the warm-up's kernels compiled on threads first, LLMC_WARM_UP_AHEAD=1)
             rm -rf /tmp/tmp*
             for shape in ${SHAPES:-1b 8b}; do
-                n=N_$shape
-                python3 benchmarks/warm_up_bench.py --shape $shape --n ${!n:-$([ $shape = 1b ] && echo 256 || echo 128)} \
+                python3 benchmarks/warm_up_bench.py --shape $shape --n $(requests_for $shape) \
                     --repeat ${REPEAT:-2} --settings ${SETTINGS:-off,on} --out "$OUT/warm_up_$shape" \
                     >"$OUT/warm_up_$shape.log" 2>&1
                 tail -6 "$OUT/warm_up_$shape.log"
             done ;;
         issue-bench)
             # the issue's own tool (TOOLS/llmc_bench.py), per shape (SHAPES, default "1b 8b"), under each of MIXED
-            # (LLMC_MIXED_GRAPHS values, default "0 1")
+            # (LLMC_MIXED_GRAPHS values, default "0 1"); N_1b, N_8b requests as above
             for shape in ${SHAPES:-1b 8b}; do
                 for v in ${MIXED:-0 1}; do
                     rm -rf /tmp/tmp*
                     LLMC_MIXED_GRAPHS=$v PYTHONPATH=. python3 "${TOOLS:-../shared/tools}/llmc_bench.py" --shape $shape \
-                        --n $([ $shape = 1b ] && echo 256 || echo 128) --out "$OUT" >"$OUT/llmc_bench_${shape}_$v.log" 2>&1
+                        --n $(requests_for $shape) --out "$OUT" >"$OUT/llmc_bench_${shape}_$v.log" 2>&1
                     echo "$shape LLMC_MIXED_GRAPHS=$v: $(grep -E '^(compile|load|decode|ttft|throughput)' \
                         "$OUT/llmc_bench_${shape}_$v.log" | cut -c1-90 | tr '\n' '|')"
                 done

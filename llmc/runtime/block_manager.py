@@ -247,7 +247,7 @@ class BlockManager:
             i, table = seq.num_computed_tokens // self.block_size, seq.block_table
             if i < len(table) and self._ref[table[i]] == 1:
                 return []  # its own block has room
-            if i == len(table) and (self._free or self._evictable):
+            if i == len(table) and self.num_free_blocks:
                 table.append(self._take())
                 return []
         touched, new = self._blocks_to_write(seq, num_new_tokens)

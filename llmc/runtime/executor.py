@@ -196,15 +196,29 @@ class LocalExecutor:
         """Run the steps of `warm_up_batches`, greedy and not, so that an engine's first requests do not pay
         for what a step shape costs once on a GPU: each decode graph captured, each kernel specialization
         of mixed steps compiled (and each piecewise bucket captured). The engine calls it at load on a GPU
-        only. Their K/V lands in block 0, which holds nothing yet. Returns the steps run."""
+        only. Their K/V lands in block 0, which holds nothing yet. Returns the steps run.
+
+        LLMC_WARM_UP_AHEAD=1 (experimental, off until measured on a GPU): their kernels are compiled on threads
+        first (`compile_ahead`), as a compile's tuning compiles its choices; the steps then find them in
+        Triton's cache instead of compiling each in turn."""
         batches = warm_up_batches(max_num_seqs, max_tokens, self.block_size, max_chunk)
+        if os.environ.get("LLMC_WARM_UP_AHEAD") == "1":
+            self.compile_ahead(batches)
         for batch in batches:
             for greedy in (True, False):
-                batch.greedy = greedy
-                self.execute(batch)
+                self._warm_step(batch, greedy)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return 2 * len(batches)
+
+    def _warm_step(self, batch: StepBatch, greedy: bool) -> None:
+        batch.greedy = greedy
+        self.execute(batch)
+
+    def compile_ahead(self, batches: list[StepBatch]) -> int:
+        """Compile the kernels of `batches` before they run; returns how many. Here nothing: only a GPU's plan
+        compiles kernels (`KernelExecutor.compile_ahead`)."""
+        return 0
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
@@ -368,14 +382,6 @@ class KernelExecutor(LocalExecutor):
         collective = any(n.op in FAMILIES.get("collective", ()) for n in graph.nodes)
         self.mixed_graphs = os.environ.get("LLMC_MIXED_GRAPHS", "0" if collective else "1") != "0"
 
-    def warm_up(self, max_num_seqs: int, max_tokens: int, max_chunk: int | None = None) -> int:
-        # LLMC_WARM_UP_AHEAD=1 (experimental, off until measured on a GPU): the steps' kernels compiled on
-        # threads first (precompile.compile_ahead), as a compile's tuning compiles its choices; the steps below
-        # then find them in Triton's cache instead of compiling each in turn
-        if self.step_graphs is not None and self.use_cuda_graphs and os.environ.get("LLMC_WARM_UP_AHEAD") == "1":
-            self.compile_ahead(warm_up_batches(max_num_seqs, max_tokens, self.block_size, max_chunk))
-        return super().warm_up(max_num_seqs, max_tokens, max_chunk)
-
     def compile_ahead(self, batches: list[StepBatch]) -> int:
         """Compile, on `tune_threads` threads, the kernels that `batches` (greedy and not) run eagerly: each step
         run once with nothing launched (`precompile.collect`: the KV cache and every graph untouched), then each
@@ -385,18 +391,14 @@ class KernelExecutor(LocalExecutor):
         from llmc.codegen import precompile, triton_setup
         from llmc.codegen.autotune import tune_threads
         n = tune_threads()
-        if n < 2 or not triton_setup.enabled():
+        if not self.use_cuda_graphs or n < 2 or not triton_setup.enabled():  # graphs off: no GPU here, or none wanted
             return 0
         triton_setup.ready()
-
-        def step(batch: StepBatch, greedy: bool) -> None:
-            batch.greedy = greedy
-            self.execute(batch)
         graphs, self.use_cuda_graphs = self.use_cuda_graphs, False  # every step eager: its kernels, not a capture's
         try:
             with ThreadPoolExecutor(n, thread_name_prefix="llmc-warm") as threads:
-                return precompile.compile_ahead([functools.partial(step, b, g) for b in batches for g in (True, False)],
-                                                threads)
+                return precompile.compile_ahead([functools.partial(self._warm_step, b, g) for b in batches
+                                                 for g in (True, False)], threads)
         finally:
             self.use_cuda_graphs = graphs
             if self.device.type == "cuda":
