@@ -29,15 +29,35 @@ def child(a) -> None:
     from llmc.bench import bench
     from llmc.runtime.engine import LLM
     from llmc.runtime.step_graphs import graphs_captured
+    compiles = {"n": 0, "us": 0, "hits": 0}
+
+    names: dict[str, list] = {}  # kernel name: [compiles, seconds, the constexprs of each]
+
+    def listener(*, times, cache_hit, metadata, **_):  # Triton's compiles in this process (not a worker's)
+        compiles["hits"] += cache_hit
+        if not cache_hit:
+            compiles["n"] += 1
+            compiles["us"] += times.total
+            entry = names.setdefault(str(metadata.get("name", "?")), [0, 0.0, []])
+            entry[0] += 1
+            entry[1] += times.total / 1e6
+            entry[2].append(str(getattr(src, "constants", ""))[:300])
+
+    from triton import knobs
+    if hasattr(knobs.compilation, "listener"):
+        knobs.compilation.listener = listener
     t0 = time.perf_counter()
     # no prefix caching: the second run sends the first's prompts, which a cache would serve
     llm = LLM(a.artifact, max_num_seqs=a.max_num_seqs, warm_up=a.warm == "1", enable_prefix_caching=False)
     torch.cuda.synchronize()
-    row = {"warm_up": a.warm == "1", "load_s": time.perf_counter() - t0, "warm_up_s": llm.stats()["warm_up_s"]}
+    row = {"warm_up": a.warm == "1", "load_s": time.perf_counter() - t0, "warm_up_s": llm.stats()["warm_up_s"],
+           "load_compiles": compiles["n"], "load_compile_s": compiles["us"] / 1e6,
+           "load_cache_hits": compiles["hits"], "load_compiled": dict(sorted(names.items(), key=lambda x: -x[1][1]))}
     for run in ("first", "second"):
-        g = graphs_captured()
+        g, before = graphs_captured(), compiles["n"]
         r = bench(llm, "mixed", num_requests=a.n)
-        row.update({f"{run}_out_tok_s": r["out_tok_s"], f"{run}_gpu_busy": r["gpu_busy"],
+        row.update({f"{run}_compiles": compiles["n"] - before,
+                    f"{run}_out_tok_s": r["out_tok_s"], f"{run}_gpu_busy": r["gpu_busy"],
                     f"{run}_ttft_ms_p50": r["ttft_ms_p50"], f"{run}_graphs_captured": graphs_captured() - g})
     llm.close()
     print("ROW " + json.dumps(row), flush=True)
@@ -50,7 +70,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--settings", default="off,on", help="the rows of each repeat, in order: off (no warm-up), on, "
-                    "ahead (on, with LLMC_WARM_UP_AHEAD=1: its kernels compiled on threads first)")
+                    "ahead (on, with LLMC_WARM_UP_AHEAD=1: its kernels compiled on threads first), procs (the same in "
+                    "LLMC_TUNE_PROCESSES=16 worker processes)")
     ap.add_argument("--artifact", default=None)
     ap.add_argument("--out", default=".")
     ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)  # a child process's setting
@@ -74,7 +95,8 @@ def main() -> None:
             shutil.rmtree(cache, ignore_errors=True)
             if base.exists():
                 shutil.copytree(base, cache)
-            env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "LLMC_WARM_UP_AHEAD": "1" if setting == "ahead" else "0"}
+            env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "LLMC_WARM_UP_AHEAD": "1" if setting in ("ahead", "procs") else "0",
+                   "LLMC_TUNE_PROCESSES": "16" if setting == "procs" else "0"}
             p = subprocess.run([sys.executable, __file__, "--artifact", art, "--n", str(a.n), "--max-num-seqs",
                                 str(a.max_num_seqs), "--warm", warm], env=env, capture_output=True, text=True)
             (out / f"warm_up_{i}{setting}.log").write_text(p.stdout[-20000:] + p.stderr[-20000:])
@@ -86,11 +108,13 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     (out / "warm_up_bench.json").write_text(json.dumps({"shape": a.shape, "n": a.n, "rows": rows}, indent=1))
     print(f"# {a.shape}; mixed workload, {a.n} requests, {a.max_num_seqs} at once; each row a fresh process")
-    print(f"{'warm-up':>8s} {'load s':>7s} {'of it warm-up':>13s} {'1st tok/s':>10s} {'1st busy':>8s} "
-          f"{'graphs':>6s} {'2nd tok/s':>10s} {'graphs':>6s}")
+    print(f"{'warm-up':>8s} {'load s':>7s} {'of it warm-up':>13s} {'compiles (s)':>13s} {'1st tok/s':>10s} "
+          f"{'1st busy':>8s} {'graphs':>6s} {'compiles':>8s} {'2nd tok/s':>10s} {'graphs':>6s}")
     for r in rows:
         print(f"{r['setting']:>8s} {r['load_s']:7.2f} {r['warm_up_s']:13.2f} "
+              f"{r['load_compiles']:5d} ({r['load_compile_s']:5.1f}) "
               f"{r['first_out_tok_s']:10.0f} {r['first_gpu_busy'] or 0:8.2f} {r['first_graphs_captured']:6d} "
+              f"{r['first_compiles']:8d} "
               f"{r['second_out_tok_s']:10.0f} {r['second_graphs_captured']:6d}")
 
 

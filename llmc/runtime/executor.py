@@ -198,9 +198,9 @@ class LocalExecutor:
         of mixed steps compiled (and each piecewise bucket captured). The engine calls it at load on a GPU
         only. Their K/V lands in block 0, which holds nothing yet. Returns the steps run.
 
-        LLMC_WARM_UP_AHEAD=1 (experimental, off until measured on a GPU): their kernels are compiled on threads
-        first (`compile_ahead`), as a compile's tuning compiles its choices; the steps then find them in
-        Triton's cache instead of compiling each in turn."""
+        LLMC_WARM_UP_AHEAD=1 (experimental, off until measured on a GPU): their kernels are compiled first, on
+        threads or worker processes (`compile_ahead`), as a compile's tuning compiles its choices; the steps
+        then find them in Triton's cache instead of compiling each in turn."""
         batches = warm_up_batches(max_num_seqs, max_tokens, self.block_size, max_chunk)
         if os.environ.get("LLMC_WARM_UP_AHEAD") == "1":
             self.compile_ahead(batches)
@@ -383,22 +383,26 @@ class KernelExecutor(LocalExecutor):
         self.mixed_graphs = os.environ.get("LLMC_MIXED_GRAPHS", "0" if collective else "1") != "0"
 
     def compile_ahead(self, batches: list[StepBatch]) -> int:
-        """Compile, on `tune_threads` threads, the kernels that `batches` (greedy and not) run eagerly: each step
-        run once with nothing launched (`precompile.collect`: the KV cache and every graph untouched), then each
-        distinct kernel compiled once. Returns how many."""
+        """Compile the kernels that `batches` (greedy and not) run eagerly: each step run once with nothing
+        launched (`precompile.collect`: the KV cache and every graph untouched), then each distinct kernel
+        compiled once, in LLMC_TUNE_PROCESSES worker processes where that is set (`precompile.CompilePool`: off
+        the GIL), else on `tune_threads` threads. Returns how many."""
         from concurrent.futures import ThreadPoolExecutor
 
         from llmc.codegen import precompile, triton_setup
         from llmc.codegen.autotune import tune_threads
-        n = tune_threads()
-        if not self.use_cuda_graphs or n < 2 or not triton_setup.enabled():  # graphs off: no GPU here, or none wanted
-            return 0
+        n, processes = tune_threads(), precompile.tune_processes()
+        if not self.use_cuda_graphs or max(n, processes) < 2 or not triton_setup.enabled():
+            return 0  # graphs off (no GPU here, or none wanted), or nothing to compile on in parallel
         triton_setup.ready()
         graphs, self.use_cuda_graphs = self.use_cuda_graphs, False  # every step eager: its kernels, not a capture's
+        calls = [functools.partial(self._warm_step, b, g) for b in batches for g in (True, False)]
         try:
+            if processes:
+                with precompile.CompilePool(processes) as pool:
+                    return pool.compile(calls)
             with ThreadPoolExecutor(n, thread_name_prefix="llmc-warm") as threads:
-                return precompile.compile_ahead([functools.partial(self._warm_step, b, g) for b in batches
-                                                 for g in (True, False)], threads)
+                return precompile.compile_ahead(calls, threads)
         finally:
             self.use_cuda_graphs = graphs
             if self.device.type == "cuda":

@@ -79,6 +79,44 @@ def test_kernels_compiled_ahead_run_every_step_eagerly(llama_artifact, monkeypat
     monkeypatch.setattr(triton_setup, "ready", lambda: None)
     monkeypatch.setattr(triton_setup, "enabled", lambda: True)
     monkeypatch.setenv("LLMC_TUNE_THREADS", "2")
+    monkeypatch.delenv("LLMC_TUNE_PROCESSES", raising=False)
     batches = warm_up_batches(2, 20, 4)
     assert ex.compile_ahead(batches) == 2 * len(batches) == len(seen)
     assert not any(seen) and ex.use_cuda_graphs is True
+
+
+def test_kernels_compiled_ahead_in_worker_processes_when_asked(llama_artifact, monkeypatch):
+    """With LLMC_TUNE_PROCESSES set, the warm-up's kernels go to a CompilePool of that many workers (the
+    same eager calls), not to threads; the pool is closed after."""
+    from llmc.codegen import precompile, triton_setup
+    ex = make_executor(llama_artifact.graph, "triton-interpret", num_blocks=32, block_size=4)
+    ex.use_cuda_graphs = True
+    pools = []
+
+    class Pool:
+        def __init__(self, workers):
+            self.workers, self.closed, self.calls = workers, False, 0
+            pools.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.closed = True
+
+        def compile(self, calls):
+            for call in calls:
+                call()
+                assert ex.use_cuda_graphs is False
+            self.calls = len(calls)
+            return 7
+
+    monkeypatch.setattr(precompile, "CompilePool", Pool)
+    monkeypatch.setattr(precompile, "compile_ahead", lambda *a: pytest.fail("threads used"))
+    monkeypatch.setattr(triton_setup, "ready", lambda: None)
+    monkeypatch.setattr(triton_setup, "enabled", lambda: True)
+    monkeypatch.setenv("LLMC_TUNE_PROCESSES", "3")
+    batches = warm_up_batches(2, 20, 4)
+    assert ex.compile_ahead(batches) == 7
+    assert [(p.workers, p.closed, p.calls) for p in pools] == [(3, True, 2 * len(batches))]
+    assert ex.use_cuda_graphs is True
