@@ -11,8 +11,11 @@ requests see, the second an engine that every step shape has met. Settings alter
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
 import os
+import pstats
 import shutil
 import subprocess
 import sys
@@ -46,13 +49,37 @@ def child(a) -> None:
     from triton import knobs
     if hasattr(knobs.compilation, "listener"):
         knobs.compilation.listener = listener
+    import triton.runtime.build as build  # C modules built with the host compiler (launchers, where a version has them)
+    if hasattr(build, "_build"):
+        inner = build._build
+
+        def timed_build(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                compiles["c_builds"] = compiles.get("c_builds", 0) + 1
+                compiles["c_build_s"] = compiles.get("c_build_s", 0.0) + time.perf_counter() - t
+        build._build = timed_build
+        import importlib
+        with contextlib.suppress(ImportError):
+            driver = importlib.import_module("triton.backends.nvidia.driver")
+            if getattr(driver, "_build", None) is inner:
+                driver._build = timed_build
     t0 = time.perf_counter()
     # no prefix caching: the second run sends the first's prompts, which a cache would serve
+    profile = cProfile.Profile() if os.environ.get("WARM_UP_PROFILE") == "1" else None
+    if profile is not None:
+        profile.enable()
     llm = LLM(a.artifact, max_num_seqs=a.max_num_seqs, warm_up=a.warm == "1", enable_prefix_caching=False)
+    if profile is not None:  # where the load's time goes, by cumulative time (printed into this process's log)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
     torch.cuda.synchronize()
     row = {"warm_up": a.warm == "1", "load_s": time.perf_counter() - t0, "warm_up_s": llm.stats()["warm_up_s"],
            "load_compiles": compiles["n"], "load_compile_s": compiles["us"] / 1e6,
-           "load_cache_hits": compiles["hits"], "load_compiled": dict(sorted(names.items(), key=lambda x: -x[1][1]))}
+           "load_cache_hits": compiles["hits"],
+           "load_c_builds": compiles.get("c_builds", 0), "load_c_build_s": compiles.get("c_build_s", 0.0), "load_compiled": dict(sorted(names.items(), key=lambda x: -x[1][1]))}
     for run in ("first", "second"):
         g, before = graphs_captured(), compiles["n"]
         r = bench(llm, "mixed", num_requests=a.n)
