@@ -13,6 +13,7 @@ from llmc.ir.types import dtype_name, torch_dtype
 
 SPLIT_ARGMAX = os.environ.get("LLMC_SPLIT_ARGMAX", "1") != "0"  # 0: one program a row (to compare)
 SPLIT_BLOCK = 2048  # logits a split program reads per loop step
+MAX_SPLITS = 64  # programs per row at most (the merge kernel's lanes: one compiled merge for every count)
 SPLIT_PROGRAMS = 264  # about two programs per SM of an H200 (132 SMs)
 
 
@@ -59,10 +60,9 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         val = torch.empty(N, splits, dtype=torch.float32, device=x.device)
         idx = torch.empty(N, splits, dtype=torch.int32, device=x.device)
         nan = torch.empty_like(idx)
-        mod.argmax_split_kernel[(N, splits)](x, val, idx, nan, x.stride(0), V, chunk, SPLITS=splits,
+        mod.argmax_split_kernel[(N, splits)](x, val, idx, nan, x.stride(0), V, chunk, splits,
                                              BLOCK=SPLIT_BLOCK, num_warps=4)
-        mod.argmax_merge_kernel[(N,)](val, idx, nan, out, SPLITS=splits,
-                                      BLOCK_S=1 << max(0, (splits - 1).bit_length()), num_warps=1)
+        mod.argmax_merge_kernel[(N,)](val, idx, nan, out, splits, BLOCK_S=MAX_SPLITS, num_warps=1)
     return out[0] if squeeze else out
 
 
@@ -70,4 +70,4 @@ def argmax_splits(rows: int, vocab: int) -> int:
     """Programs per row: one where `rows` alone fill the GPU, else enough for about SPLIT_PROGRAMS in all (a
     batch-1 decode's 128K-vocabulary row on 63 SMs, not one), each over SPLIT_BLOCK logits at least. The
     result does not depend on it (argmax is exact, ties to the lowest index)."""
-    return max(1, min(-(-vocab // SPLIT_BLOCK), SPLIT_PROGRAMS // rows, 64))
+    return max(1, min(-(-vocab // SPLIT_BLOCK), SPLIT_PROGRAMS // rows, MAX_SPLITS))

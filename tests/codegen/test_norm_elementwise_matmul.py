@@ -372,6 +372,11 @@ def test_argmax_split_over_programs(monkeypatch):
     logits[3, 64] = 100.0  # the last logit, alone in its split
     assert torch.equal(argmax(logits), logits.argmax(-1))
     assert torch.equal(argmax(logits.bfloat16()), logits.bfloat16().argmax(-1))
+    # every split count, up to MAX_SPLITS, through the one merge of MAX_SPLITS lanes
+    for n, splits in ((1, 64), (40, 6), (100, 2)):
+        assert sampling.argmax_splits(n, 1024) == splits
+        logits = (rand(n, 1024, gen=g) * 4).round()
+        assert torch.equal(argmax(logits), logits.argmax(-1))
 
 
 # ---------------------------------------------------------------------------------------- autotune
