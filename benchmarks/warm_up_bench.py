@@ -36,7 +36,7 @@ def child(a) -> None:
 
     names: dict[str, list] = {}  # kernel name: [compiles, seconds, the constexprs of each]
 
-    def listener(*, times, cache_hit, metadata, **_):  # Triton's compiles in this process (not a worker's)
+    def listener(*, src, times, cache_hit, metadata, **_):  # Triton's compiles in this process (not a worker's)
         compiles["hits"] += cache_hit
         if not cache_hit:
             compiles["n"] += 1
