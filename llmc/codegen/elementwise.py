@@ -410,8 +410,10 @@ def fused_elementwise(spec: ElementwiseSpec, tensors: Sequence[torch.Tensor] | d
             v = t.reshape(1)
         args.append(v)
     views = [o.view(rows, cols) for o in outs]
+    # tiles of 2,048 elements whatever the row count, so one compiled kernel serves every step size (a
+    # row count's own tile compiled a kernel per batch bucket); the rows past the end are masked
     block_c = min(_next_pow2(cols), 1024)
-    block_r = max(1, min(_next_pow2(rows), 2048 // block_c))
+    block_r = max(1, 2048 // block_c)
     grid = (triton_cdiv(rows, block_r), triton_cdiv(cols, block_c))
     compiled(spec).fused_elementwise_kernel[grid](*args, *views, *strides, *[v.stride(0) for v in views], rows, cols,
                                                BLOCK_R=block_r, BLOCK_C=block_c)
