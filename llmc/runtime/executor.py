@@ -311,7 +311,10 @@ class LocalExecutor:
             raise LLMCError(f"sequence {i}: {int(end[i])} tokens need more blocks than its table has")
         qsl = np.zeros(n + 1, np.int64)
         np.cumsum(new, out=qsl[1:])
-        tables = np.zeros((n, max(1, int(width.max()))), np.int32)
+        # the table's width (its row stride in the attention kernels) rounded up to 16: Triton specializes an
+        # integer argument on being 1 or a multiple of 16, so an unrounded width compiled a kernel variant for
+        # each of 1, multiples of 16 and the rest as steps met them
+        tables = np.zeros((n, -(-max(1, int(width.max())) // 16) * 16), np.int32)
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = s.block_table
         seq = np.repeat(np.arange(n), new)  # each token's sequence

@@ -23,7 +23,7 @@ class _Inputs(LocalExecutor):
 
 def _direct(seqs, bs):
     ids, pos, qsl, lens, slots, rows = [], [], [0], [], [], []
-    width = max(len(s.block_table) for s in seqs)
+    width = -(-max(len(s.block_table) for s in seqs) // 16) * 16  # zero-padded to a multiple of 16 columns
     tables = torch.zeros(len(seqs), width, dtype=torch.int32)
     for i, s in enumerate(seqs):
         n = len(s.token_ids)
