@@ -327,7 +327,8 @@ shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_grap
         warm-up)
             # fresh processes from the compile's Triton cache, the load-time warm-up off and on alternating (SHAPES,
             # default "1b 8b"; N_1b, N_8b requests, default 256 and 128; REPEAT, default 2; SETTINGS, default off,on:
-            # add ahead for the warm-up's kernels compiled on threads first, LLMC_WARM_UP_AHEAD=1)
+            # add ahead for the warm-up's kernels compiled on threads first, LLMC_WARM_UP_AHEAD=1, procs for the same
+            # in 16 worker processes; each row's JSON names the kernels its load compiled)
             rm -rf /tmp/tmp*
             for shape in ${SHAPES:-1b 8b}; do
                 python3 benchmarks/warm_up_bench.py --shape $shape --n $(requests_for $shape) \
