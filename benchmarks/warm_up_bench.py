@@ -32,24 +32,54 @@ def child(a) -> None:
     from llmc.bench import bench
     from llmc.runtime.engine import LLM
     from llmc.runtime.step_graphs import graphs_captured
-    compiles = {"n": 0, "us": 0, "hits": 0}
+    compiled, counts = _count_compiles()
+    t0 = time.perf_counter()
+    profile = cProfile.Profile() if os.environ.get("WARM_UP_PROFILE") == "1" else None
+    if profile is not None:
+        profile.enable()
+    # no prefix caching: the second run sends the first's prompts, which a cache would serve
+    llm = LLM(a.artifact, max_num_seqs=a.max_num_seqs, warm_up=a.warm == "1", enable_prefix_caching=False)
+    if profile is not None:  # where the load's time goes, by cumulative time (printed into this process's log)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
+    torch.cuda.synchronize()
+    row = {"warm_up": a.warm == "1", "load_s": time.perf_counter() - t0, "warm_up_s": llm.stats()["warm_up_s"],
+           "load_compiles": _total(compiled, 0), "load_compile_s": _total(compiled, 1),
+           "load_cache_hits": counts["hits"], "load_c_builds": counts["c_builds"],
+           "load_c_build_s": counts["c_build_s"],
+           # a copy: the runs after append to the same entries
+           "load_compiled": {k: [n, sec, list(c)]
+                             for k, (n, sec, c) in sorted(compiled.items(), key=lambda x: -x[1][1])}}
+    for run in ("first", "second"):
+        g, before = graphs_captured(), _total(compiled, 0)
+        r = bench(llm, "mixed", num_requests=a.n)
+        row.update({f"{run}_compiles": _total(compiled, 0) - before,
+                    f"{run}_out_tok_s": r["out_tok_s"], f"{run}_gpu_busy": r["gpu_busy"],
+                    f"{run}_ttft_ms_p50": r["ttft_ms_p50"], f"{run}_graphs_captured": graphs_captured() - g})
+    llm.close()
+    print("ROW " + json.dumps(row), flush=True)
 
-    names: dict[str, list] = {}  # kernel name: [compiles, seconds, the constexprs of each]
 
-    def listener(*, src, times, cache_hit, metadata, **_):  # Triton's compiles in this process (not a worker's)
-        compiles["hits"] += cache_hit
+def _count_compiles() -> tuple[dict[str, list], dict[str, float]]:
+    """From now on, this process's Triton compiles by kernel name ({name: [compiles, seconds, the constexprs of
+    each]}; a worker's are not seen) and counts of cache hits and of C modules built with the host compiler
+    (launchers, in the Triton versions that build them), with their seconds."""
+    import importlib
+
+    import triton.runtime.build as build
+    from triton import knobs
+    compiled: dict[str, list] = {}
+    counts = {"hits": 0, "c_builds": 0, "c_build_s": 0.0}
+
+    def listener(*, src, times, cache_hit, metadata, **_):
+        counts["hits"] += cache_hit
         if not cache_hit:
-            compiles["n"] += 1
-            compiles["us"] += times.total
-            entry = names.setdefault(str(metadata.get("name", "?")), [0, 0.0, []])
+            entry = compiled.setdefault(str(metadata.get("name", "?")), [0, 0.0, []])
             entry[0] += 1
             entry[1] += times.total / 1e6
             entry[2].append(str(getattr(src, "constants", ""))[:300])
-
-    from triton import knobs
     if hasattr(knobs.compilation, "listener"):
         knobs.compilation.listener = listener
-    import triton.runtime.build as build  # C modules built with the host compiler (launchers, where a version has them)
     if hasattr(build, "_build"):
         inner = build._build
 
@@ -58,36 +88,19 @@ def child(a) -> None:
             try:
                 return inner(*args, **kwargs)
             finally:
-                compiles["c_builds"] = compiles.get("c_builds", 0) + 1
-                compiles["c_build_s"] = compiles.get("c_build_s", 0.0) + time.perf_counter() - t
+                counts["c_builds"] += 1
+                counts["c_build_s"] += time.perf_counter() - t
         build._build = timed_build
-        import importlib
-        with contextlib.suppress(ImportError):
+        with contextlib.suppress(ImportError):  # a driver that imported the function itself
             driver = importlib.import_module("triton.backends.nvidia.driver")
             if getattr(driver, "_build", None) is inner:
                 driver._build = timed_build
-    t0 = time.perf_counter()
-    # no prefix caching: the second run sends the first's prompts, which a cache would serve
-    profile = cProfile.Profile() if os.environ.get("WARM_UP_PROFILE") == "1" else None
-    if profile is not None:
-        profile.enable()
-    llm = LLM(a.artifact, max_num_seqs=a.max_num_seqs, warm_up=a.warm == "1", enable_prefix_caching=False)
-    if profile is not None:  # where the load's time goes, by cumulative time (printed into this process's log)
-        profile.disable()
-        pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
-    torch.cuda.synchronize()
-    row = {"warm_up": a.warm == "1", "load_s": time.perf_counter() - t0, "warm_up_s": llm.stats()["warm_up_s"],
-           "load_compiles": compiles["n"], "load_compile_s": compiles["us"] / 1e6,
-           "load_cache_hits": compiles["hits"],
-           "load_c_builds": compiles.get("c_builds", 0), "load_c_build_s": compiles.get("c_build_s", 0.0), "load_compiled": dict(sorted(names.items(), key=lambda x: -x[1][1]))}
-    for run in ("first", "second"):
-        g, before = graphs_captured(), compiles["n"]
-        r = bench(llm, "mixed", num_requests=a.n)
-        row.update({f"{run}_compiles": compiles["n"] - before,
-                    f"{run}_out_tok_s": r["out_tok_s"], f"{run}_gpu_busy": r["gpu_busy"],
-                    f"{run}_ttft_ms_p50": r["ttft_ms_p50"], f"{run}_graphs_captured": graphs_captured() - g})
-    llm.close()
-    print("ROW " + json.dumps(row), flush=True)
+    return compiled, counts
+
+
+def _total(compiled: dict[str, list], field: int) -> float:
+    """Compiles (field 0) or their seconds (1) over every kernel of `_count_compiles`'s record."""
+    return sum(v[field] for v in compiled.values())
 
 
 def main() -> None:
@@ -122,7 +135,8 @@ def main() -> None:
             shutil.rmtree(cache, ignore_errors=True)
             if base.exists():
                 shutil.copytree(base, cache)
-            env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "LLMC_WARM_UP_AHEAD": "1" if setting in ("ahead", "procs") else "0",
+            env = {**os.environ, "TRITON_CACHE_DIR": str(cache),
+                   "LLMC_WARM_UP_AHEAD": "1" if setting in ("ahead", "procs") else "0",
                    "LLMC_TUNE_PROCESSES": "16" if setting == "procs" else "0"}
             p = subprocess.run([sys.executable, __file__, "--artifact", art, "--n", str(a.n), "--max-num-seqs",
                                 str(a.max_num_seqs), "--warm", warm], env=env, capture_output=True, text=True)
