@@ -651,3 +651,19 @@ def test_a_source_loaded_by_threads_at_once_is_one_module():
     for t in threads:
         t.join()
     assert all(m is made[0] for m in made) and [x.shape[0] for x, _ in made[0]] == [1, 2]
+
+
+def test_each_shipped_table_is_named_for_the_kernel_sources_here(monkeypatch):
+    """A shipped table's name is the cache name its GPU, Triton version and joint buckets give with the kernel
+    sources of this tree: otherwise no compile reads it. A kernel change must remake the table (or, where no
+    kernel the table holds a choice for changed, rename it to the name this test prints)."""
+    import json
+
+    import triton
+    tables = sorted((Path(autotune.__file__).parent / "tuned").glob("*.json"))
+    assert tables
+    for table in tables:
+        meta = json.loads(table.read_text())
+        monkeypatch.setattr(triton, "__version__", meta["triton"])
+        want = autotune.cache_file(meta["device"], meta["joint_buckets"]).name
+        assert table.name == want, f"{table.name}: the kernel sources now give {want}"
