@@ -63,7 +63,8 @@
 #                                                     #   each way (SHAPES, default "8b 1b")
 #   bash benchmarks/gpu_pending.sh OUT e2e            # benchmarks/gpu_e2e.py: greedy tokens against HF eager
 #   bash benchmarks/gpu_pending.sh OUT kernels        # the generated kernels compiled on the GPU against their
-#                                                     #   references (norm, elementwise, matmul, attention, sampling;
+#                                                     #   references (norm, elementwise, matmul, sampling; attention by
+#                                                     #   scripts/gpu_check_attention.py --quick;
 #                                                     #   PDL on as by default on Hopper, LLMC_PDL=0 to compare)
 #   bash benchmarks/gpu_pending.sh OUT compile-cold   # issue 20: a cold 8B compile (empty Triton and llmc caches)
 #                                                     #   and its load, candidates warmed up on threads, then with
@@ -425,10 +426,13 @@ print('mixed tokens=$t', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttf
             python3 benchmarks/tuned_check.py --out "$OUT" >"$OUT/tuned_check.log" 2>&1
             tail -30 "$OUT/tuned_check.log" ;;
         kernels)
-            TRITON_INTERPRET=0 timeout ${KERNELS_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider \
-                tests/codegen/test_norm_elementwise_matmul.py tests/codegen/test_attention_kernels.py \
-                tests/runtime/test_sampler.py >"$OUT/kernels.log" 2>&1
-            tail -3 "$OUT/kernels.log" ;;
+            # the attention test module runs only interpreted (triton 3.6's interpreter fails it on this machine):
+            # the compiled attention kernels are checked by scripts/gpu_check_attention.py
+            TRITON_INTERPRET=0 timeout ${KERNELS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider \
+                tests/codegen/test_norm_elementwise_matmul.py tests/runtime/test_sampler.py >"$OUT/kernels.log" 2>&1
+            tail -3 "$OUT/kernels.log"
+            python3 scripts/gpu_check_attention.py --quick >"$OUT/attention_check.log" 2>&1
+            tail -3 "$OUT/attention_check.log" ;;
         e2e)
             python3 benchmarks/gpu_e2e.py --out "$OUT" >"$OUT/gpu_e2e.log" 2>&1
             tail -12 "$OUT/gpu_e2e.log" ;;

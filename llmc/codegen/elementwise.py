@@ -411,8 +411,11 @@ def fused_elementwise(spec: ElementwiseSpec, tensors: Sequence[torch.Tensor] | d
         args.append(v)
     views = [o.view(rows, cols) for o in outs]
     # tiles of 2,048 elements whatever the row count, so one compiled kernel serves every step size (a
-    # row count's own tile compiled a kernel per batch bucket); the rows past the end are masked
-    block_c = min(_next_pow2(cols), 1024)
+    # row count's own tile compiled a kernel per batch bucket); the rows past the end are masked. A single row
+    # (which Triton compiles apart anyway: it specializes an argument equal to 1) takes the widest tile, so a
+    # region whose last dim is the token count (a [1, 1, T] cast of the positions) compiles once, not once per
+    # power of two
+    block_c = 1024 if rows == 1 else min(_next_pow2(cols), 1024)
     block_r = max(1, 2048 // block_c)
     grid = (triton_cdiv(rows, block_r), triton_cdiv(cols, block_c))
     compiled(spec).fused_elementwise_kernel[grid](*args, *views, *strides, *[v.stride(0) for v in views], rows, cols,

@@ -150,7 +150,8 @@ def test_binary_broadcast(op, dtype):
         close(out, region_ref(spec, [x, y])[0], dtype, scale=4.0)
 
 
-REGION_SHAPES = [(1, 1), (5, 33), (2, 3, 64)]  # a single element; non-power-of-two; leading dims
+# a single element; non-power-of-two; leading dims; single rows (the widest tile) narrower and wider than it
+REGION_SHAPES = [(1, 1), (5, 33), (2, 3, 64), (1, 1, 37), (1, 1500)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
