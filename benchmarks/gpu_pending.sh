@@ -3,6 +3,8 @@
 # JSON under OUT (never through a pipe: a step cut off by the device's time limit keeps what it wrote).
 #
 #   bash benchmarks/gpu_pending.sh OUT qmatmul        # issue 14: the quantized kernels compiled on the GPU
+#   bash benchmarks/gpu_pending.sh OUT w8-sweep       # issue 14: every W8A8 GEMM config at decode sizes (KIND fp8|w8a8,
+#                                                     #   MS "64,128", SHAPES all four; benchmarks/w8_sweep.py)
 #   bash benchmarks/gpu_pending.sh OUT quant-decode   # issue 14: 8B decode, bf16 vs int4 (QUANT=rtn4,rtn4-small,fp8,w8a8)
 #   bash benchmarks/gpu_pending.sh OUT spec-load      # issue 18: widened 8B target at batch 32 and 128 (REPEAT runs, 3;
 #                                                     #   WARMUP_RUNS untimed whole runs first, 1; SPEC_BATCHES)
@@ -111,6 +113,10 @@ for step in "$@"; do
         qmatmul)
             TRITON_INTERPRET=0 python3 -m pytest -q tests/codegen/test_qmatmul.py >"$OUT/qmatmul.log" 2>&1
             tail -3 "$OUT/qmatmul.log" ;;
+        w8-sweep)
+            PYTHONPATH=. python3 benchmarks/w8_sweep.py --out "$OUT" --kind "${KIND:-fp8}" --ms "${MS:-64,128}" \
+                --shapes "${SW_SHAPES:-qkv,o_proj,gate_up,down}" >"$OUT/w8_sweep_${KIND:-fp8}.log" 2>&1
+            grep -v failed "$OUT/w8_sweep_${KIND:-fp8}.log" | tail -60 ;;
         quant-decode)
             rm -rf /tmp/tmp*  # earlier steps' 8B models: the disk holds few
             python3 benchmarks/quant_decode_bench.py --shape 8b --quant "${QUANT:-rtn4,rtn4-small}" --new 128 \

@@ -455,8 +455,8 @@ def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar, device: str = "cuda") 
     fmt, shape, act, _, dtype = key
     bar.step(f"tuning {fmt.label} linear {list(shape)}")
     p, b = _qlinear_on(fmt, weights, device)
-    # the decode buckets, then 128+ and 1024+ (prefill chunks and mixed steps), where a library GEMM may win
-    for m in (*M_BUCKETS[:-1], M_BUCKETS[-1], qmm.LARGE_M):
+    # the decode buckets, then 128+, 512+ and 1024+ (mixed steps and prefill chunks), where a library GEMM may win
+    for m in (*M_BUCKETS[:-1], M_BUCKETS[-1], qmm.MID_M, qmm.LARGE_M):
         x = torch.randn(m, p.in_features, dtype=torch_dtype(dtype), device=device)
         qmm.qlinear(x, p, b, act, tuner=tuner)
 

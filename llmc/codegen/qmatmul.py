@@ -42,8 +42,8 @@ generated one-pass epilogue (the GEMM kernel's in its order, so the two agree bi
 weights dequantized to x's dtype by a generated kernel (`qdequant.py.jinja`: a pass over W that
 only steps of some hundreds of rows amortize) and multiplied by cuBLAS. The 128+ bucket (a full
 batch of decodes, up to 1023 rows) also times one tall swapped tile over every row with a K split
-(`SPLIT_TALL_TILES`); the largest steps (chunked prefills) have a 1024+ bucket of their own
-(`qlinear_bucket`).
+(`SPLIT_TALL_TILES`); mixed steps of 512 to 1023 tokens and the largest steps (chunked prefills)
+have a 512+ and a 1024+ bucket of their own (`qlinear_bucket`).
 
 `prepare` converts a weight to the kernel's layout once, when a plan is built (`PreparedQWeight`).
 """
@@ -76,7 +76,11 @@ MIN_RUN = 16  # the shortest K a tensor-core dot takes
 # programs a decode launch aims at (the splits of the default config): ~4 per SM of an H200
 TARGET_PROGRAMS = 512
 GEMV_ROWS = 4  # the most rows of x `qgemv_int4` takes (past it the FMA pipes, not HBM, set the pace)
+ACT_ONE_PASS = 16384  # the widest row `quantize_act` quantizes in one pass (16 warps of 32 values a thread)
 LARGE_M = 1024  # a qlinear's largest bucket (`qlinear_bucket`), timed at this many rows
+# mixed steps of 512 to 1023 tokens (the measured token budget's steps, padded to their piecewise graphs'
+# 512): compute-bound like prefill chunks, yet timed at 128 rows they took a full decode batch's choice
+MID_M = 512
 
 
 # -- the kernel's weight layout --------------------------------------------------------------------
@@ -664,8 +668,11 @@ def quantize_act(x: torch.Tensor, kind: str, up: torch.Tensor | None = None) -> 
         if up is not None:
             u = up.reshape(-1, K) if up.stride(-1) == 1 else up.contiguous().view(-1, K)
             u2 = (u, u.stride(0))
-        mod.quantize_act_kernel[(M,)](x2, *u2, q, s, x2.stride(0), K, BLOCK_K=min(triton.next_power_of_2(K), 2048),
-                                      num_warps=4)
+        block = triton.next_power_of_2(K)
+        one = block <= ACT_ONE_PASS  # the row in registers (32 values a thread), else two passes over it
+        block = block if one else 2048
+        mod.quantize_act_kernel[(M,)](x2, *u2, q, s, x2.stride(0), K, BLOCK_K=block, ONE_PASS=one,
+                                      num_warps=max(4, block // 1024) if one else 4)
     return q.view(x.shape), s.view(*x.shape[:-1], 1)
 
 
@@ -711,6 +718,11 @@ def _launch_library(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: 
     q, sx = quantize_act(x2, spec.kind) if x_scales is None else (x2, x_scales)
     q, sx = q.contiguous(), sx.float().contiguous()  # libraries take row-major x (codes from a norm may be views)
     if library == "scaled_mm":
+        if b is None and not spec.act and y2.dtype == torch.bfloat16 and y2.is_contiguous():
+            # straight into y: a copy of the output costs a mixed step's GEMM about a tenth of its time
+            torch._scaled_mm(q, p.qweight.t(), scale_a=sx, scale_b=p.scales.view(1, N), out_dtype=torch.bfloat16,
+                             out=y2)
+            return
         y = torch._scaled_mm(q, p.qweight.t(), scale_a=sx, scale_b=p.scales.view(1, N),
                              out_dtype=torch.bfloat16)
         if b is not None:
@@ -743,8 +755,11 @@ def library_candidates(bucket: str, p: PreparedQWeight, dtype: torch.dtype) -> l
 
 def qlinear_bucket(m: int) -> str:
     """A qlinear's M bucket: autotune's, with the largest steps (chunked prefills) in a 1024+ of their
-    own, where a library GEMM over a dequantized weight can win."""
-    return f"{LARGE_M}+" if m >= LARGE_M else m_bucket(m)
+    own, where a library GEMM over a dequantized weight can win, and mixed steps of 512 to 1023 tokens in
+    a 512+ (the 128+ bucket, timed at 128 rows, keeps 65 to 511)."""
+    if m >= LARGE_M:
+        return f"{LARGE_M}+"
+    return f"{MID_M}+" if m >= MID_M else m_bucket(m)
 
 
 def _launch(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Tensor | None, y2: torch.Tensor,
@@ -830,7 +845,7 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
     elif config is None:
         bucket = qlinear_bucket(M)
         if bucket != m_bucket(M) and tuner.frozen and tuner.lookup(spec.key(N, K), bucket) is None:
-            bucket = m_bucket(M)  # an artifact tuned before the 1024+ bucket: its 128+ choice
+            bucket = m_bucket(M)  # an artifact tuned before the 1024+ or 512+ bucket: its 128+ choice
         group = tuner.joint if bucket in tuner.joint else (bucket,)
         io = timing_io(group, K, N, ydtype, x2.device)  # with codes too: the choice is the float x's
         cands = candidates(bucket, N, kw, pack, len(group) > 1)

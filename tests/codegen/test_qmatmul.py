@@ -185,12 +185,13 @@ def test_leading_dims_strided_rows_and_out():
 
 def test_activation_codes_are_torchs():
     """The per-token kernel gives quant.quantize_activations' codes and scales bit for bit, ties
-    included (round half to even for int8; e4m3's midpoints, subnormal ones too, for fp8)."""
+    included (round half to even for int8; e4m3's midpoints, subnormal ones too, for fp8): a row in one
+    pass (K up to qmatmul.ACT_ONE_PASS) and one too wide for it, read twice in blocks."""
     g = gen("act")
     for kind, ties in (("w8a8", [127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 3.5]),
                        ("fp8", [448.0, 1.0625, 17.0, 432.0, -1.1875, 2.0 ** -10, 1.5 * 2.0 ** -9, -3 * 2.0 ** -10])):
-        for dtype in (torch.float32, torch.bfloat16):
-            x = rand(5, 2500, dtype=dtype, g=g) * 3  # K past one block of the kernel's loop
+        for dtype, k in ((torch.float32, 2500), (torch.bfloat16, 2500), (torch.float32, qm.ACT_ONE_PASS + 700)):
+            x = rand(5, k, dtype=dtype, g=g) * 3
             x[1, :8] = torch.tensor(ties, dtype=dtype)
             x[1, 8:] = 0
             x[2] = 0  # an all-zero row: the scale's floor
@@ -405,6 +406,11 @@ def test_library_gemms_agree_with_the_reference(name, library):
     torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol)
     if library == "int_mm":
         assert torch.equal(y, qlinear(x, p, b, "silu", config=candidates("128+", N, K)[0]))
+    # without bias and act (scaled_mm then writes y itself), into a given output
+    out = torch.full((M, N), float("nan"), dtype=dtype)
+    assert qlinear(x, p, config={"LIBRARY": library}, out=out) is out
+    ref = reference(x, qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
 def test_library_candidates_where_their_shapes_and_m_fit():
@@ -419,7 +425,8 @@ def test_library_candidates_where_their_shapes_and_m_fit():
     assert qm.library_candidates("128+", p_of("fp8"), torch.float16) == []
     assert qm.library_candidates("64", p_of("w8a8"), bf16) == []
     assert qm.library_candidates("1024+", p_of("w8a8", 4100, 4096), bf16) == []  # N not a multiple of 8
-    assert [qm.qlinear_bucket(m) for m in (64, 65, 1023, 1024, 4096)] == ["64", "128+", "128+", "1024+", "1024+"]
+    assert [qm.qlinear_bucket(m) for m in (64, 65, 511, 512, 1023, 1024, 4096)] == \
+        ["64", "128+", "128+", "512+", "512+", "1024+", "1024+"]
 
 
 def test_an_artifact_tuned_before_the_1024_bucket_keeps_its_128_choice(monkeypatch):
@@ -432,7 +439,8 @@ def test_an_artifact_tuned_before_the_1024_bucket_keeps_its_128_choice(monkeypat
     rec = {"config": {"A": 7}, "triton_ms": 1.0, "cublas_ms": None, "prefer_cublas": False}
     t = Tuner({key: {"128+": rec}}, device="test-gpu", frozen=True)
     qlinear(torch.zeros(1500, 128), p, tuner=t)
-    assert seen == [{"A": 7}]
+    qlinear(torch.zeros(600, 128), p, tuner=t)  # nor one before the 512+ bucket
+    assert seen == [{"A": 7}, {"A": 7}]
 
 
 # ------------------------------------------------------------------------- int4 codes unpacked by PTX

@@ -140,7 +140,7 @@ def test_linears_compile_their_recorded_choices_on_threads_before_tuning(llama_d
 def test_linears_fed_codes_are_tuned(llama_dir, tmp_path, monkeypatch):
     """Compile tunes the linears whose codes a norm or SwiGLU made (qlinear_codes) as it tunes plain
     quantized linears: each distinct one timed once per bucket with float x of its output dtype (the
-    kernel's key), up to the 1024+ bucket. Recorded here instead of timed (no GPU)."""
+    kernel's key), up to the 512+ and 1024+ buckets. Recorded here instead of timed (no GPU)."""
     from llmc import compiler
     from llmc.codegen import matmul as mm
     from llmc.codegen import qmatmul as qmm
@@ -153,5 +153,5 @@ def test_linears_fed_codes_are_tuned(llama_dir, tmp_path, monkeypatch):
     shapes = {tuple(art.graph.weights[n.inputs[2].name].shape) for n in art.graph.nodes if n.op == "qlinear_codes"}
     assert len(shapes) == 3  # qkv, gate/up, down: none was tuned before
     for shape in shapes:
-        assert sorted(m for s, m, _ in calls if s == shape) == [1, 2, 4, 8, 16, 32, 64, 128, qmm.LARGE_M]
+        assert sorted(m for s, m, _ in calls if s == shape) == [1, 2, 4, 8, 16, 32, 64, 128, qmm.MID_M, qmm.LARGE_M]
     assert {d for *_, d in calls} == {torch.float32}  # the artifact's dtype, not the codes' int8 / fp8

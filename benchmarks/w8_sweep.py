@@ -1,0 +1,92 @@
+"""The 8-bit W8A8 GEMMs (fp8 e4m3 or int8) at decode and mixed-step sizes on a GPU: every config of the
+tuner's own candidate list and of a wider grid, the library GEMM, and bf16 cuBLAS on the same shape, each
+timed on activation codes made beforehand (as the norm or SwiGLU before a linear makes them), streaming
+the weight from HBM (quant_bench.py's CUDA-graph replay over weight copies that overflow L2).
+
+    PYTHONPATH=. python3 benchmarks/w8_sweep.py --out DIR [--kind fp8] [--ms 64,128] [--shapes down,o_proj]
+
+Prints, per shape and M: bf16 cuBLAS, the library GEMM, and the three fastest configs of the tuner's list
+("list") and of the grid outside it ("grid"), with the weight bytes a second as a share of 4.8 TB/s.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+from llmc.codegen import qmatmul as qm
+from llmc.codegen.autotune import m_bucket
+from llmc.ir.quant import QuantFormat, quantize_rtn
+
+from quant_bench import HBM_BYTES_PER_S, SHAPES, copies_for, graph_time_us, rel_err
+
+
+def grid(m: int, listed: list[dict]) -> list[dict]:
+    """Configs outside the tuner's list: 16-row tiles up to 64 rows (the batch-invariant rule), taller past."""
+    rows = (16,) if m <= 64 else (64, 128)
+    out = [qm._cfg(bm, bn, bk, split, True, 4, stages)
+           for bm, bn, bk, split, stages in itertools.product(rows, (64, 128), (128, 256, 512), (2, 4, 8, 16), (4,))]
+    seen = {tuple(sorted(c.items())) for c in listed}
+    return [c for c in out if tuple(sorted(c.items())) not in seen]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--kind", default="fp8", choices=("fp8", "w8a8"))
+    ap.add_argument("--ms", default="64,128")
+    ap.add_argument("--shapes", default="qkv,o_proj,gate_up,down")
+    ap.add_argument("--reps", type=int, default=10)
+    a = ap.parse_args()
+    fmt = QuantFormat(a.kind, 8)
+    rows: list[dict] = []
+    for shape in a.shapes.split(","):
+        n, k = SHAPES[shape]
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        qw = quantize_rtn(w, fmt, torch.bfloat16)
+        p = qm.prepare(fmt, qw.qweight, qw.scales, qw.zeros)
+        copies = [p] + [dataclasses.replace(p, qweight=p.qweight.clone(), scales=p.scales.clone())
+                        for _ in range(copies_for(p.nbytes, False) - 1)]
+        ws = [w] + [w.clone() for _ in range(copies_for(w.numel() * 2, False) - 1)]
+        for m in map(int, a.ms.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            codes, scales = qm.quantize_act(x, a.kind)
+            ref = qm.reference(x, fmt, qw.qweight, qw.scales)
+            bucket = qm.qlinear_bucket(m)
+            listed = qm.candidates(bucket, n, p.padded_k, p.pack, m <= 64)
+            cands = [("list", c) for c in listed] + [("grid", c) for c in grid(m, listed)]
+            cands += [("library", c) for c in qm.library_candidates(bucket if m > 64 else "128+", p, torch.bfloat16)]
+            y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            res = [{"kind": "bf16", "us": graph_time_us([lambda wi=wi: torch.mm(x, wi.t(), out=y) for wi in ws],
+                                                        a.reps), "nbytes": w.numel() * 2, "cfg": "cuBLAS", "err": 0.0}]
+            res.append({"kind": "quantize", "us": graph_time_us([lambda: qm.quantize_act(x, a.kind)], a.reps),
+                        "nbytes": x.numel() * 3, "cfg": "quantize_act", "err": 0.0})
+            for kind, cfg in cands:
+                try:
+                    qm.qlinear(codes, p, config=cfg, out=y, x_scales=scales, dtype=torch.bfloat16)
+                    err = rel_err(y, ref)
+                    us = graph_time_us([lambda c=c: qm.qlinear(codes, c, config=cfg, out=y, x_scales=scales,
+                                                               dtype=torch.bfloat16) for c in copies], a.reps)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is reported
+                    print(f"{shape} M={m} {cfg} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    continue
+                res.append({"kind": kind, "us": us, "nbytes": p.nbytes, "cfg": cfg, "err": err})
+            for r in res:
+                r.update(shape=shape, M=m, hbm_pct=100 * r["nbytes"] / (r["us"] * 1e-6) / HBM_BYTES_PER_S)
+            rows += res
+            for kind, top in (("bf16", 1), ("quantize", 1), ("library", 1), ("list", 3), ("grid", 3)):
+                for r in sorted((r for r in res if r["kind"] == kind), key=lambda r: r["us"])[:top]:
+                    print(f"{shape:8s} M={m:<4d} {kind:8s} {r['us']:7.1f} us {r['hbm_pct']:5.1f}% err {r['err']:.1e} "
+                          f"{r['cfg']}", flush=True)
+        del copies, ws
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        Path(a.out, f"w8_sweep_{a.kind}.json").write_text(json.dumps(rows, indent=0))
+    print(f"# bucket of each M: {[(m, qm.qlinear_bucket(int(m)), m_bucket(int(m))) for m in a.ms.split(',')]}")
+
+
+if __name__ == "__main__":
+    main()
