@@ -581,12 +581,14 @@ MID_TILES = ((64, 128, 1, False, 4, 4), (64, 128, 1, True, 4, 4), (128, 128, 1, 
 PREFILL_TILES = ((64, 128, 128, False, 4, 3), (128, 128, 128, False, 8, 3), (128, 128, 64, False, 8, 4),
                  (128, 64, 128, False, 4, 3), (64, 64, 128, False, 4, 4), (64, 256, 64, False, 8, 3),
                  (128, 128, 128, True, 8, 3))
-# (BLOCK_M, BLOCK_N, BLOCK_K columns, SWAP_AB, warps, stages) with a K split (`_split`): the 128+ bucket's
-# other shape, a step of about 128 rows (a full batch of decodes). One tall tile then takes every row,
-# and a weight tile is dequantized once for all of them, but the N tiles alone are too few programs to
-# keep the GPU busy at 4096 to 6144 columns (32 to 96 of 132 SMs): the split brings them to ~512
-SPLIT_TALL_TILES = ((128, 64, 128, True, 4, 3), (128, 64, 256, True, 8, 3), (64, 64, 128, True, 4, 3),
-                    (128, 128, 128, True, 8, 3))
+# (BLOCK_M, BLOCK_N, BLOCK_K columns, K split as a multiple of `_split`'s, SWAP_AB, warps, stages): the 128+
+# bucket's other shape, a step of about 128 rows (a full batch of decodes). One tall tile then takes every
+# row, and a weight tile is dequantized once for all of them, but the N tiles alone are too few programs to
+# keep the GPU busy at 4096 to 6144 columns (32 to 96 of 132 SMs): the split brings them to ~512 (the last:
+# ~128 wide programs, the fastest fp8 down projection of the 8B shape at 128 rows on the H200, 33.4 us
+# against 38.7 for torch._scaled_mm and 43.8 for the others; benchmarks/w8_sweep.py)
+SPLIT_TALL_TILES = ((128, 64, 128, 1, True, 4, 3), (128, 64, 256, 1, True, 8, 3), (64, 64, 128, 1, True, 4, 3),
+                    (128, 128, 128, 1, True, 8, 3), (64, 128, 128, 0.25, True, 4, 4))
 
 
 def _cfg(bm, bn, bk, split_k, swap, warps, stages) -> dict:
@@ -631,8 +633,8 @@ def candidates(bucket: str, n: int, kw: int, pack: int = 0, shared: bool = True)
     if m > 64:
         out = [_cfg(bm, bn, max(cols, pack), 1, swap, w, st) for bm, bn, cols, swap, w, st in PREFILL_TILES]
         if m < LARGE_M:
-            out += [_cfg(bm, bn, max(cols, pack), _split(n, kw, bn, max(cols, pack)), swap, w, st)
-                    for bm, bn, cols, swap, w, st in SPLIT_TALL_TILES]
+            out += [_cfg(bm, bn, max(cols, pack), _split(n, kw, bn, max(cols, pack), scale), swap, w, st)
+                    for bm, bn, cols, scale, swap, w, st in SPLIT_TALL_TILES]
     else:
         bm, tiles = (16, DECODE_TILES) if m <= 16 or shared else (m, MID_TILES)
         out = [_cfg(bm, bn, max(cols, pack), _split(n, kw, bn, max(cols, pack), scale), swap, w, st)

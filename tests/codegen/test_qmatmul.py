@@ -143,7 +143,9 @@ def test_tall_split_tiles_of_the_128_bucket(name):
     partly filled tile) and 140 (two tiles) every such config gives the reference."""
     tall = [c for c in candidates("128+", 4096, 4096, 128) if c["SPLIT_K"] > 1]
     assert tall and all(c["SWAP_AB"] and c["BLOCK_M"] >= 64 for c in tall)
-    assert all(256 <= 4096 // c["BLOCK_N"] * c["SPLIT_K"] <= qm.TARGET_PROGRAMS for c in tall)
+    for bm, bn, cols, scale, *_ in qm.SPLIT_TALL_TILES:  # each split to between half and all of its programs' aim
+        split = qm._split(4096, 4096, bn, max(cols, 128), scale)
+        assert scale * qm.TARGET_PROGRAMS / 2 < 4096 // bn * split <= scale * qm.TARGET_PROGRAMS
     assert not any(c["SPLIT_K"] > 1 for c in candidates("1024+", 4096, 4096, 128))  # enough row tiles there
     g = gen("tall", name)
     qw = quantized(FORMATS[name], 64, 256, g)
@@ -152,7 +154,7 @@ def test_tall_split_tiles_of_the_128_bucket(name):
     for m in (70, 140):
         x = rand(m, 256, g=g)
         for c in qm.SPLIT_TALL_TILES[:1]:
-            cfg = qm._cfg(c[0], c[1], max(c[2], p.pack), 2, c[3], c[4], c[5])
+            cfg = qm._cfg(c[0], c[1], max(c[2], p.pack), 2, c[4], c[5], c[6])
             run_and_check(qw, x, b, "silu", config=cfg)
     assert int(tile_counters(x.device, 4).abs().sum()) == 0
 
@@ -407,7 +409,7 @@ def test_library_gemms_agree_with_the_reference(name, library):
     if library == "int_mm":
         assert torch.equal(y, qlinear(x, p, b, "silu", config=candidates("128+", N, K)[0]))
     # without bias and act (scaled_mm then writes y itself), into a given output
-    out = torch.full((M, N), float("nan"), dtype=dtype)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=x.device)
     assert qlinear(x, p, config={"LIBRARY": library}, out=out) is out
     ref = reference(x, qw.fmt, qw.qweight, qw.scales, qw.zeros)
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
