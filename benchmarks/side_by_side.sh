@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the shared llmc_bench.py on an older checkout and on this tree, alternating (before, after,
-# before, after, ...; ROUNDS rounds, default 2) on the same GPU, so that a change is judged by a ratio measured in one session and
+# before, after, ...; ROUNDS rounds, default 2) on the same GPU, so that a change is judged by a ratio measured in one run and
 # neither side alone pays for the cold kernel cache. Each figure is the best of its side's runs.
 #   benchmarks/side_by_side.sh BASE_DIR TOOLS_DIR OUT_DIR [llmc_bench.py options...]
 # BASE_DIR: a checkout of the older commit (e.g. `git archive COMMIT | tar -x -C BASE_DIR`);
