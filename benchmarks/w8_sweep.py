@@ -59,6 +59,7 @@ def main() -> None:
             bucket = qm.qlinear_bucket(m)
             listed = qm.candidates(bucket, n, p.padded_k, p.pack, m <= 64)
             cands = [("list", c) for c in listed] + [("grid", c) for c in grid(m, listed)]
+            # up to 64 rows the tuner offers no library GEMM (batch invariance); timed there all the same, as at 128+
             cands += [("library", c) for c in qm.library_candidates(bucket if m > 64 else "128+", p, torch.bfloat16)]
             y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             res = [{"kind": "bf16", "us": graph_time_us([lambda wi=wi: torch.mm(x, wi.t(), out=y) for wi in ws],

@@ -446,7 +446,6 @@ def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar, device: str = "cuda") 
     runs the same kernel under the same key as a qlinear of float x in its output dtype: it is timed as
     that."""
     from llmc.codegen import qmatmul as qmm
-    from llmc.codegen.autotune import M_BUCKETS
     from llmc.ir.types import torch_dtype
     key, weights = _qlinear_tuning_key(graph, n)
     if key in seen:
@@ -455,8 +454,7 @@ def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar, device: str = "cuda") 
     fmt, shape, act, _, dtype = key
     bar.step(f"tuning {fmt.label} linear {list(shape)}")
     p, b = _qlinear_on(fmt, weights, device)
-    # the decode buckets, then 128+, 512+ and 1024+ (mixed steps and prefill chunks), where a library GEMM may win
-    for m in (*M_BUCKETS[:-1], M_BUCKETS[-1], qmm.MID_M, qmm.LARGE_M):
+    for m in qmm.TUNED_ROWS:
         x = torch.randn(m, p.in_features, dtype=torch_dtype(dtype), device=device)
         qmm.qlinear(x, p, b, act, tuner=tuner)
 

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import triton
 
-from llmc.codegen.autotune import Tuner, bucket_size, m_bucket, timing_io
+from llmc.codegen.autotune import M_BUCKETS, Tuner, bucket_size, m_bucket, timing_io
 from llmc.codegen.elementwise import HELPERS, cast_expr, cast_helpers, compiled, interpreting, op_expr
 from llmc.codegen.kernels import KernelSpec, tile_counters
 from llmc.codegen.matmul import MAX_M_TILES, m_tiles, triton_cdiv
@@ -81,6 +81,9 @@ LARGE_M = 1024  # a qlinear's largest bucket (`qlinear_bucket`), timed at this m
 # mixed steps of 512 to 1023 tokens (the measured token budget's steps, padded to their piecewise graphs'
 # 512): compute-bound like prefill chunks, yet timed at 128 rows they took a full decode batch's choice
 MID_M = 512
+# the row counts a qlinear's tuning times, one per bucket of `qlinear_bucket`: the decode buckets, then 128+,
+# 512+ and 1024+ (mixed steps and prefill chunks), where a library GEMM may win
+TUNED_ROWS = (*M_BUCKETS, MID_M, LARGE_M)
 
 
 # -- the kernel's weight layout --------------------------------------------------------------------
@@ -674,7 +677,7 @@ def quantize_act(x: torch.Tensor, kind: str, up: torch.Tensor | None = None) -> 
         one = block <= ACT_ONE_PASS  # the row in registers (32 values a thread), else two passes over it
         block = block if one else 2048
         mod.quantize_act_kernel[(M,)](x2, *u2, q, s, x2.stride(0), K, BLOCK_K=block, ONE_PASS=one,
-                                      num_warps=max(4, block // 1024) if one else 4)
+                                      num_warps=max(4, block // 1024))
     return q.view(x.shape), s.view(*x.shape[:-1], 1)
 
 
