@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH: an older tree there is timed
 
 from llmc.codegen.attention import DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES, paged_attention  # noqa: E402
 from llmc.codegen.autotune import gpu_time_ms  # noqa: E402
@@ -59,6 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--prefill-only", action="store_true", help="only the prefill cases")
     a = ap.parse_args()
     Hq, Hkv, D = SHAPES[a.shape]
     dtype, g = torch.bfloat16, torch.Generator(device="cuda").manual_seed(0)
@@ -66,7 +67,7 @@ def main() -> None:
     rows = []
     print(f"# {a.shape}: {Hq} q heads over {Hkv}, {D} wide, bf16; {torch.cuda.get_device_name()}, "
           f"copy {bw / 1e12:.2f} TB/s")
-    for seqs, ctx in DECODE_CASES:
+    for seqs, ctx in [] if a.prefill_only else DECODE_CASES:
         q, kv, qsl, lens, tables, out = _attention_step(g, [1] * seqs, [ctx] * seqs, Hq, Hkv, D, dtype)
         kv_bytes = seqs * ctx * Hkv * D * 2 * kv.element_size()
         for cfg in [None, *DECODE_TILE_CANDIDATES]:

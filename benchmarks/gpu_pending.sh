@@ -45,6 +45,11 @@
 #                                                     #   WORKLOADS="decode" VAR=LLMC_SPLIT_ARGMAX: batch-1 decode
 #                                                     #   with the argmax row on one program or split;
 #                                                     #   VAR=LLMC_PDL, VAR=LLMC_PDL_PREFETCH likewise)
+#   BASE=.bench_base bash benchmarks/gpu_pending.sh OUT tree-ab  # this tree against an older llmc under BASE
+#                                                     #   (`git archive COMMIT llmc | tar -x -C BASE`), alternating:
+#                                                     #   prefill attention launches (ATTN_SHAPES, default "8b 1b"),
+#                                                     #   then llmc bench WORKLOADS (default "prefill mixed") on one
+#                                                     #   SHAPE artifact (default 8b) compiled by this tree, ROUNDS (2)
 #   bash benchmarks/gpu_pending.sh OUT tuned-table    # the shipped tuning table remade: SHAPES (default "8b 1b")
 #                                                     #   compiled with an empty LLMC_CACHE_DIR, its tuning/*.json
 #                                                     #   under OUT/tuned (copy it to llmc/codegen/tuned/)
@@ -393,6 +398,37 @@ print('$var=$v $w', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttft_ms_
                         | tee -a "$OUT/ab_mixed.log"
                 done
             done ;;
+        tree-ab)
+            base=$(cd "${BASE:?BASE=DIR: an older tree, llmc/ at its top}" && pwd)
+            here=$(pwd)
+            for shape in ${ATTN_SHAPES-8b 1b}; do
+                for side in base here base here; do
+                    dir=$([ $side = base ] && echo "$base" || echo "$here")
+                    PYTHONPATH=$dir python3 benchmarks/attention_bench.py --shape $shape --prefill-only \
+                        >"$OUT/attn_${shape}_$side.log" 2>&1
+                    echo "$shape $side: $(sed -n '/best llmc launch/,$p' "$OUT/attn_${shape}_$side.log" | tail -n +2 \
+                        | awk '{printf "%s us (%s)  ", $(NF-3), $(NF-4)}')"
+                done
+            done
+            [ -n "${WORKLOADS-prefill mixed}" ] || exit 0
+            rm -rf /tmp/tmp*
+            python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import shared_artifact; \
+art = shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc'); print('compile phases', \
+{k: round(v, 1) for k, v in (getattr(art, 'compile_timings', None) or {}).items()})" >"$OUT/tree_ab.log" 2>&1
+            grep "compile phases" "$OUT/tree_ab.log"
+            for round in $(seq 1 "${ROUNDS:-2}"); do
+                for side in base here; do
+                    dir=$([ $side = base ] && echo "$base" || echo "$here")
+                    for w in ${WORKLOADS-prefill mixed}; do
+                        (cd "$dir" && PYTHONPATH=$dir python3 -m llmc bench "/tmp/art-${SHAPE:-8b}.llmc" --workload $w \
+                            --num-requests $([ $w = mixed ] && echo "128 --max-num-seqs 128" || echo 5) --json \
+                            >"$OUT/tree_${w}_${side}$round.json" 2>>"$OUT/tree_ab.log")
+                        python3 -c "import json; d = json.load(open('$OUT/tree_${w}_${side}$round.json')); \
+print('$side $round $w', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttft_ms_p99', 'itl_ms_p50', 'gpu_busy')})" \
+                            | tee -a "$OUT/tree_ab.log"
+                    done
+                done
+            done ;;
         tuned-table)
             rm -rf /tmp/tmp* /tmp/tuned-cache
             for shape in ${SHAPES:-8b 1b}; do
@@ -449,6 +485,6 @@ print('mixed tokens=$t', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttf
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, spec-b1, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, compile-ab, compile-spy, step-profile, prefill-flags, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, mixed-ab, warm-up, issue-bench, overlap, tuned-check, tuned-table, kernels, e2e)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, spec-b1, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, compile-ab, compile-spy, step-profile, prefill-flags, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, mixed-ab, warm-up, issue-bench, overlap, tuned-check, tuned-table, tree-ab, kernels, e2e)" ;;
     esac
 done

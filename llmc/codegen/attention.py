@@ -313,7 +313,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             block_m, base["block_n"] = block_m or prefill_tiles["BLOCK_M"], block_n or prefill_tiles["BLOCK_N"]
         spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m)
         c = spec.constexprs()
-        grid = (_cdiv(max_seqlen_q, c["BLOCK_Q"]), N, Hkv)
+        grid = (Hkv, N, _cdiv(max_seqlen_q, c["BLOCK_Q"]))  # the template launches its last query tiles first
         compiled(spec).paged_attention_prefill_kernel[grid](out, *tensors, *strides, qk_scale, window, **c, **launch)
         return out
     # decode: the one query sits at the last position, so causal masks nothing
