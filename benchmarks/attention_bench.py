@@ -28,6 +28,7 @@ PREFILL_CASES = {  # name: (new tokens per sequence, context per sequence)
     "fresh 2048": ([2048], [2048]),
     "4 chunks of 512 over 1024": ([512] * 4, [1024] * 4),
     "mixed: 32 decodes + 2 x 512 over 1024": ([1] * 32 + [512, 512], [1024] * 34),
+    "mixed: 128 decodes + 512 over 1024": ([1] * 128 + [512], [1024] * 129),  # a budget step of the mixed workload
 }
 
 

@@ -205,6 +205,7 @@ class PagedAttentionSpec(KernelSpec):
                  GROUP_P2=group_p2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=self.block_size)
         if self.mode == "prefill":
             c["BLOCK_Q"] = block_m // group_p2
+            c["KV_HEADS"] = self.num_kv_heads
         return c
 
 
@@ -221,6 +222,14 @@ DECODE_TILE_CANDIDATES = [dict(BLOCK_N=n, num_stages=st, num_warps=w)
 PREFILL_TILE_CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_stages=st, num_warps=w)
                            for m, n, st, w in ((64, 32, 2, 4), (64, 64, 2, 4), (64, 64, 3, 4), (128, 32, 2, 8),
                                                (128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (64, 128, 2, 8))]
+
+
+# prefill steps of at most this many sequences launch their last query tiles first (the template's
+# heavy_first); steps of more run sequence by sequence. On the H200 (benchmarks/attention_bench.py, 2026-12-04)
+# the last tiles first ran a fresh 2,048-token prompt 1.24x (8B shape) and 1.37x (1B) faster and four 512-token
+# chunks 1.15x, but a step of 128 decode rows beside one chunk 0.89x (1B): its decode rows' programs, all in
+# the last wave, then read their K/V with no prompt tile beside them
+HEAVY_FIRST_SEQS = 4
 
 
 def attention_tiles_key(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: str, kv_dtype: str,
@@ -313,8 +322,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             block_m, base["block_n"] = block_m or prefill_tiles["BLOCK_M"], block_n or prefill_tiles["BLOCK_N"]
         spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m)
         c = spec.constexprs()
-        grid = (Hkv, N, _cdiv(max_seqlen_q, c["BLOCK_Q"]))  # the template launches its last query tiles first
-        compiled(spec).paged_attention_prefill_kernel[grid](out, *tensors, *strides, qk_scale, window, **c, **launch)
+        tiles = _cdiv(max_seqlen_q, c["BLOCK_Q"])
+        compiled(spec).paged_attention_prefill_kernel[(Hkv * N * tiles,)](
+            out, *tensors, *strides, qk_scale, window, tiles, int(N <= HEAVY_FIRST_SEQS), **c, **launch)
         return out
     # decode: the one query sits at the last position, so causal masks nothing
     if max_seqlen_k is None:
