@@ -10,6 +10,7 @@ memory roofline at batch 1 (bytes of the weights each step reads / measured copy
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -109,6 +110,12 @@ def main() -> None:
         del art
         for p in work.glob(f"{name}.llmc/*.safetensors"):  # the disk holds a few 8B artifacts at most
             p.unlink()
+        # the engines' KV caches back to the device before the next compile, whose token budget times GEMMs
+        # of up to 8,192 rows (an int4 compile after the bf16 runs failed every such timing on 2026-12-04;
+        # memory still held is the likely cause, not confirmed)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     base = rows[0]
     for r in rows:
         if "error" in r:

@@ -282,18 +282,20 @@ class Tuner:
     @staticmethod
     def tune(candidates: Sequence[dict], bench: Callable[[dict], Any], baseline: Callable[[], Any] | None,
              margin: float = 0.97) -> TuneRecord:
-        best, best_ms = None, float("inf")
+        best, best_ms, failed = None, float("inf"), None
         warm_up(candidates, bench)
         for cfg in candidates:
             try:
                 ms = gpu_time_ms(lambda: bench(cfg))
             except Exception as e:  # out of shared memory or registers for this tile: not a candidate
                 log.debug("autotune: config %s failed: %s", cfg, e)
+                failed = e
                 continue
             if ms < best_ms:
                 best, best_ms = dict(cfg), ms
-        if best is None:
-            raise RuntimeError(f"autotune: every candidate failed ({list(candidates)})")
+        if best is None:  # the last failure says why (device memory held elsewhere, a kernel that cannot build)
+            raise RuntimeError(f"autotune: every candidate failed ({list(candidates)}); the last with "
+                               f"{type(failed).__name__}: {str(failed)[:300]}")
         cublas_ms = gpu_time_ms(baseline) if baseline is not None else None
         prefer = cublas_ms is not None and best_ms > margin * cublas_ms
         return TuneRecord(best, float(best_ms), None if cublas_ms is None else float(cublas_ms), prefer)

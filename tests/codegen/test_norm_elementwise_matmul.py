@@ -625,6 +625,18 @@ def test_candidates_are_warmed_up_on_threads_before_they_are_timed(monkeypatch):
     assert events[0] == ("timed",) and len(events) == 4  # no warm-up: timed, run, timed, run
 
 
+def test_a_tuning_whose_every_candidate_fails_says_why(monkeypatch):
+    """When no candidate runs, the error names the last failure (device memory held elsewhere, say), which a
+    compile that falls back to a default prints."""
+    def bench(cfg):
+        raise MemoryError(f"CUDA out of memory (config {cfg['A']})")
+    monkeypatch.setattr(autotune, "gpu_time_ms", lambda fn: fn())
+    monkeypatch.setenv("LLMC_TUNE_THREADS", "0")
+    with pytest.raises(RuntimeError, match=r"every candidate failed .*the last with MemoryError: CUDA out of "
+                                           r"memory \(config 2\)"):
+        Tuner.tune([{"A": 1}, {"A": 2}], bench, None)
+
+
 def test_a_source_loaded_by_threads_at_once_is_one_module():
     """A warm-up's threads all ask for their kernel's module at once: they get one module (whose JIT
     functions then hold every config compiled), and one set of timing inputs."""
