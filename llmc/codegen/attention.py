@@ -24,6 +24,7 @@ import torch
 
 from llmc.codegen.elementwise import compiled, interpreting
 from llmc.codegen.kernels import KernelSpec, tile_counters
+from llmc.intmath import cdiv, next_pow2
 from llmc.ir.paged_attention import QMAX, scale_width, tiny
 
 LOG2E = 1.4426950408889634
@@ -34,14 +35,6 @@ QUANTIZED = ("int8", "float8_e4m3fn")
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,8 +73,8 @@ class RopeKVWriteSpec(KernelSpec):
 
     def constexprs(self) -> dict[str, Any]:
         c = dict(NUM_Q_HEADS=self.num_q_heads, NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim,
-                 HALF=self.head_dim // 2, BLOCK_HQ=_pow2(self.num_q_heads),
-                 BLOCK_HKV=_pow2(self.num_kv_heads), BLOCK_D=_pow2(self.head_dim), BLOCK_SIZE=self.block_size)
+                 HALF=self.head_dim // 2, BLOCK_HQ=next_pow2(self.num_q_heads),
+                 BLOCK_HKV=next_pow2(self.num_kv_heads), BLOCK_D=next_pow2(self.head_dim), BLOCK_SIZE=self.block_size)
         if self.quantized:  # kv_scale holds the model's dtype
             c.update(QMAX=QMAX[DTYPES[self.cache_dtype]], TINY=tiny(DTYPES[self.dtype]))
         return c
@@ -127,7 +120,7 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         q, k, v, cos, sin, slot_mapping, q_out, kv_cache, *((kv_scale,) if quant else ()),
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *q_out.stride(),
         *kv_cache.stride(), *(kv_scale.stride() if quant else ()),
-        **spec.constexprs(), num_warps=4 if Hq * _pow2(D) >= 2048 else 1)
+        **spec.constexprs(), num_warps=4 if Hq * next_pow2(D) >= 2048 else 1)
     return q_out
 
 
@@ -181,9 +174,9 @@ class PagedAttentionSpec(KernelSpec):
     def tiles(self) -> tuple[int, int]:
         """(BLOCK_M, BLOCK_N). Tutorial-06 sizes: 64 x 64 keeps a D<=64 tile pair in registers; for
         D=128 halve the key tile so q, k, v and the accumulator still fit without spilling."""
-        bd = max(16, _pow2(self.head_dim))
+        bd = max(16, next_pow2(self.head_dim))
         block_n = self.block_n or (64 if bd <= 64 else 32)
-        group_p2 = _pow2(self.group)
+        group_p2 = next_pow2(self.group)
         if self.mode == "decode":  # one query token: the rows are only the group's heads
             return max(16, group_p2), block_n
         return max(self.block_m or 64, group_p2), block_n
@@ -200,8 +193,8 @@ class PagedAttentionSpec(KernelSpec):
 
     def constexprs(self) -> dict[str, Any]:
         block_m, block_n = self.tiles()
-        group_p2 = _pow2(self.group)
-        c = dict(HEAD_DIM=self.head_dim, BLOCK_D=max(16, _pow2(self.head_dim)), GROUP=self.group,
+        group_p2 = next_pow2(self.group)
+        c = dict(HEAD_DIM=self.head_dim, BLOCK_D=max(16, next_pow2(self.head_dim)), GROUP=self.group,
                  GROUP_P2=group_p2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=self.block_size)
         if self.mode == "prefill":
             c["BLOCK_Q"] = block_m // group_p2
@@ -249,8 +242,8 @@ def decode_partition(max_seqlen_k: int, block_n: int, min_partition: int = 256, 
     the splits its own length needs: a short context is one program per kv head with no partials.
     A multiple of `block_n`.
     """
-    per = max(min_partition, _cdiv(max(max_seqlen_k, 1), max_splits))
-    return _cdiv(per, block_n) * block_n
+    per = max(min_partition, cdiv(max(max_seqlen_k, 1), max_splits))
+    return cdiv(per, block_n) * block_n
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
@@ -322,7 +315,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             block_m, base["block_n"] = block_m or prefill_tiles["BLOCK_M"], block_n or prefill_tiles["BLOCK_N"]
         spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m)
         c = spec.constexprs()
-        tiles = _cdiv(max_seqlen_q, c["BLOCK_Q"])
+        tiles = cdiv(max_seqlen_q, c["BLOCK_Q"])
         compiled(spec).paged_attention_prefill_kernel[(Hkv * N * tiles,)](
             out, *tensors, *strides, qk_scale, window, tiles, int(N <= HEAVY_FIRST_SEQS), **c, **launch)
         return out
@@ -336,7 +329,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     tile_n = PagedAttentionSpec(**base, mode="decode").tiles()[1]
     partition = partition_size or decode_partition(max_seqlen_k, tile_n)
     assert partition % tile_n == 0, f"partition_size {partition} must be a multiple of the key tile {tile_n}"
-    splits = _cdiv(max(max_seqlen_k, 1), partition)
+    splits = cdiv(max(max_seqlen_k, 1), partition)
     spec = PagedAttentionSpec(**base, mode="decode", split=splits > 1)
     mod, c = compiled(spec), spec.constexprs()
     # partials: [N, Hq, splits] running max / sum and [N, Hq, splits, BLOCK_D] unnormalized output, fp32

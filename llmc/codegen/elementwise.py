@@ -26,6 +26,7 @@ import torch
 
 from llmc.codegen.kernels import KernelSpec, load, pdl_enabled
 from llmc.errors import CompileError
+from llmc.intmath import cdiv, next_pow2
 from llmc.ir.ops import get_op
 from llmc.ir.types import FLOAT_DTYPES, TensorType, dtype_name, torch_dtype
 
@@ -338,10 +339,6 @@ def spec_from_ops(inputs: Sequence[tuple[str, str, str]], ops: Sequence[tuple],
     return ElementwiseSpec(tuple(inputs), tuple(body), tuple((o, dtypes[o]) for o in outs))
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def _rows_view(t: torch.Tensor, cols: int) -> torch.Tensor:
     """t as [rows, cols] with unit column stride, without a copy when the layout allows it."""
     if t.dim() == 0 or t.stride(-1) != 1:
@@ -415,13 +412,9 @@ def fused_elementwise(spec: ElementwiseSpec, tensors: Sequence[torch.Tensor] | d
     # (which Triton compiles apart anyway: it specializes an argument equal to 1) takes the widest tile, so a
     # region whose last dim is the token count (a [1, 1, T] cast of the positions) compiles once, not once per
     # power of two
-    block_c = 1024 if rows == 1 else min(_next_pow2(cols), 1024)
+    block_c = 1024 if rows == 1 else min(next_pow2(cols), 1024)
     block_r = max(1, 2048 // block_c)
-    grid = (triton_cdiv(rows, block_r), triton_cdiv(cols, block_c))
+    grid = (cdiv(rows, block_r), cdiv(cols, block_c))
     compiled(spec).fused_elementwise_kernel[grid](*args, *views, *strides, *[v.stride(0) for v in views], rows, cols,
                                                BLOCK_R=block_r, BLOCK_C=block_c)
     return tuple(outs)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b

@@ -25,6 +25,7 @@ from llmc.codegen.elementwise import (HELPERS, UNARY_OPS, _freeze_attrs, cast_ex
                                       interpreting, op_expr)
 from llmc.codegen.kernels import KernelSpec, tile_counters
 from llmc.errors import CompileError
+from llmc.intmath import cdiv, next_pow2
 from llmc.ir.ops import get_op
 from llmc.ir.types import dtype_name, torch_dtype
 
@@ -165,8 +166,8 @@ def m_tiles(m: int, block_m: int) -> int:
     """Row tiles per program: at up to 64 tokens (decode and short prefill steps) all of the step's
     rows when they fit in MAX_M_TILES tiles, rounded up to a power of two so that a few compiled
     variants serve every M; else one (prefill tiles are tall already)."""
-    tiles = triton_cdiv(m, block_m)
-    return 1 << (tiles - 1).bit_length() if m <= 64 and tiles <= MAX_M_TILES else 1
+    tiles = cdiv(m, block_m)
+    return next_pow2(tiles) if m <= 64 and tiles <= MAX_M_TILES else 1
 
 
 def prefetch_columns(M: int, K: int, grid: tuple[int, int, int], cfg: dict, itemsize: int) -> int:
@@ -188,7 +189,7 @@ def _launch(spec: MatmulSpec, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor
     N = w.shape[0]
     split_k = cfg["SPLIT_K"]
     mt = m_tiles(M, cfg["BLOCK_M"])
-    grid = (triton_cdiv(M, cfg["BLOCK_M"] * mt), triton_cdiv(N, cfg["BLOCK_N"]), split_k)
+    grid = (cdiv(M, cfg["BLOCK_M"] * mt), cdiv(N, cfg["BLOCK_N"]), split_k)
     ws = torch.empty((split_k, M, N) if split_k > 1 else (1,), dtype=torch.float32, device=x2.device)
     counts = tile_counters(x2.device, grid[0] * grid[1]) if split_k > 1 else ws
     bias = (b,) if spec.has_bias else ()
@@ -286,7 +287,3 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
         return matmul(silu_mul_product(x, up), w, b, epilogue, out=out,
                       config=dict(rec.config) if rec is not None else candidates(m_bucket(M))[0])
     return matmul(x, w, b, epilogue, tuner=tuner, out=out, up=up)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b

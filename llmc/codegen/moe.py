@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import triton
 
 from llmc.codegen.elementwise import cast_expr, cast_helpers, compiled, interpreting
 from llmc.codegen.kernels import KernelSpec
+from llmc.intmath import cdiv, next_pow2
 from llmc.ir.moe import route, scale_weights
 from llmc.ir.types import dtype_name, torch_dtype
 
@@ -72,7 +72,7 @@ def tiles(assignments: int, num_experts: int, inter: int, hidden: int) -> Tiles:
     rows cost compute, not weight bytes), 64-wide N tiles, K tiles up to 64."""
     per_expert = assignments / max(1, min(num_experts, assignments))
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    bk = max(16, min(64, triton.next_power_of_2(min(inter, hidden))))
+    bk = max(16, min(64, next_pow2(min(inter, hidden))))
     return Tiles(bm, 64, bk, 4 if bm <= 32 else 8)
 
 
@@ -98,7 +98,7 @@ def sort_by_expert(ids: torch.Tensor, expert_start: int, num_local: int,
     counts = torch.zeros(num_local + 1, dtype=torch.int64, device=dev).scatter_add_(0, e, torch.ones_like(e))
     padded = (counts[:num_local] + block_m - 1) // block_m * block_m
     pad_end = padded.cumsum(0)
-    P = triton.cdiv(A + min(num_local, A) * (block_m - 1), block_m) * block_m
+    P = cdiv(A + min(num_local, A) * (block_m - 1), block_m) * block_m
     order = torch.argsort(e, stable=True)
     se = e[order]
     group_start = counts.cumsum(0) - counts
@@ -149,16 +149,16 @@ def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torc
     y = torch.empty(A, H, dtype=torch.float32, device=x.device)
     mod = compiled(MoeExpertsSpec(dtype_name(x.dtype)))
     blocks = block_expert.numel()
-    mod.moe_gate_up_kernel[(blocks, triton.cdiv(I, cfg.block_n))](
+    mod.moe_gate_up_kernel[(blocks, cdiv(I, cfg.block_n))](
         x2, gate_up, h, rows, block_expert, x2.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
         A, H, I, E_local, TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps)
-    mod.moe_down_kernel[(blocks, triton.cdiv(H, cfg.block_n))](
+    mod.moe_down_kernel[(blocks, cdiv(H, cfg.block_n))](
         h, down, weights, y, rows, block_expert, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
         A, I, H, E_local, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
-    block_c = min(1024, triton.next_power_of_2(H))
+    block_c = min(1024, next_pow2(H))
     out2 = out.view(-1, H)
-    mod.moe_combine_kernel[(T, triton.cdiv(H, block_c))](
+    mod.moe_combine_kernel[(T, cdiv(H, block_c))](
         y, ids, out2, y.stride(0), out2.stride(0), H, expert_start, E_local, TOP_K=top_k, BLOCK_N=block_c,
         num_warps=4 if block_c <= 1024 else 8)
     return out

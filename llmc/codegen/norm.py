@@ -14,11 +14,8 @@ import torch
 
 from llmc.codegen.elementwise import cast_expr, cast_helpers, compiled
 from llmc.codegen.kernels import KernelSpec
+from llmc.intmath import next_pow2
 from llmc.ir.types import dtype_name, torch_dtype
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -43,7 +40,7 @@ class RmsNormSpec(KernelSpec):
 
     @property
     def block(self) -> int:
-        return _next_pow2(self.hidden)
+        return next_pow2(self.hidden)
 
     @property
     def num_warps(self) -> int:

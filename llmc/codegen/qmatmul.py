@@ -55,13 +55,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import triton
 
 from llmc.codegen.autotune import M_BUCKETS, Tuner, bucket_size, m_bucket, timing_io
 from llmc.codegen.elementwise import HELPERS, cast_expr, cast_helpers, compiled, interpreting, op_expr
 from llmc.codegen.kernels import KernelSpec, tile_counters
-from llmc.codegen.matmul import MAX_M_TILES, m_tiles, triton_cdiv
+from llmc.codegen.matmul import MAX_M_TILES, m_tiles
 from llmc.errors import CompileError
+from llmc.intmath import cdiv, next_pow2
 from llmc.ir import quant
 from llmc.ir.ops import LINEAR_ACTS
 from llmc.ir.quant import FP8_MAX, INT8_MAX, QuantFormat, QuantizedWeight
@@ -207,7 +207,7 @@ def prepare(fmt: QuantFormat, qweight: torch.Tensor, scales: torch.Tensor,
         return PreparedQWeight(fmt, qweight.contiguous(), scales.float().reshape(-1).contiguous(), None, k)
     run = _run(fmt)
     pack = run * (2 if fmt.bits == 4 else 1)
-    kw = triton_cdiv(k, pack) * pack
+    kw = cdiv(k, pack) * pack
     codes = quant.codes(fmt, qweight)
     if kw != k:
         codes = torch.nn.functional.pad(codes, (0, kw - k))  # zero codes: x is masked to 0 there
@@ -518,7 +518,7 @@ def dequantize_prepared(p: PreparedQWeight, dtype: torch.dtype) -> torch.Tensor:
         zeros = (p.zeros,) if p.zeros is not None else ()
         mod = compiled(QDequantSpec(f.bits, f.group_size, f.has_zeros, p.run, dtype_name(dtype)))
         block_n = 32
-        mod.dequant_kernel[(triton_cdiv(n, block_n), triton_cdiv(k, p.run))](
+        mod.dequant_kernel[(cdiv(n, block_n), cdiv(k, p.run))](
             p.qweight, p.scales, *zeros, out, n, k, p.qweight.stride(0), p.scales.stride(0),
             *(z.stride(0) for z in zeros), out.stride(0), BLOCK_N=block_n, num_warps=4)
     return out
@@ -603,7 +603,7 @@ def _split(n: int, kw: int, bn: int, bk: int, scale: float = 1.0) -> int:
     """The power-of-two K split that brings a decode launch to about `scale` x TARGET_PROGRAMS
     programs (the N tiles alone are too few to keep HBM busy); at most 16, and dividing K's
     BLOCK_K steps where they divide evenly, so that no split reads a ragged tile (EVEN_K)."""
-    tiles, steps, s = triton_cdiv(n, bn), triton_cdiv(kw, bk), 1
+    tiles, steps, s = cdiv(n, bn), cdiv(kw, bk), 1
     even = kw % bk == 0
     while tiles * s * 2 <= scale * TARGET_PROGRAMS and s * 2 <= min(16, steps) and not (even and steps % (s * 2)):
         s *= 2
@@ -673,7 +673,7 @@ def quantize_act(x: torch.Tensor, kind: str, up: torch.Tensor | None = None) -> 
         if up is not None:
             u = up.reshape(-1, K) if up.stride(-1) == 1 else up.contiguous().view(-1, K)
             u2 = (u, u.stride(0))
-        block = triton.next_power_of_2(K)
+        block = next_pow2(K)
         one = block <= ACT_ONE_PASS  # the row in registers (32 values a thread), else two passes over it
         block = block if one else 2048
         mod.quantize_act_kernel[(M,)](x2, *u2, q, s, x2.stride(0), K, BLOCK_K=block, ONE_PASS=one,
@@ -691,7 +691,7 @@ def _launch_gemv(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: tor
     gspec = QGemvSpec(spec.group_size, spec.has_zeros, spec.run, spec.dtype, spec.has_bias, spec.act,
                       bool(cfg.get("JOINED")))
     split_k = cfg["SPLIT_K"]
-    grid = (triton_cdiv(N, cfg["BLOCK_N"]), split_k)
+    grid = (cdiv(N, cfg["BLOCK_N"]), split_k)
     ws = torch.empty((split_k, M, N) if split_k > 1 else (1,), device=x2.device, dtype=torch.float32)
     counts = tile_counters(x2.device, grid[0]) if split_k > 1 else ws
     w32 = p.qweight.view(torch.int32)
@@ -738,7 +738,7 @@ def _launch_library(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: 
     acc = torch._int_mm(q, p.qweight.t())
     mod = compiled(QScaleEpilogueSpec(spec.dtype, b is not None, spec.act))
     bm, bn = 32, 128
-    mod.epilogue_kernel[(triton_cdiv(M, bm), triton_cdiv(N, bn))](
+    mod.epilogue_kernel[(cdiv(M, bm), cdiv(N, bn))](
         acc, sx, p.scales, *((b,) if b is not None else ()), y2, M, N, acc.stride(0), y2.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
 
@@ -782,7 +782,7 @@ def _launch(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Te
         sx = (s,)
     split_k = cfg["SPLIT_K"]
     mt = m_tiles(M, cfg["BLOCK_M"])
-    grid = (triton_cdiv(M, cfg["BLOCK_M"] * mt), triton_cdiv(N, cfg["BLOCK_N"]), split_k)
+    grid = (cdiv(M, cfg["BLOCK_M"] * mt), cdiv(N, cfg["BLOCK_N"]), split_k)
     ws = torch.empty((split_k, M, N) if split_k > 1 else (1,), device=x2.device,
                      dtype=torch.int32 if spec.kind == "w8a8" else torch.float32)
     counts = tile_counters(x2.device, grid[0] * grid[1]) if split_k > 1 else ws

@@ -9,6 +9,7 @@ import torch
 
 from llmc.codegen.elementwise import compiled
 from llmc.codegen.kernels import KernelSpec
+from llmc.intmath import next_pow2
 from llmc.ir.types import dtype_name, torch_dtype
 
 SPLIT_ARGMAX = os.environ.get("LLMC_SPLIT_ARGMAX", "1") != "0"  # 0: one program a row (to compare)
@@ -53,7 +54,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     mod = compiled(ArgmaxSpec(dtype_name(x.dtype)))
     splits = argmax_splits(N, V) if SPLIT_ARGMAX else 1
     if splits == 1:
-        block = min(4096, 1 << max(0, (V - 1).bit_length()))
+        block = min(4096, next_pow2(V))
         mod.argmax_kernel[(N,)](x, out, x.stride(0), V, BLOCK=block, num_warps=8 if block >= 2048 else 4)
     else:
         chunk = -(-V // (splits * SPLIT_BLOCK)) * SPLIT_BLOCK

@@ -21,6 +21,7 @@ import torch
 
 from llmc.codegen.autotune import JOINT_BUCKETS, bucket_size
 from llmc.errors import LLMCError
+from llmc.intmath import next_pow2
 from llmc.runtime.sampler import Sampler, plain_greedy
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.spec_decode.base import Proposal, Proposer
@@ -213,7 +214,7 @@ class SpecDecoder:
 
     @staticmethod
     def _bucket(n: int) -> int:
-        return 1 << max(0, (n - 1).bit_length())
+        return next_pow2(n)
 
     def _calibrating(self, n: int) -> bool:
         if self.chooser.is_fixed:
