@@ -430,7 +430,10 @@ print('$side $round $w', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttf
                 done
             done ;;
         tuned-table)
-            rm -rf /tmp/tmp* /tmp/tuned-cache
+            # the shipped tables aside while the shapes compile: a table of the cache's own name would seed the
+            # tuning, and every choice it holds would be copied, not timed again
+            rm -rf /tmp/tmp* /tmp/tuned-cache /tmp/tuned-shipped && mkdir -p /tmp/tuned-shipped
+            mv llmc/codegen/tuned/*.json /tmp/tuned-shipped/ 2>/dev/null
             for shape in ${SHAPES:-8b 1b}; do
                 LLMC_CACHE_DIR=/tmp/tuned-cache python3 -c "import sys; sys.path.insert(0, 'benchmarks'); \
 from decode_bench import shared_artifact; art = shared_artifact('$shape', '/tmp/tuned-$shape.llmc'); \
@@ -438,6 +441,7 @@ print('$shape compile phases', {k: round(v, 1) for k, v in (getattr(art, 'compil
                     >>"$OUT/tuned_table.log" 2>&1
                 rm -rf /tmp/tmp* "/tmp/tuned-$shape.llmc"
             done
+            mv /tmp/tuned-shipped/*.json llmc/codegen/tuned/ 2>/dev/null
             mkdir -p "$OUT/tuned" && cp /tmp/tuned-cache/tuning/*.json "$OUT/tuned/"
             grep "compile phases" "$OUT/tuned_table.log"; ls "$OUT/tuned" ;;
         budget)
