@@ -110,9 +110,9 @@ def main() -> None:
         del art
         for p in work.glob(f"{name}.llmc/*.safetensors"):  # the disk holds a few 8B artifacts at most
             p.unlink()
-        # the engines' KV caches back to the device before the next compile, whose token budget times GEMMs
-        # of up to 8,192 rows (an int4 compile after the bf16 runs failed every such timing on 2026-12-04;
-        # memory still held is the likely cause, not confirmed)
+        # nothing of this config's engines left on the device for the next compile, whose token budget times
+        # GEMMs of up to 8,192 rows (an int4 compile after the bf16 runs failed every such timing on 2026-12-04,
+        # cause not known)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
