@@ -50,17 +50,19 @@ def stubbed_engine(art, num_blocks: int, **options):
     return eng
 
 
-def measure(art, batch: int, prompt_len: int, steps: int) -> float:
+def measure(art, batch: int, prompt_len: int, steps: int, offline: bool = False) -> float:
+    """Seconds per decode step of `batch` sequences; `offline`: outputs of finished requests only, as
+    `LLM.generate` asks for them (else every request's output each step, as a stream's)."""
     from llmc.runtime.engine import SamplingParams
     eng = stubbed_engine(art, batch * (prompt_len + steps + 32) // 16 + 64, max_num_seqs=batch,
                          max_num_batched_tokens=max(8192, batch * prompt_len))
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     for i in range(batch):
         eng.add_request([1 + (i * 7 + j) % 4000 for j in range(prompt_len)], params)
-    eng.step()  # the prefill
+    eng.step(finished_only=offline)  # the prefill
     t = time.perf_counter()
     for _ in range(steps):
-        eng.step()
+        eng.step(finished_only=offline)
     return (time.perf_counter() - t) / steps
 
 
@@ -100,6 +102,9 @@ def main():
     ap.add_argument("--queued", type=int, nargs="+", default=None, metavar="N",
                     help="submit N requests at once (prompt: the first --prompt) and time host work per step")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="the engine's batch for --queued")
+    ap.add_argument("--offline", action="store_true",
+                    help="outputs of finished requests only, as LLM.generate asks for them (default: every step's, "
+                         "as a stream)")
     ap.add_argument("--no-gc", action="store_true",
                     help="time with Python's cyclic GC off: its pauses land on whichever step crosses a threshold, "
                          "which makes commits compared side by side differ by chance")
@@ -126,7 +131,7 @@ def main():
             if a.no_gc:
                 gc.collect()
                 gc.disable()
-            dt = measure(art, b, p, a.steps)
+            dt = measure(art, b, p, a.steps, a.offline)
             gc.enable()
             print(f"{b:5d} {p:6d} {dt * 1e3:8.2f} {dt * 1e6 / b:7.1f}", flush=True)
 

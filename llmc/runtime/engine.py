@@ -264,6 +264,8 @@ class LLMEngine:
         self.scheduler.rollback(seq, num_tokens)
         if self.decode is not None:
             seq.output_text = self.decode(seq.output_token_ids)
+            seq.read_offset = seq.num_tokens  # the text is of every token now
+            seq.prefix_offset = max(seq.read_offset - 5, 0)
 
     def has_unfinished(self) -> bool:
         """True while a request is queued or running, or has a final output not yet returned by step()."""
@@ -574,6 +576,7 @@ class LLMEngine:
         outs = []
         sent_chars, sent_tokens = req.sent_chars, req.sent_tokens
         for i, s in enumerate(req.group.seqs):
+            self.stop.settle(s)
             text = s.output_text
             if s.params.stop and not s.is_finished:
                 text = _settled(text, s.params.stop_strings)

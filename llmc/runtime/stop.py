@@ -30,6 +30,25 @@ def detokenize_incrementally(seq: Sequence, decode: Decode) -> str:
     return delta
 
 
+def settle_text(seq: Sequence, decode: Decode, end: int) -> None:
+    """Append the text of tokens `seq.read_offset` to `end` to `seq.output_text` in one decode: the text that
+    `detokenize_incrementally`, called token by token, would have appended. Where the newest tokens end
+    mid-character their text waits, as it would there: the window steps back past them."""
+    if end <= seq.read_offset:
+        return
+    tokens = seq.token_ids
+    prefix_text = decode(tokens[seq.prefix_offset : seq.read_offset])
+    new_text = decode(tokens[seq.prefix_offset : end])
+    while new_text.endswith("\ufffd"):
+        end -= 1
+        if end <= seq.read_offset:
+            return
+        new_text = decode(tokens[seq.prefix_offset : end])
+    if len(new_text) > len(prefix_text):
+        seq.output_text += new_text[len(prefix_text) :]
+        seq.prefix_offset, seq.read_offset = seq.read_offset, end
+
+
 class StopChecker:
     """Decides whether a sequence has finished after a token was appended to it.
 
@@ -67,7 +86,8 @@ class StopChecker:
         if (not params.ignore_eos and token in self.eos_ids) or token in params.stop_token_ids:
             seq.stop_reason = token
             return "stop"
-        if self.decode is not None:
+        if self.decode is not None and params.stop_strings:
+            # only stop strings need the text at every token; others' is decoded when an output asks (`settle`)
             delta = detokenize_incrementally(seq, self.decode)
             stop = _find_stop_string(seq.output_text, len(delta), params.stop_strings)
             if stop is not None:
@@ -78,6 +98,12 @@ class StopChecker:
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def settle(self, seq: Sequence) -> None:
+        """Bring `seq.output_text` up to its last token (`settle_text`): an offline request's text is then
+        decoded once, not token by token. A stop token that ended the sequence is not text."""
+        if self.decode is not None:
+            settle_text(seq, self.decode, seq.num_tokens - (1 if isinstance(seq.stop_reason, int) else 0))
 
 
 def _find_stop_string(

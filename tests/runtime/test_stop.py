@@ -2,7 +2,7 @@
 
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.sequence import Sequence
-from llmc.runtime.stop import StopChecker, detokenize_incrementally
+from llmc.runtime.stop import StopChecker, detokenize_incrementally, settle_text
 
 VOCAB = ["<s>", "</s>", "a", "b", " ", "\n", "END", "x"]
 
@@ -12,14 +12,17 @@ def decode(ids):
 
 
 def run(tokens, prompt=(0,), max_model_len=100, eos=1, **params):
+    """Check after each token; the text then settled, as the engine does before an output reads it."""
     s = Sequence("r", list(prompt), SamplingParams(**params))
     check = StopChecker(max_model_len, eos_token_id=eos, decode=decode)
+    reason = None
     for t in tokens:
         s.append_token(t)
         reason = check(s)
         if reason:
-            return s, reason
-    return s, None
+            break
+    check.settle(s)
+    return s, reason
 
 
 def test_eos_stops_unless_ignored():
@@ -83,3 +86,46 @@ def test_without_decode_only_tokens_and_lengths_matter():
     assert check(s) is None and s.output_text == ""
     s.append_token(2)
     assert check(s) == "length"
+
+
+def test_text_waits_for_an_output_unless_stop_strings_need_it():
+    """Without stop strings the checker decodes nothing: `settle` decodes every token since the last output
+    at once. With them, each token's text is there as it is checked."""
+    check = StopChecker(100, eos_token_id=1, decode=decode)
+    s = Sequence("r", [0], SamplingParams())
+    for t in (2, 3, 4):
+        s.append_token(t)
+        assert check(s) is None
+    assert s.output_text == ""
+    check.settle(s)
+    assert s.output_text == "ab " and s.read_offset == 4
+    s.append_token(1)
+    assert check(s) == "stop"
+    check.settle(s)
+    assert s.output_text == "ab "  # the eos token that ended it is not text
+    s = Sequence("r", [0], SamplingParams(stop=["zz"]))
+    s.append_token(2)
+    assert check(s) is None and s.output_text == "a"
+
+
+def test_settled_text_equals_token_by_token_text():
+    """One decode of many tokens gives the text that token-by-token decoding gives, also where characters
+    span tokens, stay incomplete at the end, or never complete (random byte tokens, settled at random
+    points)."""
+    import random
+    pieces = {0: b"h", 1: "\u00e9".encode()[:1], 2: "\u00e9".encode()[1:], 3: b"!", 4: "\u20ac".encode()[:2],
+              5: "\u20ac".encode()[2:], 6: b" ", 7: b"\xff"}
+    dec = lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")  # noqa: E731
+    rng = random.Random(0)
+    for _ in range(300):
+        prompt = [rng.randrange(8) for _ in range(rng.randrange(1, 8))]
+        out = [rng.randrange(8) for _ in range(rng.randrange(1, 12))]
+        a, b = Sequence("r", prompt, SamplingParams()), Sequence("r", prompt, SamplingParams())
+        for t in out:
+            a.append_token(t)
+            detokenize_incrementally(a, dec)
+            b.append_token(t)
+            if rng.random() < 0.3:
+                settle_text(b, dec, b.num_tokens)
+        settle_text(b, dec, b.num_tokens)
+        assert b.output_text == a.output_text, (prompt, out)
