@@ -92,7 +92,17 @@ mm = load(MatmulSpec("bf16", False, ()), pdl=True)
 assert isinstance(mm.matmul_kernel, PDLKernel) and isinstance(mm._finish, JITFunction), "only kernels wrapped"
 assert isinstance(load(MatmulSpec("bf16", False, ()), pdl=False).matmul_kernel, JITFunction)
 norm = load(RmsNormSpec(256, "bf16", True), pdl=True).rms_norm_kernel.fn
-cases = [
+from llmc.codegen.attention import PagedAttentionSpec
+attn = []  # prefill attention, whose launch order and grid are runtime arguments, over bf16 and int8 caches
+for kv, cache in (("bfloat16", "*bf16"), ("int8", "*i8")):
+    spec = PagedAttentionSpec(head_dim=128, num_q_heads=32, num_kv_heads=8, block_size=16, dtype="bfloat16",
+                              kv_dtype=kv, sliding_window=False, block_n=64, mode="prefill", causal=True, block_m=64)
+    fn = load(spec, pdl=True).paged_attention_prefill_kernel.fn
+    c = spec.constexprs()
+    ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "cache_ptr": cache, "kv_scale_ptr": "*bf16", "qsl_ptr": "*i32",
+            "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "qk_scale": "fp32"}
+    attn.append((fn, {n: ptrs.get(n, "i32") for n in fn.arg_names if n not in c}, c))
+cases = attn + [
     (mm.matmul_kernel.fn, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32",
       "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32",
       "prefetch_k": "i32"},
@@ -115,7 +125,7 @@ for fn, sig, consts in cases:
 # LLMC_PDL_PREFETCH: the weight lines sent for into L2 before the wait, still no other access before it
 import llmc.codegen.matmul as matmul
 matmul.PDL_PREFETCH = True
-fn, sig, consts = cases[0]
+fn, sig, consts = cases[len(attn)]
 pre = load(MatmulSpec("bf16", False, ()), pdl=True).matmul_kernel.fn
 assert pre is not fn
 sig = {**sig, **{k: "constexpr" for k in consts}}
@@ -133,6 +143,8 @@ print("ok")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "1") == "0", reason="the child compiles; a GPU run has the "
                                                                           "real launches")
 def test_compiled_for_hopper_the_wait_precedes_every_memory_access():
+    """Kernels compiled here for sm_90 (the matmul, the norm, prefill attention over bf16 and int8 caches): each
+    compiles, and its one wait comes before any memory access."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-3000:]
