@@ -19,34 +19,34 @@ Decode = Callable[[list[int]], str]
 
 def detokenize_incrementally(seq: Sequence, decode: Decode) -> str:
     """Append the text of the newest token(s) to `seq.output_text`; returns the new text."""
-    tokens = seq.token_ids
-    prefix_text = decode(tokens[seq.prefix_offset : seq.read_offset])
-    new_text = decode(tokens[seq.prefix_offset :])
-    if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-        return ""  # an incomplete character: wait for the next token
-    delta = new_text[len(prefix_text) :]
-    seq.prefix_offset, seq.read_offset = seq.read_offset, len(tokens)
-    seq.output_text += delta
-    return delta
+    return _extend_text(seq, decode, seq.num_tokens, step_back=False)
 
 
 def settle_text(seq: Sequence, decode: Decode, end: int) -> None:
     """Append the text of tokens `seq.read_offset` to `end` to `seq.output_text` in one decode: the text that
     `detokenize_incrementally`, called token by token, would have appended. Where the newest tokens end
     mid-character their text waits, as it would there: the window steps back past them."""
+    _extend_text(seq, decode, end, step_back=True)
+
+
+def _extend_text(seq: Sequence, decode: Decode, end: int, step_back: bool) -> str:
+    """The text tokens `seq.read_offset` to `end` add to the window that starts at `seq.prefix_offset`, appended
+    and returned; nothing while it ends in an incomplete character (with `step_back`, the longest shorter run
+    that does not is taken)."""
     if end <= seq.read_offset:
-        return
+        return ""
     tokens = seq.token_ids
     prefix_text = decode(tokens[seq.prefix_offset : seq.read_offset])
     new_text = decode(tokens[seq.prefix_offset : end])
-    while new_text.endswith("\ufffd"):
+    while step_back and new_text.endswith("\ufffd") and end - 1 > seq.read_offset:
         end -= 1
-        if end <= seq.read_offset:
-            return
         new_text = decode(tokens[seq.prefix_offset : end])
-    if len(new_text) > len(prefix_text):
-        seq.output_text += new_text[len(prefix_text) :]
-        seq.prefix_offset, seq.read_offset = seq.read_offset, end
+    if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        return ""  # an incomplete character: wait for the next token
+    delta = new_text[len(prefix_text) :]
+    seq.prefix_offset, seq.read_offset = seq.read_offset, end
+    seq.output_text += delta
+    return delta
 
 
 class StopChecker:
