@@ -93,6 +93,13 @@ export PYTHONPATH=${PYTHONPATH:-$(cd "$(dirname "$0")/.." && pwd)}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 mkdir -p "$OUT"
 
+compile_shared() {  # SHAPE PATH: decode_bench's random model of SHAPE compiled to PATH (kept if there); prints
+                  # "SHAPE compile phases {...}"
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import shared_artifact; \
+art = shared_artifact('$1', '$2'); print('$1 compile phases', \
+{k: round(v, 1) for k, v in (getattr(art, 'compile_timings', None) or {}).items()})"
+}
+
 requests_for() {  # the mixed workload's requests for a shape: $N_<shape>, else 256 for 1b and 128 for others
     local n=N_$1
     echo "${!n:-$([ "$1" = 1b ] && echo 256 || echo 128)}"
@@ -281,8 +288,7 @@ print('load', round(time.time() - t, 1), 's')" >>"$OUT/compile_spy.log" 2>&1
         prefill-flags)
             rm -rf /tmp/tmp*
             for shape in ${SHAPES:-8b 1b}; do
-                python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import shared_artifact; \
-shared_artifact('$shape', '/tmp/art-$shape.llmc')" >"$OUT/prefill_flags_$shape.log" 2>&1
+                compile_shared "$shape" "/tmp/art-$shape.llmc" >"$OUT/prefill_flags_$shape.log" 2>&1
                 rm -rf /tmp/tmp*
                 python3 benchmarks/prefill_flags.py /tmp/art-$shape.llmc --out "$OUT" >>"$OUT/prefill_flags_$shape.log" 2>&1
                 tail -5 "$OUT/prefill_flags_$shape.log"
@@ -318,8 +324,7 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
         mixed-graphs)
             # LLMC_MIXED_GRAPHS 0 and 1 alternating, twice: N requests (default 128) at once, 128 sequences at most
             rm -rf /tmp/tmp*
-            python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import shared_artifact; \
-shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_graphs.log" 2>&1
+            compile_shared "${SHAPE:-8b}" "/tmp/art-${SHAPE:-8b}.llmc" >"$OUT/mixed_graphs.log" 2>&1
             for v in 0 1 0 1; do
                 LLMC_MIXED_GRAPHS=$v python3 -m llmc bench "/tmp/art-${SHAPE:-8b}.llmc" --workload mixed \
                     --num-requests ${N:-128} --max-num-seqs 128 --json >"$OUT/mixed_graphs_$v.json" 2>>"$OUT/mixed_graphs.log"
@@ -379,9 +384,7 @@ shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc')" >"$OUT/mixed_grap
             done ;;
         ab-mixed)
             rm -rf /tmp/tmp*
-            python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import shared_artifact; \
-art = shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc'); print('compile phases', \
-{k: round(v, 1) for k, v in (getattr(art, 'compile_timings', None) or {}).items()})" >"$OUT/ab_mixed.log" 2>&1
+            compile_shared "${SHAPE:-8b}" "/tmp/art-${SHAPE:-8b}.llmc" >"$OUT/ab_mixed.log" 2>&1
             grep "compile" "$OUT/ab_mixed.log" | grep -v Writing | tail -2
             python3 -c "import json; k = json.load(open('/tmp/art-${SHAPE:-8b}.llmc/tuning.json'))['kernels']; \
 print({n: b for n, b in k.items() if n.startswith('paged_attention')}); print('token_budget', \
@@ -412,9 +415,7 @@ print('$var=$v $w', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttft_ms_
             done
             [ -n "${WORKLOADS-prefill mixed}" ] || exit 0
             rm -rf /tmp/tmp*
-            python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import shared_artifact; \
-art = shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc'); print('compile phases', \
-{k: round(v, 1) for k, v in (getattr(art, 'compile_timings', None) or {}).items()})" >"$OUT/tree_ab.log" 2>&1
+            compile_shared "${SHAPE:-8b}" "/tmp/art-${SHAPE:-8b}.llmc" >"$OUT/tree_ab.log" 2>&1
             grep "compile phases" "$OUT/tree_ab.log"
             for round in $(seq 1 "${ROUNDS:-2}"); do
                 for side in base here; do
@@ -435,10 +436,7 @@ print('$side $round $w', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttf
             rm -rf /tmp/tmp* /tmp/tuned-cache /tmp/tuned-shipped && mkdir -p /tmp/tuned-shipped
             mv llmc/codegen/tuned/*.json /tmp/tuned-shipped/ 2>/dev/null
             for shape in ${SHAPES:-8b 1b}; do
-                LLMC_CACHE_DIR=/tmp/tuned-cache python3 -c "import sys; sys.path.insert(0, 'benchmarks'); \
-from decode_bench import shared_artifact; art = shared_artifact('$shape', '/tmp/tuned-$shape.llmc'); \
-print('$shape compile phases', {k: round(v, 1) for k, v in (getattr(art, 'compile_timings', None) or {}).items()})" \
-                    >>"$OUT/tuned_table.log" 2>&1
+                LLMC_CACHE_DIR=/tmp/tuned-cache compile_shared "$shape" "/tmp/tuned-$shape.llmc" >>"$OUT/tuned_table.log" 2>&1
                 rm -rf /tmp/tmp* "/tmp/tuned-$shape.llmc"
             done
             mv /tmp/tuned-shipped/*.json llmc/codegen/tuned/ 2>/dev/null
@@ -446,9 +444,7 @@ print('$shape compile phases', {k: round(v, 1) for k, v in (getattr(art, 'compil
             grep "compile phases" "$OUT/tuned_table.log"; ls "$OUT/tuned" ;;
         budget)
             rm -rf /tmp/tmp*
-            python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from decode_bench import shared_artifact; \
-art = shared_artifact('${SHAPE:-8b}', '/tmp/art-${SHAPE:-8b}.llmc'); print('compile phases', \
-{k: round(v, 1) for k, v in (getattr(art, 'compile_timings', None) or {}).items()})" >"$OUT/budget.log" 2>&1
+            compile_shared "${SHAPE:-8b}" "/tmp/art-${SHAPE:-8b}.llmc" >"$OUT/budget.log" 2>&1
             grep "compile" "$OUT/budget.log" | grep -v Writing | tail -2
             cp "/tmp/art-${SHAPE:-8b}.llmc/tuning.json" "$OUT/budget_tuning.json"
             for w in decode prefill; do
