@@ -198,7 +198,6 @@ class PagedAttentionSpec(KernelSpec):
                  GROUP_P2=group_p2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=self.block_size)
         if self.mode == "prefill":
             c["BLOCK_Q"] = block_m // group_p2
-            c["KV_HEADS"] = self.num_kv_heads
         return c
 
 
@@ -315,9 +314,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             block_m, base["block_n"] = block_m or prefill_tiles["BLOCK_M"], block_n or prefill_tiles["BLOCK_N"]
         spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m)
         c = spec.constexprs()
-        tiles = cdiv(max_seqlen_q, c["BLOCK_Q"])
-        compiled(spec).paged_attention_prefill_kernel[(Hkv * N * tiles,)](
-            out, *tensors, *strides, qk_scale, window, tiles, int(N <= HEAVY_FIRST_SEQS), **c, **launch)
+        tiles, heavy_first = cdiv(max_seqlen_q, c["BLOCK_Q"]), N <= HEAVY_FIRST_SEQS
+        grid = (Hkv, N, tiles) if heavy_first else (tiles, N, Hkv)
+        compiled(spec).paged_attention_prefill_kernel[grid](
+            out, *tensors, *strides, qk_scale, window, int(heavy_first), **c, **launch)
         return out
     # decode: the one query sits at the last position, so causal masks nothing
     if max_seqlen_k is None:
