@@ -250,13 +250,13 @@ def choose_token_budget(ms: dict[int, float], slack: float = TOKEN_BUDGET_SLACK)
     return min(m for m, p in per.items() if p <= slack * best)
 
 
-def _measure_token_budget(graph: Graph, tuner, bar, device: str = "cuda") -> dict | None:
-    """Time every linear of the graph but the LM head (which runs on the sampled rows only) at
-    TOKEN_BUDGET_CANDIDATES tokens and choose the engine's default token budget from it
-    (`choose_token_budget`; the engine reads tuning.json's "token_budget"). A bf16/f16 linear is timed
-    as cuBLAS (which runs steps past 64 tokens), a quantized one as its qlinear kernel with the choices
-    the tuning made. Each shape's times are kept in the tuning cache like any tile choice. None when
-    the graph has no such linear."""
+def _budget_linears(graph: Graph, tuner, device: str = "cuda"):
+    """Each linear shape the token budget times, one at a time (its weight made on `device` only while
+    it is timed): (timing key, how many linears of the graph have it, in-features, x's dtype, a call on
+    x [m, in-features]). Every linear but the LM head (which runs on the sampled rows only); a
+    bf16/f16 one as cuBLAS (which runs steps past 64 tokens), a quantized one as its qlinear kernel with
+    the choices `tuner` holds. A packed weight's in-features are the prepared weight's, not its codes'
+    columns (two int4 codes a byte)."""
     import collections
 
     import torch.nn.functional as F
@@ -276,29 +276,41 @@ def _measure_token_budget(graph: Graph, tuner, bar, device: str = "cuda") -> dic
             if key[1][0] != vocab:
                 shapes[key] += 1
                 quantized[key] = weights
-    if not shapes:
-        return None
-
-    def runner(shape) -> tuple[str, int, torch.dtype, Any]:
-        """The timing key, K, x's dtype and a call on x [m, K] of one linear shape."""
-        if shape in quantized:
-            fmt, (N, K), act, _, dtype = shape
-            p, b = _qlinear_on(fmt, quantized[shape], device)
-            key = f"qgemm_ms:{fmt.label}:{N}x{K}:{dtype}:act={act or 'none'}:bias={int(b is not None)}"
-            return key, K, torch_dtype(dtype), lambda x: qmm.qlinear(x, p, b, act, tuner=tuner)
-        N, K, x_dtype = shape
-        w = torch.randn(N, K, device=device).to(x_dtype)
-        return f"gemm_ms:{N}x{K}:{str(x_dtype).removeprefix('torch.')}", K, x_dtype, lambda x: F.linear(x, w)
-
-    bar.step("measuring the step's token budget")
-    ms = dict.fromkeys(TOKEN_BUDGET_CANDIDATES, 0.0)
     for shape, count in shapes.items():
-        key, K, x_dtype, run = runner(shape)
+        if shape in quantized:
+            fmt, _, act, _, dtype = shape
+            p, b = _qlinear_on(fmt, quantized[shape], device)
+            N, K = p.out_features, p.in_features
+            key = f"qgemm_ms:{fmt.label}:{N}x{K}:{dtype}:act={act or 'none'}:bias={int(b is not None)}"
+            yield key, count, K, torch_dtype(dtype), lambda x, p=p, b=b, act=act: qmm.qlinear(x, p, b, act,
+                                                                                           tuner=tuner)
+            del p, b  # before the next shape's
+        else:
+            N, K, x_dtype = shape
+            w = torch.randn(N, K, device=device).to(x_dtype)
+            yield f"gemm_ms:{N}x{K}:{str(x_dtype).removeprefix('torch.')}", count, K, x_dtype, \
+                lambda x, w=w: F.linear(x, w)
+            del w  # before the next shape's
+
+
+def _measure_token_budget(graph: Graph, tuner, bar, device: str = "cuda") -> dict | None:
+    """Time every linear of the graph but the LM head at TOKEN_BUDGET_CANDIDATES tokens
+    (`_budget_linears`) and choose the engine's default token budget from it (`choose_token_budget`;
+    the engine reads tuning.json's "token_budget"). Each shape's times are kept in the tuning cache
+    like any tile choice. None when the graph has no such linear."""
+    ms = dict.fromkeys(TOKEN_BUDGET_CANDIDATES, 0.0)
+    timed = False
+    for key, count, K, x_dtype, run in _budget_linears(graph, tuner, device):
+        if not timed:
+            bar.step("measuring the step's token budget")
+            timed = True
         for m in TOKEN_BUDGET_CANDIDATES:
             x = torch.randn(m, K, device=device).to(x_dtype)
             tuner.choose(key, str(m), [{}], bench=lambda cfg: run(x))
             ms[m] += count * tuner.lookup(key, str(m)).triton_ms
         del run  # its weight, before the next shape's
+    if not timed:
+        return None
     # the rate at which a step reads its decodes' K/V, as a device copy's bytes (read and written) per
     # second: the engine's per-step budget (config.StepBudget) costs each decode's context with it
     src = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=device)

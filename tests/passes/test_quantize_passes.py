@@ -116,6 +116,25 @@ def test_methods_compile_and_run(llama_dir, dense, tmp_path, quant, bound):
         assert not torch.equal(art.graph.weights[name], dense.graph.weights[name])
 
 
+def test_the_token_budget_times_each_linear_on_inputs_of_its_in_features(llama_dir, tmp_path):
+    """The compile's token budget (compiler._budget_linears) calls every linear but the LM head on x of its
+    logical in-features: an int4 weight packs two codes a byte, so its codes have half as many columns."""
+    from llmc.codegen.autotune import Tuner
+    from llmc.compiler import _budget_linears
+    bf16 = llmc.compile(llama_dir, tmp_path / "bf16.llmc", dtype="bfloat16")  # fp32 linears are not timed
+    int4 = llmc.compile(llama_dir, tmp_path / "rtn4.llmc", dtype="bfloat16",
+                        quant={"method": "rtn", "wbits": 4, "group_size": 32})
+    for art in (bf16, int4):
+        seen = []
+        for key, count, K, dtype, run in _budget_linears(art.graph, Tuner(), "cpu"):
+            y = run(torch.randn(3, K).to(dtype))
+            assert y.shape[0] == 3 and f"x{K}:" in key
+            seen.append((key, count))
+        # q/k/v fused, o, gate/up fused, down: four shapes, each in every layer (two); never the LM head
+        assert len(seen) == 4 and all(c == 2 for _, c in seen), seen
+    assert all(k.startswith("qgemm_ms:") for k, _ in seen)
+
+
 def test_mixed_chooses_under_the_budget():
     from llmc.passes.quantize.mixed import choose
     groups = [{"params": 100, "bits": [4, 8, 16], "error": [10.0, 1.0, 0.0]},
