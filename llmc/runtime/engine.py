@@ -6,6 +6,7 @@ import logging
 import operator
 import os
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +209,8 @@ class LLMEngine:
         # LLMC_PROFILE_DIR: a window of steps profiled (llmc/runtime/profiling.py); workers profile their own
         self._profiler = StepProfiler.from_env("engine") if getattr(self.executor.device, "type", "") == "cuda" \
             else None
+        if self._profiler is not None:  # a window the runs did not reach the end of: written when the engine goes
+            weakref.finalize(self, self._profiler.finish)
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, prompt: str | Seq[int]) -> list[int]:

@@ -3,8 +3,10 @@
 Set LLMC_PROFILE_DIR=DIR (and optionally LLMC_PROFILE_STEPS=FIRST:LAST, default 50:250): the engine
 (one process) and every distributed worker profile steps FIRST..LAST-1 of their own and write
 DIR/profile-<name>.txt: the window's wall time, the GPU's busy time (kernels and copies, CUDA graph
-replays included kernel by kernel) and the top kernels with their time per step. Nothing happens
-(one attribute test per step) when the variable is unset.
+replays included kernel by kernel) and the top kernels with their time per step. A window its
+process's runs do not reach the end of is written with the steps it had when the engine is collected
+(or the process exits) or the worker stops.
+Nothing happens (one attribute test per step) when the variable is unset.
 """
 from __future__ import annotations
 
@@ -34,19 +36,29 @@ class StepProfiler:
             self.prof = profile(activities=[ProfilerActivity.CUDA])
             self.prof.__enter__()
             self.t0 = time.perf_counter()
-        elif self.steps == self.last and self.prof is not None:
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - self.t0
-            self.prof.__exit__(None, None, None)
-            self._write(wall, self.last - self.first)
-            self.prof = None
+        elif self.steps == self.last:
+            self.finish()
         self.steps += 1
 
-    def _write(self, wall: float, steps: int) -> None:
-        rows = sorted(((e.key, e.self_device_time_total, e.count) for e in self.prof.key_averages()),
+    def finish(self) -> None:
+        """End the window now (if it is open) and write what it holds: at its last step, or at the end of a
+        run shorter than the window (which otherwise would write nothing)."""
+        if self.prof is None:
+            return
+        import torch
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - self.t0
+        prof, self.prof = self.prof, None
+        prof.__exit__(None, None, None)
+        self._write(prof, wall, self.steps - self.first)
+
+    def _write(self, prof, wall: float, steps: int) -> None:
+        rows = sorted(((e.key, e.self_device_time_total, e.count) for e in prof.key_averages()),
                       key=lambda r: -r[1])
         busy = sum(r[1] for r in rows)  # microseconds
-        lines = [f"# {self.name}: steps {self.first}..{self.last - 1}, wall {1e3 * wall / steps:.3f} ms/step, "
+        steps = max(steps, 1)
+        lines = [f"# {self.name}: steps {self.first}..{self.first + steps - 1}, wall {1e3 * wall / steps:.3f} "
+                 "ms/step, "
                  f"GPU busy {busy / 1e3 / steps:.3f} ms/step ({busy / 1e6 / wall:.1%})",
                  f"{'us/step':>9s} {'calls/step':>10s} {'share':>6s}  kernel"]
         for key, us, count in rows[:40]:

@@ -204,6 +204,8 @@ class PipelineStage:
             op, length = int(buf[0]), int(buf[1])
             t1 = clock()
             if op == codec.STOP:
+                if profiler is not None:
+                    profiler.finish()  # a run shorter than the window: the steps it had
                 return
             if op == codec.RESIZE:
                 self.capacity = int(buf[2])
