@@ -269,6 +269,8 @@ class BlockManager:
             if self._ref[src] > 1:
                 dst = self._take()
                 self._release(src)
+                if not copies:  # a new list, not one changed in place (Sequence.block_table)
+                    seq.block_table = list(seq.block_table)
                 seq.block_table[i] = dst
                 copies.append((src, dst))
                 # The copy diverges from the registered content, so the seq's chain hashes past
@@ -301,9 +303,10 @@ class BlockManager:
     def trim(self, seq: Sequence) -> None:
         """Free the seq's blocks past its computed tokens (left by rejected speculated tokens)."""
         keep = self.blocks_for(seq.num_computed_tokens)
-        for b in reversed(seq.block_table[keep:]):
-            self._release(b)
-        del seq.block_table[keep:]
+        if keep < len(seq.block_table):
+            for b in reversed(seq.block_table[keep:]):
+                self._release(b)
+            seq.block_table = seq.block_table[:keep]  # a new list, not one cut in place (Sequence.block_table)
 
     def rollback(self, seq: Sequence) -> None:
         """After `seq.truncate`: free blocks past its computed tokens, forget the chain hashes of blocks

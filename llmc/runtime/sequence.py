@@ -94,6 +94,8 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token or string that ended it
         self.num_computed_tokens: int = 0
         self.num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+        # only ever appended to in place: any other change (copy on write, a trim, a swap, freeing) assigns a
+        # new list, so a holder of the list knows an unchanged prefix by identity (the decode graphs' inputs)
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of full blocks; BlockManager's cache
         self.num_marked_blocks: int = 0  # leading full blocks already offered to the prefix cache

@@ -16,7 +16,6 @@ import torch
 
 from llmc.errors import LLMCError
 from llmc.ir.types import dim_eval, torch_dtype
-from llmc.runtime.block_manager import slot_for
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +275,7 @@ class _StepGraph:
         self.arena: torch.Tensor | None = None
         self.recv: dict[str, torch.Tensor] = {}  # a pipeline stage's received values (StepGraphCache.run_stage)
         self.rows = T  # token rows holding a token in the last step (the rest are padding)
+        self.tables_held: list[tuple[list[int] | None, int]] = [(None, 0)] * N  # (_load_decode) each row's table
 
     def load(self, batch, block_size: int, offset: int = 0) -> None:
         """Write the batch into the pinned buffer and start its one copy to the device (a decode batch
@@ -291,17 +291,29 @@ class _StepGraph:
             self.copied.record()
 
     def _load_decode(self, batch, block_size: int, offset: int) -> None:
-        ids, pos, slots = self.np["input_ids"], self.np["positions"], self.np["slot_mapping"]
-        lens, tables = self.np["seq_lens"], self.np["block_tables"]
-        for i, s in enumerate(batch):
-            p = s.start_pos + offset
-            ids[i], pos[i], lens[i] = s.token_ids[0], p, p + 1
-            slots[i] = slot_for(s.block_table, p, block_size)
-            used = p // block_size + 1  # the blocks the context covers; a longer table's tail is unused
-            tables[i, :used] = s.block_table[:used]
         n = len(batch)
+        p = np.fromiter((s.start_pos for s in batch), np.int64, n) + offset
+        used = p // block_size + 1  # the blocks the context covers; a longer table's tail is unused
+        self.np["input_ids"][:n] = np.fromiter((s.token_ids[0] for s in batch), np.int64, n)
+        self.np["positions"][:n] = p
+        self.np["seq_lens"][:n] = p + 1
+        # a row's table is written only where it changed since this buffer last held it: a sequence's table
+        # list is only ever appended to in place (any other change assigns a new list: Sequence.block_table),
+        # so the same list in the same row needs only the blocks it gained. The rows keep their lists, so
+        # no object that was freed can pass for one still here
+        tables, held = self.np["block_tables"], self.tables_held
+        for i, s, u in zip(range(n), batch, used.tolist()):
+            t, (was, have) = s.block_table, held[i]
+            if t is not was:
+                tables[i, :u] = t[:u]
+                held[i] = (t, u)
+            elif u > have:
+                tables[i, have:u] = t[have:u]
+                held[i] = (t, u)
+        self.np["slot_mapping"][:n] = tables[np.arange(n), used - 1].astype(np.int64) * block_size + p % block_size
         if n < self.rows:  # rows that held sequences last step become padding again
-            ids[n:], pos[n:], slots[n:], lens[n:] = 0, 0, -1, 1
+            self.np["input_ids"][n:], self.np["positions"][n:], self.np["slot_mapping"][n:] = 0, 0, -1
+            self.np["seq_lens"][n:] = 1
         self.rows = n
 
     def _load_prefill(self, batch, block_size: int) -> None:

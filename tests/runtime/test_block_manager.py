@@ -191,6 +191,29 @@ def test_fork_shares_blocks_and_copy_on_write():
     assert bm.num_used_blocks == 0
 
 
+def test_a_table_changed_other_than_by_appending_is_a_new_list():
+    """Sequence.block_table is only appended to in place: a copy on write and a trim assign a new list, and
+    the list a holder kept is left as it was (the decode graphs rewrite a row by the list's identity)."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    parent = make_seq(range(10))
+    bm.allocate(parent)
+    computed(bm, parent)
+    child = make_seq(range(10))
+    bm.fork(parent, child)
+    held, before = child.block_table, list(child.block_table)
+    child.append_token(1)
+    assert bm.append_slots(child, 1)  # a copy of the shared last block
+    assert child.block_table is not held and held == before and child.block_table[-1] != before[-1]
+    held = parent.block_table
+    parent.append_token(2)
+    bm.append_slots(parent, 7)  # into the last block (its own by now) and two new ones: in place
+    assert parent.block_table is held and len(held) == 5
+    parent.num_computed_tokens = 11
+    bm.trim(parent)  # the blocks past its computed tokens go: a new, shorter list
+    assert parent.block_table is not held and len(held) == 5 and parent.block_table == held[:3]
+    check(bm, [parent, child])
+
+
 def test_append_into_new_block_needs_no_copy():
     bm = BlockManager(num_blocks=8, block_size=4)
     parent = make_seq(range(8))  # exactly two full blocks

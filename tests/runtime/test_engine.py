@@ -217,6 +217,36 @@ def test_decode_graph_inputs_match_build_inputs(llama_artifact):
     assert dg.inputs["seq_lens"][1:].tolist() == [1, 1, 1] and dg.inputs["input_ids"][1:].tolist() == [0, 0, 0]
 
 
+def test_decode_graph_tables_follow_grown_new_and_moved_lists(llama_artifact):
+    """A decode graph's buffer rewrites a row's table only where it changed since the row last held it (the
+    same list grown in place: its new blocks; another list: the whole row); after every step it holds what
+    build_inputs makes for the batch, whatever the rows held before."""
+    from llmc.runtime.executor import StepInput, make_executor
+    from llmc.runtime.step_graphs import _StepGraph
+    runner = make_executor(llama_artifact.graph, "reference", "cpu", block_size=4, num_blocks=64)
+    dg = _StepGraph("decode", 4, 16, torch.device("cpu"))
+
+    def step(*seqs):
+        batch = [StepInput([7], pos, table) for pos, table in seqs]
+        dg.load(batch, 4)
+        ref = runner.build_inputs(batch)
+        assert dg.inputs["slot_mapping"][:len(batch)].tolist() == ref["slot_mapping"].tolist()
+        for i, s in enumerate(batch):
+            used = s.start_pos // 4 + 1
+            assert dg.inputs["block_tables"][i, :used].tolist() == s.block_table[:used], (i, s)
+
+    a, b, c = [3, 5], [11], [1, 2, 9]
+    step((5, a), (0, b))
+    a.append(8)  # grown in place: the row gains a block
+    step((8, a), (1, b))
+    step((9, [3, 40, 8]), (2, b))  # a copy on write: a new list whose second block changed
+    step((2, b), (9, a), (10, c))  # every row holds another list
+    step((10, c))
+    c.append(12)
+    step((11, c), (12, c[:3] + [30]))  # the same blocks' prefix in another list, then a trimmed table
+    step((5, a), (3, b), (12, c))  # lists back in rows that held others in between
+
+
 def test_the_token_budget_is_the_one_the_compile_measured(llama_artifact):
     """max_num_batched_tokens left unset: the artifact's measured budget (tuning.json "token_budget"), at least
     max_num_seqs, and 2048 at least for a step with no decode; 2048 where none was measured (a CPU compile); an
