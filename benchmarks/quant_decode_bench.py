@@ -111,8 +111,7 @@ def main() -> None:
         for p in work.glob(f"{name}.llmc/*.safetensors"):  # the disk holds a few 8B artifacts at most
             p.unlink()
         # nothing of this config's engines left on the device for the next compile, whose token budget times
-        # GEMMs of up to 8,192 rows (an int4 compile after the bf16 runs failed every such timing on 2026-12-04,
-        # cause not known)
+        # GEMMs of up to 8,192 rows; and the engine's profiled window, if one is open, written now
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
