@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -23,7 +24,12 @@ from llmc.codegen.autotune import gpu_time_ms  # noqa: E402
 from llmc.compiler import _attention_step  # noqa: E402
 
 SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}  # Hq, Hkv, D
-DECODE_CASES = [(1, 512), (1, 4096), (16, 1024), (64, 1024), (128, 1024), (64, 4096)]
+_ragged = random.Random(0)
+DECODE_CASES = {  # name: context per sequence
+    **{f"{n} x {c}": [c] * n for n, c in [(1, 512), (1, 4096), (16, 1024), (64, 1024), (128, 1024), (64, 4096)]},
+    # the mixed workload's decode steps: prompts U[64, 1024] plus what each has generated of U[64, 512]
+    **{f"{n} ragged, U[128, 1536]": [_ragged.randint(128, 1536) for _ in range(n)] for n in (64, 128)},
+}
 PREFILL_CASES = {  # name: (new tokens per sequence, context per sequence)
     "fresh 2048": ([2048], [2048]),
     "4 chunks of 512 over 1024": ([512] * 4, [1024] * 4),
@@ -68,14 +74,16 @@ def main() -> None:
     rows = []
     print(f"# {a.shape}: {Hq} q heads over {Hkv}, {D} wide, bf16; {torch.cuda.get_device_name()}, "
           f"copy {bw / 1e12:.2f} TB/s")
-    for seqs, ctx in [] if a.prefill_only else DECODE_CASES:
-        q, kv, qsl, lens, tables, out = _attention_step(g, [1] * seqs, [ctx] * seqs, Hq, Hkv, D, dtype)
-        kv_bytes = seqs * ctx * Hkv * D * 2 * kv.element_size()
-        for cfg in [None, *DECODE_TILE_CANDIDATES]:
+    for name, ctx in ({} if a.prefill_only else DECODE_CASES).items():
+        q, kv, qsl, lens, tables, out = _attention_step(g, [1] * len(ctx), ctx, Hq, Hkv, D, dtype)
+        kv_bytes = sum(ctx) * Hkv * D * 2 * kv.element_size()
+        # the decode graphs' splits follow the longest context the model allows (4,096 here); an eager step's
+        # its own longest: both, for the default tiles
+        for cfg, longest in [(None, max(ctx)), *((c, 4096) for c in [None, *DECODE_TILE_CANDIDATES])]:
             us = timed(lambda: paged_attention(q, kv, qsl, lens, tables, D ** -0.5, max_seqlen_q=1,
-                                               max_seqlen_k=4096, out=out, decode_tiles=cfg))
-            rows.append(dict(kind="decode", case=f"{seqs} x {ctx}", launch=label(cfg) if cfg else "default", us=us,
-                             of_bandwidth=kv_bytes / (us * 1e-6) / bw))
+                                               max_seqlen_k=longest, out=out, decode_tiles=cfg))
+            launch = (label(cfg) if cfg else "default") + ("" if longest == 4096 else f", splits for {longest}")
+            rows.append(dict(kind="decode", case=name, launch=launch, us=us, of_bandwidth=kv_bytes / (us * 1e-6) / bw))
         del kv
     for name, (new, ctx) in PREFILL_CASES.items():
         q, kv, qsl, lens, tables, out = _attention_step(g, new, ctx, Hq, Hkv, D, dtype)
