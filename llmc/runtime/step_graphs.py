@@ -228,6 +228,36 @@ class StepGraphCache:
         return graph, out
 
 
+class TableRows:
+    """Block tables kept in the rows of a host array across steps, each row rewritten only where it changed since
+    it last held a table: a step's Python writes then grow with the blocks its sequences gained, not with every
+    block they hold.
+
+    A sequence's table list is only ever appended to in place (any other change assigns a new list:
+    Sequence.block_table), so the same list in the same row needs only its new blocks; another list, the whole
+    row, and zeros over what the row held past it. The rows keep their lists, so no list that was freed can pass
+    for one still here."""
+
+    def __init__(self):
+        self.held: list[tuple[list[int] | None, int]] = []  # per row: its list, and how many of its blocks
+
+    def write(self, tables: np.ndarray, lists: list[list[int]], lengths: list[int]) -> None:
+        """Row i of `tables` holds lists[i][:lengths[i]], then zeros up to the longest table the row held."""
+        held = self.held
+        if len(held) < len(lists):
+            held.extend([(None, 0)] * (len(lists) - len(held)))
+        for i, t, u in zip(range(len(lists)), lists, lengths):
+            was, have = held[i]
+            if t is not was:
+                tables[i, :u] = t[:u]
+                if have > u:
+                    tables[i, u:have] = 0
+                held[i] = (t, u)
+            elif u > have:
+                tables[i, have:u] = t[have:u]
+                held[i] = (t, u)
+
+
 class _StepGraph:
     """A step captured for T token rows of N sequences:
       decode:  N = T sequences of one token each, N logits rows;
@@ -275,7 +305,7 @@ class _StepGraph:
         self.arena: torch.Tensor | None = None
         self.recv: dict[str, torch.Tensor] = {}  # a pipeline stage's received values (StepGraphCache.run_stage)
         self.rows = T  # token rows holding a token in the last step (the rest are padding)
-        self.tables_held: list[tuple[list[int] | None, int]] = [(None, 0)] * N  # (_load_decode) each row's table
+        self.table_rows = TableRows()  # what each row of block_tables holds (decode steps)
 
     def load(self, batch, block_size: int, offset: int = 0) -> None:
         """Write the batch into the pinned buffer and start its one copy to the device (a decode batch
@@ -297,19 +327,8 @@ class _StepGraph:
         self.np["input_ids"][:n] = np.fromiter((s.token_ids[0] for s in batch), np.int64, n)
         self.np["positions"][:n] = p
         self.np["seq_lens"][:n] = p + 1
-        # a row's table is written only where it changed since this buffer last held it: a sequence's table
-        # list is only ever appended to in place (any other change assigns a new list: Sequence.block_table),
-        # so the same list in the same row needs only the blocks it gained. The rows keep their lists, so
-        # no object that was freed can pass for one still here
-        tables, held = self.np["block_tables"], self.tables_held
-        for i, s, u in zip(range(n), batch, used.tolist()):
-            t, (was, have) = s.block_table, held[i]
-            if t is not was:
-                tables[i, :u] = t[:u]
-                held[i] = (t, u)
-            elif u > have:
-                tables[i, have:u] = t[have:u]
-                held[i] = (t, u)
+        tables = self.np["block_tables"]
+        self.table_rows.write(tables, [s.block_table for s in batch], used.tolist())
         self.np["slot_mapping"][:n] = tables[np.arange(n), used - 1].astype(np.int64) * block_size + p % block_size
         if n < self.rows:  # rows that held sequences last step become padding again
             self.np["input_ids"][n:], self.np["positions"][n:], self.np["slot_mapping"][n:] = 0, 0, -1

@@ -60,3 +60,26 @@ def test_a_table_too_short_for_the_step_is_an_error():
     seqs = [StepInput([1], 0, [3]), StepInput([1, 2, 3], 14, [7])]  # positions 14..16 need 2 blocks of 16
     with pytest.raises(LLMCError, match="sequence 1: 17 tokens need more blocks"):
         _Inputs(16).build_inputs(seqs)
+
+
+def test_inputs_over_steps_whose_tables_grow_change_move_and_narrow():
+    """The kept block-table rows (step_graphs.TableRows) give each step exactly the definition's tables, zeros
+    past every table, whatever the rows held before: lists grown in place, replaced (copy on write, a trim),
+    moved to other rows, and steps narrower then wider than the last."""
+    ex, bs = _Inputs(4), 4
+    a, b, c = [3, 5], [11], list(range(100, 140))  # c: 40 blocks, wider than 16 columns
+
+    def step(*seqs):
+        batch = [StepInput([7] * n, pos, table, 1) for n, pos, table in seqs]
+        got, want = ex.build_inputs(batch), _direct(batch, bs)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (name, got[name], want[name])
+
+    step((1, 5, a), (2, 0, b))
+    step((1, 150, c), (1, 6, a))  # c's wide table in row 0, a moved to row 1
+    a.append(8)  # grown in place
+    step((1, 8, a), (1, 2, b))  # a back in row 0, narrower than c's row was: zeros past it
+    step((1, 9, [3, 40, 8]), (1, 151, c), (3, 0, [60]))  # a new list for a (copy on write), c now in row 1
+    c.append(140)
+    step((1, 160, c), (1, 3, b[:1]))  # c grown and back in row 0; b's trimmed copy
+    step((2, 4, [1, 2]))
