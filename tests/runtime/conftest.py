@@ -137,3 +137,42 @@ class FakeEngine:
 @pytest.fixture
 def fake_engine():
     return FakeEngine
+
+
+@pytest.fixture
+def cpu_step_graphs(monkeypatch):
+    """`StepGraphCache`, the GPU's path, on the CPU: each captured graph replaced by a stand-in that reruns the
+    step on its own input buffers. Returns `make(executor)`: a cache over that executor's plan and KV cache."""
+    from llmc.runtime import step_graphs
+
+    class Plan:  # the interpreter behind the kernel plan's interface
+        def __init__(self, interp):
+            self.interp = interp
+
+        def new_arena(self, inputs, hints):
+            return None
+
+        def run(self, inputs, hints, arena=None):
+            return self.interp.run(inputs)
+
+    class Replay:
+        def __init__(self, fn):
+            self.replay = fn
+
+    def capture(self, kind, size, greedy):
+        dg = step_graphs._StepGraph(kind, size, (self.max_model_len + self.block_size - 1) // self.block_size,
+                                    self.device)
+        inputs = {**dg.inputs, **self.kv}
+
+        def step():
+            logits = self.plan.run(inputs, {})[0]
+            return self.argmax(logits) if greedy else logits
+        dg.out = step()
+        dg.graph = Replay(lambda: dg.out.copy_(step()))
+        return dg
+    monkeypatch.setattr(step_graphs.StepGraphCache, "_capture", capture)
+
+    def make(ex, max_model_len: int = 512):
+        return step_graphs.StepGraphCache(Plan(ex.plan), ex.kv, ex.block_size, max_model_len, ex.device,
+                                          lambda x: x.argmax(dim=-1))
+    return make

@@ -247,6 +247,41 @@ def test_decode_graph_tables_follow_grown_new_and_moved_lists(llama_artifact):
     step((5, a), (3, b), (12, c))  # lists back in rows that held others in between
 
 
+def test_an_engine_run_on_decode_graphs_gives_the_eager_runs_tokens(tiny_py_artifact, cpu_step_graphs):
+    """Decode steps on the decode graphs' buffers (kept block-table rows, step_graphs.TableRows) through whole
+    engine runs, with samples of one prompt sharing blocks (copies on write) and a cache small enough to preempt:
+    the tokens of the same runs with every step's inputs built afresh."""
+    from llmc.runtime.executor import StepResult
+    prompts = [p for p in CODE_PROMPTS[:6]]
+    runs = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+            SamplingParams(temperature=0.8, n=3, seed=11, max_tokens=40, ignore_eos=True)]
+    want = [LLM(tiny_py_artifact, backend="reference", num_blocks=40).generate(prompts, p) for p in runs]
+    llm = LLM(tiny_py_artifact, backend="reference", num_blocks=40)
+    ex = llm.engine.executor
+    graphs, replayed = cpu_step_graphs(ex), []
+    eager_rows, eager_forward = ex._token_rows, ex._forward
+
+    def rows(seqs, feed=None, sample=None):  # KernelExecutor._token_rows's and _forward's use of its graphs
+        out = graphs.run(seqs, sample is None, feed)
+        if out is None:
+            return eager_rows(seqs, feed, sample)
+        replayed.append(len(seqs))
+        return out if sample is None else sample(out)
+
+    def forward(seqs, greedy):
+        out = graphs.run(seqs, greedy) if not greedy else None
+        if out is None:
+            return eager_forward(seqs, greedy)
+        replayed.append(len(seqs))
+        return StepResult(logits=out)
+    ex._token_rows, ex._forward = rows, forward
+    got = [llm.generate(prompts, p) for p in runs]
+    stats = llm.stats()
+    assert len(replayed) > 60 and stats["num_preemptions"] > 0 and stats["cow_copies"] > 0, (len(replayed), stats)
+    for w, g in zip(want, got):
+        assert [[c.token_ids for c in o.outputs] for o in g] == [[c.token_ids for c in o.outputs] for o in w]
+
+
 def test_the_token_budget_is_the_one_the_compile_measured(llama_artifact):
     """max_num_batched_tokens left unset: the artifact's measured budget (tuning.json "token_budget"), at least
     max_num_seqs, and 2048 at least for a step with no decode; 2048 where none was measured (a CPU compile); an

@@ -84,40 +84,11 @@ def test_bench_counts_time_per_token_where_outputs_carry_several(tiny_py_artifac
     assert r8["tpot_ms_p50"] < 2 * r1["tpot_ms_p50"]
 
 
-def test_a_graph_chain_feeds_each_step_its_previous_tokens(tiny_py_artifact, monkeypatch):
+def test_a_graph_chain_feeds_each_step_its_previous_tokens(tiny_py_artifact, cpu_step_graphs):
     """`StepGraphCache.run_chain`, the GPU's path, on the CPU: its graph replaced by a stand-in that reruns
     the captured step on the same buffers. Its k steps (positions moved on, each step's input ids copied
     from the last step's output buffer) give the tokens of the executor's step-by-step chain."""
-    import torch
-
-    from llmc.runtime import step_graphs
     from llmc.runtime.executor import StepBatch, StepInput, make_executor
-
-    class Plan:  # the interpreter behind the kernel plan's interface
-        def __init__(self, interp):
-            self.interp = interp
-
-        def new_arena(self, inputs, hints):
-            return None
-
-        def run(self, inputs, hints, arena=None):
-            return self.interp.run(inputs)
-
-    class Replay:
-        def __init__(self, fn):
-            self.replay = fn
-
-    def capture(self, kind, size, greedy):
-        dg = step_graphs._StepGraph(kind, size, (self.max_model_len + self.block_size - 1) // self.block_size,
-                                    self.device)
-        inputs = {**dg.inputs, **self.kv}
-
-        def step():
-            return self.argmax(self.plan.run(inputs, {})[0])
-        dg.out = step()
-        dg.graph = Replay(lambda: dg.out.copy_(step()))
-        return dg
-    monkeypatch.setattr(step_graphs.StepGraphCache, "_capture", capture)
 
     prompts = [[5, 17, 3, 200, 41, 9, 77], [250, 6, 1, 90]]
     tables = [[0, 1, 2], [3, 4, 5]]
@@ -127,8 +98,7 @@ def test_a_graph_chain_feeds_each_step_its_previous_tokens(tiny_py_artifact, mon
     t0 = first.tokens.tolist()
     k = 4
     want = executors[0].chain([StepInput([t, 0, 0, 0], len(p), tb, k) for t, p, tb in zip(t0, prompts, tables)])
-    ex = executors[1]
-    graphs = step_graphs.StepGraphCache(Plan(ex.plan), ex.kv, 8, 24, ex.device, lambda x: x.argmax(dim=-1))
+    graphs = cpu_step_graphs(executors[1], 24)
     got = graphs.run_chain([StepInput([t], len(p), tb, 1) for t, p, tb in zip(t0, prompts, tables)], k)
     assert got.shape == (2, k) and got.flatten().tolist() == want.tolist()
     assert len(set(got.flatten().tolist())) > 1  # the chain moved on (not one token over and over)
