@@ -266,9 +266,7 @@ class LLMEngine:
         self._drain()
         self.scheduler.rollback(seq, num_tokens)
         if self.decode is not None:
-            seq.output_text = self.decode(seq.output_token_ids)
-            seq.read_offset = seq.num_tokens  # the text is of every token now
-            seq.prefix_offset = max(seq.read_offset - 5, 0)
+            seq.set_text(self.decode(seq.output_token_ids))
 
     def has_unfinished(self) -> bool:
         """True while a request is queued or running, or has a final output not yet returned by step()."""

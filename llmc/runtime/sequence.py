@@ -19,6 +19,8 @@ import torch
 
 from llmc.runtime.sampling_params import SamplingParams
 
+TEXT_WINDOW = 5  # tokens decoded again before the newest, so that a multi-token character settles (stop.py)
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
@@ -109,7 +111,7 @@ class Sequence:
         # window offsets that let a tokenizer's multi-token characters settle before we emit them.
         self.output_text: str = ""
         self.read_offset: int = len(self.prompt_token_ids)
-        self.prefix_offset: int = max(len(self.prompt_token_ids) - 5, 0)
+        self.prefix_offset: int = max(self.read_offset - TEXT_WINDOW, 0)
         self.generator: torch.Generator | None = None
         if seed is not None:
             self.generator = torch.Generator(device="cpu")
@@ -187,7 +189,13 @@ class Sequence:
             del self.output_top_logprobs[min(len(self.output_top_logprobs), self.num_output_tokens):]
         self.num_computed_tokens = min(self.num_computed_tokens, num_tokens - 1)
         self.read_offset = min(self.read_offset, num_tokens)
-        self.prefix_offset = min(self.prefix_offset, max(self.read_offset - 5, 0))
+        self.prefix_offset = min(self.prefix_offset, max(self.read_offset - TEXT_WINDOW, 0))
+
+    def set_text(self, text: str) -> None:
+        """`text` is the output's text of every token so far: incremental detokenizing goes on after them."""
+        self.output_text = text
+        self.read_offset = self.num_tokens
+        self.prefix_offset = max(self.read_offset - TEXT_WINDOW, 0)
 
     def __repr__(self) -> str:
         return (
