@@ -30,13 +30,8 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="time LocalExecutor.build_inputs instead")
     a = ap.parse_args()
     import llmc.runtime.step_graphs as step_graphs
-    from llmc.runtime.executor import LocalExecutor, StepInput
-
-    class Inputs(LocalExecutor):  # build_inputs alone: no graph, no cache
-        def __init__(self, block_size: int):
-            self.block_size, self.device = block_size, torch.device("cpu")
-
-        kv = {}
+    from llmc.runtime.executor import StepInput
+    from tests.runtime.test_step_inputs import _Inputs  # build_inputs alone: no graph, no cache
     bs = 16
     print(f"# {step_graphs.__file__}, {'build_inputs' if a.eager else 'decode graph load'}")
     print(f"{'sequences':>9s} {'us per step':>11s}")
@@ -48,7 +43,7 @@ def main() -> None:
         best = float("inf")
         for _ in range(a.rounds):
             g = step_graphs._StepGraph("decode", n, max(len(t) for t in tables), torch.device("cpu"))
-            load = Inputs(bs).build_inputs if a.eager else lambda b: g.load(b, bs)
+            load = _Inputs(bs).build_inputs if a.eager else lambda b: g.load(b, bs)
             t0 = time.perf_counter()
             for batch in batches:
                 load(batch)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from llmc.errors import ArtifactError, LLMCError
+from llmc.intmath import cdiv
 from llmc.ir.graph import Graph
 from llmc.runtime.kv_cache import KVCache, with_kv_cache_dtype
 from llmc.runtime.step_graphs import StepGraphCache, TableRows
@@ -296,19 +297,6 @@ class LocalExecutor:
         return torch.tensor([t for row in out for t in row], dtype=torch.int64)
 
     _rows: TableRows | None = None  # build_inputs' block-table rows, kept across steps
-    _tables: np.ndarray | None = None
-
-    def _table_rows(self, n: int, cols: int) -> np.ndarray:
-        """The first n kept block-table rows, every column (at least `cols`; the array grown, its rows kept, as
-        needed)."""
-        if self._rows is None:
-            self._rows, self._tables = TableRows(), np.zeros((0, 0), np.int32)
-        r, c = self._tables.shape
-        if n > r or cols > c:
-            grown = np.zeros((max(n, 2 * r), max(cols, c)), np.int32)
-            grown[:r, :c] = self._tables
-            self._tables = grown
-        return self._tables[:n]
 
     def build_inputs(self, seqs: list[StepInput]) -> dict[str, torch.Tensor]:
         """The flat step inputs and attention metadata of the paged graph, with the KV caches.
@@ -330,8 +318,10 @@ class LocalExecutor:
         # integer argument on being 1 or a multiple of 16, so an unrounded width compiled a kernel variant for
         # each of 1, multiples of 16 and the rest as steps met them. The rows are kept across steps
         # (step_graphs.TableRows: a row rewritten only where its sequence's table changed), zero past each table
-        cols = -(-max(1, int(width.max())) // 16) * 16
-        kept = self._table_rows(n, cols)
+        if self._rows is None:
+            self._rows = TableRows()
+        cols = cdiv(max(1, int(width.max())), 16) * 16
+        kept = self._rows.rows(n, cols)
         self._rows.write(kept, [s.block_table for s in seqs], width.tolist())
         tables = kept[:, :cols].copy()  # this step's own: the next step rewrites the kept rows
         seq = np.repeat(np.arange(n), new)  # each token's sequence

@@ -240,6 +240,17 @@ class TableRows:
 
     def __init__(self):
         self.held: list[tuple[list[int] | None, int]] = []  # per row: its list, and how many of its blocks
+        self.array = np.zeros((0, 0), np.int32)  # `rows`' own, for holders without a buffer of their own
+
+    def rows(self, n: int, cols: int) -> np.ndarray:
+        """The first n rows of this object's own array, every column (at least `cols`; the array grown, its rows
+        kept, as needed): for `write`."""
+        r, c = self.array.shape
+        if n > r or cols > c:
+            grown = np.zeros((max(n, 2 * r), max(cols, c)), np.int32)
+            grown[:r, :c] = self.array
+            self.array = grown
+        return self.array[:n]
 
     def write(self, tables: np.ndarray, lists: list[list[int]], lengths: list[int]) -> None:
         """Row i of `tables` holds lists[i][:lengths[i]], then zeros up to the longest table the row held."""
