@@ -35,6 +35,8 @@ PREFILL_CASES = {  # name: (new tokens per sequence, context per sequence)
     "4 chunks of 512 over 1024": ([512] * 4, [1024] * 4),
     "mixed: 32 decodes + 2 x 512 over 1024": ([1] * 32 + [512, 512], [1024] * 34),
     "mixed: 128 decodes + 512 over 1024": ([1] * 128 + [512], [1024] * 129),  # a budget step of the mixed workload
+    "mixed: 4 decodes + 1024 over 2048": ([1] * 4 + [1024], [1024] * 4 + [2048]),
+    "mixed: 128 ragged decodes + 512 over 1024": ([1] * 128 + [512], DECODE_CASES["128 ragged, U[128, 1536]"] + [1024]),
 }
 
 
@@ -101,14 +103,18 @@ def main() -> None:
             us = timed(sdpa)
             rows.append(dict(kind="prefill", case=name, launch="torch sdpa (contiguous)", us=us,
                              tflops=flops / (us * 1e-6) / 1e12))
-        for cfg in [None, *PREFILL_TILE_CANDIDATES]:
+        # a mixed step's decodes (its leading one-token rows) in the prefill launch, or on the decode kernel
+        # (default tiles, the decode graphs' splits) beside it: the runtime's launch since the split
+        decodes = next((i for i, n in enumerate(new) if n != 1), len(new))
+        for cfg, split in [(c, s) for c in [None, *PREFILL_TILE_CANDIDATES] for s in dict.fromkeys((0, decodes))]:
             run = lambda: paged_attention(q, kv, qsl, lens, tables, D ** -0.5, out=out,  # noqa: E731
-                                          prefill_tiles=cfg, **lengths)
+                                          prefill_tiles=cfg, decode_rows=split, context_limit=4096, **lengths)
             us = timed(run)
             run()
             want = out.clone() if want is None else want
-            rows.append(dict(kind="prefill", case=name, launch=label(cfg) if cfg else "default", us=us,
-                             tflops=flops / (us * 1e-6) / 1e12, max_err=float((out - want).abs().max())))
+            rows.append(dict(kind="prefill", case=name, us=us, tflops=flops / (us * 1e-6) / 1e12,
+                             launch=(label(cfg) if cfg else "default") + (", decodes split" if split else ""),
+                             max_err=float((out - want).abs().max())))
         del kv
     for r in rows:
         fig = f"{r['of_bandwidth']:6.1%} of copy BW" if r["kind"] == "decode" else f"{r['tflops']:6.1f} TFLOP/s"
@@ -123,6 +129,13 @@ def main() -> None:
     for (kind, case), r in best.items():
         default = next(x for x in rows if (x["kind"], x["case"]) == (kind, case) and x["launch"] == "default")
         print(f"{kind:8s} {case:40s} {r['launch']:26s} {r['us']:9.1f} us  x{default['us'] / r['us']:.2f} default")
+    if any("decodes split" in r["launch"] for r in rows):
+        print("\n# mixed steps: best launch with the decodes in the prefill kernel, and split onto the decode kernel")
+        for case in dict.fromkeys(r["case"] for r in rows if "decodes split" in r["launch"]):
+            one, two = ([r for r in rows if r["case"] == case and ("decodes split" in r["launch"]) == s] for s in (0, 1))
+            a, b = min(one, key=lambda r: r["us"]), min(two, key=lambda r: r["us"])
+            print(f"{case:44s} {a['us']:8.1f} us ({a['launch']})  {b['us']:8.1f} us ({b['launch']})  "
+                  f"x{a['us'] / b['us']:.2f}")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / f"attention_bench_{a.shape}.json").write_text(json.dumps(dict(copy_bw=bw, rows=rows), indent=1))

@@ -77,10 +77,10 @@ def bench_graph(fn):
         return triton.testing.do_bench_cudagraph(fn, rep=50)
 
 
-def attention_case(name, ctx, new, Hq, Hkv, D, BS, dtype, window=0, timing=True):
+def attention_case(name, ctx, new, Hq, Hkv, D, BS, dtype, window=0, timing=True, decode_rows=0):
     b = make_batch(ctx, new, Hq, Hkv, D, BS, dtype)
     scale = D ** -0.5
-    kw = dict(window=window, max_seqlen_q=max(new), max_seqlen_k=max(ctx))
+    kw = dict(window=window, max_seqlen_q=max(new), max_seqlen_k=max(ctx), decode_rows=decode_rows, context_limit=4096)
     run = lambda: paged_attention(b["q"], b["cache"], b["qsl"], b["seq_lens"], b["bt"], scale, **kw)  # noqa: E731
     out = run()
     truth = torch_attention(b, scale, window, torch.float32)
@@ -99,7 +99,7 @@ def attention_case(name, ctx, new, Hq, Hkv, D, BS, dtype, window=0, timing=True)
     return ok
 
 
-def golden_case(name, ctx, new, Hq, Hkv, D, BS, dtype, kv_dtype, window=0):
+def golden_case(name, ctx, new, Hq, Hkv, D, BS, dtype, kv_dtype, window=0, decode_rows=0):
     """Kernels vs paged_attention_ref, including the write (rope_kv_write) and int8 caches."""
     b = make_batch(ctx, new, Hq, Hkv, D, BS, dtype)
     T = b["q"].shape[0]
@@ -126,7 +126,7 @@ def golden_case(name, ctx, new, Hq, Hkv, D, BS, dtype, kv_dtype, window=0):
     cache, sc = cache0.clone(), scale_t.clone() if quant else None
     q_roped = rope_kv_write(b["q"], k, v, cos, sin, cache, slots, kv_scale=sc)
     out = paged_attention(q_roped, cache, b["qsl"], b["seq_lens"], b["bt"], D ** -0.5, window=window, kv_scale=sc,
-                          max_seqlen_q=max(new), max_seqlen_k=max(ctx))
+                          max_seqlen_q=max(new), max_seqlen_k=max(ctx), decode_rows=decode_rows)
     err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()  # relative to the largest
     cache_err = (cache.float() - ref_cache.float()).abs().max().item()
     # quantized: K/V are dequantized into q's dtype for the tensor-core dot, one more bf16 rounding
@@ -186,6 +186,11 @@ def main():
         for new in ([5, 1, 130], [1, 1, 1]):
             oks.append(golden_case(f"{str(kv_dtype)[6:]} cache n={new}", [37, 1, 130], new, 8, 2, 128, 16,
                                    torch.bfloat16, kv_dtype))
+    # a mixed step's leading decodes on the decode kernel, the prompt rows on the prefill kernel
+    for dtype, kv_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                            (torch.bfloat16, torch.int8), (torch.bfloat16, torch.float8_e4m3fn)):
+        oks.append(golden_case(f"mixed, decodes split, {str(kv_dtype)[6:]}", [300, 1, 37, 130], [1, 1, 5, 130], 8, 2,
+                               128, 16, dtype, kv_dtype, decode_rows=2))
 
     Hq, Hkv, BS = 32, 8, 16
     heads = ("64", "128") if not args.quick else ("128",)
@@ -206,6 +211,10 @@ def main():
             oks.append(attention_case("prefill 4 ragged, cached prefix", ctx, new, Hq, Hkv, D, BS, dtype))
             oks.append(attention_case("prefill 2 x 2048 window 512", [2048, 2048], [2048, 1024], Hq, Hkv, D, BS,
                                       dtype, window=512))
+            ctx = rand(128, 1536, 32) + [1024, 1024]
+            for split in (0, 32):
+                oks.append(attention_case(f"mixed 32 + 2 x 512{', decodes split' if split else ''}", ctx,
+                                          [1] * 32 + [512, 512], Hq, Hkv, D, BS, dtype, decode_rows=split))
         if not args.quick:
             oks.append(attention_case("prefill fp32 1 x 512", [512], [512], Hq, Hkv, D, BS, torch.float32))
             oks.append(attention_case("decode fp32 B=4", rand(1, 2048, 4), [1] * 4, Hq, Hkv, D, BS, torch.float32))

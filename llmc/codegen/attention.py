@@ -250,7 +250,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     window: int = 0, kv_scale: torch.Tensor | None = None, max_seqlen_q: int | None = None,
                     max_seqlen_k: int | None = None, *, block_m: int = 0, block_n: int = 0,
                     partition_size: int | None = None, out: torch.Tensor | None = None,
-                    decode_tiles: dict | None = None, prefill_tiles: dict | None = None) -> torch.Tensor:
+                    decode_tiles: dict | None = None, prefill_tiles: dict | None = None, decode_rows: int = 0,
+                    context_limit: int | None = None) -> torch.Tensor:
     """Attention of the new tokens over their sequences' whole context, read from the paged cache.
 
     The cache must already hold the new K/V (`rope_kv_write` ran first). The new tokens of
@@ -275,6 +276,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         prefill_tiles: the prefill kernel's launch, as tuned (`PREFILL_TILE_CANDIDATES`): {"BLOCK_M",
             "BLOCK_N", "num_stages", "num_warps"}; block_m / block_n, if given, still win.
         out: a contiguous [T, Hq, D] tensor for the result; allocated when None.
+        decode_rows: how many leading sequences have exactly one new token (a mixed step's decodes: the
+            scheduler puts them first). With prompt rows after them they run on the split-K decode kernel,
+            the rest on the prefill kernel (two launches): in the prefill kernel a decode row would fill one
+            of its query tile's rows per head and launch a program for every query tile of the step's
+            longest chunk. 0 (or every row a decode): one launch.
+        context_limit: the longest context the caller's decode steps size their splits for (the model's
+            limit, as under the runtime's CUDA graphs); the decode partition follows it, so a sequence's
+            sums are the same in an eager step as in a graph's. None: max_seqlen_k.
 
     Returns:
         [T, Hq, D] attention output in q's dtype.
@@ -300,34 +309,60 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     if max_seqlen_q is None:
         max_seqlen_q = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     mode = "decode" if max_seqlen_q == 1 else "prefill"
-    # pointers, then strides (kv_scale's only for quantized caches: the template drops them otherwise)
-    tensors = (q, kv_cache, *((kv_scale,) if quant else ()), query_start_loc, seq_lens, block_tables)
-    strides = (*q.stride(), *out.stride(), *kv_cache.stride(), *(kv_scale.stride() if quant else ()),
-               *block_tables.stride())
-    qk_scale = scale * LOG2E  # the kernels use exp2
+    quantized = (kv_scale,) if quant else ()
     base = dict(head_dim=D, num_q_heads=Hq, num_kv_heads=Hkv, block_size=BS, dtype=dtype_name(q.dtype),
                 kv_dtype=dtype_name(kv_cache.dtype), sliding_window=window > 0, block_n=block_n)
-    if mode == "prefill":
-        launch = dict(num_warps=4, num_stages=2)
-        if prefill_tiles:
-            launch = dict(num_warps=prefill_tiles["num_warps"], num_stages=prefill_tiles["num_stages"])
-            block_m, base["block_n"] = block_m or prefill_tiles["BLOCK_M"], block_n or prefill_tiles["BLOCK_N"]
-        spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m)
-        c = spec.constexprs()
-        tiles, heavy_first = cdiv(max_seqlen_q, c["BLOCK_Q"]), N <= HEAVY_FIRST_SEQS
-        grid = (Hkv, N, tiles) if heavy_first else (tiles, N, Hkv)
-        compiled(spec).paged_attention_prefill_kernel[grid](
-            out, *tensors, *strides, qk_scale, window, int(heavy_first), **c, **launch)
-        return out
-    # decode: the one query sits at the last position, so causal masks nothing
-    if max_seqlen_k is None:
-        max_seqlen_k = int(seq_lens.max())
+    if mode == "decode" or 0 < decode_rows < N:
+        D1 = N if mode == "decode" else decode_rows
+        if max_seqlen_k is None:
+            max_seqlen_k = int(seq_lens[:D1].max())
+        _decode(q, kv_cache, quantized, query_start_loc[:D1 + 1], seq_lens[:D1], block_tables[:D1], out, scale,
+                window, max_seqlen_k, context_limit or max_seqlen_k, partition_size, decode_tiles, base)
+        if mode == "decode":
+            return out
+        query_start_loc, seq_lens, block_tables = query_start_loc[D1:], seq_lens[D1:], block_tables[D1:]
+    _prefill(q, kv_cache, quantized, query_start_loc, seq_lens, block_tables, out, scale, causal, window,
+             max_seqlen_q, block_m, prefill_tiles, base)
+    return out
+
+
+def _pointers_and_strides(q, kv_cache, quantized, qsl, seq_lens, block_tables, out) -> tuple[tuple, tuple]:
+    """The kernels' tensor arguments, then their strides (kv_scale's only for quantized caches: the
+    templates drop them otherwise)."""
+    return ((q, kv_cache, *quantized, qsl, seq_lens, block_tables),
+            (*q.stride(), *out.stride(), *kv_cache.stride(), *(quantized[0].stride() if quantized else ()),
+             *block_tables.stride()))
+
+
+def _prefill(q, kv_cache, quantized, qsl, seq_lens, block_tables, out, scale, causal, window, max_seqlen_q,
+             block_m, prefill_tiles, base) -> None:
+    """paged_attention's prefill launch over every sequence of qsl (one or more new tokens each)."""
+    N, Hkv = seq_lens.shape[0], kv_cache.shape[3]
+    tensors, strides = _pointers_and_strides(q, kv_cache, quantized, qsl, seq_lens, block_tables, out)
+    launch = dict(num_warps=4, num_stages=2)
+    if prefill_tiles:
+        launch = dict(num_warps=prefill_tiles["num_warps"], num_stages=prefill_tiles["num_stages"])
+        block_m, base = block_m or prefill_tiles["BLOCK_M"], {**base, "block_n": base["block_n"] or prefill_tiles["BLOCK_N"]}
+    spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m)
+    c = spec.constexprs()
+    tiles, heavy_first = cdiv(max_seqlen_q, c["BLOCK_Q"]), N <= HEAVY_FIRST_SEQS
+    grid = (Hkv, N, tiles) if heavy_first else (tiles, N, Hkv)
+    compiled(spec).paged_attention_prefill_kernel[grid](
+        out, *tensors, *strides, scale * LOG2E, window, int(heavy_first), **c, **launch)
+
+
+def _decode(q, kv_cache, quantized, qsl, seq_lens, block_tables, out, scale, window, max_seqlen_k, context_limit,
+            partition_size, decode_tiles, base) -> None:
+    """paged_attention's split-K decode launch over every sequence of qsl (one new token each, at its last
+    position, so causal masks nothing)."""
+    N, Hkv, Hq = seq_lens.shape[0], kv_cache.shape[3], q.shape[1]
+    tensors, strides = _pointers_and_strides(q, kv_cache, quantized, qsl, seq_lens, block_tables, out)
     launch = dict(num_warps=4, num_stages=2)
     if decode_tiles:
         launch = dict(num_warps=decode_tiles["num_warps"], num_stages=decode_tiles["num_stages"])
-        base["block_n"] = block_n or decode_tiles["BLOCK_N"]
+        base = {**base, "block_n": base["block_n"] or decode_tiles["BLOCK_N"]}
     tile_n = PagedAttentionSpec(**base, mode="decode").tiles()[1]
-    partition = partition_size or decode_partition(max_seqlen_k, tile_n)
+    partition = partition_size or decode_partition(max(context_limit, max_seqlen_k), tile_n)
     assert partition % tile_n == 0, f"partition_size {partition} must be a multiple of the key tile {tile_n}"
     splits = cdiv(max(max_seqlen_k, 1), partition)
     spec = PagedAttentionSpec(**base, mode="decode", split=splits > 1)
@@ -339,6 +374,4 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     counts = tile_counters(q.device, N * Hkv) if splits > 1 else m_part
     mod.paged_attention_decode_kernel[(N, Hkv, splits)](
         out, m_part, l_part, o_part, counts, *tensors, *strides, *m_part.stride(), *o_part.stride(),
-        qk_scale, window, partition,
-        **c, **launch)
-    return out
+        scale * LOG2E, window, partition, **c, **launch)

@@ -371,7 +371,8 @@ class Plan:
                               attrs["window"], kv_scale, max_seqlen_q=h.get("max_seqlen_q"),
                               max_seqlen_k=h.get("max_seqlen_k"), partition_size=h.get("partition_size"),
                               out=None if out is None else out.view(T, H, D), decode_tiles=decode,
-                              prefill_tiles=prefill)
+                              prefill_tiles=prefill, decode_rows=h.get("decode_rows", 0),
+                              context_limit=h.get("context_limit"))
         return out.transpose(0, 1).unsqueeze(0)
 
     def _attention_tiles(self, n) -> tuple[dict | None, dict | None]:

@@ -373,6 +373,7 @@ class KernelExecutor(LocalExecutor):
         from llmc.codegen.lower import Plan
         super().__init__(graph, cache)
         self.plan = Plan(graph, self.device, Tuner.from_artifact(tuning, invariant), triton_matmul=interpret)
+        self.max_model_len = max_model_len
         self.step_graphs = self.piecewise = None
         self.use_cuda_graphs = cuda_graphs  # benchmarks turn it off to time eager steps side by side
         if cuda_graphs:
@@ -446,8 +447,13 @@ class KernelExecutor(LocalExecutor):
 
     def outputs(self, inputs: dict[str, torch.Tensor], seqs: list[StepInput]) -> list[torch.Tensor]:
         """Every output of the plan (a pipeline stage's are the values it hands the next stage)."""
+        # decode_rows: the step's leading one-token sequences (the scheduler runs decodes first), which
+        # attention runs on its decode kernel beside the prompt rows; context_limit: the decode graphs' longest
+        # context, so that kernel splits a context as they do
         hints = {"max_seqlen_q": max(len(s.token_ids) for s in seqs),
-                 "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in seqs)}
+                 "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in seqs),
+                 "decode_rows": next((i for i, s in enumerate(seqs) if len(s.token_ids) != 1), len(seqs)),
+                 "context_limit": self.max_model_len}
         if self.piecewise is not None and self.use_cuda_graphs and self.mixed_graphs:
             out = self.piecewise.run(inputs, hints)
             if out is not None:

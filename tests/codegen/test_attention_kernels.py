@@ -282,6 +282,27 @@ def test_prefill_launch_orders_give_the_same_bits(tiles, monkeypatch):
     close(outs[0], ref, torch.float16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
+def test_mixed_step_runs_its_decode_rows_on_the_decode_kernel(dtype):
+    """A mixed step's leading one-token rows (decode_rows) run on the split-K decode kernel and the prompt rows
+    on the prefill kernel: each row gets the reference's values, each decode row the bits of a decode step of
+    those rows alone (the same partition: a sequence's sums do not depend on what it was scheduled with), and
+    each prompt row the bits of the one-launch step."""
+    c = make_case([70, 9, 300, 40, 120], [1, 1, 1, 40, 30], 4, 2, 32, 16, dtype, seed=14)
+    cache = c["cache"].clone()
+    ref = reference(c, cache)
+    kw = dict(max_seqlen_k=300, block_m=16, block_n=16)
+    mixed = paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], 32 ** -0.5, max_seqlen_q=40,
+                            decode_rows=3, context_limit=1024, **kw)
+    close(mixed, ref, dtype)
+    decodes = paged_attention(c["q"][:3], cache, c["qsl"][:4], c["seq_lens"][:3], c["bt"][:3], 32 ** -0.5,
+                              max_seqlen_q=1, context_limit=1024, **kw)
+    assert torch.equal(mixed[:3], decodes)
+    one_launch = paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], 32 ** -0.5, max_seqlen_q=40, **kw)
+    assert torch.equal(mixed[3:], one_launch[3:])
+    assert not torch.equal(mixed[:3], one_launch[:3])  # the decode rows did take the other kernel
+
+
 # --------------------------------------------------------------------------------------------- decode
 
 DECODE = {
