@@ -374,6 +374,8 @@ class KernelExecutor(LocalExecutor):
         super().__init__(graph, cache)
         self.plan = Plan(graph, self.device, Tuner.from_artifact(tuning, invariant), triton_matmul=interpret)
         self.max_model_len = max_model_len
+        # a mixed step's decodes on the decode attention kernel (LLMC_SPLIT_DECODES=0: in the prefill kernel's launch)
+        self.split_decodes = os.environ.get("LLMC_SPLIT_DECODES", "1") != "0"
         self.step_graphs = self.piecewise = None
         self.use_cuda_graphs = cuda_graphs  # benchmarks turn it off to time eager steps side by side
         if cuda_graphs:
@@ -452,7 +454,8 @@ class KernelExecutor(LocalExecutor):
         # context, so that kernel splits a context as they do
         hints = {"max_seqlen_q": max(len(s.token_ids) for s in seqs),
                  "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in seqs),
-                 "decode_rows": next((i for i, s in enumerate(seqs) if len(s.token_ids) != 1), len(seqs)),
+                 "decode_rows": next((i for i, s in enumerate(seqs) if len(s.token_ids) != 1), len(seqs))
+                 if self.split_decodes else 0,
                  "context_limit": self.max_model_len}
         if self.piecewise is not None and self.use_cuda_graphs and self.mixed_graphs:
             out = self.piecewise.run(inputs, hints)
