@@ -6,6 +6,7 @@ import functools
 import inspect
 import itertools
 import logging
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -350,13 +351,20 @@ def _tune_kernels(graph: Graph, tuner, bar) -> None:
         log.warning("attention tuning failed (%s: %s); the default launch is kept", type(e).__name__, e)
 
 
+# the decode attention tuning's two steps: batch 1 over 512 keys, and a mixed workload's decode step of 128
+# sequences over 128 to 1,536 keys (seeded). On an H200 (benchmarks/attention_bench.py, 2026-12-04) the launch that
+# won 1 x 512 plus 64 x 1,024 (the previous pair; 128-key tiles, 8 warps for the 8B shape) ran such a step 1.12x
+# slower than 64-key tiles on 4 warps, which lose 1.5 us of 10 at batch 1
+DECODE_TUNING_CONTEXTS = ([512], [random.Random(0).randint(128, 1536) for _ in range(128)])
+
+
 def _tune_attention(graph: Graph, tuner, bar) -> None:
     """Choose the attention launches of each attention shape of the graph (bf16/f16/f32 caches; quantized ones
     keep the defaults). One choice serves every batch, so a sequence's sums do not depend on its batch.
 
-    - decode (key tile, pipeline depth, warps: attention.DECODE_TILE_CANDIDATES), timed on two steps summed:
-      one sequence of 512 keys (batch-1 decode) and 64 of 1,024 (a large batch), with the splits the
-      runtime's CUDA graphs use;
+    - decode (key tile, pipeline depth, warps: attention.DECODE_TILE_CANDIDATES), timed on two steps summed
+      (DECODE_TUNING_CONTEXTS): one sequence of 512 keys (batch-1 decode) and 128 of ragged lengths (a large
+      batch), with the splits the runtime's CUDA graphs use;
     - prefill (query and key tiles, depth, warps: attention.PREFILL_TILE_CANDIDATES), timed on a fresh
       2,048-token prompt plus four 512-token chunks over 1,024 keys (a mixed step's decodes run on the
       decode kernel)."""
@@ -383,8 +391,8 @@ def _tune_attention(graph: Graph, tuner, bar) -> None:
                 paged_attention(qq, kv, qsl, lens, tables, D ** -0.5, True, window, None, out=out,
                                 max_seqlen_q=max(new), max_seqlen_k=max(ctx), **kw)
         # contexts within the model's limit, which sizes the splits as under the runtime's graphs
-        decode = [(_attention_step(g, [1] * seqs, [min(ctx, max_len)] * seqs, Hq, Hkv, D, dtype), ([1], [max_len]))
-                  for seqs, ctx in ((1, 512), (64, 1024))]
+        decode = [(_attention_step(g, [1] * len(ctx), [min(c, max_len) for c in ctx], Hq, Hkv, D, dtype),
+                   ([1], [max_len])) for ctx in DECODE_TUNING_CONTEXTS]
         tuner.choose(key, "decode", DECODE_TILE_CANDIDATES, lambda cfg: attend(decode, decode_tiles=cfg))
         del decode
         prefill = [(_attention_step(g, new, ctx, Hq, Hkv, D, dtype), (new, ctx))

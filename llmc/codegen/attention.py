@@ -17,6 +17,7 @@ the rendered module is imported).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -310,14 +311,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         max_seqlen_q = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     mode = "decode" if max_seqlen_q == 1 else "prefill"
     quantized = (kv_scale,) if quant else ()
-    base = dict(head_dim=D, num_q_heads=Hq, num_kv_heads=Hkv, block_size=BS, dtype=dtype_name(q.dtype),
-                kv_dtype=dtype_name(kv_cache.dtype), sliding_window=window > 0, block_n=block_n)
+    base = (("head_dim", D), ("num_q_heads", Hq), ("num_kv_heads", Hkv), ("block_size", BS),
+            ("dtype", dtype_name(q.dtype)), ("kv_dtype", dtype_name(kv_cache.dtype)), ("sliding_window", window > 0),
+            ("block_n", block_n))
     if mode == "decode" or 0 < decode_rows < N:
         D1 = N if mode == "decode" else decode_rows
         if max_seqlen_k is None:
             max_seqlen_k = int(seq_lens[:D1].max())
-        _decode(q, kv_cache, quantized, query_start_loc[:D1 + 1], seq_lens[:D1], block_tables[:D1], out, scale,
-                window, max_seqlen_k, context_limit or max_seqlen_k, partition_size, decode_tiles, base)
+        _decode(q, kv_cache, quantized, query_start_loc, seq_lens, block_tables, D1, out, scale, window,
+                max_seqlen_k, context_limit or max_seqlen_k, partition_size, decode_tiles, base)
         if mode == "decode":
             return out
         query_start_loc, seq_lens, block_tables = query_start_loc[D1:], seq_lens[D1:], block_tables[D1:]
@@ -334,39 +336,59 @@ def _pointers_and_strides(q, kv_cache, quantized, qsl, seq_lens, block_tables, o
              *block_tables.stride()))
 
 
+def _tiles_key(tiles: dict | None) -> tuple | None:
+    return tuple(sorted(tiles.items())) if tiles else None
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_launch(base: tuple, causal: bool, block_m: int, tiles: tuple | None
+                    ) -> tuple[PagedAttentionSpec, dict, dict]:
+    """A prefill launch's spec, constexprs and launch options (memoized: a mixed step launches attention
+    eagerly once per layer, and building these costs more host time than the launch)."""
+    base, launch = dict(base), dict(num_warps=4, num_stages=2)
+    if tiles:
+        t = dict(tiles)
+        launch = dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
+        block_m, base["block_n"] = block_m or t["BLOCK_M"], base["block_n"] or t["BLOCK_N"]
+    spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m)
+    return spec, spec.constexprs(), launch
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_launch(base: tuple, tiles: tuple | None) -> tuple[int, dict, PagedAttentionSpec, PagedAttentionSpec, dict]:
+    """A decode launch's key tile, launch options, specs (one split; split-K) and constexprs (memoized)."""
+    base, launch = dict(base), dict(num_warps=4, num_stages=2)
+    if tiles:
+        t = dict(tiles)
+        launch = dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
+        base["block_n"] = base["block_n"] or t["BLOCK_N"]
+    one, split = (PagedAttentionSpec(**base, mode="decode", split=s) for s in (False, True))
+    return one.tiles()[1], launch, one, split, one.constexprs()
+
+
 def _prefill(q, kv_cache, quantized, qsl, seq_lens, block_tables, out, scale, causal, window, max_seqlen_q,
              block_m, prefill_tiles, base) -> None:
     """paged_attention's prefill launch over every sequence of qsl (one or more new tokens each)."""
     N, Hkv = seq_lens.shape[0], kv_cache.shape[3]
     tensors, strides = _pointers_and_strides(q, kv_cache, quantized, qsl, seq_lens, block_tables, out)
-    launch = dict(num_warps=4, num_stages=2)
-    if prefill_tiles:
-        launch = dict(num_warps=prefill_tiles["num_warps"], num_stages=prefill_tiles["num_stages"])
-        block_m, base = block_m or prefill_tiles["BLOCK_M"], {**base, "block_n": base["block_n"] or prefill_tiles["BLOCK_N"]}
-    spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m)
-    c = spec.constexprs()
+    spec, c, launch = _prefill_launch(base, causal, block_m, _tiles_key(prefill_tiles))
     tiles, heavy_first = cdiv(max_seqlen_q, c["BLOCK_Q"]), N <= HEAVY_FIRST_SEQS
     grid = (Hkv, N, tiles) if heavy_first else (tiles, N, Hkv)
     compiled(spec).paged_attention_prefill_kernel[grid](
         out, *tensors, *strides, scale * LOG2E, window, int(heavy_first), **c, **launch)
 
 
-def _decode(q, kv_cache, quantized, qsl, seq_lens, block_tables, out, scale, window, max_seqlen_k, context_limit,
+def _decode(q, kv_cache, quantized, qsl, seq_lens, block_tables, N, out, scale, window, max_seqlen_k, context_limit,
             partition_size, decode_tiles, base) -> None:
-    """paged_attention's split-K decode launch over every sequence of qsl (one new token each, at its last
-    position, so causal masks nothing)."""
-    N, Hkv, Hq = seq_lens.shape[0], kv_cache.shape[3], q.shape[1]
+    """paged_attention's split-K decode launch over the first N sequences of qsl (one new token each, at its
+    last position, so causal masks nothing)."""
+    Hkv, Hq = kv_cache.shape[3], q.shape[1]
     tensors, strides = _pointers_and_strides(q, kv_cache, quantized, qsl, seq_lens, block_tables, out)
-    launch = dict(num_warps=4, num_stages=2)
-    if decode_tiles:
-        launch = dict(num_warps=decode_tiles["num_warps"], num_stages=decode_tiles["num_stages"])
-        base = {**base, "block_n": base["block_n"] or decode_tiles["BLOCK_N"]}
-    tile_n = PagedAttentionSpec(**base, mode="decode").tiles()[1]
+    tile_n, launch, one, split, c = _decode_launch(base, _tiles_key(decode_tiles))
     partition = partition_size or decode_partition(max(context_limit, max_seqlen_k), tile_n)
     assert partition % tile_n == 0, f"partition_size {partition} must be a multiple of the key tile {tile_n}"
     splits = cdiv(max(max_seqlen_k, 1), partition)
-    spec = PagedAttentionSpec(**base, mode="decode", split=splits > 1)
-    mod, c = compiled(spec), spec.constexprs()
+    mod = compiled(split if splits > 1 else one)
     # partials: [N, Hq, splits] running max / sum and [N, Hq, splits, BLOCK_D] unnormalized output, fp32
     m_part = torch.empty((N, Hq, splits), dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
