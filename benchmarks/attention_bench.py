@@ -133,9 +133,9 @@ def main() -> None:
         print("\n# mixed steps: best launch with the decodes in the prefill kernel, and split onto the decode kernel")
         for case in dict.fromkeys(r["case"] for r in rows if "decodes split" in r["launch"]):
             one, two = ([r for r in rows if r["case"] == case and ("decodes split" in r["launch"]) == s] for s in (0, 1))
-            a, b = min(one, key=lambda r: r["us"]), min(two, key=lambda r: r["us"])
-            print(f"{case:44s} {a['us']:8.1f} us ({a['launch']})  {b['us']:8.1f} us ({b['launch']})  "
-                  f"x{a['us'] / b['us']:.2f}")
+            x, y = min(one, key=lambda r: r["us"]), min(two, key=lambda r: r["us"])
+            print(f"{case:44s} {x['us']:8.1f} us ({x['launch']})  {y['us']:8.1f} us ({y['launch']})  "
+                  f"x{x['us'] / y['us']:.2f}")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / f"attention_bench_{a.shape}.json").write_text(json.dumps(dict(copy_bw=bw, rows=rows), indent=1))
