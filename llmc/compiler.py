@@ -6,7 +6,6 @@ import functools
 import inspect
 import itertools
 import logging
-import random
 import tempfile
 import time
 from pathlib import Path
@@ -351,11 +350,12 @@ def _tune_kernels(graph: Graph, tuner, bar) -> None:
         log.warning("attention tuning failed (%s: %s); the default launch is kept", type(e).__name__, e)
 
 
-# the decode attention tuning's two steps: batch 1 over 512 keys, and a mixed workload's decode step of 128
-# sequences over 128 to 1,536 keys (seeded). On an H200 (benchmarks/attention_bench.py, 2026-12-04) the launch that
-# won 1 x 512 plus 64 x 1,024 (the previous pair; 128-key tiles, 8 warps for the 8B shape) ran such a step 1.12x
-# slower than 64-key tiles on 4 warps, which lose 1.5 us of 10 at batch 1
-DECODE_TUNING_CONTEXTS = ([512], [random.Random(0).randint(128, 1536) for _ in range(128)])
+# the decode attention tuning's two steps: batch 1 over 512 keys and 64 sequences over 1,024. On an H200
+# (benchmarks/attention_bench.py, 2026-12-04) the launch they choose for the 8B shape (128-key tiles, 8 warps) runs
+# a mixed workload's decode step of 128 ragged contexts 1.12x slower than 32- or 64-key tiles on 4 warps, which
+# lose 1.5-4 us of 8-10 at batch 1; a tuning that timed that step in place of 64 x 1,024 chose 32-key tiles, and the
+# 8B batch-1 decode measured 207 tok/s with them (221 on the machine before), so batch 1 keeps its weight here
+DECODE_TUNING_CONTEXTS = ([512], [1024] * 64)
 
 
 def _tune_attention(graph: Graph, tuner, bar) -> None:
@@ -363,8 +363,8 @@ def _tune_attention(graph: Graph, tuner, bar) -> None:
     keep the defaults). One choice serves every batch, so a sequence's sums do not depend on its batch.
 
     - decode (key tile, pipeline depth, warps: attention.DECODE_TILE_CANDIDATES), timed on two steps summed
-      (DECODE_TUNING_CONTEXTS): one sequence of 512 keys (batch-1 decode) and 128 of ragged lengths (a large
-      batch), with the splits the runtime's CUDA graphs use;
+      (DECODE_TUNING_CONTEXTS): one sequence of 512 keys (batch-1 decode) and 64 of 1,024 (a large batch),
+      with the splits the runtime's CUDA graphs use;
     - prefill (query and key tiles, depth, warps: attention.PREFILL_TILE_CANDIDATES), timed on a fresh
       2,048-token prompt plus four 512-token chunks over 1,024 keys (a mixed step's decodes run on the
       decode kernel)."""
