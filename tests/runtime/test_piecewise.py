@@ -92,3 +92,32 @@ def test_on_by_default_except_on_a_tensor_parallel_shard(llama_artifact, monkeyp
     assert made(shard).mixed_graphs
     monkeypatch.setenv("LLMC_MIXED_GRAPHS", "0")
     assert not made(g).mixed_graphs
+
+
+def test_a_mixed_steps_leading_decodes_take_the_decode_kernel(llama_artifact, monkeypatch):
+    """The executor hands attention the step's leading one-token rows (decode_rows) and the decode graphs' context
+    limit; with LLMC_SPLIT_DECODES=0 none. Either way the logits agree (fp32: the two kernels' sums differ only
+    in rounding)."""
+    import llmc.codegen.attention as attention
+    seen, real = [], attention.paged_attention
+
+    def spy(*args, **kw):
+        seen.append((kw.get("decode_rows"), kw.get("context_limit")))
+        return real(*args, **kw)
+    monkeypatch.setattr(attention, "paged_attention", spy)
+    step = [StepInput([50], 9, [0, 1, 2], 1), StepInput([51], 5, [3, 4], 1),
+            StepInput([7, 8, 9, 10], 0, [5, 6], 1, True), StepInput([52], 3, [7], 1)]
+    outs = {}
+    for split in ("1", "0"):
+        monkeypatch.setenv("LLMC_SPLIT_DECODES", split)
+        ex = make_executor(llama_artifact.graph, "triton-interpret", num_blocks=32, block_size=4, max_model_len=64)
+        for warm in ([StepInput(list(range(3, 12)), 0, [0, 1, 2], 1, True), StepInput([40, 41, 42, 43, 44], 0, [3, 4],
+                                                                                          1, True)],
+                     [StepInput([5, 6, 7], 0, [7], 1, True)]):
+            ex.outputs(ex.build_inputs(warm), warm)  # the decodes' context in the cache
+        seen.clear()
+        outs[split] = ex.outputs(ex.build_inputs(step), step)[0]
+        layers = sum(n.op in ("attend_paged", "paged_attention") for n in llama_artifact.graph.nodes)
+        # the two leading decodes only: the one after the prompt chunk stays in the prefill kernel's launch
+        assert seen == [(2 if split == "1" else 0, 64)] * layers
+    assert (outs["1"] - outs["0"]).abs().max() <= 1e-5 * outs["0"].abs().max()
