@@ -401,6 +401,30 @@ print('$var=$v $w', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttft_ms_
                         | tee -a "$OUT/ab_mixed.log"
                 done
             done ;;
+        mixed-factors)
+            # what separates a tuned artifact's mixed workload from an untuned one's (cuBLAS for every linear, the
+            # attention kernels' default launches, the default 2,048-token budget), one factor at a time, on one
+            # random model: each row a fresh `llmc bench` process (128 requests at once)
+            rm -rf /tmp/tmp* /tmp/mf && mkdir -p /tmp/mf
+            python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import llmc; from decode_bench import random_model; \
+hf = random_model('${SHAPE:-8b}', '/tmp/mf/hf'); llmc.compile(str(hf), '/tmp/mf/t.llmc', dtype='bfloat16'); \
+llmc.compile(str(hf), '/tmp/mf/u.llmc', dtype='bfloat16', tune=False)" >"$OUT/mixed_factors.log" 2>&1
+            run_mf() {  # NAME ARTIFACT [bench options]
+                local name=$1 art=$2; shift 2
+                python3 -m llmc bench "$art" --workload mixed --num-requests 128 --max-num-seqs 128 --json "$@" \
+                    >"$OUT/mf_$name.json" 2>>"$OUT/mixed_factors.log"
+                python3 -c "import json; d = json.load(open('$OUT/mf_$name.json')); print('$name', \
+{k: round(d[k], 3) for k in ('out_tok_s', 'ttft_ms_p50', 'itl_ms_p50', 'itl_ms_p99', 'gpu_busy') if k in d})" \
+                    | tee -a "$OUT/mixed_factors.log"
+            }
+            run_mf tuned /tmp/mf/t.llmc
+            run_mf untuned /tmp/mf/u.llmc
+            run_mf tuned-budget2048 /tmp/mf/t.llmc --max-num-batched-tokens 2048
+            python3 -c "import json; p = '/tmp/mf/t.llmc/tuning.json'; d = json.load(open(p)); \
+d['kernels'] = {k: v for k, v in d['kernels'].items() if not k.startswith('paged_attention_decode')}; \
+json.dump(d, open(p, 'w'))"
+            run_mf tuned-budget2048-decode-attn-default /tmp/mf/t.llmc --max-num-batched-tokens 2048
+            run_mf tuned-decode-attn-default /tmp/mf/t.llmc ;;
         tree-ab)
             base=$(cd "${BASE:?BASE=DIR: an older tree, llmc/ at its top}" && pwd)
             here=$(pwd)
@@ -485,6 +509,6 @@ print('mixed tokens=$t', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttf
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, spec-b1, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, compile-ab, compile-spy, step-profile, prefill-flags, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, mixed-ab, warm-up, issue-bench, overlap, tuned-check, tuned-table, tree-ab, kernels, e2e)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, spec-b1, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, compile-ab, compile-spy, step-profile, prefill-flags, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, mixed-ab, warm-up, issue-bench, overlap, mixed-factors, tuned-check, tuned-table, tree-ab, kernels, e2e)" ;;
     esac
 done
