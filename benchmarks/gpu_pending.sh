@@ -402,9 +402,11 @@ print('$var=$v $w', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttft_ms_
                 done
             done ;;
         mixed-factors)
-            # what separates a tuned artifact's mixed workload from an untuned one's (cuBLAS for every linear, the
-            # attention kernels' default launches, the default 2,048-token budget), one factor at a time, on one
-            # random model: each row a fresh `llmc bench` process (128 requests at once)
+            # a tuned artifact's mixed workload against an untuned one's (cuBLAS for every linear, the attention
+            # kernels' default launches, no measured budget), and the tuned one under the per-step budget
+            # (LLMC_STEP_BUDGET=1) and its measured budget every step: one random model, each row a fresh
+            # `llmc bench` process (128 requests at once). An artifact's files are checked against its manifest,
+            # so its tuning.json cannot be edited between rows
             rm -rf /tmp/tmp* /tmp/mf && mkdir -p /tmp/mf
             python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import llmc; from decode_bench import random_model; \
 hf = random_model('${SHAPE:-8b}', '/tmp/mf/hf'); llmc.compile(str(hf), '/tmp/mf/t.llmc', dtype='bfloat16'); \
@@ -419,12 +421,9 @@ llmc.compile(str(hf), '/tmp/mf/u.llmc', dtype='bfloat16', tune=False)" >"$OUT/mi
             }
             run_mf tuned /tmp/mf/t.llmc
             run_mf untuned /tmp/mf/u.llmc
-            run_mf tuned-budget2048 /tmp/mf/t.llmc --max-num-batched-tokens 2048
-            python3 -c "import json; p = '/tmp/mf/t.llmc/tuning.json'; d = json.load(open(p)); \
-d['kernels'] = {k: v for k, v in d['kernels'].items() if not k.startswith('paged_attention_decode')}; \
-json.dump(d, open(p, 'w'))"
-            run_mf tuned-budget2048-decode-attn-default /tmp/mf/t.llmc --max-num-batched-tokens 2048
-            run_mf tuned-decode-attn-default /tmp/mf/t.llmc ;;
+            LLMC_STEP_BUDGET=1 run_mf tuned-step-budget /tmp/mf/t.llmc
+            run_mf tuned-budget-measured /tmp/mf/t.llmc --max-num-batched-tokens "$(python3 -c "import json; \
+print(json.load(open('/tmp/mf/t.llmc/tuning.json')).get('token_budget', {}).get('tokens', 2048))")" ;;
         tree-ab)
             base=$(cd "${BASE:?BASE=DIR: an older tree, llmc/ at its top}" && pwd)
             here=$(pwd)

@@ -127,6 +127,7 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
 def inspect(artifact, ir, kernels, as_json, show_plan, plugins):
     """Show what ARTIFACT holds: manifest, passes applied, op counts, parameter bytes."""
     import llmc
+    from llmc.runtime.config import DEFAULT_TOKEN_BUDGET
     options.load_plugins(plugins)
     art = llmc.load(artifact)
     if ir:
@@ -154,11 +155,9 @@ def inspect(artifact, ir, kernels, as_json, show_plan, plugins):
     click.echo(f"params     {s['num_params']:,}")
     if s.get("token_budget"):
         b = s["token_budget"]
-        click.echo(f"tokens     {b['tokens']} per step by default (the fewest at which the GEMMs run within "
-                   f"{b['slack']}x of their best time per token, as measured at compile)")
-        if b.get("hbm_gb_s"):
-            click.echo(f"           more where decodes share a step with prompt work, to spread their K/V reads "
-                       f"(HBM measured at {b['hbm_gb_s']:,.0f} GB/s)")
+        click.echo(f"tokens     {max(b['tokens'], DEFAULT_TOKEN_BUDGET)} per step by default ({b['tokens']}: the fewest at "
+                   f"which the GEMMs run within {b['slack']}x of their best time per token, as measured at compile; "
+                   f"{DEFAULT_TOKEN_BUDGET} at least)")
     for dt, n in s["param_bytes_by_dtype"].items():
         click.echo(f"  {dt:8s} {n:>14,} bytes")
     click.echo("passes")

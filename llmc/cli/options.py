@@ -93,11 +93,9 @@ def engine_options(seqs_help: str = "Sequences batched per step.", speculative: 
         click.option("--device", default=None, help="cpu or cuda (default: cuda when present)."),
         click.option("--max-num-seqs", default=ENGINE_DEFAULTS.max_num_seqs, show_default=True, help=seqs_help),
         click.option("--max-num-batched-tokens", default=None, type=int,
-                     help="Token budget per step (a longer prompt is computed in chunks); fixed when given. "
-                          "Default: the budget the compile measured on the GPU (the fewest tokens at which the "
-                          "GEMMs reach full speed; `llmc inspect`), 2048 at least for a step with no decode "
-                          "waiting, and for a step whose decodes share it with prompt work as many as spread "
-                          "their K/V reads and rows over the prompt chunk; else 2048."),
+                     help="Token budget per step (a longer prompt is computed in chunks). Default: the budget "
+                          "the compile measured on the GPU (the fewest tokens at which the GEMMs reach full "
+                          "speed; `llmc inspect`), 2048 at least."),
         click.option("--block-size", default=ENGINE_DEFAULTS.block_size, show_default=True,
                      help="KV cache slots per block (a power of two on the kernel backends)."),
         click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory)."),

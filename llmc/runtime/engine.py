@@ -160,15 +160,20 @@ class LLMEngine:
         self.block_manager = BlockManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           cfg.num_cpu_blocks)
         prefill_budget = step_budget = None
-        if cfg.max_num_batched_tokens is None:  # the compile's measured budget, enough for a decode of every seq
-            cfg.max_num_batched_tokens = max(token_budget(artifact.tuning), cfg.max_num_seqs)
-            # a step with no decode waiting takes prompts in chunks of the default budget at least (the
-            # measured one bounds decodes' waits: a prompt alone in smaller chunks only reads the weights
-            # more often); one with decodes, as many as spread their cost (StepBudget)
-            prefill_budget = max(cfg.max_num_batched_tokens, DEFAULT_TOKEN_BUDGET)
-            if os.environ.get("LLMC_STEP_BUDGET", "1") != "0":  # 0: the fixed budget (for comparisons)
+        if cfg.max_num_batched_tokens is None:
+            # the compile's measured budget, at least the default and enough for a decode of every sequence. On
+            # an H200 the 8B shape's measured 512 tokens, a floor under the per-step budget below, ran the mixed
+            # workload 1.31x slower than 2,048 tokens every step (benchmarks/RESULTS.md, 2026-12-04): its first
+            # steps, with few decodes, took prompts in small chunks, so the prompts finished later and the
+            # decodes that follow them ran in a longer tail of small steps
+            measured = max(token_budget(artifact.tuning), cfg.max_num_seqs)
+            cfg.max_num_batched_tokens = max(measured, DEFAULT_TOKEN_BUDGET)
+            if os.environ.get("LLMC_STEP_BUDGET", "0") == "1":
+                # opt-in: the measured budget for steps with decodes, grown per step to spread their cost
+                # (StepBudget), and the default for a step with none
+                prefill_budget, cfg.max_num_batched_tokens = cfg.max_num_batched_tokens, measured
                 kv_per_token = self.executor.kv_bytes / max(1, self.executor.num_blocks * cfg.block_size)
-                step_budget = StepBudget.of(artifact.tuning, kv_per_token, cfg.max_num_batched_tokens)
+                step_budget = StepBudget.of(artifact.tuning, kv_per_token, measured)
         budget = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else max(cfg.max_num_batched_tokens,
                                                                                       self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, budget, cfg.enable_chunked_prefill,

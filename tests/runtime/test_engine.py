@@ -282,10 +282,11 @@ def test_an_engine_run_on_decode_graphs_gives_the_eager_runs_tokens(tiny_py_arti
         assert [[c.token_ids for c in o.outputs] for o in g] == [[c.token_ids for c in o.outputs] for o in w]
 
 
-def test_the_token_budget_is_the_one_the_compile_measured(llama_artifact):
+def test_the_token_budget_is_the_one_the_compile_measured_and_2048_at_least(llama_artifact, monkeypatch):
     """max_num_batched_tokens left unset: the artifact's measured budget (tuning.json "token_budget"), at least
-    max_num_seqs, and 2048 at least for a step with no decode; 2048 where none was measured (a CPU compile); an
-    explicit value always wins, for every step."""
+    max_num_seqs and the default 2048, for every step; 2048 where none was measured (a CPU compile); an explicit
+    value always wins. LLMC_STEP_BUDGET=1: the measured budget itself for steps with decodes, 2048 at least for
+    a step with none."""
     import copy
 
     from llmc.compiler import choose_token_budget
@@ -295,23 +296,27 @@ def test_the_token_budget_is_the_one_the_compile_measured(llama_artifact):
     assert choose_token_budget({256: 1.0, 512: 2.5}) == 256
     assert token_budget(None) == token_budget({}) == token_budget({"token_budget": {"tokens": "x"}}) == \
         DEFAULT_TOKEN_BUDGET == 2048
-    art = copy.copy(llama_artifact)
+    art, big = copy.copy(llama_artifact), copy.copy(llama_artifact)
     art.tuning = {**llama_artifact.tuning, "token_budget": {"tokens": 512, "slack": 1.1, "gemm_ms": {}}}
+    big.tuning = {**llama_artifact.tuning, "token_budget": {"tokens": 4096, "slack": 1.1, "gemm_ms": {}}}
 
     def budget(a, **kw):
         config = LLM(a, backend="reference", num_blocks=16, block_size=4, **kw).engine.scheduler.config
         return config.max_num_batched_tokens, config.max_prefill_tokens
+    assert budget(art) == (2048, None) and budget(art, max_num_seqs=3000) == (3000, None)
+    assert budget(big) == (4096, None) and budget(llama_artifact) == (2048, None)
+    assert budget(art, max_num_batched_tokens=64) == (64, None)
+    assert art.summary()["token_budget"]["tokens"] == 512
+    monkeypatch.setenv("LLMC_STEP_BUDGET", "1")
     assert budget(art) == (512, 2048) and budget(art, max_num_seqs=600) == (600, 2048)
     assert budget(art, max_num_batched_tokens=64) == (64, None)
-    assert budget(llama_artifact) == (2048, 2048)
-    assert art.summary()["token_budget"]["tokens"] == 512
 
 
 def test_steps_with_decodes_take_the_budget_the_measured_costs_give(llama_artifact, monkeypatch):
-    """An artifact whose compile measured its GEMMs at several sizes and the HBM rate gets a per-step
-    budget (StepBudget): its floor is the measured budget, its K/V cost the cache's bytes per token at
-    that rate. An explicit max_num_batched_tokens, LLMC_STEP_BUDGET=0 or an older artifact keeps the fixed
-    budget."""
+    """With LLMC_STEP_BUDGET=1, an artifact whose compile measured its GEMMs at several sizes and the HBM rate
+    gets a per-step budget (StepBudget): its floor is the measured budget, its K/V cost the cache's bytes per
+    token at that rate. By default, with an explicit max_num_batched_tokens or for an older artifact: the
+    fixed budget."""
     import copy
 
     from llmc.runtime.config import StepBudget
@@ -322,6 +327,8 @@ def test_steps_with_decodes_take_the_budget_the_measured_costs_give(llama_artifa
     def step_budget(a, **kw):
         eng = LLM(a, backend="reference", num_blocks=16, block_size=4, **kw).engine
         return eng, eng.scheduler.config.step_budget
+    assert step_budget(art)[1] is None
+    monkeypatch.setenv("LLMC_STEP_BUDGET", "1")
     eng, b = step_budget(art)
     assert isinstance(b, StepBudget) and b.floor == 1024
     assert b.gemm_ms == tuple((int(m), t) for m, t in gemm.items())
@@ -331,8 +338,6 @@ def test_steps_with_decodes_take_the_budget_the_measured_costs_give(llama_artifa
     old = copy.copy(art)
     old.tuning = {**art.tuning, "token_budget": {"tokens": 1024, "gemm_ms": gemm}}
     assert step_budget(old)[1] is None and step_budget(llama_artifact)[1] is None
-    monkeypatch.setenv("LLMC_STEP_BUDGET", "0")
-    assert step_budget(art)[1] is None
 
 
 def test_the_step_budget_spreads_the_decodes_cost_over_the_prompt_chunk():
