@@ -73,6 +73,9 @@
 #                                                     #   references (norm, elementwise, matmul, sampling; attention by
 #                                                     #   scripts/gpu_check_attention.py --quick;
 #                                                     #   PDL on as by default on Hopper, LLMC_PDL=0 to compare)
+#   bash benchmarks/gpu_pending.sh OUT mixed-factors  # issue 20: a tuned and an untuned artifact of one random model
+#                                                     #   on the mixed workload, then the tuned one under the per-step
+#                                                     #   budget (LLMC_STEP_BUDGET=1) and its measured budget (SHAPE)
 #   bash benchmarks/gpu_pending.sh OUT compile-cold   # issue 20: a cold 8B compile (empty Triton and llmc caches)
 #                                                     #   and its load, candidates warmed up on threads, then with
 #                                                     #   LLMC_TUNE_THREADS=0 (COLD_THREADS="default" for the first only;
