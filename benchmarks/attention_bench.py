@@ -64,6 +64,22 @@ def label(cfg: dict) -> str:
     return "/".join(f"{k.removeprefix('BLOCK_').removeprefix('num_')[0].lower()}{v}" for k, v in cfg.items())
 
 
+def print_decode_objectives(rows: list[dict]) -> None:
+    """The decode tuning's objective (compiler.DECODE_TUNING_CONTEXTS: 1 x 512 plus 64 x 1,024, summed) against one
+    that adds a mixed workload's decode step (128 ragged contexts): each launch's sum, with the graphs' splits."""
+    objectives = {"1 x 512 + 64 x 1024": ("1 x 512", "64 x 1024"),
+                  "+ 128 ragged": ("1 x 512", "64 x 1024", "128 ragged, U[128, 1536]")}
+    us = {(r["case"], r["launch"]): r["us"] for r in rows if r["kind"] == "decode" and "splits for" not in r["launch"]}
+    launches = list(dict.fromkeys(launch for case, launch in us if case == "1 x 512"))
+    if not launches:
+        return
+    print("\n# decode tuning objectives: each launch's summed us (graph splits)")
+    for name, cases in objectives.items():
+        sums = {launch: sum(us[c, launch] for c in cases) for launch in launches}
+        best = min(sums, key=sums.get)
+        print(f"{name:22s} " + "  ".join(f"{k} {v:.1f}" for k, v in sums.items()) + f"  -> {best}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
@@ -129,6 +145,7 @@ def main() -> None:
     for (kind, case), r in best.items():
         default = next(x for x in rows if (x["kind"], x["case"]) == (kind, case) and x["launch"] == "default")
         print(f"{kind:8s} {case:40s} {r['launch']:26s} {r['us']:9.1f} us  x{default['us'] / r['us']:.2f} default")
+    print_decode_objectives(rows)
     if any("decodes split" in r["launch"] for r in rows):
         print("\n# mixed steps: best launch with the decodes in the prefill kernel, and split onto the decode kernel")
         for case in dict.fromkeys(r["case"] for r in rows if "decodes split" in r["launch"]):
