@@ -69,7 +69,8 @@ def print_decode_objectives(rows: list[dict]) -> None:
     that adds a mixed workload's decode step (128 ragged contexts): each launch's sum, with the graphs' splits."""
     objectives = {"1 x 512 + 64 x 1024": ("1 x 512", "64 x 1024"),
                   "+ 128 ragged": ("1 x 512", "64 x 1024", "128 ragged, U[128, 1536]")}
-    us = {(r["case"], r["launch"]): r["us"] for r in rows if r["kind"] == "decode" and "splits for" not in r["launch"]}
+    us = {(r["case"], r["launch"]): r["us"] for r in rows if r["kind"] == "decode" and "splits for" not in r["launch"]
+          and "partition" not in r["launch"]}
     launches = list(dict.fromkeys(launch for case, launch in us if case == "1 x 512"))
     if not launches:
         return
@@ -80,11 +81,32 @@ def print_decode_objectives(rows: list[dict]) -> None:
         print(f"{name:22s} " + "  ".join(f"{k} {v:.1f}" for k, v in sums.items()) + f"  -> {best}")
 
 
+def print_partitions(rows: list[dict]) -> None:
+    """Per decode case, the best launch at each keys-per-split (256: the runtime's, the default rows)."""
+    parts = sorted({int(r["launch"].rsplit(" ", 1)[1]) for r in rows if "partition" in r["launch"]})
+    if not parts:
+        return
+    print("\n# decode: the best launch at each keys-per-split (graph splits)")
+    for case in dict.fromkeys(r["case"] for r in rows if r["kind"] == "decode"):
+        best = {}
+        for r in rows:
+            if r["kind"] != "decode" or r["case"] != case or "splits for" in r["launch"]:
+                continue
+            part = int(r["launch"].rsplit(" ", 1)[1]) if "partition" in r["launch"] else 256
+            if part not in best or r["us"] < best[part]["us"]:
+                best[part] = r
+        print(f"{case:28s} " + "  ".join(f"{k}: {v['us']:.1f} us ({v['launch'].split(',')[0]})"
+                                          for k, v in sorted(best.items())))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill cases")
+    ap.add_argument("--partitions", default="", metavar="P,P",
+                    help="also time the decode cases with these keys per split (each launch whose key tile divides "
+                         "P; the runtime's is 256 up to 32 Ki keys: attention.decode_partition)")
     a = ap.parse_args()
     Hq, Hkv, D = SHAPES[a.shape]
     dtype, g = torch.bfloat16, torch.Generator(device="cuda").manual_seed(0)
@@ -102,6 +124,13 @@ def main() -> None:
                                                max_seqlen_k=longest, out=out, decode_tiles=cfg))
             launch = (label(cfg) if cfg else "default") + ("" if longest == 4096 else f", splits for {longest}")
             rows.append(dict(kind="decode", case=name, launch=launch, us=us, of_bandwidth=kv_bytes / (us * 1e-6) / bw))
+        # other partitions (a global constant: every batch would split a context the same way), graph splits
+        for part in (int(x) for x in a.partitions.split(",") if x):
+            for cfg in (c for c in DECODE_TILE_CANDIDATES if part % c["BLOCK_N"] == 0):
+                us = timed(lambda: paged_attention(q, kv, qsl, lens, tables, D ** -0.5, max_seqlen_q=1,
+                                                   max_seqlen_k=4096, out=out, decode_tiles=cfg, partition_size=part))
+                rows.append(dict(kind="decode", case=name, launch=f"{label(cfg)}, partition {part}", us=us,
+                                 of_bandwidth=kv_bytes / (us * 1e-6) / bw))
         del kv
     for name, (new, ctx) in PREFILL_CASES.items():
         q, kv, qsl, lens, tables, out = _attention_step(g, new, ctx, Hq, Hkv, D, dtype)
@@ -146,6 +175,7 @@ def main() -> None:
         default = next(x for x in rows if (x["kind"], x["case"]) == (kind, case) and x["launch"] == "default")
         print(f"{kind:8s} {case:40s} {r['launch']:26s} {r['us']:9.1f} us  x{default['us'] / r['us']:.2f} default")
     print_decode_objectives(rows)
+    print_partitions(rows)
     if any("decodes split" in r["launch"] for r in rows):
         print("\n# mixed steps: best launch with the decodes in the prefill kernel, and split onto the decode kernel")
         for case in dict.fromkeys(r["case"] for r in rows if "decodes split" in r["launch"]):

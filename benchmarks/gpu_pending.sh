@@ -38,7 +38,8 @@
 #                                                     #   (TOOLS/llmc_profile.py, TOOLS default ../shared/tools; SHAPES
 #                                                     #   default 8b; N requests)
 #   bash benchmarks/gpu_pending.sh OUT attention      # issue 20: paged attention launches against the bounds
-#                                                     #   (benchmarks/attention_bench.py; SHAPES, default "8b 1b")
+#                                                     #   (benchmarks/attention_bench.py; SHAPES, default "8b 1b";
+#                                                     #   PARTITIONS="64,128,512": decode keys per split besides 256)
 #   bash benchmarks/gpu_pending.sh OUT ab-mixed       # issue 20: TTFT and mixed workload with VAR=0 and =1 alternating
 #                                                     #   (default LLMC_PREFILL_TILES; LLMC_LONG_PREFILL_GRAPHS:
 #                                                     #   a lone prompt of up to 2,048 tokens on a step graph;
@@ -382,7 +383,8 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
             done ;;
         attention)
             for shape in ${SHAPES:-8b 1b}; do
-                python3 benchmarks/attention_bench.py --shape $shape --out "$OUT" >"$OUT/attention_$shape.log" 2>&1
+                python3 benchmarks/attention_bench.py --shape $shape --out "$OUT" --partitions "${PARTITIONS:-}" \
+                    >"$OUT/attention_$shape.log" 2>&1
                 grep -E 'sdpa' "$OUT/attention_$shape.log"; sed -n '/best llmc launch/,$p' "$OUT/attention_$shape.log"
             done ;;
         ab-mixed)
