@@ -95,7 +95,9 @@ def engine_options(seqs_help: str = "Sequences batched per step.", speculative: 
         click.option("--max-num-batched-tokens", default=None, type=int,
                      help="Token budget per step (a longer prompt is computed in chunks). Default: the budget "
                           "the compile measured on the GPU (the fewest tokens at which the GEMMs reach full "
-                          "speed; `llmc inspect`), 2048 at least."),
+                          "speed; `llmc inspect`), 2048 at least. On a GPU a step with prompt work runs on the "
+                          "CUDA graphs of the smallest power of two (16 to 8192) that holds it: a power of two "
+                          "wastes no rows."),
         click.option("--block-size", default=ENGINE_DEFAULTS.block_size, show_default=True,
                      help="KV cache slots per block (a power of two on the kernel backends)."),
         click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory)."),

@@ -84,6 +84,11 @@ class StepBudget:
     is within `slack` of the best. Many decodes with long contexts take larger chunks; a few short ones
     keep near `floor` (the compile's budget), so their wait stays short.
 
+    Opt-in (`LLMC_STEP_BUDGET=1`): a step of d decodes beside a power-of-two chunk holds d more tokens than the
+    chunk, so on a GPU it runs on the piecewise graphs of twice the chunk (their GEMMs over up to twice its
+    rows). On an H200 the 8B shape's mixed workload ran 1.31x slower under it than at 2,048 tokens a step
+    (benchmarks/RESULTS.md, 2026-12-04; benchmarks/schedule_sim.py).
+
     Example:
         >>> b = StepBudget(((256, 1.0), (512, 1.6), (1024, 3.0), (2048, 5.9)), kv_ms_per_token=1e-4, floor=512)
         >>> b(0, 0), b(128, 600_000)

@@ -163,9 +163,9 @@ class LLMEngine:
         if cfg.max_num_batched_tokens is None:
             # the compile's measured budget, at least the default and enough for a decode of every sequence. On
             # an H200 the 8B shape's measured 512 tokens, a floor under the per-step budget below, ran the mixed
-            # workload 1.31x slower than 2,048 tokens every step (benchmarks/RESULTS.md, 2026-12-04): its first
-            # steps, with few decodes, took prompts in small chunks, so the prompts finished later and the
-            # decodes that follow them ran in a longer tail of small steps
+            # workload 1.31x slower than 2,048 tokens every step (benchmarks/RESULTS.md, 2026-12-04): its steps
+            # of 128 decodes beside a 4,096-token chunk ran on the 8,192-token piecewise graphs, their GEMMs over
+            # twice the rows (benchmarks/schedule_sim.py), where a power-of-two budget fills its bucket
             measured = max(token_budget(artifact.tuning), cfg.max_num_seqs)
             cfg.max_num_batched_tokens = max(measured, DEFAULT_TOKEN_BUDGET)
             if os.environ.get("LLMC_STEP_BUDGET", "0") == "1":

@@ -1,0 +1,148 @@
+"""The mixed workload's schedule under a token budget, replayed on the CPU, and its GPU time estimated.
+
+The engine runs with its model replaced by an instant stub (`engine_host_bench.stubbed_engine`, on a tiny random
+Llama with a 4,096-token context), so the scheduler makes exactly the steps it would make for `llmc bench
+--workload mixed` (the same request lengths: `llmc.serve.bench.workload_lengths`). Each step's tokens, decodes and
+K/V contexts are recorded, and a cost model of the 8B shape on an H200 prices them:
+
+- GEMMs: the compile's measured milliseconds of every linear at 256 to 8,192 rows (tuning.json "token_budget",
+  `GEMM_MS_8B`, measured 2026-12-04), linear between sizes; below 256 rows from the weights' read (`WEIGHTS_MS`)
+  up to the 256-row time;
+- decode attention: the K/V each decode reads, at `KV_TB_S` (the decode kernel's rate on a 128-sequence ragged
+  step, benchmarks/attention_bench.py); prompt attention at `PREFILL_TFLOPS`;
+- the rest (norms, rope, elementwise, LM head, sampling): `STEP_MS` a step plus `TOKEN_US` a token;
+- a step with prompt work runs its GEMMs over its token bucket's rows (piecewise graphs pad a step to the
+  smallest of 16, 32, ..., 8,192 tokens that holds it), a decode step over its batch bucket's
+  ("rows/real": the padded rows of the prompt steps over their real tokens; "unpadded": the estimate without).
+
+It is a model, for comparing schedules: the figures it gives are estimates, not measurements. On 2026-12-04 the
+H200 ran the 8B mixed workload in 7.29 s under the measured budget with the per-step budget and 5.57 s at 2,048
+tokens a step (benchmarks/RESULTS.md); `--check` prints the model's figures for those two beside them.
+
+    python3 benchmarks/schedule_sim.py [--budgets 1024,2048,4096] [--step-budget] [--check]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GEMM_MS_8B = {256: 5.6544, 512: 9.4168, 1024: 18.1718, 2048: 35.8067, 4096: 71.3627, 8192: 141.2697}
+MEASURED_BUDGET_8B, HBM_GB_S_8B = 512, 2713.5  # the same compile's token budget and HBM rate
+WEIGHTS_MS = 3.6  # 15 GB of weights (the LM head's included) at 4.2 TB/s
+KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # 32 layers, K and V, 8 kv heads of 128, bf16
+KV_TB_S = 3.5  # 82% of the copy bandwidth (4.25 TB/s)
+PREFILL_TFLOPS, LAYERS, HEADS, HEAD_DIM = 300.0, 32, 32, 128
+STEP_MS, TOKEN_US = 0.3, 1.35
+MEASURED = {"measured budget + per-step budget": 7.29, "2048": 5.57}
+
+
+def gemm_ms(rows: int) -> float:
+    pts = sorted(GEMM_MS_8B.items())
+    if rows <= pts[0][0]:
+        return WEIGHTS_MS + (pts[0][1] - WEIGHTS_MS) * rows / pts[0][0]
+    for (m0, t0), (m1, t1) in zip(pts, pts[1:]):
+        if rows <= m1:
+            return t0 + (t1 - t0) * (rows - m0) / (m1 - m0)
+    (m0, t0), (m1, t1) = pts[-2], pts[-1]
+    return t1 + (t1 - t0) * (rows - m1) / (m1 - m0)
+
+
+def padded(entries: list[tuple[int, int]]) -> int:
+    """The rows a step's GEMMs run: a step with prompt work runs on the piecewise graphs of the smallest token
+    bucket that holds it (llmc/runtime/piecewise.py); decode steps on their decode graph's batch bucket."""
+    from llmc.runtime.piecewise import MIXED_BUCKETS
+    from llmc.runtime.step_graphs import DECODE_BUCKETS
+    tokens = sum(n for n, _ in entries)
+    buckets = MIXED_BUCKETS if any(n > 1 for n, _ in entries) else DECODE_BUCKETS
+    return next((b for b in buckets if b >= tokens), tokens)
+
+
+def step_ms(entries: list[tuple[int, int]], pad: bool = True) -> float:
+    """Estimated milliseconds of one step: entries are (new tokens, context after the step) per sequence."""
+    tokens = padded(entries) if pad else sum(n for n, _ in entries)
+    kv = sum(ctx for n, ctx in entries if n == 1) * KV_BYTES_PER_TOKEN / (KV_TB_S * 1e12) * 1e3
+    flops = sum(4 * HEAD_DIM * HEADS * LAYERS * sum(ctx - n + i + 1 for i in range(n)) for n, ctx in entries if n > 1)
+    return gemm_ms(tokens) + kv + flops / (PREFILL_TFLOPS * 1e12) * 1e3 + STEP_MS + TOKEN_US * tokens * 1e-3
+
+
+def tiny_artifact(work: Path):
+    """A tiny random Llama with a 4,096-token context, compiled on the CPU (its steps are stubbed)."""
+    import llmc
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    LlamaForCausalLM(cfg).save_pretrained(work / "hf")
+    return llmc.compile(str(work / "hf"), str(work / "tiny.llmc"))
+
+
+def run(art, budget: int | None, step_budget: bool, n: int = 128, seed: int = 0) -> list[list[tuple[int, int]]]:
+    """Every step's (new tokens, context) per sequence, for the mixed workload of n requests at once."""
+    from engine_host_bench import stubbed_engine
+
+    from llmc.runtime.config import StepBudget
+    from llmc.runtime.engine import SamplingParams
+    from llmc.serve.bench import workload_lengths
+    lengths = workload_lengths("mixed", n, seed)
+    blocks = sum(-(-(p + o) // 16) for p, o in lengths) + 64
+    eng = stubbed_engine(art, blocks, max_num_seqs=min(n, 128), max_num_batched_tokens=budget or MEASURED_BUDGET_8B,
+                         enable_prefix_caching=False)
+    if step_budget:  # the engine's opt-in per-step budget, with the 8B compile's measurements
+        cfg = eng.scheduler.config
+        cfg.max_prefill_tokens = max(cfg.max_num_batched_tokens, 2048)
+        cfg.step_budget = StepBudget(tuple(sorted(GEMM_MS_8B.items())), KV_BYTES_PER_TOKEN / (HBM_GB_S_8B * 1e6),
+                                     cfg.max_num_batched_tokens)
+    steps: list[list[tuple[int, int]]] = []
+    schedule = eng.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        steps.append([(e.num_new_tokens, e.seq.num_computed_tokens + e.num_new_tokens) for e in out.scheduled])
+        return out
+    eng.scheduler.schedule = recorded
+    for i, (p, o) in enumerate(lengths):
+        eng.add_request([3 + (i * 7919 + j * 31) % 8000 for j in range(p)],
+                        SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step(finished_only=True)
+    return [s for s in steps if s]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budgets", default="1024,2048,4096,8192", help="fixed budgets to replay (tokens a step)")
+    ap.add_argument("--step-budget", action="store_true", help="also the per-step budget over the measured 512")
+    ap.add_argument("--check", action="store_true", help="the two measured schedules beside their measurements")
+    a = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    art = tiny_artifact(Path(tempfile.mkdtemp()))
+    cases = [(f"{b}", int(b), False) for b in a.budgets.split(",") if b]
+    if a.step_budget or a.check:
+        cases.insert(0, ("measured budget + per-step budget", None, True))
+    if a.check:
+        cases = [c for c in cases if c[0] in MEASURED] or cases
+        if not any(c[0] == "2048" for c in cases):
+            cases.append(("2048", 2048, False))
+    out_tokens = None
+    print(f"{'schedule':36s} {'steps':>5s} {'prompt steps':>12s} {'rows/real':>9s} {'est. s':>7s} {'unpadded':>9s} "
+          f"{'est. out tok/s':>14s} {'measured s':>10s}")
+    for name, budget, per_step in cases:
+        steps = run(art, budget, per_step)
+        if out_tokens is None:
+            from llmc.serve.bench import workload_lengths
+            out_tokens = sum(o for _, o in workload_lengths("mixed", 128, 0))
+        est, unpadded = (sum(step_ms(s, pad) for s in steps) / 1e3 for pad in (True, False))
+        prompt_steps = sum(1 for s in steps if any(n > 1 for n, _ in s))
+        rows = sum(padded(s) for s in steps if any(n > 1 for n, _ in s))
+        real = sum(n for s in steps if any(n > 1 for n, _ in s) for n, _ in s)
+        measured = f"{MEASURED[name]:10.2f}" if name in MEASURED else f"{'':>10s}"
+        print(f"{name:36s} {len(steps):5d} {prompt_steps:12d} {rows / real:9.2f} {est:7.2f} {unpadded:9.2f} "
+              f"{out_tokens / est:14,.0f} {measured}")
+
+
+if __name__ == "__main__":
+    main()
