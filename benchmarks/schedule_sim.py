@@ -3,14 +3,14 @@
 The engine runs with its model replaced by an instant stub (`engine_host_bench.stubbed_engine`, on a tiny random
 Llama with a 4,096-token context), so the scheduler makes exactly the steps it would make for `llmc bench
 --workload mixed` (the same request lengths: `llmc.serve.bench.workload_lengths`). Each step's tokens, decodes and
-K/V contexts are recorded, and a cost model of the 8B shape on an H200 prices them:
+K/V contexts are recorded, and a cost model of the 8B (or 1B) shape on an H200 prices them:
 
 - GEMMs: the compile's measured milliseconds of every linear at 256 to 8,192 rows (tuning.json "token_budget",
-  `GEMM_MS_8B`, measured 2026-12-04), linear between sizes; below 256 rows from the weights' read (`WEIGHTS_MS`)
-  up to the 256-row time;
+  `SHAPES`, measured 2026-12-04), linear between sizes; below 256 rows from the weights' read up to the 256-row
+  time;
 - decode attention: the K/V each decode reads, at `KV_TB_S` (the decode kernel's rate on a 128-sequence ragged
   step, benchmarks/attention_bench.py); prompt attention at `PREFILL_TFLOPS`;
-- the rest (norms, rope, elementwise, LM head, sampling): `STEP_MS` a step plus `TOKEN_US` a token;
+- the rest (norms, rope, elementwise, LM head, sampling): a fixed time a step plus one a token;
 - a step with prompt work runs its GEMMs over its token bucket's rows (piecewise graphs pad a step to the
   smallest of 16, 32, ..., 8,192 tokens that holds it), a decode step over its batch bucket's
   ("rows/real": the padded rows of the prompt steps over their real tokens; "unpadded": the estimate without).
@@ -19,7 +19,7 @@ It is a model, for comparing schedules: the figures it gives are estimates, not 
 H200 ran the 8B mixed workload in 7.29 s under the measured budget with the per-step budget and 5.57 s at 2,048
 tokens a step (benchmarks/RESULTS.md); `--check` prints the model's figures for those two beside them.
 
-    python3 benchmarks/schedule_sim.py [--budgets 1024,2048,4096] [--step-budget] [--check]
+    python3 benchmarks/schedule_sim.py [--shape 8b|1b] [--budgets 1024,2048,4096] [--step-budget] [--check]
 """
 from __future__ import annotations
 
@@ -31,20 +31,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-GEMM_MS_8B = {256: 5.6544, 512: 9.4168, 1024: 18.1718, 2048: 35.8067, 4096: 71.3627, 8192: 141.2697}
-MEASURED_BUDGET_8B, HBM_GB_S_8B = 512, 2713.5  # the same compile's token budget and HBM rate
-WEIGHTS_MS = 3.6  # 15 GB of weights (the LM head's included) at 4.2 TB/s
-KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # 32 layers, K and V, 8 kv heads of 128, bf16
-KV_TB_S = 3.5  # 82% of the copy bandwidth (4.25 TB/s)
-PREFILL_TFLOPS, LAYERS, HEADS, HEAD_DIM = 300.0, 32, 32, 128
-STEP_MS, TOKEN_US = 0.3, 1.35
-MEASURED = {"measured budget + per-step budget": 7.29, "2048": 5.57}
+# per shape: the compile's GEMM milliseconds at M rows (every linear but the LM head; tuning.json "token_budget",
+# H200, 2026-12-04), its measured budget and HBM rate, the weights' read (the LM head's included, 4.2 TB/s), the
+# attention's dims, the rest of a step (norms, rope, elementwise, LM head, sampling: fixed ms plus us a token,
+# from the 8B step's kernels, the 1B's scaled by its width and depth), and the mixed workload's requests
+SHAPES = {
+    "8b": dict(gemm_ms={256: 5.6544, 512: 9.4168, 1024: 18.1718, 2048: 35.8067, 4096: 71.3627, 8192: 141.2697},
+               budget=512, hbm_gb_s=2713.5, weights_ms=3.6, layers=32, heads=32, kv_heads=8, head_dim=128,
+               step_ms=0.3, token_us=1.35, requests=128),
+    "1b": dict(gemm_ms={256: 0.9848, 512: 1.5608, 1024: 2.6964, 2048: 5.1391, 4096: 10.298, 8192: 20.4234},
+               budget=1024, hbm_gb_s=2713.5, weights_ms=0.6, layers=16, heads=32, kv_heads=8, head_dim=64,
+               step_ms=0.15, token_us=0.35, requests=256),
+}
+KV_TB_S = 3.5  # the decode kernel's K/V rate on a 128-sequence ragged step: 82% of the copy bandwidth (4.25 TB/s)
+PREFILL_TFLOPS = 300.0
+MEASURED = {"8b": {"measured budget + per-step budget": 7.29, "2048": 5.57}, "1b": {}}
+shape = SHAPES["8b"]  # the one being priced (main sets it)
 
 
 def gemm_ms(rows: int) -> float:
-    pts = sorted(GEMM_MS_8B.items())
+    pts = sorted(shape["gemm_ms"].items())
     if rows <= pts[0][0]:
-        return WEIGHTS_MS + (pts[0][1] - WEIGHTS_MS) * rows / pts[0][0]
+        return shape["weights_ms"] + (pts[0][1] - shape["weights_ms"]) * rows / pts[0][0]
     for (m0, t0), (m1, t1) in zip(pts, pts[1:]):
         if rows <= m1:
             return t0 + (t1 - t0) * (rows - m0) / (m1 - m0)
@@ -65,9 +73,15 @@ def padded(entries: list[tuple[int, int]]) -> int:
 def step_ms(entries: list[tuple[int, int]], pad: bool = True) -> float:
     """Estimated milliseconds of one step: entries are (new tokens, context after the step) per sequence."""
     tokens = padded(entries) if pad else sum(n for n, _ in entries)
-    kv = sum(ctx for n, ctx in entries if n == 1) * KV_BYTES_PER_TOKEN / (KV_TB_S * 1e12) * 1e3
-    flops = sum(4 * HEAD_DIM * HEADS * LAYERS * sum(ctx - n + i + 1 for i in range(n)) for n, ctx in entries if n > 1)
-    return gemm_ms(tokens) + kv + flops / (PREFILL_TFLOPS * 1e12) * 1e3 + STEP_MS + TOKEN_US * tokens * 1e-3
+    kv = sum(ctx for n, ctx in entries if n == 1) * kv_bytes_per_token() / (KV_TB_S * 1e12) * 1e3
+    per_key = 4 * shape["head_dim"] * shape["heads"] * shape["layers"]
+    flops = sum(per_key * sum(ctx - n + i + 1 for i in range(n)) for n, ctx in entries if n > 1)
+    return gemm_ms(tokens) + kv + flops / (PREFILL_TFLOPS * 1e12) * 1e3 + shape["step_ms"] + \
+        shape["token_us"] * tokens * 1e-3
+
+
+def kv_bytes_per_token() -> int:
+    return shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * 2  # K and V, bf16
 
 
 def tiny_artifact(work: Path):
@@ -80,7 +94,7 @@ def tiny_artifact(work: Path):
     return llmc.compile(str(work / "hf"), str(work / "tiny.llmc"))
 
 
-def run(art, budget: int | None, step_budget: bool, n: int = 128, seed: int = 0) -> list[list[tuple[int, int]]]:
+def run(art, budget: int | None, step_budget: bool, n: int, seed: int = 0) -> list[list[tuple[int, int]]]:
     """Every step's (new tokens, context) per sequence, for the mixed workload of n requests at once."""
     from engine_host_bench import stubbed_engine
 
@@ -89,13 +103,13 @@ def run(art, budget: int | None, step_budget: bool, n: int = 128, seed: int = 0)
     from llmc.serve.bench import workload_lengths
     lengths = workload_lengths("mixed", n, seed)
     blocks = sum(-(-(p + o) // 16) for p, o in lengths) + 64
-    eng = stubbed_engine(art, blocks, max_num_seqs=min(n, 128), max_num_batched_tokens=budget or MEASURED_BUDGET_8B,
+    eng = stubbed_engine(art, blocks, max_num_seqs=min(n, 128), max_num_batched_tokens=budget or shape["budget"],
                          enable_prefix_caching=False)
-    if step_budget:  # the engine's opt-in per-step budget, with the 8B compile's measurements
+    if step_budget:  # the engine's opt-in per-step budget, with the shape's compile's measurements
         cfg = eng.scheduler.config
         cfg.max_prefill_tokens = max(cfg.max_num_batched_tokens, 2048)
-        cfg.step_budget = StepBudget(tuple(sorted(GEMM_MS_8B.items())), KV_BYTES_PER_TOKEN / (HBM_GB_S_8B * 1e6),
-                                     cfg.max_num_batched_tokens)
+        cfg.step_budget = StepBudget(tuple(sorted(shape["gemm_ms"].items())),
+                                     kv_bytes_per_token() / (shape["hbm_gb_s"] * 1e6), cfg.max_num_batched_tokens)
     steps: list[list[tuple[int, int]]] = []
     schedule = eng.scheduler.schedule
 
@@ -117,29 +131,33 @@ def main() -> None:
     ap.add_argument("--budgets", default="1024,2048,4096,8192", help="fixed budgets to replay (tokens a step)")
     ap.add_argument("--step-budget", action="store_true", help="also the per-step budget over the measured 512")
     ap.add_argument("--check", action="store_true", help="the two measured schedules beside their measurements")
+    ap.add_argument("--shape", default="8b", choices=sorted(SHAPES), help="whose H200 figures price the steps")
     a = ap.parse_args()
+    global shape
+    shape = SHAPES[a.shape]
+    n, measured_s = shape["requests"], MEASURED[a.shape]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     art = tiny_artifact(Path(tempfile.mkdtemp()))
     cases = [(f"{b}", int(b), False) for b in a.budgets.split(",") if b]
     if a.step_budget or a.check:
         cases.insert(0, ("measured budget + per-step budget", None, True))
     if a.check:
-        cases = [c for c in cases if c[0] in MEASURED] or cases
+        cases = [c for c in cases if c[0] in measured_s] or cases
         if not any(c[0] == "2048" for c in cases):
             cases.append(("2048", 2048, False))
     out_tokens = None
     print(f"{'schedule':36s} {'steps':>5s} {'prompt steps':>12s} {'rows/real':>9s} {'est. s':>7s} {'unpadded':>9s} "
           f"{'est. out tok/s':>14s} {'measured s':>10s}")
     for name, budget, per_step in cases:
-        steps = run(art, budget, per_step)
+        steps = run(art, budget, per_step, n)
         if out_tokens is None:
             from llmc.serve.bench import workload_lengths
-            out_tokens = sum(o for _, o in workload_lengths("mixed", 128, 0))
+            out_tokens = sum(o for _, o in workload_lengths("mixed", n, 0))
         est, unpadded = (sum(step_ms(s, pad) for s in steps) / 1e3 for pad in (True, False))
         prompt_steps = sum(1 for s in steps if any(n > 1 for n, _ in s))
         rows = sum(padded(s) for s in steps if any(n > 1 for n, _ in s))
         real = sum(n for s in steps if any(n > 1 for n, _ in s) for n, _ in s)
-        measured = f"{MEASURED[name]:10.2f}" if name in MEASURED else f"{'':>10s}"
+        measured = f"{measured_s[name]:10.2f}" if name in measured_s else f"{'':>10s}"
         print(f"{name:36s} {len(steps):5d} {prompt_steps:12d} {rows / real:9.2f} {est:7.2f} {unpadded:9.2f} "
               f"{out_tokens / est:14,.0f} {measured}")
 
