@@ -30,6 +30,11 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+from llmc.runtime.piecewise import MIXED_BUCKETS  # noqa: E402
+from llmc.runtime.step_graphs import DECODE_BUCKETS  # noqa: E402
+from llmc.serve.bench import workload_lengths  # noqa: E402
 
 # per shape: the compile's GEMM milliseconds at M rows (every linear but the LM head; tuning.json "token_budget",
 # H200, 2026-12-04), its measured budget and HBM rate, the weights' read (the LM head's included, 4.2 TB/s), the
@@ -46,10 +51,10 @@ SHAPES = {
 KV_TB_S = 3.5  # the decode kernel's K/V rate on a 128-sequence ragged step: 82% of the copy bandwidth (4.25 TB/s)
 PREFILL_TFLOPS = 300.0
 MEASURED = {"8b": {"measured budget + per-step budget": 7.29, "2048": 5.57}, "1b": {}}
-shape = SHAPES["8b"]  # the one being priced (main sets it)
+STEP_BUDGET = "measured budget + per-step budget"
 
 
-def gemm_ms(rows: int) -> float:
+def gemm_ms(shape: dict, rows: int) -> float:
     pts = sorted(shape["gemm_ms"].items())
     if rows <= pts[0][0]:
         return shape["weights_ms"] + (pts[0][1] - shape["weights_ms"]) * rows / pts[0][0]
@@ -63,24 +68,22 @@ def gemm_ms(rows: int) -> float:
 def padded(entries: list[tuple[int, int]]) -> int:
     """The rows a step's GEMMs run: a step with prompt work runs on the piecewise graphs of the smallest token
     bucket that holds it (llmc/runtime/piecewise.py); decode steps on their decode graph's batch bucket."""
-    from llmc.runtime.piecewise import MIXED_BUCKETS
-    from llmc.runtime.step_graphs import DECODE_BUCKETS
     tokens = sum(n for n, _ in entries)
     buckets = MIXED_BUCKETS if any(n > 1 for n, _ in entries) else DECODE_BUCKETS
     return next((b for b in buckets if b >= tokens), tokens)
 
 
-def step_ms(entries: list[tuple[int, int]], pad: bool = True) -> float:
+def step_ms(shape: dict, entries: list[tuple[int, int]], pad: bool = True) -> float:
     """Estimated milliseconds of one step: entries are (new tokens, context after the step) per sequence."""
     tokens = padded(entries) if pad else sum(n for n, _ in entries)
-    kv = sum(ctx for n, ctx in entries if n == 1) * kv_bytes_per_token() / (KV_TB_S * 1e12) * 1e3
+    kv = sum(ctx for n, ctx in entries if n == 1) * kv_bytes_per_token(shape) / (KV_TB_S * 1e12) * 1e3
     per_key = 4 * shape["head_dim"] * shape["heads"] * shape["layers"]
     flops = sum(per_key * sum(ctx - n + i + 1 for i in range(n)) for n, ctx in entries if n > 1)
-    return gemm_ms(tokens) + kv + flops / (PREFILL_TFLOPS * 1e12) * 1e3 + shape["step_ms"] + \
+    return gemm_ms(shape, tokens) + kv + flops / (PREFILL_TFLOPS * 1e12) * 1e3 + shape["step_ms"] + \
         shape["token_us"] * tokens * 1e-3
 
 
-def kv_bytes_per_token() -> int:
+def kv_bytes_per_token(shape: dict) -> int:
     return shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * 2  # K and V, bf16
 
 
@@ -94,13 +97,13 @@ def tiny_artifact(work: Path):
     return llmc.compile(str(work / "hf"), str(work / "tiny.llmc"))
 
 
-def run(art, budget: int | None, step_budget: bool, n: int, seed: int = 0) -> list[list[tuple[int, int]]]:
-    """Every step's (new tokens, context) per sequence, for the mixed workload of n requests at once."""
+def run(art, shape: dict, budget: int | None, step_budget: bool, seed: int = 0) -> list[list[tuple[int, int]]]:
+    """Every step's (new tokens, context) per sequence, for the shape's mixed workload (its requests at once)."""
     from engine_host_bench import stubbed_engine
 
     from llmc.runtime.config import StepBudget
     from llmc.runtime.engine import SamplingParams
-    from llmc.serve.bench import workload_lengths
+    n = shape["requests"]
     lengths = workload_lengths("mixed", n, seed)
     blocks = sum(-(-(p + o) // 16) for p, o in lengths) + 64
     eng = stubbed_engine(art, blocks, max_num_seqs=min(n, 128), max_num_batched_tokens=budget or shape["budget"],
@@ -109,7 +112,7 @@ def run(art, budget: int | None, step_budget: bool, n: int, seed: int = 0) -> li
         cfg = eng.scheduler.config
         cfg.max_prefill_tokens = max(cfg.max_num_batched_tokens, 2048)
         cfg.step_budget = StepBudget(tuple(sorted(shape["gemm_ms"].items())),
-                                     kv_bytes_per_token() / (shape["hbm_gb_s"] * 1e6), cfg.max_num_batched_tokens)
+                                     kv_bytes_per_token(shape) / (shape["hbm_gb_s"] * 1e6), cfg.max_num_batched_tokens)
     steps: list[list[tuple[int, int]]] = []
     schedule = eng.scheduler.schedule
 
@@ -133,32 +136,24 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="the two measured schedules beside their measurements")
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES), help="whose H200 figures price the steps")
     a = ap.parse_args()
-    global shape
-    shape = SHAPES[a.shape]
-    n, measured_s = shape["requests"], MEASURED[a.shape]
+    shape, measured_s = SHAPES[a.shape], MEASURED[a.shape]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     art = tiny_artifact(Path(tempfile.mkdtemp()))
-    cases = [(f"{b}", int(b), False) for b in a.budgets.split(",") if b]
-    if a.step_budget or a.check:
-        cases.insert(0, ("measured budget + per-step budget", None, True))
-    if a.check:
-        cases = [c for c in cases if c[0] in measured_s] or cases
-        if not any(c[0] == "2048" for c in cases):
-            cases.append(("2048", 2048, False))
-    out_tokens = None
+    if a.check:  # the two schedules measured on the H200
+        cases = [(STEP_BUDGET, None, True), ("2048", 2048, False)]
+    else:
+        cases = [(STEP_BUDGET, None, True)] if a.step_budget else []
+        cases += [(b, int(b), False) for b in a.budgets.split(",") if b]
+    out_tokens = sum(o for _, o in workload_lengths("mixed", shape["requests"], 0))
     print(f"{'schedule':36s} {'steps':>5s} {'prompt steps':>12s} {'rows/real':>9s} {'est. s':>7s} {'unpadded':>9s} "
           f"{'est. out tok/s':>14s} {'measured s':>10s}")
     for name, budget, per_step in cases:
-        steps = run(art, budget, per_step, n)
-        if out_tokens is None:
-            from llmc.serve.bench import workload_lengths
-            out_tokens = sum(o for _, o in workload_lengths("mixed", n, 0))
-        est, unpadded = (sum(step_ms(s, pad) for s in steps) / 1e3 for pad in (True, False))
-        prompt_steps = sum(1 for s in steps if any(n > 1 for n, _ in s))
-        rows = sum(padded(s) for s in steps if any(n > 1 for n, _ in s))
-        real = sum(n for s in steps if any(n > 1 for n, _ in s) for n, _ in s)
+        steps = run(art, shape, budget, per_step)
+        est, unpadded = (sum(step_ms(shape, s, pad) for s in steps) / 1e3 for pad in (True, False))
+        prompts = [s for s in steps if any(k > 1 for k, _ in s)]
+        rows, real = sum(padded(s) for s in prompts), sum(k for s in prompts for k, _ in s)
         measured = f"{measured_s[name]:10.2f}" if name in measured_s else f"{'':>10s}"
-        print(f"{name:36s} {len(steps):5d} {prompt_steps:12d} {rows / real:9.2f} {est:7.2f} {unpadded:9.2f} "
+        print(f"{name:36s} {len(steps):5d} {len(prompts):12d} {rows / real:9.2f} {est:7.2f} {unpadded:9.2f} "
               f"{out_tokens / est:14,.0f} {measured}")
 
 

@@ -340,28 +340,30 @@ def _tiles_key(tiles: dict | None) -> tuple | None:
     return tuple(sorted(tiles.items())) if tiles else None
 
 
+def _tiled(base: tuple, tiles: tuple | None) -> tuple[dict, dict, dict]:
+    """(the spec's arguments with the tuned key tile where no override gives one, the launch options, the tuned
+    record as a dict) of a launch; the kernels' defaults where nothing was tuned."""
+    base, t = dict(base), dict(tiles or ())
+    if not t:
+        return base, dict(num_warps=4, num_stages=2), t
+    base["block_n"] = base["block_n"] or t["BLOCK_N"]
+    return base, dict(num_warps=t["num_warps"], num_stages=t["num_stages"]), t
+
+
 @functools.lru_cache(maxsize=None)
 def _prefill_launch(base: tuple, causal: bool, block_m: int, tiles: tuple | None
                     ) -> tuple[PagedAttentionSpec, dict, dict]:
     """A prefill launch's spec, constexprs and launch options (memoized: a mixed step launches attention
     eagerly once per layer, and building these costs more host time than the launch)."""
-    base, launch = dict(base), dict(num_warps=4, num_stages=2)
-    if tiles:
-        t = dict(tiles)
-        launch = dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
-        block_m, base["block_n"] = block_m or t["BLOCK_M"], base["block_n"] or t["BLOCK_N"]
-    spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m)
+    base, launch, t = _tiled(base, tiles)
+    spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m or t.get("BLOCK_M", 0))
     return spec, spec.constexprs(), launch
 
 
 @functools.lru_cache(maxsize=None)
 def _decode_launch(base: tuple, tiles: tuple | None) -> tuple[int, dict, PagedAttentionSpec, PagedAttentionSpec, dict]:
     """A decode launch's key tile, launch options, specs (one split; split-K) and constexprs (memoized)."""
-    base, launch = dict(base), dict(num_warps=4, num_stages=2)
-    if tiles:
-        t = dict(tiles)
-        launch = dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
-        base["block_n"] = base["block_n"] or t["BLOCK_N"]
+    base, launch, _ = _tiled(base, tiles)
     one, split = (PagedAttentionSpec(**base, mode="decode", split=s) for s in (False, True))
     return one.tiles()[1], launch, one, split, one.constexprs()
 

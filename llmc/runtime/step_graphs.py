@@ -257,7 +257,7 @@ class TableRows:
         held = self.held
         if len(held) < len(lists):
             held.extend([(None, 0)] * (len(lists) - len(held)))
-        for i, t, u in zip(range(len(lists)), lists, lengths):
+        for i, (t, u) in enumerate(zip(lists, lengths)):
             was, have = held[i]
             if t is not was:
                 tables[i, :u] = t[:u]
