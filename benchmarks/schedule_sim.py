@@ -3,7 +3,9 @@
 The engine runs with its model replaced by an instant stub (`engine_host_bench.stubbed_engine`, on a tiny random
 Llama with a 4,096-token context), so the scheduler makes exactly the steps it would make for `llmc bench
 --workload mixed` (the same request lengths: `llmc.serve.bench.workload_lengths`). Each step's tokens, decodes and
-K/V contexts are recorded, and a cost model of the 8B (or 1B) shape on an H200 prices them:
+K/V contexts are recorded, and a cost model of the 8B (or 1B) shape on an H200 prices them. Requests are queued as
+`LLM.generate` queues them (the issue's tool runs the workload through it): longest output first, or with
+`--order given` in the workload's order (as `llmc bench`, a stream, does):
 
 - GEMMs: the compile's measured milliseconds of every linear at 256 to 8,192 rows (tuning.json "token_budget",
   `SHAPES`, measured 2026-12-04), linear between sizes; below 256 rows from the weights' read up to the 256-row
@@ -17,9 +19,11 @@ K/V contexts are recorded, and a cost model of the 8B (or 1B) shape on an H200 p
 
 It is a model, for comparing schedules: the figures it gives are estimates, not measurements. On 2026-12-04 the
 H200 ran the 8B mixed workload in 7.29 s under the measured budget with the per-step budget and 5.57 s at 2,048
-tokens a step (benchmarks/RESULTS.md); `--check` prints the model's figures for those two beside them.
+tokens a step (benchmarks/RESULTS.md), both with the requests in the workload's order; `--check` prints the
+model's figures for those two beside them.
 
     python3 benchmarks/schedule_sim.py [--shape 8b|1b] [--budgets 1024,2048,4096] [--step-budget] [--check]
+                                       [--order longest-first|given]
 """
 from __future__ import annotations
 
@@ -97,12 +101,14 @@ def tiny_artifact(work: Path):
     return llmc.compile(str(work / "hf"), str(work / "tiny.llmc"))
 
 
-def run(art, shape: dict, budget: int | None, step_budget: bool, seed: int = 0) -> list[list[tuple[int, int]]]:
-    """Every step's (new tokens, context) per sequence, for the shape's mixed workload (its requests at once)."""
+def run(art, shape: dict, budget: int | None, step_budget: bool, longest_first: bool = True,
+        seed: int = 0) -> list[list[tuple[int, int]]]:
+    """Every step's (new tokens, context) per sequence, for the shape's mixed workload (its requests at once,
+    queued longest first as `LLM.generate` queues them, or in the workload's order)."""
     from engine_host_bench import stubbed_engine
 
     from llmc.runtime.config import StepBudget
-    from llmc.runtime.engine import SamplingParams
+    from llmc.runtime.engine import SamplingParams, longest_first_order
     n = shape["requests"]
     lengths = workload_lengths("mixed", n, seed)
     blocks = sum(-(-(p + o) // 16) for p, o in lengths) + 64
@@ -121,7 +127,9 @@ def run(art, shape: dict, budget: int | None, step_budget: bool, seed: int = 0) 
         steps.append([(e.num_new_tokens, e.seq.num_computed_tokens + e.num_new_tokens) for e in out.scheduled])
         return out
     eng.scheduler.schedule = recorded
-    for i, (p, o) in enumerate(lengths):
+    order = longest_first_order(lengths, eng.max_model_len) if longest_first else range(n)
+    for i in order:
+        p, o = lengths[i]
         eng.add_request([3 + (i * 7919 + j * 31) % 8000 for j in range(p)],
                         SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
     while eng.has_unfinished():
@@ -135,24 +143,28 @@ def main() -> None:
     ap.add_argument("--step-budget", action="store_true", help="also the per-step budget over the measured 512")
     ap.add_argument("--check", action="store_true", help="the two measured schedules beside their measurements")
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES), help="whose H200 figures price the steps")
+    ap.add_argument("--order", default="longest-first", choices=("longest-first", "given"),
+                    help="queue order: LLM.generate's (longest output first) or the workload's (--check: given)")
     a = ap.parse_args()
     shape, measured_s = SHAPES[a.shape], MEASURED[a.shape]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     art = tiny_artifact(Path(tempfile.mkdtemp()))
-    if a.check:  # the two schedules measured on the H200
+    longest_first = a.order == "longest-first" and not a.check
+    if a.check:  # the two schedules measured on the H200, both in the workload's order
         cases = [(STEP_BUDGET, None, True), ("2048", 2048, False)]
     else:
         cases = [(STEP_BUDGET, None, True)] if a.step_budget else []
         cases += [(b, int(b), False) for b in a.budgets.split(",") if b]
     out_tokens = sum(o for _, o in workload_lengths("mixed", shape["requests"], 0))
+    print(f"queued: {'in the workload order' if not longest_first else 'longest output first'}")
     print(f"{'schedule':36s} {'steps':>5s} {'prompt steps':>12s} {'rows/real':>9s} {'est. s':>7s} {'unpadded':>9s} "
           f"{'est. out tok/s':>14s} {'measured s':>10s}")
     for name, budget, per_step in cases:
-        steps = run(art, shape, budget, per_step)
+        steps = run(art, shape, budget, per_step, longest_first)
         est, unpadded = (sum(step_ms(shape, s, pad) for s in steps) / 1e3 for pad in (True, False))
         prompts = [s for s in steps if any(k > 1 for k, _ in s)]
         rows, real = sum(padded(s) for s in prompts), sum(k for s in prompts for k, _ in s)
-        measured = f"{measured_s[name]:10.2f}" if name in measured_s else f"{'':>10s}"
+        measured = f"{measured_s[name]:10.2f}" if name in measured_s and not longest_first else f"{'':>10s}"
         print(f"{name:36s} {len(steps):5d} {len(prompts):12d} {rows / real:9.2f} {est:7.2f} {unpadded:9.2f} "
               f"{out_tokens / est:14,.0f} {measured}")
 

@@ -79,7 +79,7 @@ def plan_requests(workload: str, n: int, seed: int, max_model_len: int, tokenize
 
 
 def bench(model, workload: str = "mixed", *, num_requests: int | None = None, seed: int = 0,
-          speculative: dict | None = None, progress: bool = False, **options) -> dict:
+          speculative: dict | None = None, progress: bool = False, longest_first: bool = False, **options) -> dict:
     """Benchmark an artifact offline on a workload.
 
     Args:
@@ -90,6 +90,9 @@ def bench(model, workload: str = "mixed", *, num_requests: int | None = None, se
         seed: picks the mixed workload's lengths and where in the held-out text the prompts start.
         speculative: speculative decoding options, as for `llmc.LLM`.
         progress: show a progress bar of output tokens on stderr.
+        longest_first: mixed: queue the requests longest output first, as `LLM.generate` does (which
+            shortens the run; short requests then wait longer for their first token); default: in the
+            workload's order, as a server takes requests that arrive together.
         **options: engine options (`EngineConfig` fields), as for `llmc.LLM`.
 
     Returns:
@@ -130,7 +133,7 @@ def bench(model, workload: str = "mixed", *, num_requests: int | None = None, se
     runs, preempted = [], eng.num_preemptions
     with _TokenProgress(sum(o for _, o in timed), progress) as bar:
         for batch in batches:
-            runs.append(_run(llm, batch, bar.advance))
+            runs.append(_run(llm, batch, bar.advance, longest_first))
     ttft = [t for r in runs for t in r.ttft]
     itl = [g for r in runs for g in r.itl]
     tpot = [g for r in runs for g in r.tpot]
@@ -155,6 +158,7 @@ def bench(model, workload: str = "mixed", *, num_requests: int | None = None, se
         "max_num_seqs": eng.config.max_num_seqs, "max_num_batched_tokens": eng.config.max_num_batched_tokens,
         "max_prefill_tokens": eng.scheduler.config.max_prefill_tokens,
         "step_budget": eng.scheduler.config.step_budget is not None, "overlap": eng.overlap,
+        "longest_first": longest_first,
     }
 
 
@@ -176,7 +180,8 @@ def _encoder(eng, cut_with: str | None) -> Callable[[str], list[int]]:
     return lambda text: [i % vocab for i in tok.encode(text, add_special_tokens=False).ids]
 
 
-def _run(llm, requests: list[tuple[list[int], int]], on_tokens: Callable[[int], None] | None) -> _Run:
+def _run(llm, requests: list[tuple[list[int], int]], on_tokens: Callable[[int], None] | None,
+         longest_first: bool = False) -> _Run:
     """Submit `requests` (prompt ids, output tokens) at once and time their streamed outputs."""
     if not requests:
         return _Run()
@@ -205,7 +210,7 @@ def _run(llm, requests: list[tuple[list[int], int]], on_tokens: Callable[[int], 
     later: dict[str, int] = {}  # request -> output tokens after the first output
     try:
         t0 = time.perf_counter()
-        for out in llm.stream([p for p, _ in requests], params):
+        for out in llm.stream([p for p, _ in requests], params, longest_first=longest_first):
             new = len(out.outputs[0].delta_token_ids)
             if not new:
                 continue  # a prompt chunk that samples nothing
@@ -265,7 +270,9 @@ def format_report(r: dict) -> str:
         return f"{'n/a':>9s}" if v is None else format(v, fmt)
     n = r["num_requests"]
     runs = f"{n} run{'s' if n > 1 else ''}"
-    what = {"mixed": f"{n} request{'s' if n > 1 else ''} at once (prompts U[64, 1024], outputs U[64, 512] tokens)",
+    order = ", queued longest output first" if r.get("longest_first") else ""
+    what = {"mixed": f"{n} request{'s' if n > 1 else ''} at once (prompts U[64, 1024], outputs U[64, 512] "
+                     f"tokens{order})",
             "decode": f"{runs} of batch 1 ({DECODE_LENGTHS[0]}-token prompt, {DECODE_LENGTHS[1]} new tokens)",
             "prefill": f"{runs} of one fresh {PREFILL_TOKENS}-token prompt, 1 new token"}
     lines = [

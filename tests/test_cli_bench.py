@@ -42,6 +42,18 @@ def test_mixed_streams_every_planned_token_and_caps_to_the_context(art):
     assert r["max_num_seqs"] == 4 and r["max_num_batched_tokens"] == 2048
 
 
+def test_mixed_longest_first_queues_the_longest_output_first(art):
+    # seed 153 draws (566, 102) and (102, 197): one sequence at a time, the second request waits for the
+    # first's 102 tokens in the workload's order, and the first for the second's 197 when queued longest first
+    waited = {}
+    for flag in ((), ("--longest-first",)):
+        r = run_json(art, "--workload", "mixed", "--num-requests", 2, "--seed", 153, *FAST, "--max-num-seqs", 1,
+                     *flag)
+        assert r["output_tokens"] == 102 + 197 and r["longest_first"] is bool(flag)
+        waited[bool(flag)] = r["ttft_ms_p99"] / r["tpot_ms_p50"]  # the later first token, in decode steps
+    assert waited[True] > 1.2 * waited[False]  # about 190 against 130 steps
+
+
 def test_decode_reports_a_table(art):
     code, out = cli("bench", art, "--workload", "decode", "--num-requests", 1, *FAST)
     assert code == 0, out

@@ -158,9 +158,13 @@ def bench():
               help="Print one JSON object: out_tok_s, ttft_ms_p50, ttft_ms_p99, itl_ms_p50, itl_ms_p99, tpot_ms_p50, "
                    "tpot_ms_p99 (time per output token after the first, per request), gpu_busy "
                    "(null off CUDA), duration_s, token totals and the settings.")
+@click.option("--longest-first", is_flag=True,
+              help="mixed: queue the requests longest output first, as llmc.LLM.generate does (fewer steps, "
+                   "later first tokens for short requests); default: in the workload's order, as a server takes "
+                   "requests that arrive together.")
 @options.engine_options()
 @options.plugin_option
-def bench_artifact(artifact, workload, num_requests, seed, as_json, backend, device, max_num_seqs,
+def bench_artifact(artifact, workload, num_requests, seed, as_json, longest_first, backend, device, max_num_seqs,
                    max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, spec_method, draft_path,
                    spec_tokens, multi_step, overlap, warm_up, plugins):
     """Benchmark ARTIFACT offline through llmc.LLM: output tokens per second, time to first token and
@@ -187,7 +191,7 @@ def bench_artifact(artifact, workload, num_requests, seed, as_json, backend, dev
     art = llmc.load(artifact)
     res = offline.bench(art, workload, num_requests=num_requests, seed=seed,
                         speculative=options.speculative_config(spec_method, draft_path, spec_tokens, art.bundled_draft),
-                        progress=sys.stderr.isatty(), max_num_seqs=max_num_seqs,
+                        progress=sys.stderr.isatty(), longest_first=longest_first, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
                         kv_cache_dtype=kv_cache_dtype, backend=backend, device=device, multi_step=multi_step,
                         overlap=overlap, warm_up=warm_up)

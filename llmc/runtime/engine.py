@@ -675,15 +675,23 @@ class LLM:
 
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
-                 progress: bool = False, request_ids: Seq[str] | None = None) -> list[RequestOutput]:
+                 progress: bool = False, request_ids: Seq[str] | None = None,
+                 longest_first: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (continuous batching); outputs in the order of `prompts`.
 
         Every request is validated before any runs: one bad request raises RequestError and nothing is
         generated. If anything fails (or the call is interrupted), the call's requests are aborted and
         the engine stays usable. `request_ids`: one unique id per prompt (default: fresh ones).
+
+        `longest_first`: the call returns when its last request finishes, so its requests are queued in
+        order of their most output tokens, largest first (ties in the order given; priorities still come
+        first). A request's tokens come one a step, so the one with the most sets the call's step count
+        unless it starts early: queued last, a long request runs on alone in a shrinking batch while the
+        short ones that went before it are done (the longest-processing-time-first rule for makespan).
+        False queues them in the order given.
         """
         final: dict[str, RequestOutput] = {}
-        ids = self._add_all(prompts, params, request_ids)
+        ids = self._add_all(prompts, params, request_ids, longest_first)
         mine = set(ids)
         bar = _bar(progress, len(ids))
         try:
@@ -699,17 +707,18 @@ class LLM:
 
     def stream(self, prompts: str | Seq[str] | Seq[Seq[int]],
                params: SamplingParams | Seq[SamplingParams] | None = None,
-               request_ids: Seq[str] | None = None) -> Iterator[RequestOutput]:
+               request_ids: Seq[str] | None = None, longest_first: bool = False) -> Iterator[RequestOutput]:
         """Like `generate`, but yields after every step the outputs of this call's requests that progressed,
         each with `outputs[i].delta_text` / `delta_token_ids` (new since its previous output) and totals.
         Closing the iterator early aborts the requests that have not finished. Give `request_ids` to tell
-        the outputs of several prompts apart (`out.request_id`).
+        the outputs of several prompts apart (`out.request_id`). Requests are queued in the order given
+        (the first prompt is the first answered), or with `longest_first` as `generate` queues them.
 
         Example:
             >>> for out in llm.stream("def fib(n):", SamplingParams(max_tokens=32)):   # doctest: +SKIP
             ...     print(out.outputs[0].delta_text, end="", flush=True)
         """
-        ids = self._add_all(prompts, params, request_ids)
+        ids = self._add_all(prompts, params, request_ids, longest_first)
         mine, final = set(ids), {}
         try:
             while len(final) < len(ids):
@@ -721,8 +730,9 @@ class LLM:
         finally:
             self._abort_unfinished(ids, final)
 
-    def _add_all(self, prompts, params, request_ids=None) -> list[str]:
-        """Validate every request, then queue them all (or none)."""
+    def _add_all(self, prompts, params, request_ids=None, longest_first: bool = False) -> list[str]:
+        """Validate every request, then queue them all (or none): in the order given, or with `longest_first`
+        in order of their most output tokens, largest first (stable). Ids in the order given either way."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
@@ -737,12 +747,17 @@ class LLM:
         for p in plist:
             p.validate()
         encoded = [self.engine.encode(pr) for pr in prompts]
-        ids: list[str] = []
+        eng = self.engine
+        ids = [r if r is not None else f"req-{next(eng._ids)}" for r in rids]
+        order = longest_first_order([(len(e), p.max_tokens) for e, p in zip(encoded, plist)], eng.max_model_len) \
+            if longest_first else range(len(prompts))
+        added: list[str] = []
         try:
-            for e, p, pr, rid in zip(encoded, plist, prompts, rids):
-                ids.append(self.engine._add(e, p, rid, pr if isinstance(pr, str) else None))
+            for i in order:
+                pr = prompts[i]
+                added.append(eng._add(encoded[i], plist[i], ids[i], pr if isinstance(pr, str) else None))
         except BaseException:
-            self._abort_unfinished(ids, {})
+            self._abort_unfinished(added, {})
             raise
         return ids
 
@@ -758,6 +773,18 @@ class LLM:
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
+
+
+def longest_first_order(requests: Seq[tuple[int, int]], max_model_len: int) -> list[int]:
+    """Indices of `requests` (prompt tokens, max_tokens) by their most output tokens, largest first, ties in
+    the order given: `LLM.generate`'s queue order. A request's output is bounded by its max_tokens and by the
+    context its prompt leaves.
+
+    Example:
+        >>> longest_first_order([(10, 8), (10, 64), (60, 64), (10, 8)], max_model_len=64)
+        [1, 0, 3, 2]
+    """
+    return sorted(range(len(requests)), key=lambda i: -min(requests[i][1], max_model_len - requests[i][0]))
 
 
 def load_model(model: str | Path | Artifact) -> Artifact:

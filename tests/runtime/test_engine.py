@@ -40,6 +40,22 @@ def test_batched_with_preemption_equals_alone_and_hf(llama_artifact, llama_dir, 
     assert llm.stats()["blocks_used"] == 0
 
 
+def test_generate_queues_longest_first(llama_artifact, tok):
+    """The call ends with its last request: queued first, the long one runs beside the short ones instead of
+    alone after them, so the call takes fewer steps; outputs, ids and their order are those of the prompts."""
+    ps = prompts12(tok)[:5]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 4, 4, 4, 20)]
+    runs = {}
+    for longest_first in (False, True):
+        llm = LLM(llama_artifact, max_num_seqs=2, num_blocks=64, block_size=4, overlap=False)
+        outs = llm.generate(ps, params, longest_first=longest_first)
+        assert [o.request_id for o in outs] == [f"req-{i}" for i in range(5)]
+        runs[longest_first] = ([o.token_ids for o in outs], llm.stats()["steps"])
+    assert [len(t) for t in runs[True][0]] == [4, 4, 4, 4, 20]
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] <= 21 < 28 <= runs[False][1]
+
+
 def test_swap_preemption_gives_same_outputs(llama_artifact, tok, alone):
     llm = LLM(llama_artifact, max_num_seqs=4, num_blocks=24, block_size=4, max_num_batched_tokens=64,
               preemption_mode="swap", num_cpu_blocks=64)
