@@ -77,6 +77,12 @@
 #   bash benchmarks/gpu_pending.sh OUT mixed-factors  # issue 20: a tuned and an untuned artifact of one random model
 #                                                     #   on the mixed workload, then the tuned one under the per-step
 #                                                     #   budget (LLMC_STEP_BUDGET=1) and its measured budget (SHAPE)
+#   bash benchmarks/gpu_pending.sh OUT schedules      # issue 20: the mixed workload's queue order and step budgets on
+#                                                     #   one random SHAPE model (default 8b; N requests, 128 for 8b,
+#                                                     #   256 for 1b; 128 at once), ROUNDS (2) of fresh llmc bench
+#                                                     #   processes: the workload's order, longest first, and longest
+#                                                     #   first with steps that carry decodes at 256 / 512 tokens
+#                                                     #   (--max-prefill-tokens 2048; benchmarks/schedule_sim.py)
 #   bash benchmarks/gpu_pending.sh OUT compile-cold   # issue 20: a cold 8B compile (empty Triton and llmc caches)
 #                                                     #   and its load, candidates warmed up on threads, then with
 #                                                     #   LLMC_TUNE_THREADS=0 (COLD_THREADS="default" for the first only;
@@ -429,6 +435,26 @@ llmc.compile(str(hf), '/tmp/mf/u.llmc', dtype='bfloat16', tune=False)" >"$OUT/mi
             LLMC_STEP_BUDGET=1 run_mf tuned-step-budget /tmp/mf/t.llmc
             run_mf tuned-budget-measured /tmp/mf/t.llmc --max-num-batched-tokens "$(python3 -c "import json; \
 print(json.load(open('/tmp/mf/t.llmc/tuning.json')).get('token_budget', {}).get('tokens', 2048))")" ;;
+        schedules)
+            shape=${SHAPE:-8b}
+            n=${N:-$(requests_for "$shape")}
+            rm -rf /tmp/tmp* /tmp/sch && mkdir -p /tmp/sch
+            compile_shared "$shape" /tmp/sch/a.llmc >"$OUT/schedules_$shape.log" 2>&1
+            run_sch() {  # NAME [bench options]
+                local name=$1; shift
+                python3 -m llmc bench /tmp/sch/a.llmc --workload mixed --num-requests "$n" --max-num-seqs 128 --json \
+                    "$@" >"$OUT/sch_${shape}_${name}_$round.json" 2>>"$OUT/schedules_$shape.log"
+                python3 -c "import json; d = json.load(open('$OUT/sch_${shape}_${name}_$round.json')); \
+print('$shape $name round $round', {k: round(d[k], 3) for k in ('out_tok_s', 'ttft_ms_p50', 'itl_ms_p99', 'gpu_busy', \
+'max_num_batched_tokens', 'max_prefill_tokens') if d.get(k) is not None})" | tee -a "$OUT/schedules_$shape.log"
+            }
+            for round in $(seq 1 "${ROUNDS:-2}"); do
+                run_sch given
+                run_sch longest --longest-first
+                run_sch longest-256 --longest-first --max-num-batched-tokens 256 --max-prefill-tokens 2048
+                run_sch longest-512 --longest-first --max-num-batched-tokens 512 --max-prefill-tokens 2048
+            done
+            grep "round" "$OUT/schedules_$shape.log" ;;
         tree-ab)
             base=$(cd "${BASE:?BASE=DIR: an older tree, llmc/ at its top}" && pwd)
             here=$(pwd)

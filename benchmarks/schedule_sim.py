@@ -23,7 +23,7 @@ tokens a step (benchmarks/RESULTS.md), both with the requests in the workload's 
 model's figures for those two beside them.
 
     python3 benchmarks/schedule_sim.py [--shape 8b|1b] [--budgets 1024,2048,4096] [--step-budget] [--check]
-                                       [--order longest-first|given]
+                                       [--order longest-first|given] [--prefill-tokens N]
 """
 from __future__ import annotations
 
@@ -102,9 +102,10 @@ def tiny_artifact(work: Path):
 
 
 def run(art, shape: dict, budget: int | None, step_budget: bool, longest_first: bool = True,
-        seed: int = 0) -> list[list[tuple[int, int]]]:
+        prefill_tokens: int | None = None, seed: int = 0) -> list[list[tuple[int, int]]]:
     """Every step's (new tokens, context) per sequence, for the shape's mixed workload (its requests at once,
-    queued longest first as `LLM.generate` queues them, or in the workload's order)."""
+    queued longest first as `LLM.generate` queues them, or in the workload's order); `prefill_tokens`: the
+    engine's max_prefill_tokens (the budget of a step with no decode to run)."""
     from engine_host_bench import stubbed_engine
 
     from llmc.runtime.config import StepBudget
@@ -113,10 +114,10 @@ def run(art, shape: dict, budget: int | None, step_budget: bool, longest_first: 
     lengths = workload_lengths("mixed", n, seed)
     blocks = sum(-(-(p + o) // 16) for p, o in lengths) + 64
     eng = stubbed_engine(art, blocks, max_num_seqs=min(n, 128), max_num_batched_tokens=budget or shape["budget"],
-                         enable_prefix_caching=False)
+                         max_prefill_tokens=prefill_tokens, enable_prefix_caching=False)
     if step_budget:  # the engine's opt-in per-step budget, with the shape's compile's measurements
         cfg = eng.scheduler.config
-        cfg.max_prefill_tokens = max(cfg.max_num_batched_tokens, 2048)
+        cfg.max_prefill_tokens = max(cfg.max_num_batched_tokens, prefill_tokens or 2048)
         cfg.step_budget = StepBudget(tuple(sorted(shape["gemm_ms"].items())),
                                      kv_bytes_per_token(shape) / (shape["hbm_gb_s"] * 1e6), cfg.max_num_batched_tokens)
     steps: list[list[tuple[int, int]]] = []
@@ -145,6 +146,9 @@ def main() -> None:
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES), help="whose H200 figures price the steps")
     ap.add_argument("--order", default="longest-first", choices=("longest-first", "given"),
                     help="queue order: LLM.generate's (longest output first) or the workload's (--check: given)")
+    ap.add_argument("--prefill-tokens", type=int, default=None, metavar="N",
+                    help="the budget of a step with no decode to run (the engine's max_prefill_tokens; default: "
+                         "the budget's)")
     a = ap.parse_args()
     shape, measured_s = SHAPES[a.shape], MEASURED[a.shape]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -156,11 +160,12 @@ def main() -> None:
         cases = [(STEP_BUDGET, None, True)] if a.step_budget else []
         cases += [(b, int(b), False) for b in a.budgets.split(",") if b]
     out_tokens = sum(o for _, o in workload_lengths("mixed", shape["requests"], 0))
-    print(f"queued: {'in the workload order' if not longest_first else 'longest output first'}")
+    print(f"queued: {'in the workload order' if not longest_first else 'longest output first'}"
+          + (f"; steps without decodes: {a.prefill_tokens} tokens" if a.prefill_tokens and not a.check else ""))
     print(f"{'schedule':36s} {'steps':>5s} {'prompt steps':>12s} {'rows/real':>9s} {'est. s':>7s} {'unpadded':>9s} "
           f"{'est. out tok/s':>14s} {'measured s':>10s}")
     for name, budget, per_step in cases:
-        steps = run(art, shape, budget, per_step, longest_first)
+        steps = run(art, shape, budget, per_step, longest_first, None if a.check else a.prefill_tokens)
         est, unpadded = (sum(step_ms(shape, s, pad) for s in steps) / 1e3 for pad in (True, False))
         prompts = [s for s in steps if any(k > 1 for k, _ in s)]
         rows, real = sum(padded(s) for s in prompts), sum(k for s in prompts for k, _ in s)

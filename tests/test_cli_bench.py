@@ -103,6 +103,7 @@ def test_prompts_are_fresh_cuts_that_fit():
     (["missing.llmc"], "missing.llmc does not exist"),
     (["{art}", "--workload", "chat"], "--workload 'chat' is not a workload; use one of mixed, decode, prefill"),
     (["{art}", "--num-requests", 0], "--num-requests must be >= 1, got 0"),
+    (["{art}", "--max-prefill-tokens", 0], "--max-prefill-tokens must be >= 1, got 0"),
     (["{art}", "--max-num-seqs", 0], "--max-num-seqs must be >= 1, got 0"),
     (["{art}", "--spec", "draft"], "--spec draft needs --draft"),
 ])

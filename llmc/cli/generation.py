@@ -139,9 +139,9 @@ def _check_tokens(items: list[_Prompt], params: list, art) -> None:
 @options.parallel_options
 @options.plugin_option
 def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-        stop, as_json, stream, backend, device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-        kv_cache_dtype, spec_method, draft_path, spec_tokens, multi_step, overlap, warm_up, tensor_parallel_size,
-        pipeline_parallel_size, expert_parallel, plugins):
+        stop, as_json, stream, backend, device, max_num_seqs, max_num_batched_tokens, max_prefill_tokens,
+        block_size, num_blocks, kv_cache_dtype, spec_method, draft_path, spec_tokens, multi_step, overlap, warm_up,
+        tensor_parallel_size, pipeline_parallel_size, expert_parallel, plugins):
     """Generate text from ARTIFACT with the paged-KV engine.
 
     With several prompts (or n > 1), plain-text output puts a `--- prompt N ---` line before each
@@ -151,6 +151,7 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
     from llmc.runtime.engine import LLM
     options.check_engine_options(backend, device, {"--max-num-seqs": max_num_seqs, "--block-size": block_size,
                                             "--max-num-batched-tokens": max_num_batched_tokens,
+                                            "--max-prefill-tokens": max_prefill_tokens,
                                             "--num-blocks": num_blocks, "--max-tokens": max_tokens,
                                             "--multi-step": multi_step})
     items = _read_prompts(prompt, prompts_file)
@@ -167,8 +168,9 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
     art = llmc.load(artifact)
     _check_tokens(items, params, art)
     llm = LLM(art, speculative=options.speculative_config(spec_method, draft_path, spec_tokens, art.bundled_draft),
-              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-              num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, backend=backend, device=device,
+              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+              max_prefill_tokens=max_prefill_tokens, block_size=block_size, num_blocks=num_blocks,
+              kv_cache_dtype=kv_cache_dtype, backend=backend, device=device,
               tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
               expert_parallel=expert_parallel, multi_step=multi_step, overlap=overlap, warm_up=warm_up)
     out = _Printer(items, params, as_json, art.tokenizer_dir is not None)
@@ -288,7 +290,7 @@ class _Printer:
 @options.engine_options("Windows batched per step.", speculative=False)
 @options.plugin_option
 def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend, device, max_num_seqs,
-             max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, plugins):
+             max_num_batched_tokens, max_prefill_tokens, block_size, num_blocks, kv_cache_dtype, plugins):
     """Perplexity of ARTIFACT on a text: exp of the mean negative log-likelihood of its tokens, each given
     the ones before it.
 
@@ -304,6 +306,7 @@ def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend,
     from llmc.evaluate import dataset_text, perplexity, read_text
     options.check_engine_options(backend, device, {"--max-num-seqs": max_num_seqs, "--block-size": block_size,
                                             "--max-num-batched-tokens": max_num_batched_tokens,
+                                            "--max-prefill-tokens": max_prefill_tokens,
                                             "--num-blocks": num_blocks, "--max-tokens": max_tokens,
                                             "--window": window})
     if (text_file is None) == (dataset is None):
@@ -323,8 +326,8 @@ def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend,
                            "with room for one generated token")
     res = perplexity(art, text, max_tokens=max_tokens, window=window, progress=not as_json and sys.stderr.isatty(),
                      backend=backend, device=device, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
-                     kv_cache_dtype=kv_cache_dtype)
+                     max_num_batched_tokens=max_num_batched_tokens, max_prefill_tokens=max_prefill_tokens,
+                     block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype)
     source = dataset if dataset is not None else str(text_file)
     if as_json:
         click.echo(json.dumps({"artifact": str(art.path), "dataset": source, **res.to_json()}))

@@ -98,6 +98,11 @@ def engine_options(seqs_help: str = "Sequences batched per step.", speculative: 
                           "speed; `llmc inspect`), 2048 at least. On a GPU a step with prompt work runs on the "
                           "CUDA graphs of the smallest power of two (16 to 8192) that holds it: a power of two "
                           "wastes no rows."),
+        click.option("--max-prefill-tokens", default=None, type=int,
+                     help="Token budget of a step that has no decode to run (prompts alone), where it is larger "
+                          "than --max-num-batched-tokens: with a small budget for the steps that carry decodes "
+                          "(short steps between their tokens), prompts alone still run in large chunks. "
+                          "Default: --max-num-batched-tokens."),
         click.option("--block-size", default=ENGINE_DEFAULTS.block_size, show_default=True,
                      help="KV cache slots per block (a power of two on the kernel backends)."),
         click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory)."),

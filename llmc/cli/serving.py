@@ -31,9 +31,9 @@ from llmc.errors import LLMCError, RequestError
 @options.parallel_options
 @options.plugin_option
 def serve(artifact, host, port, api_key, served_model_name, chat_template, max_queue, shutdown_timeout, backend,
-          device, max_num_seqs, max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, spec_method,
-          draft_path, spec_tokens, multi_step, overlap, warm_up, tensor_parallel_size, pipeline_parallel_size,
-          expert_parallel, plugins):
+          device, max_num_seqs, max_num_batched_tokens, max_prefill_tokens, block_size, num_blocks, kv_cache_dtype,
+          spec_method, draft_path, spec_tokens, multi_step, overlap, warm_up, tensor_parallel_size,
+          pipeline_parallel_size, expert_parallel, plugins):
     """Serve ARTIFACT over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /health and /metrics (Prometheus).
 
@@ -48,6 +48,7 @@ def serve(artifact, host, port, api_key, served_model_name, chat_template, max_q
     import llmc
     options.check_engine_options(backend, device, {"--max-num-seqs": max_num_seqs, "--block-size": block_size,
                                             "--max-num-batched-tokens": max_num_batched_tokens,
+                                            "--max-prefill-tokens": max_prefill_tokens,
                                             "--num-blocks": num_blocks, "--max-queue": max_queue,
                                             "--multi-step": multi_step})
     if not 0 < port < 65536:
@@ -67,8 +68,9 @@ def serve(artifact, host, port, api_key, served_model_name, chat_template, max_q
     speculative = options.speculative_config(spec_method, draft_path, spec_tokens, art.bundled_draft)
     name = served_model_name or Path(art.path).name.removesuffix(".llmc")
     llm = AsyncLLM(art, speculative=speculative, max_num_seqs=max_num_seqs,
-                   max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
-                   kv_cache_dtype=kv_cache_dtype, backend=backend, device=device,
+                   max_num_batched_tokens=max_num_batched_tokens, max_prefill_tokens=max_prefill_tokens,
+                   block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, backend=backend,
+                   device=device,
                    tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                    expert_parallel=expert_parallel, multi_step=multi_step, overlap=overlap, warm_up=warm_up)
     try:
@@ -165,8 +167,8 @@ def bench():
 @options.engine_options()
 @options.plugin_option
 def bench_artifact(artifact, workload, num_requests, seed, as_json, longest_first, backend, device, max_num_seqs,
-                   max_num_batched_tokens, block_size, num_blocks, kv_cache_dtype, spec_method, draft_path,
-                   spec_tokens, multi_step, overlap, warm_up, plugins):
+                   max_num_batched_tokens, max_prefill_tokens, block_size, num_blocks, kv_cache_dtype, spec_method,
+                   draft_path, spec_tokens, multi_step, overlap, warm_up, plugins):
     """Benchmark ARTIFACT offline through llmc.LLM: output tokens per second, time to first token and
     inter-token latency (p50/p99, from the streamed outputs of every request), and on CUDA the fraction
     of the time the GPU spends in the model's steps.
@@ -180,6 +182,7 @@ def bench_artifact(artifact, workload, num_requests, seed, as_json, longest_firs
     from llmc import bench as offline
     options.check_engine_options(backend, device, {"--max-num-seqs": max_num_seqs, "--block-size": block_size,
                                             "--max-num-batched-tokens": max_num_batched_tokens,
+                                            "--max-prefill-tokens": max_prefill_tokens,
                                             "--num-blocks": num_blocks, "--num-requests": num_requests,
                                             "--multi-step": multi_step})
     if workload not in offline.WORKLOADS:
@@ -192,9 +195,9 @@ def bench_artifact(artifact, workload, num_requests, seed, as_json, longest_firs
     res = offline.bench(art, workload, num_requests=num_requests, seed=seed,
                         speculative=options.speculative_config(spec_method, draft_path, spec_tokens, art.bundled_draft),
                         progress=sys.stderr.isatty(), longest_first=longest_first, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_blocks=num_blocks,
-                        kv_cache_dtype=kv_cache_dtype, backend=backend, device=device, multi_step=multi_step,
-                        overlap=overlap, warm_up=warm_up)
+                        max_num_batched_tokens=max_num_batched_tokens, max_prefill_tokens=max_prefill_tokens,
+                        block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, backend=backend,
+                        device=device, multi_step=multi_step, overlap=overlap, warm_up=warm_up)
     click.echo(json.dumps(res) if as_json else offline.format_report(res))
 
 

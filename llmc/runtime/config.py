@@ -15,6 +15,7 @@ class EngineConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: the budget the compile measured (`token_budget`)
+    max_prefill_tokens: int | None = None  # a step with no decode to run; None: max_num_batched_tokens
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_memory_fraction of free device memory
     kv_cache_dtype: str | None = None  # None: as compiled
@@ -36,8 +37,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Raise LLMCError naming the first option out of range."""
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len",
-                     "tensor_parallel_size", "pipeline_parallel_size", "multi_step"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens", "block_size", "num_blocks",
+                     "max_model_len", "tensor_parallel_size", "pipeline_parallel_size", "multi_step"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise LLMCError(f"{name} must be an integer >= 1, not {v!r}")

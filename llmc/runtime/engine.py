@@ -159,7 +159,7 @@ class LLMEngine:
                 invariant=speculative is not None)  # verify steps sum as plain ones: see Tuner.from_artifact
         self.block_manager = BlockManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           cfg.num_cpu_blocks)
-        prefill_budget = step_budget = None
+        prefill_budget, step_budget = cfg.max_prefill_tokens, None
         if cfg.max_num_batched_tokens is None:
             # the compile's measured budget, at least the default and enough for a decode of every sequence. On
             # an H200 the 8B shape's measured 512 tokens, a floor under the per-step budget below, ran the mixed
@@ -171,7 +171,8 @@ class LLMEngine:
             if os.environ.get("LLMC_STEP_BUDGET", "0") == "1":
                 # opt-in: the measured budget for steps with decodes, grown per step to spread their cost
                 # (StepBudget), and the default for a step with none
-                prefill_budget, cfg.max_num_batched_tokens = cfg.max_num_batched_tokens, measured
+                prefill_budget = prefill_budget or cfg.max_num_batched_tokens
+                cfg.max_num_batched_tokens = measured
                 kv_per_token = self.executor.kv_bytes / max(1, self.executor.num_blocks * cfg.block_size)
                 step_budget = StepBudget.of(artifact.tuning, kv_per_token, measured)
         budget = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else max(cfg.max_num_batched_tokens,

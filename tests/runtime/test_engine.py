@@ -56,6 +56,25 @@ def test_generate_queues_longest_first(llama_artifact, tok):
     assert runs[True][1] <= 21 < 28 <= runs[False][1]
 
 
+def test_max_prefill_tokens_sizes_the_steps_without_decodes(llama_artifact, tok, alone):
+    """A lone prompt takes max_prefill_tokens a step; once a sequence decodes, steps keep to the smaller budget."""
+    ps = prompts12(tok)
+    steps = []
+    for extra in ({}, {"max_prefill_tokens": 128}):
+        llm = LLM(llama_artifact, max_num_batched_tokens=8, num_blocks=64, block_size=4, overlap=False,
+                  enable_prefix_caching=False, **extra)
+        assert llm.engine.scheduler.config.max_prefill_tokens == extra.get("max_prefill_tokens")
+        assert [o.token_ids for o in llm.generate([ps[11]], GREEDY)] == [alone[11]]
+        steps.append(llm.stats()["steps"])
+    assert 8 < len(ps[11]) <= 128 and steps == [-(-len(ps[11]) // 8) + 11, 1 + 11]
+    eng = llm.engine
+    eng.add_request(ps[11], GREEDY, "a")
+    eng.step()  # the whole prompt, and a's first token
+    eng.add_request(ps[10], GREEDY, "b")
+    eng.step()
+    assert eng.scheduler.groups["b"].leader.num_computed_tokens == 7  # 8 tokens: a's decode and 7 of b's
+
+
 def test_swap_preemption_gives_same_outputs(llama_artifact, tok, alone):
     llm = LLM(llama_artifact, max_num_seqs=4, num_blocks=24, block_size=4, max_num_batched_tokens=64,
               preemption_mode="swap", num_cpu_blocks=64)
