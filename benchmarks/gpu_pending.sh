@@ -446,7 +446,8 @@ print(json.load(open('/tmp/mf/t.llmc/tuning.json')).get('token_budget', {}).get(
                     "$@" >"$OUT/sch_${shape}_${name}_$round.json" 2>>"$OUT/schedules_$shape.log"
                 python3 -c "import json; d = json.load(open('$OUT/sch_${shape}_${name}_$round.json')); \
 print('$shape $name round $round', {k: round(d[k], 3) for k in ('out_tok_s', 'ttft_ms_p50', 'itl_ms_p99', 'gpu_busy', \
-'max_num_batched_tokens', 'max_prefill_tokens') if d.get(k) is not None})" | tee -a "$OUT/schedules_$shape.log"
+'steps', 'max_num_batched_tokens', 'max_prefill_tokens') if d.get(k) is not None}, d.get('host_ms_per_step'))" \
+                    | tee -a "$OUT/schedules_$shape.log"
             }
             for round in $(seq 1 "${ROUNDS:-2}"); do
                 run_sch given

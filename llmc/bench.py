@@ -99,8 +99,9 @@ def bench(model, workload: str = "mixed", *, num_requests: int | None = None, se
         A JSON-ready dict: out_tok_s, ttft_ms_p50/p99, itl_ms_p50/p99 (between streamed outputs; None
         without later tokens), tpot_ms_p50/p99 (per request: time per output token after its first,
         which stays per token where outputs carry several: speculation, multi-step),
-        gpu_busy (a fraction, None off CUDA), and the run's settings and totals; `format_report`
-        writes it as a table.
+        gpu_busy (a fraction, None off CUDA), steps and host_ms_per_step (the engine's host time per step
+        of the timed runs, by part, as `LLM.stats()` ms_per_step_*), and the run's settings and totals;
+        `format_report` writes it as a table.
 
     Raises:
         BenchError: a bad workload or count; RequestError / ArtifactError from the engine.
@@ -131,9 +132,11 @@ def bench(model, workload: str = "mixed", *, num_requests: int | None = None, se
     batches = [timed] if workload == "mixed" else [[r] for r in timed]
     _run(llm, warm if workload == "mixed" else warm[:1], None)
     runs, preempted = [], eng.num_preemptions
+    steps0, timings0 = eng.num_steps, dict(eng.timings)
     with _TokenProgress(sum(o for _, o in timed), progress) as bar:
         for batch in batches:
             runs.append(_run(llm, batch, bar.advance, longest_first))
+    steps = eng.num_steps - steps0
     ttft = [t for r in runs for t in r.ttft]
     itl = [g for r in runs for g in r.itl]
     tpot = [g for r in runs for g in r.tpot]
@@ -153,6 +156,10 @@ def bench(model, workload: str = "mixed", *, num_requests: int | None = None, se
         "itl_ms_p50": ms(itl, 50), "itl_ms_p99": ms(itl, 99), "tpot_ms_p50": ms(tpot, 50),
         "tpot_ms_p99": ms(tpot, 99), "gpu_busy": busy,
         "num_preemptions": eng.num_preemptions - preempted,
+        # the engine's host time per step of the timed runs, by part (LLM.stats()' ms_per_step_*): where the host
+        # goes when the GPU waits for it; "wait" is the host blocked on the device's tokens
+        "steps": steps, "host_ms_per_step": {k: round((v - timings0.get(k, 0.0)) * 1e3 / max(1, steps), 4)
+                                             for k, v in eng.timings.items()},
         # the step shape the figures were measured with (the token budget is the compile's measured one
         # unless the engine was given another)
         "max_num_seqs": eng.config.max_num_seqs, "max_num_batched_tokens": eng.config.max_num_batched_tokens,

@@ -40,6 +40,7 @@ def test_mixed_streams_every_planned_token_and_caps_to_the_context(art):
     assert r["prompt_tokens"] == (1024 - 103) + 473
     # the step shape it ran with: a CPU compile measured no budget, so the default
     assert r["max_num_seqs"] == 4 and r["max_num_batched_tokens"] == 2048
+    assert r["steps"] >= 103 and set(r["host_ms_per_step"]) >= {"schedule", "execute", "update"}
 
 
 def test_mixed_longest_first_queues_the_longest_output_first(art):

@@ -159,7 +159,8 @@ def bench():
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object: out_tok_s, ttft_ms_p50, ttft_ms_p99, itl_ms_p50, itl_ms_p99, tpot_ms_p50, "
                    "tpot_ms_p99 (time per output token after the first, per request), gpu_busy "
-                   "(null off CUDA), duration_s, token totals and the settings.")
+                   "(null off CUDA), steps, host_ms_per_step (the engine's host time per step by part), duration_s, "
+                   "token totals and the settings.")
 @click.option("--longest-first", is_flag=True,
               help="mixed: queue the requests longest output first, as llmc.LLM.generate does (fewer steps, "
                    "later first tokens for short requests); default: in the workload's order, as a server takes "

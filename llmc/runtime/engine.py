@@ -325,6 +325,7 @@ class LLMEngine:
             # every sequence in it stopped: its tokens are read and dropped now (an executor of several processes
             # returns each launched step's result in order, and the next read must find the next step's)
             self._drain()
+        t_out = time.perf_counter()
         finished = self.scheduler.pop_finished()
         done = {g.request_id for g in finished}
         if self.spec is not None:
@@ -335,6 +336,7 @@ class LLMEngine:
         results = [self._output(rid) for rid in sorted(report) if rid in self.requests]
         for rid in done:
             self.requests.pop(rid, None)
+        self._time("outputs", t_out)
         return results
 
     # -- overlapped steps (see the class docstring) --------------------------------------------------
