@@ -24,6 +24,7 @@ from typing import AsyncIterator, Sequence as Seq
 
 from llmc.artifact import Artifact
 from llmc.errors import LLMCError, RequestError
+from llmc.runtime import heap
 from llmc.runtime.engine import LLMEngine, RequestOutput, engine_config, load_model
 from llmc.runtime.sampling_params import SamplingParams
 
@@ -188,6 +189,8 @@ class AsyncLLM:
                 self._closed = True
             self._fail_all(_as_llmc_error(e, "the async engine loop failed"))
             self._drain_closed()
+        finally:
+            heap.release(self.engine)  # the loop is over: what it made in cycles may be collected
 
     def _pending(self, block: bool) -> list:
         """Every queued command; with `block`, first sleep until there is one (the idle engine)."""

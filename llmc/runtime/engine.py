@@ -16,6 +16,7 @@ import torch
 
 from llmc.artifact import Artifact, load_artifact
 from llmc.errors import LLMCError, RequestError
+from llmc.runtime import heap
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.config import DEFAULT_TOKEN_BUDGET, EngineConfig, StepBudget, token_budget
 from llmc.runtime.distributed import DistributedExecutor
@@ -217,6 +218,8 @@ class LLMEngine:
             else None
         if self._profiler is not None:  # a window the runs did not reach the end of: written when the engine goes
             weakref.finalize(self, self._profiler.finish)
+        if getattr(self.executor.device, "type", "") == "cuda":  # ready: its heap out of the collector's way
+            heap.freeze(self)
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, prompt: str | Seq[int]) -> list[int]:
@@ -663,6 +666,7 @@ class LLM:
         weights on the GPU and step graphs (a draft model's too); otherwise that happens when the LLM is
         collected, and at exit. `with LLM(...) as llm:` closes it on leaving the block. A closed LLM runs
         no more requests."""
+        heap.release(self.engine)
         proposer = getattr(self.engine.spec, "proposer", None)
         draft = getattr(getattr(proposer, "draft", proposer), "executor", None)  # a cascade's draft, or the draft
         for ex in (self.engine.executor, draft):

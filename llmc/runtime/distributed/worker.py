@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from llmc.ir.types import dim_eval, torch_dtype
+from llmc.runtime import heap
 from llmc.runtime.distributed import codec
 from llmc.runtime.executor import Feed, Launched, StepBatch, StepInput, _verifies, as_decode_rows, make_executor
 from llmc.runtime.kv_cache import KVCache
@@ -131,6 +132,8 @@ def _serve(spec: WorkerSpec, store) -> None:
         dist.all_reduce(torch.zeros(1, device=device), group=tp_groups[spec.stage])
         torch.cuda.synchronize(device)
     stage = PipelineStage(spec, ex, mine.meta.get("pipeline", {}), control)
+    if cuda:  # this process's heap out of the collector's way for its step loop (llmc/runtime/heap.py)
+        heap.freeze(stage)
     stage.serve()
     store.set(f"timings/{spec.rank}", json.dumps(stage.timings))
     dist.destroy_process_group()
