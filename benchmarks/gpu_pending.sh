@@ -45,7 +45,9 @@
 #                                                     #   a lone prompt of up to 2,048 tokens on a step graph;
 #                                                     #   WORKLOADS="decode" VAR=LLMC_SPLIT_ARGMAX: batch-1 decode
 #                                                     #   with the argmax row on one program or split;
-#                                                     #   VAR=LLMC_PDL, VAR=LLMC_PDL_PREFETCH likewise)
+#                                                     #   VAR=LLMC_PDL, VAR=LLMC_PDL_PREFETCH likewise;
+#                                                     #   VAR=LLMC_GC_FREEZE: the heap frozen at load or not;
+#                                                     #   ROUNDS, default 2; N mixed requests, default 128)
 #   BASE=.bench_base bash benchmarks/gpu_pending.sh OUT tree-ab  # this tree against an older llmc under BASE
 #                                                     #   (`git archive COMMIT llmc | tar -x -C BASE`), alternating:
 #                                                     #   prefill attention launches (ATTN_SHAPES, default "8b 1b"),
@@ -401,15 +403,16 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
 print({n: b for n, b in k.items() if n.startswith('paged_attention')}); print('token_budget', \
 json.load(open('/tmp/art-${SHAPE:-8b}.llmc/tuning.json')).get('token_budget'))" | tee -a "$OUT/ab_mixed.log"
             var=${VAR:-LLMC_PREFILL_TILES}
-            for v in 0 1 0 1; do
-                for w in ${WORKLOADS:-prefill mixed}; do
-                    env $var=$v python3 -m llmc bench "/tmp/art-${SHAPE:-8b}.llmc" --workload $w \
-                        --num-requests $([ $w = mixed ] && echo "128 --max-num-seqs 128" || echo 5) --json \
-                        >"$OUT/ab_${w}_$v.json" 2>>"$OUT/ab_mixed.log"
-                    python3 -c "import json; d = json.load(open('$OUT/ab_${w}_$v.json')); \
+            for round in $(seq 1 "${ROUNDS:-2}"); do
+                for v in 0 1; do
+                    for w in ${WORKLOADS:-prefill mixed}; do
+                        env $var=$v python3 -m llmc bench "/tmp/art-${SHAPE:-8b}.llmc" --workload $w \
+                            --num-requests $([ $w = mixed ] && echo "${N:-128} --max-num-seqs 128" || echo 5) --json \
+                            >"$OUT/ab_${w}_${v}_$round.json" 2>>"$OUT/ab_mixed.log"
+                        python3 -c "import json; d = json.load(open('$OUT/ab_${w}_${v}_$round.json')); \
 print('$var=$v $w', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttft_ms_p99', 'itl_ms_p50', 'itl_ms_p99', \
-'gpu_busy')})" \
-                        | tee -a "$OUT/ab_mixed.log"
+'gpu_busy', 'steps')}, d.get('host_ms_per_step'))" | tee -a "$OUT/ab_mixed.log"
+                    done
                 done
             done ;;
         mixed-factors)
