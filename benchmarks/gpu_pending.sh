@@ -180,8 +180,9 @@ for step in "$@"; do
             tail -25 "$OUT/onnx_bench.log" ;;
         quant-mixed)
             rm -rf /tmp/tmp*
+            # MIXED_OPTS: e.g. "--longest-first --mixed-budget 256" (benchmarks/quant_decode_bench.py)
             python3 benchmarks/quant_decode_bench.py --shape 8b --quant "${QUANT:-fp8,w8a8,rtn4}" --no-decode \
-                --mixed 128 --bf16-no-tune --out "$OUT" >"$OUT/quant_mixed.log" 2>&1
+                --mixed 128 --bf16-no-tune ${MIXED_OPTS:-} --out "$OUT" >"$OUT/quant_mixed.log" 2>&1
             tail -8 "$OUT/quant_mixed.log" ;;
         quant-profile)
             rm -rf /tmp/tmp*

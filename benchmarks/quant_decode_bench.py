@@ -59,6 +59,10 @@ def main() -> None:
     ap.add_argument("--bf16-no-tune", action="store_true", help="the bf16 baseline untuned (cuBLAS for every GEMM)")
     ap.add_argument("--mixed", type=int, default=0, metavar="N",
                     help="also the mixed workload of `llmc bench` (N requests at once, max 128 sequences): out tok/s")
+    ap.add_argument("--longest-first", action="store_true",
+                    help="the mixed workload queued longest output first (as LLM.generate queues it)")
+    ap.add_argument("--mixed-budget", type=int, default=None, metavar="TOKENS",
+                    help="the mixed workload's budget for steps that carry decodes (steps without: 2,048 tokens)")
     ap.add_argument("--no-decode", action="store_true", help="skip the batch-1 and batch-16 decode figures")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
@@ -101,7 +105,10 @@ def main() -> None:
             from llmc.bench import bench
             if profile_root:  # LLMC_PROFILE_DIR: each config's engine profiles into a directory of its own
                 os.environ["LLMC_PROFILE_DIR"] = str(Path(profile_root) / name)
-            mix = bench(art, "mixed", num_requests=a.mixed, max_num_seqs=min(a.mixed, 128))
+            budget = {} if a.mixed_budget is None else {"max_num_batched_tokens": a.mixed_budget,
+                                                        "max_prefill_tokens": 2048}
+            mix = bench(art, "mixed", num_requests=a.mixed, max_num_seqs=min(a.mixed, 128),
+                        longest_first=a.longest_first, **budget)
             row.update(mixed_out_tok_s=mix["out_tok_s"], mixed_gpu_busy=mix.get("gpu_busy"))
         rows.append(row)
         print(json.dumps(row), flush=True)
