@@ -84,7 +84,8 @@
 #                                                     #   256 for 1b; 128 at once), ROUNDS (2) of fresh llmc bench
 #                                                     #   processes: the workload's order, longest first, and longest
 #                                                     #   first with steps that carry decodes at 256 / 512 tokens
-#                                                     #   (--max-prefill-tokens 2048; benchmarks/schedule_sim.py)
+#                                                     #   (--max-prefill-tokens 2048; benchmarks/schedule_sim.py);
+#                                                     #   KV="int8": that row again with an int8 K/V cache
 #   bash benchmarks/gpu_pending.sh OUT compile-cold   # issue 20: a cold 8B compile (empty Triton and llmc caches)
 #                                                     #   and its load, candidates warmed up on threads, then with
 #                                                     #   LLMC_TUNE_THREADS=0 (COLD_THREADS="default" for the first only;
@@ -458,6 +459,10 @@ print('$shape $name round $round', {k: round(d[k], 3) for k in ('out_tok_s', 'tt
                 run_sch longest --longest-first
                 run_sch longest-256 --longest-first --max-num-batched-tokens 256 --max-prefill-tokens 2048
                 run_sch longest-512 --longest-first --max-num-batched-tokens 512 --max-prefill-tokens 2048
+                for kv in ${KV:-}; do  # KV="int8 fp8": the 256-token row again with a quantized K/V cache
+                    run_sch longest-256-$kv --longest-first --max-num-batched-tokens 256 --max-prefill-tokens 2048 \
+                        --kv-cache-dtype "$kv"
+                done
             done
             grep "round" "$OUT/schedules_$shape.log" ;;
         tree-ab)
