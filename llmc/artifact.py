@@ -265,12 +265,13 @@ class Artifact:
         return d if found else None
 
     def tokenizer(self):
-        """The artifact's tokenizer (transformers' AutoTokenizer over the copied files)."""
+        """The artifact's tokenizer over the copied files (llmc/tokenizer.py: the Rust tokenizers library where
+        that is all transformers would run, else transformers' AutoTokenizer)."""
         if self.tokenizer_dir is None:
             raise ArtifactError(f"artifact {self.path} has no tokenizer; compile from a model directory "
                                 "that holds tokenizer files, or pass token ids")
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(str(self.tokenizer_dir), local_files_only=True)
+        from llmc.tokenizer import load_tokenizer
+        return load_tokenizer(self.tokenizer_dir)
 
     @property
     def passes(self) -> list[str]:
