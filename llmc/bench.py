@@ -299,4 +299,8 @@ def format_report(r: dict) -> str:
         f"{'output (tok/s)':22s} {num(r['out_tok_s'], '9,.1f')}",
         f"{'GPU busy':22s} {num(r['gpu_busy'], '9.1%')}",
     ]
+    host = r.get("host_ms_per_step") or {}
+    if r.get("steps") and host:  # where the engine's host time per step goes; "wait" is for the device's tokens
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in host.items())
+        lines.append(f"{r['steps']:,} steps; host ms per step: {parts}")
     return "\n".join(lines)
