@@ -59,7 +59,7 @@ def worker(frozen: bool, runs: int, requests: int) -> list[dict]:
         eng = stubbed_engine(art, blocks, max_num_seqs=128, enable_prefix_caching=False)
         llm = LLM.__new__(LLM)
         llm.engine = eng
-        heap.freeze(eng)  # as an engine on a GPU does once it is ready (a no-op with LLMC_GC_FREEZE=0)
+        token = heap.freeze()  # as an engine on a GPU does once it is ready (None with LLMC_GC_FREEZE=0)
         tracked, frozen_count = len(gc.get_objects()), gc.get_freeze_count()
         prompts = [[3 + (i * 7 + j) % 8000 for j in range(p)] for i, (p, _) in enumerate(lengths)]
         params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in lengths]
@@ -69,7 +69,7 @@ def worker(frozen: bool, runs: int, requests: int) -> list[dict]:
         llm.generate(prompts, params)
         wall = time.perf_counter() - t
         gc.callbacks.remove(on_gc)
-        heap.release(eng)
+        heap.release(token)
         n, ms = Counter(), Counter()
         for g, d in calls:
             n[g] += 1

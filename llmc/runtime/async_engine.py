@@ -190,7 +190,7 @@ class AsyncLLM:
             self._fail_all(_as_llmc_error(e, "the async engine loop failed"))
             self._drain_closed()
         finally:
-            heap.release(self.engine)  # the loop is over: what it made in cycles may be collected
+            heap.release(self.engine.heap_token)  # the loop is over: what it made in cycles may be collected
 
     def _pending(self, block: bool) -> list:
         """Every queued command; with `block`, first sleep until there is one (the idle engine)."""

@@ -218,8 +218,10 @@ class LLMEngine:
             else None
         if self._profiler is not None:  # a window the runs did not reach the end of: written when the engine goes
             weakref.finalize(self, self._profiler.finish)
-        if getattr(self.executor.device, "type", "") == "cuda":  # ready: its heap out of the collector's way
-            heap.freeze(self)
+        # ready: on a GPU its heap goes out of the collector's way until it is done (llmc/runtime/heap.py)
+        self.heap_token = heap.freeze() if getattr(self.executor.device, "type", "") == "cuda" else None
+        if self.heap_token is not None:  # used without an LLM around it, and freed (at exit, heap.py thaws all)
+            weakref.finalize(self, heap.release, self.heap_token).atexit = False
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, prompt: str | Seq[int]) -> list[int]:
@@ -660,13 +662,19 @@ class LLM:
 
     def __init__(self, model: str | Path | Artifact, speculative: dict | SpecConfig | None = None, **options):
         self.engine = LLMEngine(load_model(model), engine_config(**options), speculative)
+        # closed, or collected without close(): the heap the engine froze is thawed and collected, so its
+        # device memory goes even where its objects form cycles
+        self._thaw = weakref.finalize(self, heap.release, self.engine.heap_token)
+        self._thaw.atexit = False  # at exit heap.py thaws the heap without collecting
 
     def close(self) -> None:
         """Release what the engine holds: a parallel run's worker processes, or this process's KV cache,
         weights on the GPU and step graphs (a draft model's too); otherwise that happens when the LLM is
         collected, and at exit. `with LLM(...) as llm:` closes it on leaving the block. A closed LLM runs
         no more requests."""
-        heap.release(self.engine)
+        thaw = getattr(self, "_thaw", None)  # (stand-ins made with LLM.__new__ have none)
+        if thaw is not None:
+            thaw()
         proposer = getattr(self.engine.spec, "proposer", None)
         draft = getattr(getattr(proposer, "draft", proposer), "executor", None)  # a cascade's draft, or the draft
         for ex in (self.engine.executor, draft):

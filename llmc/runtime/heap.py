@@ -8,31 +8,33 @@ idles once the step in flight ends. `gc.freeze()` moves every object alive at th
 permanent generation that collections skip; objects made later are collected as before, and an object
 whose last reference goes is freed at once whether frozen or not (only cycles wait for the collector).
 
-`freeze(owner)` is called by an engine on a GPU once it is ready (after its warm-up), after a full
-collection, so nothing that is garbage already is frozen. `release(owner)` (`LLM.close()`, the end of an
-`AsyncLLM`'s loop) unfreezes, collects what the closed engine left in cycles, and freezes again while
-another engine of the process is still open. Python's shutdown never collects frozen objects, so the
-heap is unfrozen at exit (some extension modules report frozen objects as leaked). `LLMC_GC_FREEZE=0`
-turns it off. An engine on the CPU does not freeze: its device is the host, so a pause idles nothing
-that the host's work would not.
+An engine on a GPU calls `freeze()` once it is ready (after its warm-up): one full collection first, so
+nothing that is garbage already is frozen. The token it gets back is released (`release(token)`) when the
+engine is done: `LLM.close()`, the `LLM` object's collection, the end of an `AsyncLLM`'s loop. Releasing
+unfreezes, collects (so an engine dropped without `close()` gives back its device memory even where its
+objects form cycles, which a frozen heap would otherwise keep to the end of the process), and freezes
+again while another engine of the process holds a token. Python's shutdown never collects frozen objects,
+so the heap is unfrozen at exit (some extension modules report frozen objects as leaked).
+`LLMC_GC_FREEZE=0` turns it off. An engine on the CPU does not freeze: its device is the host, so a pause
+idles nothing that the host's work would not.
 
 Example:
     >>> import gc
-    >>> class Owner: pass
-    >>> o = Owner()
-    >>> freeze(o) and gc.get_freeze_count() > 0
+    >>> token = freeze()
+    >>> gc.get_freeze_count() > 0
     True
-    >>> release(o); gc.get_freeze_count()
+    >>> release(token); gc.get_freeze_count()
     0
 """
 from __future__ import annotations
 
 import atexit
 import gc
+import itertools
 import os
-import weakref
 
-_owners: weakref.WeakSet = weakref.WeakSet()  # open engines that froze the heap
+_held: set[int] = set()  # tokens of the engines that froze the heap and are not done
+_tokens = itertools.count(1)
 _at_exit = False
 
 
@@ -41,26 +43,29 @@ def enabled() -> bool:
     return os.environ.get("LLMC_GC_FREEZE", "1") != "0"
 
 
-def freeze(owner: object) -> bool:
-    """Collect, then freeze every object alive (see the module docstring); False where turned off."""
+def freeze() -> int | None:
+    """Collect, then freeze every object alive (see the module docstring); a token for `release`, or None
+    where turned off."""
     global _at_exit
     if not enabled():
-        return False
+        return None
     gc.collect()
     gc.freeze()
-    _owners.add(owner)
+    token = next(_tokens)
+    _held.add(token)
     if not _at_exit:
         atexit.register(gc.unfreeze)
         _at_exit = True
-    return True
+    return token
 
 
-def release(owner: object) -> None:
-    """`owner` is done: unfreeze and collect, and freeze again if another owner is still open."""
-    if owner not in _owners:
+def release(token: int | None) -> None:
+    """The engine of `token` is done: unfreeze and collect, and freeze again if another engine still holds a
+    token. Releasing a token twice, or None, does nothing."""
+    if token is None or token not in _held:
         return
-    _owners.discard(owner)
+    _held.discard(token)
     gc.unfreeze()
     gc.collect()
-    if len(_owners):
+    if _held:
         gc.freeze()

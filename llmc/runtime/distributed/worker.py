@@ -133,7 +133,7 @@ def _serve(spec: WorkerSpec, store) -> None:
         torch.cuda.synchronize(device)
     stage = PipelineStage(spec, ex, mine.meta.get("pipeline", {}), control)
     if cuda:  # this process's heap out of the collector's way for its step loop (llmc/runtime/heap.py)
-        heap.freeze(stage)
+        heap.freeze()
     stage.serve()
     store.set(f"timings/{spec.rank}", json.dumps(stage.timings))
     dist.destroy_process_group()
