@@ -16,8 +16,10 @@ def compile(model, output=None, **options):
     return _compile(model, output, **options)
 
 
-def load(path, verify: bool = True):
-    """Load an artifact directory (format version and file hashes checked)."""
+def load(path, verify: bool | str = True):
+    """Load an artifact directory (format version and file hashes checked; with verify="background" the hashes
+    are checked on threads while the caller goes on, and an engine made from it waits for that check before
+    it runs: `Artifact.wait_verified()`)."""
     from llmc.artifact import load_artifact
     return load_artifact(path, verify=verify)
 

@@ -241,6 +241,14 @@ class Artifact:
     compile_timings: dict[str, float] = field(default_factory=dict)  # seconds per compile phase (compile's)
     weights_seconds: float | None = None  # compile's: writing and hashing the weights file, beside the tuning
     compile_steps: list = field(default_factory=list)  # compile's: (step, seconds) in order, within the phases
+    verifying: Any = None  # the check of its files, still running (load_artifact(..., verify="background"))
+
+    def wait_verified(self) -> None:
+        """Wait for the check of the files that `load_artifact(..., verify="background")` started, and raise its
+        ArtifactError if a file differs from the manifest; nothing if none is running."""
+        check, self.verifying = self.verifying, None
+        if check is not None:
+            check.result()
 
     @property
     def info(self) -> ModelInfo:
@@ -459,9 +467,13 @@ def verify_files(path: Path, manifest: dict[str, Any], threads: int | None = Non
                             "recompile the artifact or restore the file")
 
 
-def load_artifact(path: str | Path, verify: bool = True) -> Artifact:
+def load_artifact(path: str | Path, verify: bool | str = True) -> Artifact:
     """Load an artifact: check its format version and file hashes, read the graph and weights, and
     check that every weight has the shape and dtype that graph.json declares for it.
+
+    `verify="background"` checks the hashes on threads of their own while the rest loads and the caller
+    moves the weights to the device (an engine does so: the two reads of the file overlap); the caller then
+    calls `Artifact.wait_verified()` before it runs anything on them, which raises as a check here would.
 
     An op that no loaded code registers (one a user's pass added) is an error naming the op: llmc
     never imports code from an artifact, so the user imports the file that defines it first
@@ -470,7 +482,14 @@ def load_artifact(path: str | Path, verify: bool = True) -> Artifact:
     from safetensors.torch import load_file
     path = Path(path)
     manifest = read_manifest(path)
-    if verify:
+    check = None
+    if verify == "background":
+        from concurrent.futures import ThreadPoolExecutor
+        pool = ThreadPoolExecutor(1, thread_name_prefix="llmc-verify")
+        # a core or two left to the caller, who reads the weights meanwhile
+        check = pool.submit(verify_files, path, manifest, max(1, (os.cpu_count() or 1) - 2))
+        pool.shutdown(wait=False)  # the check runs on; its thread ends with it
+    elif verify:
         verify_files(path, manifest)
     try:
         graph = graph_from_dict(json.loads((path / "graph.json").read_text()))
@@ -489,7 +508,7 @@ def load_artifact(path: str | Path, verify: bool = True) -> Artifact:
         raise ArtifactError(f"artifact {path}: weights for {missing[:3]} are missing; recompile the artifact")
     _check_param_types(path, graph)
     tuning = json.loads((path / "tuning.json").read_text()) if (path / "tuning.json").exists() else {}
-    return Artifact(path, manifest, graph, tuning)
+    return Artifact(path, manifest, graph, tuning, verifying=check)
 
 
 def _check_param_types(path: Path, graph: Graph) -> None:

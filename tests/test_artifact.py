@@ -73,6 +73,37 @@ def test_large_files_are_checked_in_pieces_in_parallel(llama_dir, tmp_path, monk
         llmc.load(old)
 
 
+def test_a_check_in_the_background_is_waited_for_before_an_engine_runs(llama_artifact, tmp_path, monkeypatch):
+    """verify="background" returns before the hashes are checked; an engine made from it (or from a path) waits
+    for the check, and a file that differs from the manifest fails the engine as a load would."""
+    import shutil
+    import threading
+
+    import llmc.artifact as artifact
+    from llmc.runtime.engine import LLM
+    go, seen = threading.Event(), []
+    check = artifact.verify_files
+
+    def held(path, manifest, threads=None):
+        go.wait(30)
+        seen.append(path)
+        check(path, manifest, threads)
+    monkeypatch.setattr(artifact, "verify_files", held)
+    art = llmc.load(llama_artifact.path, verify="background")
+    assert not art.verifying.done() and not seen  # loaded, still being checked
+    go.set()
+    with LLM(art, backend="reference", num_blocks=16, block_size=4) as llm:
+        assert seen and art.verifying is None and llm.generate([[5, 6, 7]])[0].token_ids
+    bad = tmp_path / "bad.llmc"
+    shutil.copytree(llama_artifact.path, bad)
+    data = bytearray((bad / "weights.safetensors").read_bytes())
+    data[-10] ^= 0xFF
+    (bad / "weights.safetensors").write_bytes(bytes(data))
+    for model in (bad, llmc.load(bad, verify="background")):  # a path: the engine loads it so itself
+        with pytest.raises(ArtifactError, match="weights.safetensors is corrupted"):
+            LLM(model, backend="reference", num_blocks=16, block_size=4)
+
+
 def test_weights_are_written_while_the_compile_tunes(llama_dir, tmp_path, monkeypatch):
     """The weights file is written in a thread from the start of the tuning phase: when tuning ends, the
     weights are on disk already (or being written), and the artifact appears whole only at the end. A

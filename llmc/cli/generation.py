@@ -165,7 +165,7 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
     if backend == "triton-interpret":
         options.use_triton_interpreter()
     options.load_plugins(plugins)
-    art = llmc.load(artifact)
+    art = llmc.load(artifact, verify="background")  # checked while the engine loads the weights
     _check_tokens(items, params, art)
     llm = LLM(art, speculative=options.speculative_config(spec_method, draft_path, spec_tokens, art.bundled_draft),
               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -315,7 +315,7 @@ def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend,
     if backend == "triton-interpret":
         options.use_triton_interpreter()
     options.load_plugins(plugins)
-    art = llmc.load(artifact)
+    art = llmc.load(artifact, verify="background")  # checked while the engine loads the weights
     if art.tokenizer_dir is None:
         raise RequestError(f"{art.path} has no tokenizer (its model had no tokenizer files), so it cannot score "
                            "text; compile the model from a directory with its tokenizer files")

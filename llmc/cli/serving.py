@@ -64,7 +64,7 @@ def serve(artifact, host, port, api_key, served_model_name, chat_template, max_q
     options.load_plugins(plugins)
     from llmc.runtime.async_engine import AsyncLLM
     from llmc.serve.app import create_app
-    art = llmc.load(artifact)
+    art = llmc.load(artifact, verify="background")  # checked while the engine loads the weights
     speculative = options.speculative_config(spec_method, draft_path, spec_tokens, art.bundled_draft)
     name = served_model_name or Path(art.path).name.removesuffix(".llmc")
     llm = AsyncLLM(art, speculative=speculative, max_num_seqs=max_num_seqs,
@@ -192,7 +192,7 @@ def bench_artifact(artifact, workload, num_requests, seed, as_json, longest_firs
     if backend == "triton-interpret":
         options.use_triton_interpreter()
     options.load_plugins(plugins)
-    art = llmc.load(artifact)
+    art = llmc.load(artifact, verify="background")  # checked while the engine loads the weights
     res = offline.bench(art, workload, num_requests=num_requests, seed=seed,
                         speculative=options.speculative_config(spec_method, draft_path, spec_tokens, art.bundled_draft),
                         progress=sys.stderr.isatty(), longest_first=longest_first, max_num_seqs=max_num_seqs,

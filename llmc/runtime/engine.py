@@ -158,6 +158,13 @@ class LLMEngine:
                 artifact.graph, cfg.backend, cfg.device, cfg.block_size, cfg.num_blocks, kv_dtype,
                 cfg.kv_memory_fraction, cfg.num_cpu_blocks, artifact.tuning, cfg.cuda_graphs, self.info.max_model_len,
                 invariant=speculative is not None)  # verify steps sum as plain ones: see Tuner.from_artifact
+        try:  # the artifact's files checked (a check in the background, beside moving the weights) before any run
+            artifact.wait_verified()
+        except BaseException:
+            close = getattr(self.executor, "close", None)
+            if close is not None:
+                close()
+            raise
         self.block_manager = BlockManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           cfg.num_cpu_blocks)
         prefill_budget, step_budget = cfg.max_prefill_tokens, None
@@ -803,7 +810,9 @@ def longest_first_order(requests: Seq[tuple[int, int]], max_model_len: int) -> l
 
 
 def load_model(model: str | Path | Artifact) -> Artifact:
-    return model if isinstance(model, Artifact) else load_artifact(model)
+    """An artifact for an engine: one given, or loaded from a path with its files checked in the background
+    while the engine moves the weights to the device (the engine waits for the check before it runs)."""
+    return model if isinstance(model, Artifact) else load_artifact(model, verify="background")
 
 
 def engine_config(**options) -> EngineConfig:

@@ -104,7 +104,7 @@ def _serve(spec: WorkerSpec, store) -> None:
     device = torch.device("cuda", spec.rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    art = load_artifact(spec.artifact, verify=False)  # the driver checked the hashes moments ago
+    art = load_artifact(spec.artifact, verify=False)  # the driver checks the hashes before it sends a step
     graph = shard_graph(art.graph, spec.tp, spec.tp_rank, spec.expert_parallel)
     mine, tuning = split_stages(graph, spec.pp).graphs[spec.stage], art.tuning
     if cuda and spec.tp > 1:  # the shard's linears have shapes of their own: tuned here, once per machine
