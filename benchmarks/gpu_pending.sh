@@ -84,7 +84,8 @@
 #                                                     #   256 for 1b; 128 at once), ROUNDS (2) of fresh llmc bench
 #                                                     #   processes: the workload's order, longest first, and longest
 #                                                     #   first with steps that carry decodes at 256 / 512 tokens
-#                                                     #   (--max-prefill-tokens 2048; benchmarks/schedule_sim.py);
+#                                                     #   (--max-prefill-tokens 2048; benchmarks/schedule_sim.py)
+#                                                     #   and paced (LLMC_PACE_PROMPTS=1);
 #                                                     #   KV="int8": that row again with an int8 K/V cache
 #   bash benchmarks/gpu_pending.sh OUT compile-cold   # issue 20: a cold 8B compile (empty Triton and llmc caches)
 #                                                     #   and its load, candidates warmed up on threads, then with
@@ -451,7 +452,7 @@ print(json.load(open('/tmp/mf/t.llmc/tuning.json')).get('token_budget', {}).get(
                     "$@" >"$OUT/sch_${shape}_${name}_$round.json" 2>>"$OUT/schedules_$shape.log"
                 python3 -c "import json; d = json.load(open('$OUT/sch_${shape}_${name}_$round.json')); \
 print('$shape $name round $round', {k: round(d[k], 3) for k in ('out_tok_s', 'ttft_ms_p50', 'itl_ms_p99', 'gpu_busy', \
-'steps', 'max_num_batched_tokens', 'max_prefill_tokens') if d.get(k) is not None}, d.get('host_ms_per_step'))" \
+'steps', 'max_num_batched_tokens', 'max_prefill_tokens', 'pace_prompts') if d.get(k) is not None}, d.get('host_ms_per_step'))" \
                     | tee -a "$OUT/schedules_$shape.log"
             }
             for round in $(seq 1 "${ROUNDS:-2}"); do
@@ -459,6 +460,7 @@ print('$shape $name round $round', {k: round(d[k], 3) for k in ('out_tok_s', 'tt
                 run_sch longest --longest-first
                 run_sch longest-256 --longest-first --max-num-batched-tokens 256 --max-prefill-tokens 2048
                 run_sch longest-512 --longest-first --max-num-batched-tokens 512 --max-prefill-tokens 2048
+                LLMC_PACE_PROMPTS=1 run_sch longest-paced --longest-first
                 for kv in ${KV:-}; do  # KV="int8 fp8": the 256-token row again with a quantized K/V cache
                     run_sch longest-256-$kv --longest-first --max-num-batched-tokens 256 --max-prefill-tokens 2048 \
                         --kv-cache-dtype "$kv"

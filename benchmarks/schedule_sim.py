@@ -23,7 +23,7 @@ tokens a step (benchmarks/RESULTS.md), both with the requests in the workload's 
 model's figures for those two beside them.
 
     python3 benchmarks/schedule_sim.py [--shape 8b|1b] [--budgets 1024,2048,4096] [--step-budget] [--check]
-                                       [--order longest-first|given] [--prefill-tokens N]
+                                       [--order longest-first|given] [--prefill-tokens N] [--paced]
 """
 from __future__ import annotations
 
@@ -102,19 +102,24 @@ def tiny_artifact(work: Path):
 
 
 def run(art, shape: dict, budget: int | None, step_budget: bool, longest_first: bool = True,
-        prefill_tokens: int | None = None, seed: int = 0) -> list[list[tuple[int, int]]]:
+        prefill_tokens: int | None = None, paced: bool = False, seed: int = 0) -> list[list[tuple[int, int]]]:
     """Every step's (new tokens, context) per sequence, for the shape's mixed workload (its requests at once,
     queued longest first as `LLM.generate` queues them, or in the workload's order); `prefill_tokens`: the
-    engine's max_prefill_tokens (the budget of a step with no decode to run)."""
+    engine's max_prefill_tokens (the budget of a step with no decode to run); `paced`: the engine's
+    LLMC_PACE_PROMPTS=1 (steps with decodes at the smallest timed GEMM size, grown with the prompts' pace)."""
     from engine_host_bench import stubbed_engine
 
-    from llmc.runtime.config import StepBudget
+    from llmc.runtime.config import PACE_PROMPTS, StepBudget
     from llmc.runtime.engine import SamplingParams, longest_first_order
     n = shape["requests"]
     lengths = workload_lengths("mixed", n, seed)
     blocks = sum(-(-(p + o) // 16) for p, o in lengths) + 64
     eng = stubbed_engine(art, blocks, max_num_seqs=min(n, 128), max_num_batched_tokens=budget or shape["budget"],
                          max_prefill_tokens=prefill_tokens, enable_prefix_caching=False)
+    if paced:  # as LLMC_PACE_PROMPTS=1 sets it, with the shape's compile's smallest timed size
+        cfg = eng.scheduler.config
+        cfg.max_prefill_tokens = max(cfg.max_num_batched_tokens, prefill_tokens or 2048)
+        cfg.max_num_batched_tokens, cfg.pace_prompts = max(min(shape["gemm_ms"]), 128), PACE_PROMPTS
     if step_budget:  # the engine's opt-in per-step budget, with the shape's compile's measurements
         cfg = eng.scheduler.config
         cfg.max_prefill_tokens = max(cfg.max_num_batched_tokens, prefill_tokens or 2048)
@@ -146,6 +151,8 @@ def main() -> None:
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES), help="whose H200 figures price the steps")
     ap.add_argument("--order", default="longest-first", choices=("longest-first", "given"),
                     help="queue order: LLM.generate's (longest output first) or the workload's (--check: given)")
+    ap.add_argument("--paced", action="store_true",
+                    help="also the engine's paced prompts (LLMC_PACE_PROMPTS=1: SchedulerConfig.pace_prompts)")
     ap.add_argument("--prefill-tokens", type=int, default=None, metavar="N",
                     help="the budget of a step with no decode to run (the engine's max_prefill_tokens; default: "
                          "the budget's)")
@@ -159,13 +166,16 @@ def main() -> None:
     else:
         cases = [(STEP_BUDGET, None, True)] if a.step_budget else []
         cases += [(b, int(b), False) for b in a.budgets.split(",") if b]
+        if a.paced:
+            cases.append(("paced", None, "paced"))
     out_tokens = sum(o for _, o in workload_lengths("mixed", shape["requests"], 0))
     print(f"queued: {'in the workload order' if not longest_first else 'longest output first'}"
           + (f"; steps without decodes: {a.prefill_tokens} tokens" if a.prefill_tokens and not a.check else ""))
     print(f"{'schedule':36s} {'steps':>5s} {'prompt steps':>12s} {'rows/real':>9s} {'est. s':>7s} {'unpadded':>9s} "
           f"{'est. out tok/s':>14s} {'measured s':>10s}")
     for name, budget, per_step in cases:
-        steps = run(art, shape, budget, per_step, longest_first, None if a.check else a.prefill_tokens)
+        steps = run(art, shape, budget, per_step is True, longest_first, None if a.check else a.prefill_tokens,
+                    paced=per_step == "paced")
         est, unpadded = (sum(step_ms(shape, s, pad) for s in steps) / 1e3 for pad in (True, False))
         prompts = [s for s in steps if any(k > 1 for k, _ in s)]
         rows, real = sum(padded(s) for s in prompts), sum(k for s in prompts for k, _ in s)

@@ -165,6 +165,7 @@ def bench(model, workload: str = "mixed", *, num_requests: int | None = None, se
         "max_num_seqs": eng.config.max_num_seqs, "max_num_batched_tokens": eng.config.max_num_batched_tokens,
         "max_prefill_tokens": eng.scheduler.config.max_prefill_tokens,
         "step_budget": eng.scheduler.config.step_budget is not None, "overlap": eng.overlap,
+        "pace_prompts": eng.scheduler.config.pace_prompts,
         "longest_first": longest_first,
     }
 

@@ -73,6 +73,21 @@ def token_budget(tuning: dict | None) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else DEFAULT_TOKEN_BUDGET
 
 
+PACE_PROMPTS = 2.0  # LLMC_PACE_PROMPTS=1: SchedulerConfig.pace_prompts (benchmarks/schedule_sim.py --paced)
+PACED_FLOOR = 256  # ... and its budget for steps with decodes where the compile timed no GEMMs
+
+
+def paced_floor(tuning: dict | None) -> int:
+    """The budget of steps with decodes under paced prompts: the smallest row count the compile timed the GEMMs
+    at (tuning.json "token_budget" gemm_ms; 256 on an H200), below which a step costs about its weights' read."""
+    rec = (tuning or {}).get("token_budget") or {}
+    try:
+        sizes = [int(m) for m in rec["gemm_ms"]]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return PACED_FLOOR
+    return min(sizes) if sizes and min(sizes) >= 1 else PACED_FLOOR
+
+
 @dataclass(frozen=True)
 class StepBudget:
     """Tokens for a step that carries decodes, chosen per step from what the compile measured.

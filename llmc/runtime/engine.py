@@ -18,7 +18,8 @@ from llmc.artifact import Artifact, load_artifact
 from llmc.errors import LLMCError, RequestError
 from llmc.runtime import heap
 from llmc.runtime.block_manager import BlockManager
-from llmc.runtime.config import DEFAULT_TOKEN_BUDGET, EngineConfig, StepBudget, token_budget
+from llmc.runtime.config import (DEFAULT_TOKEN_BUDGET, PACE_PROMPTS, EngineConfig, StepBudget, paced_floor,
+                                 token_budget)
 from llmc.runtime.distributed import DistributedExecutor
 from llmc.runtime.executor import Executor, Feed, Launched, StepBatch, StepInput, StepResult, make_executor
 from llmc.runtime.profiling import StepProfiler
@@ -167,7 +168,7 @@ class LLMEngine:
             raise
         self.block_manager = BlockManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           cfg.num_cpu_blocks)
-        prefill_budget, step_budget = cfg.max_prefill_tokens, None
+        prefill_budget, step_budget, pace = cfg.max_prefill_tokens, None, None
         if cfg.max_num_batched_tokens is None:
             # the compile's measured budget, at least the default and enough for a decode of every sequence. On
             # an H200 the 8B shape's measured 512 tokens, a floor under the per-step budget below, ran the mixed
@@ -176,7 +177,14 @@ class LLMEngine:
             # twice the rows (benchmarks/schedule_sim.py), where a power-of-two budget fills its bucket
             measured = max(token_budget(artifact.tuning), cfg.max_num_seqs)
             cfg.max_num_batched_tokens = max(measured, DEFAULT_TOKEN_BUDGET)
-            if os.environ.get("LLMC_STEP_BUDGET", "0") == "1":
+            if os.environ.get("LLMC_PACE_PROMPTS", "0") == "1":
+                # opt-in, not yet measured on a GPU: steps with decodes keep to the smallest size the compile
+                # timed (their GEMMs cost about the weights' read there) and grow with the prompts' pace
+                # (SchedulerConfig.pace_prompts); a step with none takes the default budget
+                prefill_budget = prefill_budget or cfg.max_num_batched_tokens
+                cfg.max_num_batched_tokens = max(paced_floor(artifact.tuning), cfg.max_num_seqs)
+                pace = PACE_PROMPTS
+            elif os.environ.get("LLMC_STEP_BUDGET", "0") == "1":
                 # opt-in: the measured budget for steps with decodes, grown per step to spread their cost
                 # (StepBudget), and the default for a step with none
                 prefill_budget = prefill_budget or cfg.max_num_batched_tokens
@@ -187,7 +195,8 @@ class LLMEngine:
                                                                                       self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, budget, cfg.enable_chunked_prefill,
                                                    cfg.preemption_mode, self.max_model_len,
-                                                   max_prefill_tokens=prefill_budget, step_budget=step_budget),
+                                                   max_prefill_tokens=prefill_budget, step_budget=step_budget,
+                                                   pace_prompts=pace),
                                    self.block_manager)
         self.warm_up_s, self.warm_up_steps = 0.0, 0
         if cfg.warm_up and getattr(self.executor, "device", None) is not None and \

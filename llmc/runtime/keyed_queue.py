@@ -26,11 +26,14 @@ class KeyedQueue:
         (['a', 'b'], True, ('b',))
     """
 
-    def __init__(self, key: Callable[[Sequence], tuple]) -> None:
+    def __init__(self, key: Callable[[Sequence], tuple], weight: Callable[[Sequence], int] | None = None) -> None:
         self._key_fn = key
         self._keys: list[tuple] = []  # sorted; _seqs[i] has key _keys[i]
         self._seqs: list[Sequence] = []
         self._key_of: dict[int, tuple] = {}  # seq_id -> its key, for removal and membership
+        self._weight_fn = weight
+        self._weight_of: dict[int, int] = {}  # seq_id -> its weight when it joined
+        self.total = 0  # the members' weights (`weight(seq)` as each joined), summed as they join and leave
 
     def add(self, seq: Sequence) -> None:
         assert seq.seq_id not in self._key_of, f"{seq} is queued already"
@@ -38,11 +41,15 @@ class KeyedQueue:
         i = bisect_right(self._keys, k)
         self._keys.insert(i, k)
         self._seqs.insert(i, seq)
+        if self._weight_fn is not None:
+            w = self._weight_of[seq.seq_id] = self._weight_fn(seq)
+            self.total += w
 
     def remove(self, seq: Sequence) -> None:
         i = bisect_left(self._keys, self._key_of.pop(seq.seq_id))
         assert self._seqs[i] is seq, "keys must be unique and never change while queued"
         del self._keys[i], self._seqs[i]
+        self.total -= self._weight_of.pop(seq.seq_id, 0)
 
     def discard(self, seq: Sequence) -> None:
         if seq.seq_id in self._key_of:

@@ -21,6 +21,13 @@ a step with no decode to run (nothing past its prompt, nothing swapped out) take
 instead, where that is larger: a prompt alone runs in fewer, larger chunks. With `step_budget` a step
 that carries decodes and has prompt work takes what it says, where that is larger: the decodes' cost
 per step (their rows, their K/V reads) is then spread over enough prompt tokens (config.StepBudget).
+With `pace_prompts` (a factor f) such a step instead takes d + f * P / L tokens, rounded up to a power of
+two, where that is larger than the budget: d its decode tokens, P the prompt tokens still to compute
+(running prefills' and waiting requests', the latter summed as they join and leave the queue) and L the
+most tokens a running decode may still make (the steps the batch runs anyway). The budget is then kept
+small (steps of decodes cost about their weights' read up to a few hundred rows, so prompt tokens ride
+along with them at about half the price of a large chunk), and grows only as far as the prompts need to
+finish within those steps; never past `max_prefill_tokens`.
 Without chunking a prompt runs whole, so the config then requires `max_num_batched_tokens >= max_model_len`: a recomputed
 sequence must always fit in one step.
 
@@ -59,6 +66,7 @@ prompt not shorter than max_model_len) are rejected in `add()` with `RequestErro
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -85,6 +93,8 @@ class SchedulerConfig:
     # a step whose decodes take d tokens reading c tokens of K/V, with prompt work to do, takes
     # max(max_num_batched_tokens, step_budget(d, c)) tokens (config.StepBudget); None = the fixed budget
     step_budget: Callable[[int, int], int] | None = None
+    # a factor f: a step with decodes and prompt work takes the prompts' pace, d + f * P / L (module docstring)
+    pace_prompts: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
@@ -93,6 +103,8 @@ class SchedulerConfig:
             )
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.pace_prompts is not None and not self.pace_prompts > 0:
+            raise ValueError(f"pace_prompts must be > 0, got {self.pace_prompts}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
@@ -188,7 +200,7 @@ class Scheduler:
         self.config = config
         self.bm = block_manager
         # in key order as sequences join and leave (keys are fixed at arrival): no step sorts a queue
-        self.waiting = KeyedQueue(self._key)
+        self.waiting = KeyedQueue(self._key, weight=lambda seq: seq.num_tokens)  # .total: their tokens, to compute
         self.running = KeyedQueue(self._key)
         self.swapped = KeyedQueue(self._key)
         self.groups: dict[str, SequenceGroup] = {}
@@ -304,6 +316,8 @@ class Scheduler:
             (prefills if s.is_prefill else decodes).append(s)
         if not decodes and not self.swapped:  # no decode waits on this step: it may take more tokens
             budget = max(budget, self.config.max_prefill_tokens or 0)
+        elif self.config.pace_prompts is not None and (prefills or self.waiting):
+            budget = max(budget, self._paced(decodes, prefills))
         elif self.config.step_budget is not None and (prefills or self.waiting):
             budget = max(budget, self.config.step_budget(sum(1 + len(s.spec_token_ids or ()) for s in decodes),
                                                          sum(s.num_tokens for s in decodes)))
@@ -372,6 +386,25 @@ class Scheduler:
 
         out.scheduled = list(entries.values())
         return out
+
+    def _paced(self, decodes: list[Sequence], prefills: list[Sequence]) -> int:
+        """The tokens of a step whose decodes leave prompt work to spread over the steps they take anyway
+        (`pace_prompts`, see the module docstring): a power of two, at most `max_prefill_tokens`."""
+        cfg = self.config
+        tokens = sum(1 + len(s.spec_token_ids or ()) for s in decodes)
+        pending = self.waiting.total + sum(s.num_uncomputed_tokens for s in prefills)
+        left = max((s.params.max_tokens - s.num_output_tokens for s in decodes), default=1)
+        rate = pending / max(1, left)
+        # a prompt whose own output is long must be done sooner, or it makes the run longer: it has the steps
+        # until its output would outlast the decodes' for itself and the prompts ahead of it (the waiting queue's
+        # head stands for the waiting requests, so that no step scans them)
+        ahead = 0
+        for s in prefills + ([self.waiting[0]] if self.waiting else []):
+            ahead += s.num_uncomputed_tokens
+            rate = max(rate, ahead / max(1, left - s.params.max_tokens))
+        need = tokens + math.ceil(cfg.pace_prompts * rate)
+        cap = max(cfg.max_num_batched_tokens, cfg.max_prefill_tokens or 0)
+        return min(cap, 1 << max(0, need - 1).bit_length())
 
     def _move(self, seq: Sequence, source: KeyedQueue, status: SequenceStatus) -> None:
         source.remove(seq)

@@ -80,9 +80,10 @@ class FakeEngine:
     def check_plan(self, out: SchedulerOutput) -> None:
         cfg, bm = self.config, self.bm
         decodes = any(not e.is_prefill for e in out.scheduled)  # else the step may take max_prefill_tokens
+        top = max(cfg.max_num_batched_tokens, cfg.max_prefill_tokens or 0)
         if not (decodes and cfg.step_budget):  # a step budget's steps are checked by its own test
-            assert out.num_batched_tokens <= (cfg.max_num_batched_tokens if decodes else
-                                              max(cfg.max_num_batched_tokens, cfg.max_prefill_tokens or 0))
+            # paced prompts: a step with decodes may grow up to max_prefill_tokens
+            assert out.num_batched_tokens <= (cfg.max_num_batched_tokens if decodes and not cfg.pace_prompts else top)
         assert sum(1 + len(self.sched.groups[s.request_id].pending_forks(s))
                    for s in self.sched.running) <= cfg.max_num_seqs
         assert len({id(e.seq) for e in out.scheduled}) == len(out.scheduled)

@@ -75,6 +75,19 @@ def test_max_prefill_tokens_sizes_the_steps_without_decodes(llama_artifact, tok,
     assert eng.scheduler.groups["b"].leader.num_computed_tokens == 7  # 8 tokens: a's decode and 7 of b's
 
 
+def test_paced_prompts_opt_in(llama_artifact, tok, alone, monkeypatch):
+    """LLMC_PACE_PROMPTS=1: steps with decodes at the smallest timed GEMM size (256 where the compile timed
+    none), grown with the prompts' pace; a step without takes the default budget; the tokens are the same."""
+    monkeypatch.setenv("LLMC_PACE_PROMPTS", "1")
+    llm = LLM(llama_artifact, num_blocks=64, block_size=4)
+    c = llm.engine.scheduler.config
+    assert (c.max_num_batched_tokens, c.max_prefill_tokens, c.pace_prompts) == (256, 2048, 2.0)
+    assert [o.token_ids for o in llm.generate(prompts12(tok), GREEDY)] == alone
+    from llmc.runtime.config import paced_floor
+    assert paced_floor({"token_budget": {"gemm_ms": {"512": 2.0, "128": 1.0}}}) == 128
+    assert paced_floor({"token_budget": {"tokens": 512}}) == paced_floor(None) == 256
+
+
 def test_swap_preemption_gives_same_outputs(llama_artifact, tok, alone):
     llm = LLM(llama_artifact, max_num_seqs=4, num_blocks=24, block_size=4, max_num_batched_tokens=64,
               preemption_mode="swap", num_cpu_blocks=64)

@@ -84,6 +84,31 @@ def test_a_step_with_decodes_and_prompt_work_takes_the_step_budget(fake_engine):
     eng.assert_drained()
 
 
+def test_paced_prompts_grow_the_step_to_finish_within_the_decodes(fake_engine):
+    """With pace_prompts a step that carries decodes takes d + f * P / L tokens (a power of two, at most
+    max_prefill_tokens) where more than the budget: P prompt tokens left, L the steps its decodes run anyway,
+    each pending prompt with its own output's deadline; decode-only steps keep the budget."""
+    eng = fake_engine(cfg(max_model_len=512, max_num_batched_tokens=8, max_prefill_tokens=128, pace_prompts=2.0),
+                      num_blocks=256)
+    a = eng.add("a", list(range(6)), max_tokens=41).leader
+    eng.step()  # a's prompt: no decode yet
+    assert a.num_output_tokens == 1
+    assert eng.sched.waiting.total == 0
+    eng.add("b", list(range(10, 210)), max_tokens=5)  # 200 prompt tokens; 40 steps of a's left
+    assert eng.sched.waiting.total == 200
+    p = eng.step()  # P 200 over 40 steps, or b's own deadline: 200 over 40 - 5 = 35 -> 1 + ceil(2 * 5.71) = 13 -> 16
+    assert [e.num_new_tokens for e in p.scheduled] == [1, 15] and eng.sched.waiting.total == 0
+    eng.add("c", list(range(300, 320)), max_tokens=38)  # 20 tokens, but its output outlasts a's 38 steps left
+    p = eng.step()  # c's deadline: 185 + 20 tokens in max(1, 38 - 38) step -> 128 (max_prefill_tokens)
+    assert sum(e.num_new_tokens for e in p.scheduled) == 128
+    while eng.sched.has_unfinished():
+        p = eng.step()
+        if not any(e.is_prefill for e in p.scheduled) and not eng.sched.waiting:
+            assert p.num_batched_tokens <= 8  # nothing but decodes: the budget
+    eng.assert_drained()
+    assert eng.sched.waiting.total == 0
+
+
 def test_without_chunking_prompts_run_whole():
     config = SchedulerConfig(
         max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False

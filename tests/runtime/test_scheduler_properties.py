@@ -42,6 +42,8 @@ def setups(draw):
         preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
         max_model_len=MAX_MODEL_LEN,
         aging_steps=draw(st.sampled_from([None, 1, 8])),
+        max_prefill_tokens=draw(st.sampled_from([None, 24])),
+        pace_prompts=draw(st.sampled_from([None, 0.5, 2.0])),
     )
     return dict(
         config=config,
