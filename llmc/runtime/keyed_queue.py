@@ -1,7 +1,7 @@
 """The scheduler's queues (waiting, running, swapped): sequences kept in order of a fixed key."""
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Iterator
 
 from llmc.runtime.sequence import Sequence
@@ -26,7 +26,8 @@ class KeyedQueue:
         (['a', 'b'], True, ('b',))
     """
 
-    def __init__(self, key: Callable[[Sequence], tuple], weight: Callable[[Sequence], int] | None = None) -> None:
+    def __init__(self, key: Callable[[Sequence], tuple], weight: Callable[[Sequence], int] | None = None,
+                 top: Callable[[Sequence], int] | None = None) -> None:
         self._key_fn = key
         self._keys: list[tuple] = []  # sorted; _seqs[i] has key _keys[i]
         self._seqs: list[Sequence] = []
@@ -34,6 +35,9 @@ class KeyedQueue:
         self._weight_fn = weight
         self._weight_of: dict[int, int] = {}  # seq_id -> its weight when it joined
         self.total = 0  # the members' weights (`weight(seq)` as each joined), summed as they join and leave
+        self._top_fn = top
+        self._tops: list[int] = []  # sorted: `top(seq)` of every member as it joined (`top()`: the largest)
+        self._top_of: dict[int, int] = {}
 
     def add(self, seq: Sequence) -> None:
         assert seq.seq_id not in self._key_of, f"{seq} is queued already"
@@ -44,12 +48,21 @@ class KeyedQueue:
         if self._weight_fn is not None:
             w = self._weight_of[seq.seq_id] = self._weight_fn(seq)
             self.total += w
+        if self._top_fn is not None:
+            t = self._top_of[seq.seq_id] = self._top_fn(seq)
+            insort(self._tops, t)
 
     def remove(self, seq: Sequence) -> None:
         i = bisect_left(self._keys, self._key_of.pop(seq.seq_id))
         assert self._seqs[i] is seq, "keys must be unique and never change while queued"
         del self._keys[i], self._seqs[i]
         self.total -= self._weight_of.pop(seq.seq_id, 0)
+        if self._top_fn is not None:
+            del self._tops[bisect_left(self._tops, self._top_of.pop(seq.seq_id))]
+
+    def top(self, default: int = 0) -> int:
+        """The largest `top(seq)` among the members (as each joined), or `default` when empty."""
+        return self._tops[-1] if self._tops else default
 
     def discard(self, seq: Sequence) -> None:
         if seq.seq_id in self._key_of:

@@ -24,7 +24,10 @@ per step (their rows, their K/V reads) is then spread over enough prompt tokens 
 With `pace_prompts` (a factor f) such a step instead takes d + f * P / L tokens, rounded up to a power of
 two, where that is larger than the budget: d its decode tokens, P the prompt tokens still to compute
 (running prefills' and waiting requests', the latter summed as they join and leave the queue) and L the
-most tokens a running decode may still make (the steps the batch runs anyway). The budget is then kept
+most tokens a running decode may still make (the steps the batch runs anyway); a pending prompt whose own
+output is long must be done sooner, so each one's share of P over the steps before its output would
+outlast L counts too (the waiting requests through their head, and the longest output among them where
+it is not the head's: the queue keeps both as they join and leave). The budget is then kept
 small (steps of decodes cost about their weights' read up to a few hundred rows, so prompt tokens ride
 along with them at about half the price of a large chunk), and grows only as far as the prompts need to
 finish within those steps; never past `max_prefill_tokens`.
@@ -200,7 +203,8 @@ class Scheduler:
         self.config = config
         self.bm = block_manager
         # in key order as sequences join and leave (keys are fixed at arrival): no step sorts a queue
-        self.waiting = KeyedQueue(self._key, weight=lambda seq: seq.num_tokens)  # .total: their tokens, to compute
+        # .total: the tokens they have to compute; .top(): the most output tokens one of them may make
+        self.waiting = KeyedQueue(self._key, weight=lambda seq: seq.num_tokens, top=lambda seq: seq.params.max_tokens)
         self.running = KeyedQueue(self._key)
         self.swapped = KeyedQueue(self._key)
         self.groups: dict[str, SequenceGroup] = {}
@@ -396,12 +400,15 @@ class Scheduler:
         left = max((s.params.max_tokens - s.num_output_tokens for s in decodes), default=1)
         rate = pending / max(1, left)
         # a prompt whose own output is long must be done sooner, or it makes the run longer: it has the steps
-        # until its output would outlast the decodes' for itself and the prompts ahead of it (the waiting queue's
-        # head stands for the waiting requests, so that no step scans them)
+        # until its output would outlast the decodes' for itself and the prompts ahead of it. The waiting queue's
+        # head counts so; where a longer output waits behind it (requests not queued longest first), the waiting
+        # requests count as one, with all their tokens and that output (no step scans them)
         ahead = 0
         for s in prefills + ([self.waiting[0]] if self.waiting else []):
             ahead += s.num_uncomputed_tokens
             rate = max(rate, ahead / max(1, left - s.params.max_tokens))
+        if self.waiting and self.waiting.top() > self.waiting[0].params.max_tokens:
+            rate = max(rate, pending / max(1, left - self.waiting.top()))
         need = tokens + math.ceil(cfg.pace_prompts * rate)
         cap = max(cfg.max_num_batched_tokens, cfg.max_prefill_tokens or 0)
         return min(cap, 1 << max(0, need - 1).bit_length())

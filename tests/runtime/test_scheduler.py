@@ -106,7 +106,21 @@ def test_paced_prompts_grow_the_step_to_finish_within_the_decodes(fake_engine):
         if not any(e.is_prefill for e in p.scheduled) and not eng.sched.waiting:
             assert p.num_batched_tokens <= 8  # nothing but decodes: the budget
     eng.assert_drained()
-    assert eng.sched.waiting.total == 0
+    assert eng.sched.waiting.total == 0 and eng.sched.waiting.top() == 0
+
+
+def test_paced_prompts_see_a_long_output_behind_the_queue_head(fake_engine):
+    """Requests not queued longest first: a long output waiting behind a short one makes the step grow for the
+    whole queue (the queue keeps its longest output as requests join and leave), where the head alone would not."""
+    eng = fake_engine(cfg(max_model_len=512, max_num_batched_tokens=8, max_prefill_tokens=64, pace_prompts=1.0,
+                          max_num_seqs=2), num_blocks=256)
+    eng.add("a", list(range(6)), max_tokens=41)
+    eng.step()
+    eng.add("b", list(range(10, 50)), max_tokens=3)  # 40 tokens: head, short output
+    eng.add("c", list(range(60, 100)), max_tokens=40)  # behind it (no slot yet), an output as long as a's
+    assert eng.sched.waiting.top() == 40 and eng.sched.waiting.total == 80
+    p = eng.step()  # the head alone: 1 + ceil(40 / (40 - 3)) = 3 -> 8; the queue: 80 / max(1, 40 - 40) -> 64
+    assert sum(e.num_new_tokens for e in p.scheduled) == 41  # a's decode and all of b's prompt (c has no slot)
 
 
 def test_without_chunking_prompts_run_whole():
