@@ -99,8 +99,9 @@ def main() -> None:
             for i, r in enumerate(json.loads(res.stdout.strip().splitlines()[-1])):
                 ms = {int(g): v for g, v in r["gc_ms"].items()}
                 gen2 = r["collections"].get("2", 0)
-                print(f"{mode:7s} {rnd:5d} {i:3d} {r['wall_s']:7.3f} {r['steps']:5d} {r['tracked']:8d} {r['frozen']:8d} "
-                      f"{gen2:5d} {ms.get(2, 0.0):8.1f} {ms.get(0, 0.0) + ms.get(1, 0.0):10.1f}", flush=True)
+                print(f"{mode:7s} {rnd:5d} {i:3d} {r['wall_s']:7.3f} {r['steps']:5d} {r['tracked']:8d} "
+                      f"{r['frozen']:8d} {gen2:5d} {ms.get(2, 0.0):8.1f} {ms.get(0, 0.0) + ms.get(1, 0.0):10.1f}",
+                      flush=True)
                 totals[mode].append(r["wall_s"])
     for mode, walls in totals.items():
         print(f"{mode}: mean wall {sum(walls) / len(walls):.3f} s over {len(walls)} runs")
