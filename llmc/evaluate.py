@@ -92,18 +92,26 @@ def windows(ids: Sequence[int], window: int) -> list[list[int]]:
     return [list(ids[i:i + window + 1]) for i in range(0, len(ids) - 1, window)]
 
 
-def read_text(path: str | Path, what: str = "--text") -> str:
-    """A UTF-8 text file as stored, decoded from its bytes: `Path.read_text`'s universal newlines would turn
-    "\\r\\n" into "\\n" and change the tokens scored."""
+def read_utf8(path: str | Path, what: str, by_line: bool = False) -> str:
+    """A UTF-8 file as stored, decoded from its bytes (`Path.read_text`'s universal newlines would turn
+    "\\r\\n" into "\\n"). A missing file, or one not UTF-8, is a RequestError naming it after the option
+    `what` that gave it; with `by_line` (a file of one request a line) the bad byte is placed as PATH:LINE."""
     path = Path(path)
     if not path.is_file():
         raise RequestError(f"{what} {path}: " + ("no such file" if not path.exists() else "not a file"))
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8-sig")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise RequestError(f"{what} {path}: not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); save the "
+        line = data[:e.start].count(b"\n") + 1
+        where = f"{path}:{line}" if by_line else f"{what} {path}"
+        raise RequestError(f"{where}: not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); save the "
                            "file as UTF-8") from None
+
+
+def read_text(path: str | Path, what: str = "--text") -> str:
+    """A UTF-8 text file to score, as stored (`read_utf8`: "\\r\\n" kept, which the tokens scored depend on)."""
+    text = read_utf8(path, what)
     if not text:
         raise RequestError(f"{what} {path} is empty; give a file with some text to score")
     return text

@@ -28,16 +28,9 @@ def _read_prompts(prompt: str | None, prompts_file: str | None) -> list[_Prompt]
         raise RequestError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
     if prompt is not None:
         return [_Prompt("--prompt", prompt)]
+    from llmc.evaluate import read_utf8
     path = Path(prompts_file)
-    if not path.is_file():
-        raise RequestError(f"--prompts {path}: " + ("no such file" if not path.exists() else "not a file"))
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise RequestError(f"{path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); save the "
-                           "file as UTF-8") from None
+    text = read_utf8(path, "--prompts", by_line=True)
     out = []
     for i, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 and friends are JSON string content
         if line.strip():
