@@ -101,30 +101,33 @@ def tiny_artifact(work: Path):
     return llmc.compile(str(work / "hf"), str(work / "tiny.llmc"))
 
 
-def run(art, shape: dict, budget: int | None, step_budget: bool, longest_first: bool = True,
-        prefill_tokens: int | None = None, paced: bool = False, seed: int = 0) -> list[list[tuple[int, int]]]:
+def run(art, shape: dict, budget: int | None, policy: str = "fixed", longest_first: bool = True,
+        prefill_tokens: int | None = None, seed: int = 0) -> list[list[tuple[int, int]]]:
     """Every step's (new tokens, context) per sequence, for the shape's mixed workload (its requests at once,
     queued longest first as `LLM.generate` queues them, or in the workload's order); `prefill_tokens`: the
-    engine's max_prefill_tokens (the budget of a step with no decode to run); `paced`: the engine's
-    LLMC_PACE_PROMPTS=1 (steps with decodes at the smallest timed GEMM size, grown with the prompts' pace)."""
+    engine's max_prefill_tokens (the budget of a step with no decode to run). `policy`: "fixed" (the budget
+    every step), or one of the engine's opt-ins with the shape's compile's measurements: "step" (the per-step
+    budget, LLMC_STEP_BUDGET=1) or "paced" (LLMC_PACE_PROMPTS=1: steps with decodes at the smallest timed GEMM
+    size, grown with the prompts' pace)."""
     from engine_host_bench import stubbed_engine
 
-    from llmc.runtime.config import PACE_PROMPTS, StepBudget
+    from llmc.runtime.config import PACE_PROMPTS, StepBudget, paced_floor
     from llmc.runtime.engine import SamplingParams, longest_first_order
     n = shape["requests"]
     lengths = workload_lengths("mixed", n, seed)
     blocks = sum(-(-(p + o) // 16) for p, o in lengths) + 64
     eng = stubbed_engine(art, blocks, max_num_seqs=min(n, 128), max_num_batched_tokens=budget or shape["budget"],
                          max_prefill_tokens=prefill_tokens, enable_prefix_caching=False)
-    if paced:  # as LLMC_PACE_PROMPTS=1 sets it, with the shape's compile's smallest timed size
+    if policy != "fixed":  # as the engine's opt-in sets it up (engine.py), a step without decodes at 2,048 at least
         cfg = eng.scheduler.config
         cfg.max_prefill_tokens = max(cfg.max_num_batched_tokens, prefill_tokens or 2048)
-        cfg.max_num_batched_tokens, cfg.pace_prompts = max(min(shape["gemm_ms"]), 128), PACE_PROMPTS
-    if step_budget:  # the engine's opt-in per-step budget, with the shape's compile's measurements
-        cfg = eng.scheduler.config
-        cfg.max_prefill_tokens = max(cfg.max_num_batched_tokens, prefill_tokens or 2048)
-        cfg.step_budget = StepBudget(tuple(sorted(shape["gemm_ms"].items())),
-                                     kv_bytes_per_token(shape) / (shape["hbm_gb_s"] * 1e6), cfg.max_num_batched_tokens)
+        if policy == "paced":
+            floor = paced_floor({"token_budget": {"gemm_ms": shape["gemm_ms"]}})
+            cfg.max_num_batched_tokens, cfg.pace_prompts = max(floor, eng.config.max_num_seqs), PACE_PROMPTS
+        else:
+            cfg.step_budget = StepBudget(tuple(sorted(shape["gemm_ms"].items())),
+                                         kv_bytes_per_token(shape) / (shape["hbm_gb_s"] * 1e6),
+                                         cfg.max_num_batched_tokens)
     steps: list[list[tuple[int, int]]] = []
     schedule = eng.scheduler.schedule
 
@@ -162,10 +165,10 @@ def main() -> None:
     art = tiny_artifact(Path(tempfile.mkdtemp()))
     longest_first = a.order == "longest-first" and not a.check
     if a.check:  # the two schedules measured on the H200, both in the workload's order
-        cases = [(STEP_BUDGET, None, True), ("2048", 2048, False)]
+        cases = [(STEP_BUDGET, None, "step"), ("2048", 2048, "fixed")]
     else:
-        cases = [(STEP_BUDGET, None, True)] if a.step_budget else []
-        cases += [(b, int(b), False) for b in a.budgets.split(",") if b]
+        cases = [(STEP_BUDGET, None, "step")] if a.step_budget else []
+        cases += [(b, int(b), "fixed") for b in a.budgets.split(",") if b]
         if a.paced:
             cases.append(("paced", None, "paced"))
     out_tokens = sum(o for _, o in workload_lengths("mixed", shape["requests"], 0))
@@ -173,9 +176,8 @@ def main() -> None:
           + (f"; steps without decodes: {a.prefill_tokens} tokens" if a.prefill_tokens and not a.check else ""))
     print(f"{'schedule':36s} {'steps':>5s} {'prompt steps':>12s} {'rows/real':>9s} {'est. s':>7s} {'unpadded':>9s} "
           f"{'est. out tok/s':>14s} {'measured s':>10s}")
-    for name, budget, per_step in cases:
-        steps = run(art, shape, budget, per_step is True, longest_first, None if a.check else a.prefill_tokens,
-                    paced=per_step == "paced")
+    for name, budget, policy in cases:
+        steps = run(art, shape, budget, policy, longest_first, None if a.check else a.prefill_tokens)
         est, unpadded = (sum(step_ms(shape, s, pad) for s in steps) / 1e3 for pad in (True, False))
         prompts = [s for s in steps if any(k > 1 for k, _ in s)]
         rows, real = sum(padded(s) for s in prompts), sum(k for s in prompts for k, _ in s)
