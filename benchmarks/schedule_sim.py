@@ -20,7 +20,9 @@ K/V contexts are recorded, and a cost model of the 8B (or 1B) shape on an H200 p
 It is a model, for comparing schedules: the figures it gives are estimates, not measurements. On 2026-12-04 the
 H200 ran the 8B mixed workload in 7.29 s under the measured budget with the per-step budget and 5.57 s at 2,048
 tokens a step (benchmarks/RESULTS.md), both with the requests in the workload's order; `--check` prints the
-model's figures for those two beside them.
+model's figures for those two beside them. The last row is the least time any schedule of the workload can take
+under the same model (`bound`): the K/V reads and the prompts' attention are the same in every schedule, and the
+GEMMs cost least with the fed tokens spread evenly over as few steps as the longest output allows.
 
     python3 benchmarks/schedule_sim.py [--shape 8b|1b] [--budgets 1024,2048,4096] [--step-budget] [--check]
                                        [--order longest-first|given] [--prefill-tokens N] [--paced]
@@ -85,6 +87,36 @@ def step_ms(shape: dict, entries: list[tuple[int, int]], pad: bool = True) -> fl
     flops = sum(per_key * sum(ctx - n + i + 1 for i in range(n)) for n, ctx in entries if n > 1)
     return gemm_ms(shape, tokens) + kv + flops / (PREFILL_TFLOPS * 1e12) * 1e3 + shape["step_ms"] + \
         shape["token_us"] * tokens * 1e-3
+
+
+def bound(shape: dict, lengths: list[tuple[int, int]], slots: int) -> tuple[float, int]:
+    """(seconds, steps): the least GPU time any schedule of these requests (prompt, output tokens) can take under
+    this cost model, with no padding. What a schedule decides is only how the fed tokens spread over the steps:
+    the K/V each decode reads and the prompts' attention are the same in every schedule, a request needs a
+    step for its prompt and one for each later output token (so the longest output bounds the steps from below,
+    as do the slots: each step holds at most `slots` sequences), and the GEMMs' cost is least with the tokens
+    spread evenly (the convex minorant of `gemm_ms`)."""
+    kv = sum(p + j for p, o in lengths for j in range(1, o)) * kv_bytes_per_token(shape) / (KV_TB_S * 1e12)
+    per_key = 4 * shape["head_dim"] * shape["heads"] * shape["layers"]
+    attn = sum(per_key * p * (p + 1) // 2 for p, _ in lengths) / (PREFILL_TFLOPS * 1e12)
+    tokens = sum(p + o - 1 for p, o in lengths)
+    least = max(max(o for _, o in lengths), -(-sum(o for _, o in lengths) // slots))
+    pts = [(1, gemm_ms(shape, 1))] + sorted(shape["gemm_ms"].items())
+    hull: list[tuple[int, float]] = []  # the lower convex hull of the GEMM curve's points
+    for q in pts:
+        while len(hull) >= 2 and (hull[-1][1] - hull[-2][1]) * (q[0] - hull[-2][0]) >= \
+                (q[1] - hull[-2][1]) * (hull[-1][0] - hull[-2][0]):
+            hull.pop()
+        hull.append(q)
+
+    def convex_ms(rows: float) -> float:
+        for (m0, t0), (m1, t1) in zip(hull, hull[1:]):
+            if rows <= m1:
+                return t0 + (t1 - t0) * (rows - m0) / (m1 - m0)
+        (m0, t0), (m1, t1) = hull[-2], hull[-1]
+        return t1 + (t1 - t0) * (rows - m1) / (m1 - m0)
+    ms, steps = min((n * (convex_ms(tokens / n) + shape["step_ms"]), n) for n in range(least, 4 * least + 1))
+    return ms / 1e3 + shape["token_us"] * tokens * 1e-6 + kv + attn, steps
 
 
 def kv_bytes_per_token(shape: dict) -> int:
@@ -171,7 +203,8 @@ def main() -> None:
         cases += [(b, int(b), "fixed") for b in a.budgets.split(",") if b]
         if a.paced:
             cases.append(("paced", None, "paced"))
-    out_tokens = sum(o for _, o in workload_lengths("mixed", shape["requests"], 0))
+    lengths = workload_lengths("mixed", shape["requests"], 0)
+    out_tokens = sum(o for _, o in lengths)
     print(f"queued: {'in the workload order' if not longest_first else 'longest output first'}"
           + (f"; steps without decodes: {a.prefill_tokens} tokens" if a.prefill_tokens and not a.check else ""))
     print(f"{'schedule':36s} {'steps':>5s} {'prompt steps':>12s} {'rows/real':>9s} {'est. s':>7s} {'unpadded':>9s} "
@@ -184,6 +217,9 @@ def main() -> None:
         measured = f"{measured_s[name]:10.2f}" if name in measured_s and not longest_first else f"{'':>10s}"
         print(f"{name:36s} {len(steps):5d} {len(prompts):12d} {rows / real:9.2f} {est:7.2f} {unpadded:9.2f} "
               f"{out_tokens / est:14,.0f} {measured}")
+    least, steps = bound(shape, lengths, min(shape["requests"], 128))
+    print(f"{'least under the model (any schedule)':36s} {steps:5d} {'':12s} {'':9s} {least:7.2f} {'':9s} "
+          f"{out_tokens / least:14,.0f}")
 
 
 if __name__ == "__main__":
