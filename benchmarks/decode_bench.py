@@ -180,7 +180,7 @@ def main():
     import llmc
     from transformers import LlamaConfig, LlamaForCausalLM
     from llmc.codegen.lower import Plan, kernels_per_layer
-    from llmc.runtime.engine import LLM, SamplingParams
+    from llmc.runtime.llm import LLM, SamplingParams
     from llmc.runtime.executor import StepBatch, StepInput
     res = {"gpu": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__, "shape": a.shape,
            "backend": a.backend}

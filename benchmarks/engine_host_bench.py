@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def stubbed_engine(art, num_blocks: int, **options):
     """An engine whose model is instant: random tokens (greedy) or logits."""
-    from llmc.runtime.engine import LLM
     from llmc.runtime.executor import Launched, StepResult
+    from llmc.runtime.llm import LLM
     eng = LLM(art, num_blocks=num_blocks, backend="reference", **options).engine
     gen = torch.Generator().manual_seed(0)
     vocab = 8000

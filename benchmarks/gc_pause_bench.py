@@ -40,7 +40,7 @@ def worker(frozen: bool, runs: int, requests: int) -> list[dict]:
     from schedule_sim import tiny_artifact
 
     from llmc.runtime import heap
-    from llmc.runtime.engine import LLM, SamplingParams
+    from llmc.runtime.llm import LLM, SamplingParams
     from llmc.serve.bench import workload_lengths
 
     art = tiny_artifact(Path(tempfile.mkdtemp()))

@@ -51,7 +51,7 @@ def compare(model_dir: Path, dtype: str, n: int, work: Path, backend: str = "cud
     untuned: cuBLAS for every GEMM), against the same HF references."""
     import llmc
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from llmc.runtime.engine import LLM, SamplingParams
+    from llmc.runtime.llm import LLM, SamplingParams
     from llmc.runtime.executor import StepBatch, StepInput
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     dev = "cuda" if backend == "cuda" else "cpu"

@@ -30,7 +30,8 @@ def main() -> None:
     a = ap.parse_args()
     import llmc
     from transformers import LlamaConfig, LlamaForCausalLM
-    from llmc.runtime.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+    from llmc.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+    from llmc.runtime.llm import LLM
     from llmc.runtime.executor import StepBatch, StepInput
     from llmc.runtime.sampler import Sampler
     from llmc.runtime.spec_decode import Proposal, SpecDecoder

@@ -59,8 +59,8 @@ def heldout_prompts(n: int, chars: int = 48) -> list[str]:
 
 def retyped(art, dtype: str):
     """The artifact with its KV caches stored in `dtype` (bf16 / f16): no quantization, only rounding."""
-    from llmc.ir.kv_layout import kv_cache_inputs
     from llmc.artifact import Artifact
+    from llmc.ir.kv_layout import kv_cache_inputs
     g = art.graph.clone()
     for c in kv_cache_inputs(g):
         c.type = c.type.with_dtype(dtype)
@@ -163,8 +163,8 @@ def main():
     import torch
 
     import llmc
-    from llmc.runtime.engine import LLM, SamplingParams
     from llmc.runtime.executor import StepBatch, StepInput, make_executor
+    from llmc.runtime.llm import LLM, SamplingParams
     prompts = CODE_PROMPTS if a.code_prompts else heldout_prompts(a.prompts)
     art = llmc.compile("builtin:tiny-py", Path(tempfile.mkdtemp()) / "tiny-py.llmc", dtype=a.dtype)
     params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)

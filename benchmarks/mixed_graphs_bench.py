@@ -37,7 +37,7 @@ def main() -> None:
     import torch
 
     from llmc.bench import bench
-    from llmc.runtime.engine import LLM, SamplingParams
+    from llmc.runtime.llm import LLM, SamplingParams
     out, art, prompts = shared_setup(a)
     rows = []
     # no prefix caching: every run sends the workload's same prompts, which a cache would serve from the

@@ -34,7 +34,7 @@ def main() -> None:
     import torch
 
     from llmc.bench import bench
-    from llmc.runtime.engine import LLM, SamplingParams
+    from llmc.runtime.llm import LLM, SamplingParams
     out, art, prompts = shared_setup(a)
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     rows, ref = [], None

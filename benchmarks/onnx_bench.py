@@ -53,7 +53,7 @@ def export(m, out: Path, vocab: int) -> float:
 
 def llmc_decode(art, prompt: list[int], new: int, vocab: int) -> tuple[float, list[int], list]:
     from decode_bench import sync
-    from llmc.runtime.engine import LLM, SamplingParams
+    from llmc.runtime.llm import LLM, SamplingParams
     llm = LLM(art, max_num_seqs=4)
     p = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     llm.generate([[(t + 7) % vocab for t in prompt]], p)  # warm-up on another prompt

@@ -89,7 +89,7 @@ def main() -> None:
     import torch
 
     from llmc.bench import bench
-    from llmc.runtime.engine import LLM
+    from llmc.runtime.llm import LLM
     out, art, prompts = shared_setup(a)
     rows, ref, errors = [], None, []
     for layout in a.layouts.split(","):

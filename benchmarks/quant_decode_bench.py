@@ -68,7 +68,7 @@ def main() -> None:
     a = ap.parse_args()
     import llmc
     from decode_bench import SHAPES, bandwidth, random_model
-    from llmc.runtime.engine import LLM
+    from llmc.runtime.llm import LLM
     work = Path(tempfile.mkdtemp())
     random_model(a.shape, work / "model")  # tiny-py's tokenizer beside it: SmoothQuant's calibration text
     cfg = json.loads((work / "model" / "config.json").read_text())

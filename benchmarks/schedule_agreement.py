@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--runs", default="all", help="'all'; 'two-waves' or 'staggered': only those runs")
     a = ap.parse_args()
-    from llmc.runtime.engine import LLM, SamplingParams
+    from llmc.runtime.llm import LLM, SamplingParams
     greedy = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     ngram = {"method": "ngram", "num_speculative_tokens": 3}
     staggered = [SamplingParams(temperature=0, max_tokens=a.max_tokens - (i * 7) % (a.max_tokens // 4 + 1),

@@ -125,8 +125,9 @@ def kv_bytes_per_token(shape: dict) -> int:
 
 def tiny_artifact(work: Path):
     """A tiny random Llama with a 4,096-token context, compiled on the CPU (its steps are stubbed)."""
-    import llmc
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import llmc
     cfg = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
     LlamaForCausalLM(cfg).save_pretrained(work / "hf")
@@ -144,7 +145,7 @@ def run(art, shape: dict, budget: int | None, policy: str = "fixed", longest_fir
     from engine_host_bench import stubbed_engine
 
     from llmc.runtime.config import PACE_PROMPTS, StepBudget, paced_floor
-    from llmc.runtime.engine import SamplingParams, longest_first_order
+    from llmc.runtime.llm import SamplingParams, longest_first_order
     n = shape["requests"]
     lengths = workload_lengths("mixed", n, seed)
     blocks = sum(-(-(p + o) // 16) for p, o in lengths) + 64

@@ -90,7 +90,7 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
     from llmc.frontend.hf import TOKENIZER_FILES
     from llmc.models import builtin_dir
-    from llmc.runtime.engine import LLM, SamplingParams
+    from llmc.runtime.llm import LLM, SamplingParams
     from llmc.serve.bench import bench_serve, build_workload, format_report
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

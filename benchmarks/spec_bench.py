@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--seeded", action="store_true", help="also check that seeded sampling repeats")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
-    from llmc.runtime.engine import LLM, SamplingParams
+    from llmc.runtime.llm import LLM, SamplingParams
     work = Path(tempfile.mkdtemp())
     target = load(a.target, work, "target", a.dtype)
     names = a.configs.split(",")

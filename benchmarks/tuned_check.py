@@ -105,7 +105,7 @@ def variants(tuning: dict) -> dict[str, dict]:
 
 
 def agreement(art, tuning: dict, ids, refs, n: int) -> dict:
-    from llmc.runtime.engine import LLM, SamplingParams
+    from llmc.runtime.llm import LLM, SamplingParams
     art = copy.copy(art)
     art.tuning = tuning
     llm = LLM(art, backend="cuda", num_blocks=512)

@@ -30,7 +30,7 @@ def child(a) -> None:
     import torch
 
     from llmc.bench import bench
-    from llmc.runtime.engine import LLM
+    from llmc.runtime.llm import LLM
     from llmc.runtime.step_graphs import graphs_captured
     compiled, counts = _count_compiles()
     t0 = time.perf_counter()

@@ -26,7 +26,7 @@ def load(path, verify: bool | str = True):
 
 # Imported on first use, each from its own side of the artifact: a process that only runs models
 # never imports the compiler, and one that only compiles never imports the runtime.
-_LAZY = {"LLM": "llmc.runtime.engine", "SamplingParams": "llmc.runtime.engine",
+_LAZY = {"LLM": "llmc.runtime.llm", "SamplingParams": "llmc.runtime.engine",
          "RequestOutput": "llmc.runtime.engine", "AsyncLLM": "llmc.runtime.async_engine",
          "Graph": "llmc.ir.graph", "Pass": "llmc.passes.manager", "PassResult": "llmc.passes.manager",
          "register_pass": "llmc.passes.manager"}

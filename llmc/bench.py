@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from llmc.runtime.engine import LLM
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.serve.bench import BenchError, cut_prompts, percentile, resolve_tokenizer, workload_lengths
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from llmc.artifact import Artifact
 from llmc.errors import RequestError
 from llmc.models.evaluate import DEFAULT_WINDOW
-from llmc.runtime.engine import LLM, SamplingParams
+from llmc.runtime.llm import LLM, SamplingParams
 
 DATASETS = ("builtin:heldout",)
 

@@ -80,7 +80,7 @@ def test_a_check_in_the_background_is_waited_for_before_an_engine_runs(llama_art
     import threading
 
     import llmc.artifact as artifact
-    from llmc.runtime.engine import LLM
+    from llmc.runtime.llm import LLM
     go, seen = threading.Event(), []
     check = artifact.verify_files
 

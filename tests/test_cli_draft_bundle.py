@@ -11,7 +11,7 @@ from click.testing import CliRunner
 import llmc
 from llmc.cli import main
 from llmc.errors import CompileError
-from llmc.runtime.engine import LLM, SamplingParams
+from llmc.runtime.llm import LLM, SamplingParams
 
 
 def test_bundled_draft_is_found_and_lossless(tmp_path):

@@ -141,7 +141,7 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
     completion.
     """
     import llmc
-    from llmc.runtime.engine import LLM
+    from llmc.runtime.llm import LLM
     options.check_engine_options(backend, device, {"--max-num-seqs": max_num_seqs, "--block-size": block_size,
                                             "--max-num-batched-tokens": max_num_batched_tokens,
                                             "--max-prefill-tokens": max_prefill_tokens,

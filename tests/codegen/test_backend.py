@@ -97,7 +97,7 @@ def stable_bf16(model_root, tmp_path_factory):
 
 
 def greedy(art, backend, ids, n):
-    from llmc.runtime.engine import LLM, SamplingParams
+    from llmc.runtime.llm import LLM, SamplingParams
     llm = LLM(art, backend=backend, num_blocks=128)
     return [o.token_ids for o in llm.generate(ids, SamplingParams(temperature=0, max_tokens=n))]
 

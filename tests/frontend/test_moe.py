@@ -9,7 +9,7 @@ import torch
 
 import llmc
 from llmc.errors import CompileError
-from llmc.runtime.engine import LLM, SamplingParams
+from llmc.runtime.llm import LLM, SamplingParams
 from tests.conftest import VOCAB, hf_greedy, hf_model, paged_prefill_last_logits, save_random_model
 
 MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]

@@ -203,7 +203,7 @@ def test_compiled_artifact_agrees_with_onnxruntime_and_hf_greedy(captured, artif
     assert rep.max_abs_diff <= 1e-4, str(rep)
     assert artifact.info.eos_token_ids == (0,) and artifact.tokenizer_dir is not None
     if name in GREEDY:
-        from llmc.runtime.engine import LLM, SamplingParams
+        from llmc.runtime.llm import LLM, SamplingParams
         prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42]]
         outs = LLM(artifact, backend="reference", num_blocks=32, block_size=4).generate(
             prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))

@@ -12,7 +12,7 @@ import torch
 import llmc
 from llmc.passes.fuse_act_quant import FuseActQuant
 from llmc.passes.manager import PassResult
-from llmc.runtime.engine import LLM, SamplingParams
+from llmc.runtime.llm import LLM, SamplingParams
 
 SQ = {"method": "smoothquant", "calib_samples": 8, "calib_len": 32}
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"

@@ -149,7 +149,7 @@ def test_elementwise_explains_a_closed_region():
 
 def test_whole_model_fused_equals_unfused(llama_dir):
     import llmc
-    from llmc.runtime.engine import LLM, SamplingParams
+    from llmc.runtime.llm import LLM, SamplingParams
     fused = llmc.compile(llama_dir, None, verify=True)
     plain = llmc.compile(llama_dir, None, verify=True, fuse=False)
     per_layer = lambda a: {op: n for op, n in a.graph.op_counts().items()}

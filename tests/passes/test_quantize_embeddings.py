@@ -9,7 +9,7 @@ from click.testing import CliRunner
 import llmc
 from llmc.cli import main
 from llmc.ir.quant import qembedding_ref, quantize_rows_int8
-from llmc.runtime.engine import LLM, SamplingParams
+from llmc.runtime.llm import LLM, SamplingParams
 
 from tests.conftest import make_model_dir
 

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 import llmc
 from llmc.errors import CompileError
-from llmc.runtime.engine import LLM, SamplingParams
+from llmc.runtime.llm import LLM, SamplingParams
 
 CALIB = {"calib_samples": 32, "calib_len": 64}
 

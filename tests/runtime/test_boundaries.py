@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from llmc.runtime.engine import LLM, SamplingParams
+from llmc.runtime.llm import LLM, SamplingParams
 
 
 def test_runtime_imports_no_compiler_code():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from llmc.errors import RequestError
-from llmc.runtime.engine import LLM, SamplingParams
+from llmc.runtime.llm import LLM, SamplingParams
 from tests.conftest import CODE_PROMPTS, hf_greedy, hf_model, prefill_graph_matches_eager
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

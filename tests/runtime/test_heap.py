@@ -7,7 +7,7 @@ import weakref
 import pytest
 
 from llmc.runtime import heap
-from llmc.runtime.engine import LLM
+from llmc.runtime.llm import LLM
 
 
 class Cycle:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmc.errors import RequestError
-from llmc.runtime.engine import LLM, SamplingParams
+from llmc.runtime.llm import LLM, SamplingParams
 from tests.conftest import CODE_PROMPTS, hf_model
 
 K = 4

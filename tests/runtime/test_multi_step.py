@@ -4,7 +4,7 @@ next by the executor. The tokens must be exactly those of single steps, whatever
 import pytest
 
 from llmc.errors import LLMCError
-from llmc.runtime.engine import LLM, SamplingParams
+from llmc.runtime.llm import LLM, SamplingParams
 from tests.conftest import CODE_PROMPTS
 
 

@@ -4,8 +4,8 @@ of steps run one at a time, whatever happens while a step is in flight: stops, p
 swap), prefix sharing, aborts, a failed launch, and steps that sample on the host in between."""
 import torch
 
-from llmc.runtime.engine import LLM, SamplingParams
 from llmc.runtime.executor import Feed, StepBatch, StepInput
+from llmc.runtime.llm import LLM, SamplingParams
 from tests.conftest import CODE_PROMPTS
 
 # greedy requests of several lengths and stops, with sampled ones (run on the host, between launched steps)

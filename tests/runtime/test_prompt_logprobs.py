@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmc.errors import RequestError
-from llmc.runtime.engine import LLM, SamplingParams
+from llmc.runtime.llm import LLM, SamplingParams
 from tests.conftest import hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -3,7 +3,7 @@ proposer and k, batched with preemption and n > 1; sampled output distributed as
 no block leaked and no prefix-cache entry of a rejected token."""
 import pytest
 
-from llmc.runtime.engine import LLM, SamplingParams
+from llmc.runtime.llm import LLM, SamplingParams
 from tests.conftest import CODE_PROMPTS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

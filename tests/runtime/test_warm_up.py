@@ -48,7 +48,7 @@ def test_every_step_runs_on_a_fresh_cache(llama_artifact):
 def test_an_engine_after_the_warm_up_generates_the_same(llama_artifact, kv_cache_dtype):
     """The warm-up's steps write junk K/V into block 0 (and, quantized, its scales); the first request's
     blocks include block 0 (the free list hands it out first), and its tokens are those of an engine that never ran them."""
-    from llmc.runtime.engine import LLM, SamplingParams
+    from llmc.runtime.llm import LLM, SamplingParams
     p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[3, 4, 5, 6, 7], [9, 8, 7]]
     outs = []
