@@ -30,6 +30,7 @@ import triton
 
 from llmc.codegen import matmul as mm
 from llmc.codegen import qmatmul as qm
+from llmc.codegen.act_quant import quantize_act
 from llmc.codegen.autotune import DECODE_JOINT_BUCKETS, JOINT_BUCKETS, Tuner, m_bucket
 from llmc.ir.quant import QuantFormat, quantize_activations, quantize_rtn
 
@@ -135,7 +136,7 @@ def bench_quant(method: str, w: torch.Tensor, xs: dict, tuner, args) -> list[dic
         choice = rec.config if rec is not None else qm.candidates(m_bucket(m), n, p.padded_k, p.pack)[0]
         out.append(_record(method, n, k, m, graph_time_us(calls, args.reps), p.nbytes, len(ps), err, choice))
         if fmt.kind != "int":  # the activation codes against torch's: the kernel should match every one
-            codes, _ = qm.quantize_act(x, fmt.kind)
+            codes, _ = quantize_act(x, fmt.kind)
             out[-1]["act_code_mismatches"] = int((codes.float() != quantize_activations(x, fmt.kind)[0].float()).sum())
     return out
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from llmc.codegen import qmatmul as qm
+from llmc.codegen.act_quant import quantize_act
 from llmc.codegen.autotune import m_bucket
 from llmc.ir.quant import QuantFormat, quantize_rtn
 
@@ -54,7 +55,7 @@ def main() -> None:
         ws = [w] + [w.clone() for _ in range(copies_for(w.numel() * 2, False) - 1)]
         for m in map(int, a.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            codes, scales = qm.quantize_act(x, a.kind)
+            codes, scales = quantize_act(x, a.kind)
             ref = qm.reference(x, fmt, qw.qweight, qw.scales)
             bucket = qm.qlinear_bucket(m)
             listed = qm.candidates(bucket, n, p.padded_k, p.pack, m <= 64)
@@ -65,7 +66,7 @@ def main() -> None:
             res = [{"kind": "bf16", "us": graph_time_us([lambda wi=wi: torch.mm(x, wi.t(), out=y) for wi in ws],
                                                         a.reps), "nbytes": w.numel() * 2, "cfg": "cuBLAS", "err": 0.0}]
             xs = [x.clone() for _ in range(16)]  # one graph of 16 calls: a lone short kernel times the replay's start
-            res.append({"kind": "quantize", "us": graph_time_us([lambda xi=xi: qm.quantize_act(xi, a.kind) for xi in xs],
+            res.append({"kind": "quantize", "us": graph_time_us([lambda xi=xi: quantize_act(xi, a.kind) for xi in xs],
                                                                 a.reps),
                         "nbytes": x.numel() * 3, "cfg": "quantize_act", "err": 0.0})
             for kind, cfg in cands:

@@ -346,7 +346,7 @@ class Plan:
 
     def _op_silu_mul_quant(self, n):
         """The SwiGLU product and the per-token activation codes of the w8a8 / fp8 linear reading it, one kernel."""
-        from llmc.codegen.qmatmul import quantize_act
+        from llmc.codegen.act_quant import quantize_act
         kind = n.attrs["kind"]
         return Step(n, lambda x, h: list(quantize_act(x[0], kind, up=x[1])), "triton:quantize_act+silu_mul", kind)
 

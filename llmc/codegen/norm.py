@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from llmc.codegen.act_quant import act_code
 from llmc.codegen.elementwise import cast_expr, cast_helpers, compiled
 from llmc.codegen.kernels import KernelSpec
 from llmc.intmath import next_pow2
@@ -58,7 +59,6 @@ class RmsNormSpec(KernelSpec):
         helpers = cast_helpers([self.dtype, self.out_dtype])
         quant = {}
         if self.quant:
-            from llmc.codegen.qmatmul import act_code
             code, qmax, code_helpers = act_code(self.quant)
             quant = {"code": code, "qmax": qmax}
             helpers += code_helpers

@@ -16,7 +16,8 @@ from llmc.codegen.autotune import Tuner
 from llmc.codegen.elementwise import interpreting
 from llmc.codegen.kernels import render, tile_counters
 from llmc.codegen.matmul import MatmulSpec
-from llmc.codegen.qmatmul import QMatmulSpec, candidates, prepare, qlinear, quantize_act, reference
+from llmc.codegen.act_quant import ACT_ONE_PASS, quantize_act
+from llmc.codegen.qmatmul import QMatmulSpec, candidates, prepare, qlinear, reference
 from llmc.errors import CompileError
 from llmc.ir import quant
 from llmc.ir.quant import QuantFormat, quantize_rtn
@@ -188,11 +189,11 @@ def test_leading_dims_strided_rows_and_out():
 def test_activation_codes_are_torchs():
     """The per-token kernel gives quant.quantize_activations' codes and scales bit for bit, ties
     included (round half to even for int8; e4m3's midpoints, subnormal ones too, for fp8): a row in one
-    pass (K up to qmatmul.ACT_ONE_PASS) and one too wide for it, read twice in blocks."""
+    pass (K up to act_quant.ACT_ONE_PASS) and one too wide for it, read twice in blocks."""
     g = gen("act")
     for kind, ties in (("w8a8", [127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 3.5]),
                        ("fp8", [448.0, 1.0625, 17.0, 432.0, -1.1875, 2.0 ** -10, 1.5 * 2.0 ** -9, -3 * 2.0 ** -10])):
-        for dtype, k in ((torch.float32, 2500), (torch.bfloat16, 2500), (torch.float32, qm.ACT_ONE_PASS + 700)):
+        for dtype, k in ((torch.float32, 2500), (torch.bfloat16, 2500), (torch.float32, ACT_ONE_PASS + 700)):
             x = rand(5, k, dtype=dtype, g=g) * 3
             x[1, :8] = torch.tensor(ties, dtype=dtype)
             x[1, 8:] = 0

@@ -93,7 +93,7 @@ def test_silu_mul_kernel_codes(kind, dtype):
     from tests.codegen.conftest import library_interpreted
     if not library_interpreted():
         pytest.skip("triton was imported compiled before TRITON_INTERPRET=1 could be set")
-    from llmc.codegen.qmatmul import quantize_act
+    from llmc.codegen.act_quant import quantize_act
     from llmc.ir.quant import quantize_activations
     g = torch.Generator().manual_seed(3)
     gu = (torch.randn(6, 2 * 80, generator=g) * 2).to(dtype)
