@@ -112,7 +112,7 @@ def main():
         pr.enable()
         steps(a.steps)
         pr.disable()
-        pstats.Stats(pr).sort_stats("tottime").print_stats("llmc/", 25)
+        pstats.Stats(pr).sort_stats(os.environ.get("SORT", "tottime")).print_stats("llmc/", int(os.environ.get("ROWS", "25")))
 
 
 if __name__ == "__main__":
