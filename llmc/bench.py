@@ -21,7 +21,10 @@ Timing follows the streamed outputs (`LLM.stream`) on the host's monotonic clock
 * out tok/s: output tokens over the wall time of the timed runs (prefill and decode together);
 * GPU busy (CUDA only): the time between CUDA events recorded around each step of the model, over
   the wall time; the rest is the host's (scheduling, sampling, detokenizing) or idle. A draft
-  model's steps under speculative decoding are not counted.
+  model's steps under speculative decoding are not counted. It is an upper bound on the kernels'
+  share: a step the host launches piece by piece (a mixed step's attention runs between its
+  piecewise graphs) counts the GPU's waits for those launches inside the step as busy. Kernel by
+  kernel time comes from the step profiler (`LLMC_PROFILE_DIR`, llmc/runtime/profiling.py).
 """
 from __future__ import annotations
 
