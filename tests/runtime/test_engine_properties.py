@@ -134,9 +134,15 @@ def scenarios(draw):
         preemption_mode="swap" if swap else "recompute",
         num_cpu_blocks=draw(st.sampled_from([4, 16, 64] if swap else [0, 16])),
         max_model_len=max_model_len,
+        # a step with no decode to run takes its own budget (None: the one above)
+        max_prefill_tokens=draw(st.one_of(st.none(), st.integers(8, 96))),
     )
+    # paced prompts (SchedulerConfig.pace_prompts, the engine's opt-in LLMC_PACE_PROMPTS=1): steps that carry
+    # decodes grow with the waiting prompts' pace and their deadlines
+    pace = draw(st.sampled_from([None, None, 1.0, 2.0]))
     fail_generate = draw(st.one_of(st.none(), st.tuples(st.integers(0, 2), st.booleans())))
-    return dict(options=options, trace=trace, bases=bases, fail_generate=fail_generate)
+    return dict(options=options, trace=trace, bases=bases, fail_generate=fail_generate, pace=pace,
+                longest_first=draw(st.booleans()))
 
 
 # ---- the driver: runs a trace, checks every call -------------------------------------------------
@@ -281,11 +287,12 @@ class Driver:
             assert got == [want] * params.n, f"{rid} {prompt} {params}: got {got}, alone {want}"
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(sc=scenarios())
 def test_random_traces_match_running_alone(llama_artifact, alone, sc):
     llm = LLM(llama_artifact, **sc["options"])
+    llm.engine.scheduler.config.pace_prompts = sc["pace"]
     d = Driver(llm, alone)
     for op in sc["trace"]:
         if op[0] == "add":
@@ -310,14 +317,14 @@ def test_random_traces_match_running_alone(llama_artifact, alone, sc):
         fired = d.flaky.fired
         d.flaky.arm(*sc["fail_generate"])
         try:
-            llm.generate(prompts, params)
+            llm.generate(prompts, params, longest_first=sc["longest_first"])
         except RuntimeError:
             assert d.flaky.fired == fired + 1
         else:
             assert d.flaky.fired == fired
         d.flaky.fail_at = None
         assert not eng.has_unfinished() and not eng.requests and bm.num_used_blocks == 0
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, longest_first=sc["longest_first"])
     for o, (p, q) in zip(outs, follow):
         want = d.alone(p, q.max_tokens, q.stop)
         assert [(c.token_ids, c.text, c.finish_reason) for c in o.outputs] == [want] * q.n
@@ -328,6 +335,7 @@ def test_random_traces_match_running_alone(llama_artifact, alone, sc):
         event(f"{name} > 0: {stats[name] > 0}")
     event(f"swapped out: {bm.stats.swapped_out_blocks > 0}")
     event(f"rejected: {d.num_rejected > 0}")
+    event(f"paced: {sc['pace'] is not None}")
     event(f"aborted: {len(d.aborted) > 0}")
     event(f"executor failed: {d.num_failed > 0}")
     event(f"stop hit: {d.reasons['stop'] > 0}")
