@@ -15,6 +15,9 @@ parameter names:
   slices), from other linears' outputs is row-parallel and those linears column-parallel in
   contiguous chunks (gate/up → down; fused gate_up splits per part).
 - a row-parallel linear's output is summed by an `all_reduce` (its bias counted on rank 0 only).
+  Where one elementwise op (or fused region) reads several such sums and is linear in them (sums,
+  differences, products with replicated factors: Qwen2-MoE's experts plus its gated shared expert),
+  it runs on the ranks' partial sums and one `all_reduce` follows it (`merge_reductions`).
 - mixture of experts (`moe` ops): the router stays whole, so every rank routes every token (the
   activations are replicated); with expert parallelism rank r keeps a contiguous range of experts
   (sizes that differ by one; `expert_start` says where it begins), without it each expert's
@@ -46,6 +49,7 @@ from llmc.errors import LLMCError
 from llmc.ir.graph import Graph, Node, Value
 from llmc.ir.kv_layout import kv_cache_inputs
 from llmc.ir.ops import ELEMENTWISE, get_op, has_trait
+from llmc.ir.types import torch_dtype
 from llmc.ir.verify import verify
 
 GROUP = "tp"
@@ -125,9 +129,11 @@ class ShardPlan:
             g.replace_uses(lin.out, new[-1].out)
             at = g.nodes.index(lin) + 1
             g.nodes[at:at] = new
+        merged = merge_reductions(g)
         _retype(g)
         g.remove_unused_params()
         g.meta["tensor_parallel"] = {"size": n, "rank": rank, "column": len(self.column), "row": len(self.row),
+                                     "merged_reductions": merged,
                                      "vocab_parallel": self.head is not None, "moe": len(self.experts),
                                      "expert_parallel": self.expert_parallel, "replicated": replicated}
         verify(g)
@@ -426,6 +432,62 @@ def _reduce_after(g: Graph, node: Node) -> None:
     ar = g.make_node("all_reduce", [node.out], {"group": GROUP}, meta=dict(node.meta))
     g.replace_uses(node.out, ar.out)
     g.nodes.insert(g.nodes.index(node) + 1, ar)
+
+
+def _linearity(op: str, attrs: dict, kinds: list[str]) -> str:
+    """How an elementwise op's result depends on the ranks' partial sums, from its operands': "R" (replicated:
+    the same on every rank), "L" (linear in the partials: summing the results over the ranks gives the op of
+    the sums) or "N" (neither)."""
+    if all(k == "R" for k in kinds):
+        return "R"
+    if "N" in kinds:
+        return "N"
+    if op in ("add", "sub"):  # a replicated term would be counted once per rank
+        return "L" if all(k == "L" for k in kinds) else "N"
+    if op == "mul":
+        return "L" if sorted(kinds) == ["L", "R"] else "N"
+    if op == "div":
+        return "L" if kinds == ["L", "R"] else "N"
+    if op == "neg" or (op == "cast" and torch_dtype(attrs["dtype"]).is_floating_point):
+        return "L"
+    return "N"
+
+
+def _linear_in(node: Node, partial: set[int]) -> bool:
+    """Whether `node` (an elementwise op or fused region, one output) is linear in its operands at the
+    positions `partial` and reads the others only as replicated factors (`_linearity`)."""
+    kinds = ["L" if i in partial else "R" for i in range(len(node.inputs))]
+    if node.op in ELEMENTWISE:
+        return _linearity(node.op, node.attrs, kinds) == "L"
+    if node.op != "fused" or node.attrs.get("kind") != "elementwise" or len(node.attrs["outputs"]) != 1:
+        return False
+    env = {f"in{i}": k for i, k in enumerate(kinds)}
+    for name, op, operands, attrs in node.attrs["body"]:
+        env[name] = _linearity(op, attrs, [env[o] for o in operands])
+    return env[node.attrs["outputs"][0]] == "L"
+
+
+def merge_reductions(g: Graph) -> int:
+    """One `all_reduce` after an elementwise op that reads several and is linear in them, in place of theirs:
+    f(all_reduce(a), all_reduce(b)) = all_reduce(f(a, b)) for f linear in a and b (any replicated factor is
+    the same on every rank). Each all_reduce must have no other reader. Returns the all_reduces saved."""
+    users, saved = g.users(), 0
+    for node in list(g.nodes):
+        if len(node.outputs) != 1:
+            continue
+        sums = {i: v.producer for i, v in enumerate(node.inputs)
+                if v.producer is not None and v.producer.op == "all_reduce" and len(users.get(v, [])) == 1}
+        groups = {ar.attrs["group"] for ar in sums.values()}
+        if len(sums) < 2 or len(groups) != 1 or len(set(map(id, sums.values()))) != len(sums) or \
+                not _linear_in(node, set(sums)):
+            continue
+        node.inputs = [sums[i].inputs[0] if i in sums else v for i, v in enumerate(node.inputs)]
+        ar = g.make_node("all_reduce", [node.out], {"group": groups.pop()}, meta=dict(node.meta))
+        g.replace_uses(node.out, ar.out)
+        g.nodes.insert(g.nodes.index(node) + 1, ar)
+        g.remove_nodes(list(sums.values()))
+        saved += len(sums) - 1
+    return saved
 
 
 def _add_part(plan: ShardPlan, found, rows, replicated: bool = False) -> None:

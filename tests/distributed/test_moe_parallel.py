@@ -14,6 +14,7 @@ import pytest
 import llmc
 from llmc import LLM, SamplingParams
 from llmc.ir.interpreter import Interpreter
+from llmc.ir.kv_layout import kv_cache_inputs
 from llmc.ir.sharding import ShardError, shard_graph
 from llmc.ir.stages import split_stages
 from tests.conftest import hf_greedy, hf_model, save_random_model
@@ -64,7 +65,17 @@ def test_every_rank_gives_the_unsharded_logits(arts, arch, expert_parallel):
     ranks = assert_ranks_match(arts(arch)[1].graph, 2, expert_parallel)
     g = ranks[1]
     moe = next(n for n in g.nodes if n.op == "moe")
-    assert [u.op for u in g.users()[moe.out]] == ["all_reduce"]
+    users = g.users()
+    if arch == "qwen2_moe":  # experts plus the gated shared expert, summed over the ranks by one all_reduce
+        (mix,) = users[moe.out]
+        assert mix.op == "fused" and [u.op for u in users[mix.out]] == ["all_reduce"]
+        shared_down = next(v.producer for v in mix.inputs if v is not moe.out and v.producer.op == "linear")
+        assert [u.op for u in users[shared_down.out]] == ["fused"]
+        assert g.meta["tensor_parallel"]["merged_reductions"] == 1
+    else:
+        assert [u.op for u in users[moe.out]] == ["all_reduce"]
+    # one all_reduce after each attention, one after each MLP or MoE block
+    assert g.op_counts()["all_reduce"] == 2 * len(kv_cache_inputs(g))
     assert moe.inputs[1].type.shape == (4, 64)  # the router stays whole: every rank routes every token
     if expert_parallel:  # rank 1 holds experts 2 and 3, whole
         assert moe.attrs["expert_start"] == 2 and moe.inputs[2].type.shape == (2, 96, 64)

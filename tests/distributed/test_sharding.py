@@ -374,3 +374,52 @@ def test_every_tensor_parallel_rank_runs_rank_zeros_tuning_choices(monkeypatch):
     t1 = shard_tuning(spec(3), store, "r1", art)  # stage 1's rank 1
     assert set(store) == {"tuning/1"} and json.loads(store["tuning/1"]) == t0
     assert seen[1] == ("r1", t0) and t1["kernels"]["k-r0"] == t0["kernels"]["k-r0"]
+
+
+def _two_sums(body_or_op, extra_rank: int = 2):
+    """A graph of two partial sums p, q (each all_reduced) and a replicated r [T, 4] read by `body_or_op`: an
+    elementwise op name (over the two sums) or a fused region's body over (in0 = r, in1 = sum p, in2 = sum q)."""
+    from llmc.ir.graph import Graph
+    from llmc.ir.types import TensorType
+    g = Graph("sums")
+    g.add_dim("T", 1, None)
+    p, q, r = (g.add_input(n, TensorType(("T", 4), "f32")) for n in "pqr")
+    sp, sq = (g.call("all_reduce", v, group="tp") for v in (p, q))
+    if isinstance(body_or_op, str):
+        g.outputs = [g.call(body_or_op, sp, sq)]
+    else:
+        g.outputs = [g.call("fused", r, sp, sq, kind="elementwise", body=body_or_op, outputs=["v2"])]
+    return g
+
+
+GATED = [["v0", "sigmoid", ["in0"], {}], ["v1", "mul", ["v0", "in1"], {}], ["v2", "add", ["in2", "v1"], {}]]
+
+
+@pytest.mark.parametrize("case, merged", [
+    ("add", 1), ("sub", 1), ("mul", 0), ("maximum", 0),
+    (GATED, 1),  # Qwen2-MoE: experts + sigmoid(gate) * shared expert
+    ([["v0", "cast", ["in1"], {"dtype": "bf16"}], ["v1", "neg", ["in2"], {}], ["v2", "sub", ["v0", "v1"], {}]], 1),
+    ([["v0", "add", ["in1", "in2"], {}], ["v1", "mul", ["v0", "v0"], {}], ["v2", "neg", ["v1"], {}]], 0),
+    ([["v0", "add", ["in1", "in2"], {}], ["v1", "neg", ["v0"], {}], ["v2", "add", ["v1", "in0"], {}]], 0),  # + r
+    ([["v0", "div", ["in0", "in1"], {}], ["v1", "neg", ["v0"], {}], ["v2", "add", ["v1", "in2"], {}]], 0),  # r / sum
+])
+def test_one_all_reduce_after_an_op_linear_in_the_sums(case, merged):
+    """merge_reductions moves the all_reduce after an op only where that op is linear in the ranks' partial
+    sums (a replicated term or a product of two sums would change the result), and the ranks' results are the
+    unmerged graph's."""
+    from llmc.ir.sharding import merge_reductions
+    g = _two_sums(case)
+    want = g.clone()
+    assert merge_reductions(g) == merged
+    assert g.op_counts()["all_reduce"] == 2 - merged
+    if merged:
+        (ar,) = [n for n in g.nodes if n.op == "all_reduce"]
+        assert g.outputs == [ar.out] and ar.inputs[0].producer.inputs[-2:] == [v for v in g.inputs[:2]]
+    torch.manual_seed(0)
+    ins = [{n: torch.randn(3, 4) for n in "pqr"} for _ in range(2)]
+    ins[1]["r"] = ins[0]["r"]  # replicated: the same on every rank
+    got = run_ranks([g, g.clone()], lambda graph, it=iter(ins): next(it))
+    ref = run_ranks([want, want.clone()], lambda graph, it=iter(ins): next(it))
+    tol = 2 ** -7 if "bf16" in str(case) else 1e-6  # a cast to bf16 now rounds each rank's part, not the sum
+    for (x,), (y,) in zip(got, ref):
+        assert (x.float() - y.float()).abs().max() <= tol * y.float().abs().max()
