@@ -134,6 +134,53 @@ def test_plugin_defines_a_users_op(llama_dir, llama_artifact, tmp_path, monkeypa
     assert json.loads(out)["token_ids"] == json.loads(want)["token_ids"]  # the same function, spelled as one op
 
 
+@pytest.mark.slow
+def test_parallel_workers_import_the_users_ops(llama_dir, llama_artifact, tmp_path, monkeypatch):
+    """The workers of a parallel run are fresh interpreters: they import the modules that registered the
+    artifact's ops of a user's, a --plugin file by its path and a module by its name (from the directory that
+    held it), and give one process's tokens."""
+    import sys
+
+    from llmc import LLM, SamplingParams
+    from llmc.ir import ops
+    plugin = tmp_path / "my_op.py"
+    plugin.write_text(PLUGIN)
+    art = tmp_path / "custom.llmc"
+    code, out = cli("compile", llama_dir, "-o", art, "--pass", f"{plugin}:UseIt")
+    assert code == 0, out
+    code, want = cli("run", llama_artifact.path, "--prompt", PROMPT, "--max-tokens", 5, "--json", *FAST)
+    code, out = cli("run", art, "--plugin", plugin, "-tp", 2, "--prompt", PROMPT, "--max-tokens", 5, "--json",
+                    *FAST)
+    assert code == 0, out
+    assert json.loads(out)["token_ids"] == json.loads(want)["token_ids"]
+    # the same op registered by a module of a package on the caller's path, imported by name
+    pkg = tmp_path / "site" / "myops"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "swiglu.py").write_text(PLUGIN)
+    monkeypatch.delitem(ops.OPS, "cli_test_swiglu")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "myops.swiglu", raising=False)
+    import importlib
+    importlib.import_module("myops.swiglu")
+    with LLM(str(art), tensor_parallel_size=2, backend="reference", num_blocks=64) as llm:
+        got = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5))[0].token_ids
+    assert got == json.loads(want)["token_ids"]
+
+
+def test_an_op_of_the_main_script_is_refused_for_parallel_workers(monkeypatch):
+    from llmc.errors import LLMCError
+    from llmc.ir.graph import Graph
+    from llmc.plugins import OP_SOURCES, sources_for
+    g = Graph("g")
+    g.nodes.append(type("N", (), {"op": "scripted_op"})())
+    monkeypatch.setitem(OP_SOURCES, "scripted_op", ("__main__", "/home/me/run.py"))
+    with pytest.raises(LLMCError, match="registered by the main script.*move its registration into a module"):
+        sources_for(g)
+    monkeypatch.setitem(OP_SOURCES, "scripted_op", ("myops.swiglu", "/home/me/site/myops/swiglu.py"))
+    assert sources_for(g) == [("myops.swiglu", "/home/me/site/myops/swiglu.py")]
+
+
 def test_plugin_errors(llama_artifact, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("raise RuntimeError('no GPU here')\n")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from llmc.errors import LLMCError, RequestError
+from llmc.errors import RequestError
 from llmc.runtime.config import EngineConfig
 
 ENGINE_DEFAULTS = EngineConfig()  # the defaults of the engine options
@@ -23,27 +23,9 @@ def plugin_option(f):
 
 
 def load_plugins(files: tuple[str, ...]) -> None:
-    """Import each --plugin file, in order, once, as a uniquely named module (a plugin named json.py
-    must not shadow the standard library)."""
-    import importlib.util
-    for f in files:
-        path = Path(f)
-        if not path.is_file():
-            raise LLMCError(f"--plugin {f}: " + ("no such file" if not path.exists() else "not a file")
-                            + "; give the Python file that registers your ops")
-        if path.suffix != ".py":
-            raise LLMCError(f"--plugin {f}: not a Python file; give the FILE.py that registers your ops")
-        name = f"llmc_plugin_{path.stem}_{abs(hash(str(path.resolve())))}"
-        if name in sys.modules:
-            continue
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the file runs
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:
-            del sys.modules[name]
-            raise LLMCError(f"--plugin {f}: importing it failed: {type(e).__name__}: {e}") from e
+    """Import each --plugin file, in order, once (`llmc.plugins.load_plugins`)."""
+    from llmc.plugins import load_plugins as load
+    load(files)
 
 
 def check_engine_options(backend: str, device: str | None, sizes: dict[str, int | None]) -> None:

@@ -24,6 +24,7 @@ from llmc.ir.graph import Graph, Node
 from llmc.ir.ops import RefEnv, get_op, is_elementwise
 from llmc.ir.interpreter import bind_dims
 from llmc.ir.types import dim_eval, make_dim, torch_dtype
+from llmc.plugins import LOWERING_SOURCES, record
 
 ACT_EPILOGUE = {"silu": ("silu",), "relu": ("relu",), "gelu": ("gelu",),
                 "gelu_tanh": (("gelu", {"approximate": "tanh"}),)}
@@ -41,6 +42,8 @@ def register_lowering(op: str):
         ... def lower(node):
         ...     return lambda inputs, hints: my_kernel(*inputs)
     """
+    record(LOWERING_SOURCES, op)  # a user's lowering: where from, for the workers of a parallel run
+
     def deco(fn):
         LOWERINGS[op] = fn
         return fn

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from llmc.errors import IRError
 from llmc.ir.types import Dim, TensorType, broadcast_shapes, dim_div, dim_eval, dim_mul, make_dim, torch_dtype
+from llmc.plugins import OP_SOURCES, record
 
 UNARY = "unary"
 BINARY = "binary"
@@ -90,6 +91,7 @@ def register_op(name: str, family: str, operands: tuple[str, ...], infer: Callab
     """Add an op to the registry (user extensions use this too)."""
     opdef = OpDef(name, family, tuple(operands), dict(attrs or {}), infer, ref, doc, frozenset(traits))
     OPS[name] = opdef
+    record(OP_SOURCES, name)  # a user's op: where from, for the workers of a parallel run
     FAMILIES.setdefault(family, set()).add(name)
     return opdef
 

@@ -30,6 +30,7 @@ import torch
 from llmc.errors import LLMCError
 from llmc.ir.kv_layout import kv_cache_inputs
 from llmc.ir.sharding import plan_sharding
+from llmc.plugins import sources_for
 from llmc.runtime.distributed import codec
 from llmc.runtime.distributed.worker import CONTROL_TIMEOUT, WorkerSpec
 from llmc.runtime.executor import Feed, StepBatch, StepResult, select_backend
@@ -79,6 +80,7 @@ class DistributedExecutor:
         if backend == "cuda" and device is not None and torch.device(device).index not in (None, 0):
             raise LLMCError(f"--device {device}: parallel workers use cuda:0 .. cuda:{tp * pp - 1}; leave --device "
                             "out (or set CUDA_VISIBLE_DEVICES)")
+        plugins = sources_for(graph)  # the modules behind a user's ops: each worker imports them first
         self.tp, self.pp = tp, pp
         self.block_size, self.device = block_size, torch.device("cpu")  # results arrive on the host
         self.vocab = int(graph.outputs[0].type.shape[-1])
@@ -88,7 +90,7 @@ class DistributedExecutor:
                     memory_fraction=memory_fraction, num_cpu_blocks=num_cpu_blocks, expert_parallel=expert_parallel,
                     max_model_len=max_model_len or int(graph.meta.get("max_position_embeddings") or 4096),
                     step_timeout_s=step_timeout_s, capacity=INITIAL_CAPACITY,
-                    cuda_graphs=cuda_graphs and backend == "cuda")
+                    cuda_graphs=cuda_graphs and backend == "cuda", plugins=[list(src) for src in plugins])
         self._finalizer = weakref.finalize(self, self._gang.close)
         try:
             self.num_blocks, self.kv_bytes = self._gang.start([WorkerSpec(rank=w, **spec) for w in range(tp * pp)])

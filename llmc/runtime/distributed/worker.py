@@ -19,7 +19,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,7 @@ class WorkerSpec:
     step_timeout_s: float
     capacity: int  # the step broadcast's initial length
     cuda_graphs: bool = False  # replay steps (a stage's micro-batches) as graphs: see PipelineStage.step
+    plugins: list = field(default_factory=list)  # [module, file] behind a user's ops (llmc/plugins.py)
 
     @property
     def world(self) -> int:
@@ -99,11 +100,13 @@ def _serve(spec: WorkerSpec, store) -> None:
     from llmc.ir.collectives import TorchCollectives
     from llmc.ir.sharding import shard_graph
     from llmc.ir.stages import split_stages
+    from llmc.plugins import import_sources
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
     cuda = spec.backend == "cuda"
     device = torch.device("cuda", spec.rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    import_sources(spec.plugins)  # the ops of a user's that the artifact holds, registered as in the driver
     art = load_artifact(spec.artifact, verify=False)  # the driver checks the hashes before it sends a step
     graph = shard_graph(art.graph, spec.tp, spec.tp_rank, spec.expert_parallel)
     mine, tuning = split_stages(graph, spec.pp).graphs[spec.stage], art.tuning
