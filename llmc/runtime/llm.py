@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -95,6 +95,49 @@ class LLM:
             bar(None)
             self._abort_unfinished(ids, final)
         return [final[i] for i in ids]
+
+    def chat(self, messages: Seq[dict] | Seq[Seq[dict]], params: SamplingParams | Seq[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             progress: bool = False) -> list[RequestOutput]:
+        """Generate a reply to one conversation, or to each of several (a list of conversations), as `generate`
+        does for prompts: each rendered into its prompt text by the chat template first.
+
+        Args:
+            messages: one conversation, a list of {"role", "content"[, "name"]} dicts, or a list of them.
+            params: sampling parameters, one for all or one per conversation.
+            chat_template: Jinja source to use instead of the artifact's (its tokenizer's `chat_template`).
+            add_generation_prompt: end the text with the template's opening of an assistant turn.
+
+        Returns:
+            One RequestOutput per conversation, in order. RequestError (nothing generated) where the artifact
+            has no template and none is given, a message is malformed, or the template refuses them.
+
+        Example:
+            >>> llm.chat([{"role": "user", "content": "Write a haiku."}])[0].text   # doctest: +SKIP
+        """
+        import jinja2
+
+        from llmc.chat import check_messages, compile_template, render
+        source = chat_template if chat_template is not None else self.engine.info.chat_template
+        if not source:
+            raise RequestError("this model has no chat template, so it cannot format messages: pass chat_template= "
+                               "(Jinja over `messages`), or generate() from your own prompt text")
+        if self.engine.tokenizer is None:
+            raise RequestError("this artifact has no tokenizer, so it cannot encode a conversation's text")
+        template = compile_template(source, "as chat_template=")
+        one = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = [messages] if one else list(messages)
+        if not conversations:
+            raise RequestError("no conversations given")
+        texts = []
+        for i, conv in enumerate(conversations):
+            where = "messages" if one else f"messages[{i}]"
+            try:
+                texts.append(render(template, check_messages(conv, where), self.engine.tokenizer,
+                                    add_generation_prompt))
+            except jinja2.exceptions.TemplateError as e:
+                raise RequestError(f"the chat template refused {where}: {e}") from None
+        return self.generate(texts, params, progress=progress)
 
     def stream(self, prompts: str | Seq[str] | Seq[Seq[int]],
                params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from llmc.chat import compile_template, render
 from llmc.errors import LLMCError, RequestError
 from llmc.runtime.async_engine import AsyncLLM
 from llmc.runtime.engine import RequestOutput
@@ -68,7 +69,7 @@ class _Server:
         art = eng.artifact
         self.tokenizer = art.tokenizer() if art.tokenizer_dir is not None else None
         source = chat_template if chat_template is not None else eng.info.chat_template
-        self.template = _compile_template(source) if source else None
+        self.template = compile_template(source) if source else None
         self.metrics = ServerMetrics(eng.stats)
         self.waiting = 0  # admitted requests with no output yet: what --max-queue bounds
         # one token's text: asked for every alternative of every token, and fixed for a tokenizer
@@ -270,25 +271,6 @@ class _Gate:
         auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
         return auth == f"Bearer {self.api_key}"
 
-
-def _compile_template(source: str):
-    """Compile a chat template in a sandbox (as transformers does): a template comes with a model and
-    must not reach Python objects beyond the messages it is given."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-    try:
-        return env.from_string(source)
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise LLMCError(f"the chat template does not parse (line {e.lineno}: {e.message}); fix it or give another "
-                        "with --chat-template FILE") from None
 
 # -- the handlers ---------------------------------------------------------------------------------
 def _check_model(srv: _Server, model: str) -> None:
@@ -547,9 +529,7 @@ async def chat_completions(srv: _Server, req: P.ChatCompletionRequest, request: 
     k = req.top_logprobs or 0
     tok = srv.tokenizer
     try:
-        text = srv.template.render(messages=_messages(req), add_generation_prompt=req.add_generation_prompt,
-                                   bos_token=getattr(tok, "bos_token", "") or "",
-                                   eos_token=getattr(tok, "eos_token", "") or "")
+        text = render(srv.template, _messages(req), tok, req.add_generation_prompt)
     except jinja2.exceptions.TemplateError as e:
         raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
     ids = srv.encode(text, "messages")
