@@ -272,6 +272,7 @@ class LLMEngine:
     def _add(self, ids: list[int], params: SamplingParams, request_id: str | None, text: str | None) -> str:
         """Queue an already validated and tokenized request."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        params.check_vocab(self.info.vocab_size)
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         group = SequenceGroup(request_id, ids, params)

@@ -1,6 +1,7 @@
 """Turn one logits row per sequence into the next token: penalties, filters, then a draw.
 
 Order (each step reads the previous one's output):
+  0. logit bias (OpenAI): each request's {token id: bias} added to the model's logits;
   1. repetition penalty (HF): over prompt+output tokens, divide positive logits, multiply
      negative ones, so a repeated token always becomes less likely;
   2. presence / frequency penalties (OpenAI): `logit -= frequency * count + presence * (count>0)`
@@ -78,6 +79,11 @@ class Sampler:
         def column(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [N, 1]
             return to_device([float(getattr(p, name)) for p in params], device, dtype)[:, None]
 
+        if any(p.logit_bias for p in params):
+            entries = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+            rows, cols, bias = (to_device(list(c), device, d) for c, d in
+                                zip(zip(*entries), (torch.int64, torch.int64, torch.float32)))
+            logits.index_put_((rows, cols), bias, accumulate=True)
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = _token_counts([s.token_ids for s in seqs], logits.shape[1], device) > 0
             penalty = column("repetition_penalty")

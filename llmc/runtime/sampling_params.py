@@ -8,6 +8,7 @@ ever reaches the sampler (which would otherwise fail deep inside a torch call).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral, Real
 
@@ -44,6 +45,9 @@ class SamplingParams:
             given the ones before it (of the model's raw distribution: log-softmax of the fp32
             logits, no temperature, penalty or filter), and with k > 0 also each position's k most
             likely tokens (see `RequestOutput.prompt_logprobs`).
+        logit_bias: {token id: bias} added to the model's logits before anything else (OpenAI semantics:
+            a bias from -100 to 100; -100 practically bans a token, 100 practically forces it). JSON's
+            string keys ("50256") are taken as the ids they spell.
         ignore_eos: keep generating past the end-of-sequence token.
         priority: lower value is served first (see `Scheduler` for the aging rule).
 
@@ -67,6 +71,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     ignore_eos: bool = False
     priority: int = 0
+    logit_bias: dict[int, float] | None = None
+
+    def __post_init__(self):
+        if isinstance(self.logit_bias, Mapping):  # JSON (the server, --prompts) spells the ids as strings
+            self.logit_bias = {int(k) if isinstance(k, str) and k.isdigit() else k: v
+                               for k, v in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:
@@ -76,7 +86,7 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """Greedy with no penalty: each token is the row's argmax."""
         return self.greedy and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0 and \
-            self.frequency_penalty == 0.0
+            self.frequency_penalty == 0.0 and not self.logit_bias
 
     @property
     def num_logprobs(self) -> int | None:
@@ -149,6 +159,26 @@ class SamplingParams:
                     f"return beside each prompt token's log-probability), got {self.prompt_logprobs!r}."
                 )
         self._validate_stop()
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self, vocab_size: int | None = None) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, Mapping):
+            raise RequestError(f"logit_bias must map token ids to biases from -100 to 100, got {type(bias).__name__}.")
+        for t, b in bias.items():
+            if isinstance(t, bool) or not isinstance(t, Integral) or t < 0 or \
+                    (vocab_size is not None and t >= vocab_size):
+                where = f" [0, {vocab_size})" if vocab_size is not None else ""
+                raise RequestError(f"logit_bias keys must be token ids{where}; got {t!r}.")
+            _real(b, f"logit_bias[{t}]")
+            if not -100.0 <= b <= 100.0:
+                raise RequestError(f"logit_bias[{t}] must be from -100 to 100, got {b}.")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise `RequestError` where a token id the request names (logit_bias) is outside the vocabulary."""
+        self._validate_logit_bias(vocab_size)
 
     def _validate_stop(self) -> None:
         stop = self.stop

@@ -227,7 +227,7 @@ def _errors(app: FastAPI) -> None:
 
 def _field_of(message: str) -> str | None:
     """`SamplingParams.validate` starts each message with the field it is about."""
-    word = message.split(" ", 1)[0]
+    word = message.split(" ", 1)[0].split("[", 1)[0]  # "logit_bias[5] must be ..." is about logit_bias
     return word if word in SamplingParams.__dataclass_fields__ else None
 
 
@@ -292,9 +292,10 @@ def _sampling(srv: _Server, req: P._Sampling, max_tokens: int, logprobs: int | N
                        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                        frequency_penalty=req.frequency_penalty, seed=req.seed, stop=stop,
                        stop_token_ids=list(req.stop_token_ids or ()), max_tokens=max_tokens, logprobs=logprobs,
-                       ignore_eos=req.ignore_eos, priority=req.priority)
+                       ignore_eos=req.ignore_eos, priority=req.priority, logit_bias=req.logit_bias)
     try:
         p.validate()
+        p.check_vocab(srv.vocab)
     except RequestError as e:
         raise APIError(400, str(e), _field_of(str(e))) from None
     return p

@@ -40,6 +40,24 @@ def test_batched_with_preemption_equals_alone_and_hf(llama_artifact, llama_dir, 
     assert llm.stats()["blocks_used"] == 0
 
 
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}], ids=["plain", "ngram"])
+def test_logit_bias_forces_and_bans_tokens_on_every_path(llama_artifact, tok, alone, spec):
+    """A greedy request with a logit bias leaves the argmax-only path (overlapped and speculative steps included):
+    +100 forces its token, -100 bans one; requests without a bias in the same steps keep their tokens."""
+    ps = prompts12(tok)[:3]
+    llm = LLM(llama_artifact, num_blocks=64, block_size=4, speculative=spec)
+    banned = alone[1][0]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={7: 100.0}),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={banned: -100.0}), GREEDY]
+    outs = llm.generate(ps, params)
+    assert outs[0].token_ids == [7] * 12
+    assert banned not in outs[1].token_ids and outs[1].token_ids != alone[1]
+    assert outs[2].token_ids == alone[2]
+    with pytest.raises(RequestError, match="logit_bias keys must be token ids"):
+        llm.generate(ps[:1], SamplingParams(logit_bias={llama_artifact.info.vocab_size: 1.0}))
+    assert not llm.engine.has_unfinished()
+
+
 def test_generate_queues_longest_first(llama_artifact, tok):
     """The call ends with its last request: queued first, the long one runs beside the short ones instead of
     alone after them, so the call takes fewer steps; outputs, ids and their order are those of the prompts."""

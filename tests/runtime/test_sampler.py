@@ -165,3 +165,46 @@ def test_unseeded_rows_drawn_together_each_follow_their_own_distribution():
             counts[i, t] += 1
     assert torch.allclose(counts[:3] / 2000, probs[:3], atol=0.04), counts
     assert counts[3].tolist() == [0, 2000, 0]  # the greedy row
+
+
+def test_logit_bias_is_added_first_and_decides_greedy_and_draws():
+    logits = rand_logits(3)
+    bias = {5: 100.0, 9: -2.5}
+    s_bias = seq(temperature=0.0, logit_bias=bias)
+    assert not s_bias.params.plain_greedy and not s_bias.argmax_only
+    # added before the repetition penalty, which then scales the biased logit (vLLM's order)
+    s_pen = seq(prompt=[9], temperature=0.8, logit_bias={"9": 3.0}, repetition_penalty=1.5)
+    processed = Sampler().process(logits, [s_bias, s_pen, seq(temperature=0.0)])
+    want = logits.clone()
+    want[0, 5] += 100.0
+    want[0, 9] -= 2.5
+    x = want[1, 9].item() + 3.0
+    want[1, 9] = x / 1.5 if x > 0 else x * 1.5
+    want[1] /= 0.8
+    torch.testing.assert_close(processed, want)
+    out = Sampler()(logits[:2], [s_bias, seq(temperature=0.0)])
+    assert out.token_ids == [5, int(logits[1].argmax())]
+    # -100 bans: a token never drawn, even at a high temperature, where it was the most likely
+    top = int(logits[2].argmax())
+    banned = [seq(temperature=2.0, seed=i, logit_bias={top: -100.0}) for i in range(200)]
+    draws = Sampler()(logits[2:3].expand(200, V), banned).token_ids
+    assert top not in draws and len(set(draws)) > 5
+
+
+@pytest.mark.parametrize("bias, msg", [
+    ([1, 2], "logit_bias must map token ids"), ({-1: 1.0}, "keys must be token ids"), ({"x": 1.0}, "keys must be"),
+    ({3: 101.0}, r"logit_bias\[3\] must be from -100 to 100"), ({3: float("nan")}, r"logit_bias\[3\] must be a number"),
+])
+def test_logit_bias_errors(bias, msg):
+    from llmc.errors import RequestError
+    with pytest.raises(RequestError, match=msg):
+        SamplingParams(logit_bias=bias).validate()
+
+
+def test_logit_bias_ids_are_checked_against_the_vocabulary():
+    from llmc.errors import RequestError
+    p = SamplingParams(logit_bias={"49": 1.0})
+    assert p.logit_bias == {49: 1.0}
+    p.check_vocab(50)
+    with pytest.raises(RequestError, match=r"token ids \[0, 50\); got 50"):
+        SamplingParams(logit_bias={50: 1.0}).check_vocab(50)

@@ -177,6 +177,19 @@ def test_prompt_lists_token_ids_echo_and_stop(server):
     assert echo.choices[0].text == PROMPTS[1] + base
 
 
+def test_logit_bias_forces_and_bans_tokens(server, artifact):
+    c = server.client()
+    tok = llmc.load(artifact).tokenizer()
+    forced = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=0,
+                                  logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].logprobs.tokens == [tok.decode([42])] * 6
+    first = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=1, temperature=0, logprobs=0)
+    top = tok.encode(first.choices[0].logprobs.tokens[0], add_special_tokens=False)[0]
+    banned = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=1, temperature=0, logprobs=0,
+                                  logit_bias={str(top): -100})
+    assert banned.choices[0].logprobs.tokens != first.choices[0].logprobs.tokens
+
+
 def test_logprobs(server):
     c = server.client()
     r = c.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=10, temperature=0, logprobs=0)
@@ -325,6 +338,8 @@ ERRORS = [  # (body or raw bytes, headers, status, param)
     ({"model": "tiny", "prompt": [[99999]], "max_tokens": 1}, {}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "logprobs": 6}, {}, 400, "logprobs"),
     ({"model": "tiny", "prompt": "x", "logprobs": -1}, {}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, {}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}, {}, 400, "logit_bias"),
     ({"model": "gpt-4", "prompt": "x"}, {}, 404, "model"),
     ({"model": "tiny", "prompt": "x"}, {"Authorization": "Bearer wrong"}, 401, None),
     ({"model": "tiny", "prompt": "x"}, {"Authorization": ""}, 401, None),
