@@ -212,7 +212,7 @@ class LLMEngine:
             eos = [self.tokenizer.eos_token_id]
         self.decode = _decoder(self.tokenizer) if self.tokenizer else None
         self.stop = StopChecker(self.max_model_len, eos, self.decode)
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos)  # min_tokens holds the end of sequence off
         self.spec = speculative if isinstance(speculative, SpecDecoder) or speculative is None else \
             SpecDecoder.build(SpecConfig.from_options(speculative, artifact.bundled_draft), self.info,
                               self.max_model_len, self.sampler,

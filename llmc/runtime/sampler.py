@@ -1,7 +1,9 @@
 """Turn one logits row per sequence into the next token: penalties, filters, then a draw.
 
 Order (each step reads the previous one's output):
-  0. logit bias (OpenAI): each request's {token id: bias} added to the model's logits;
+  0. logit bias (OpenAI): each request's {token id: bias} added to the model's logits; then, for a
+     request with fewer output tokens than its `min_tokens`, its stop token ids and the end-of-sequence
+     ids masked to -inf;
   1. repetition penalty (HF): over prompt+output tokens, divide positive logits, multiply
      negative ones, so a repeated token always becomes less likely;
   2. presence / frequency penalties (OpenAI): `logit -= frequency * count + presence * (count>0)`
@@ -37,12 +39,16 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Samples one token per row of `logits` for the matching sequence.
+    """Samples one token per row of `logits` for the matching sequence. `eos_token_ids`: the model's end of
+    sequence, which `min_tokens` holds off.
 
     Example:
         >>> out = Sampler()(logits, seqs)  # logits: float32 [len(seqs), V]
         >>> out.token_ids, out.logprobs
     """
+
+    def __init__(self, eos_token_ids=()):
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits: [N, V], one row per entry of seqs
@@ -84,6 +90,11 @@ class Sampler:
             rows, cols, bias = (to_device(list(c), device, d) for c, d in
                                 zip(zip(*entries), (torch.int64, torch.int64, torch.float32)))
             logits.index_put_((rows, cols), bias, accumulate=True)
+        short = [(i, t) for i, (s, p) in enumerate(zip(seqs, params)) if len(s.output_token_ids) < p.min_tokens
+                 for t in {*self.eos_token_ids, *p.stop_token_ids} if t < logits.shape[1]]
+        if short:  # too few tokens yet: nothing that would end the sequence may be drawn
+            rows, cols = (to_device(list(c), device, torch.int64) for c in zip(*short))
+            logits[rows, cols] = float("-inf")
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = _token_counts([s.token_ids for s in seqs], logits.shape[1], device) > 0
             penalty = column("repetition_penalty")

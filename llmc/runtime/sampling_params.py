@@ -35,6 +35,8 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (finish_reason "stop").
         stop: strings that end generation; the output text is cut before the stop string.
         max_tokens: most tokens to generate (finish_reason "length").
+        min_tokens: the first `min_tokens` generated tokens cannot be the end-of-sequence token or one of
+            `stop_token_ids` (vLLM's semantics; stop strings still end generation).
         logprobs: None (off), or k >= 0 (at most `MAX_LOGPROBS`): keep the log-probability of each
             generated token, and with k > 0 also its k most likely alternatives (see
             `CompletionOutput.top_logprobs`). Both are of the distribution the token was drawn from:
@@ -67,6 +69,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ()
     stop: str | tuple[str, ...] | list[str] = ()
     max_tokens: int = 16
+    min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     ignore_eos: bool = False
@@ -86,7 +89,7 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """Greedy with no penalty: each token is the row's argmax."""
         return self.greedy and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0 and \
-            self.frequency_penalty == 0.0 and not self.logit_bias
+            self.frequency_penalty == 0.0 and not self.logit_bias and not self.min_tokens
 
     @property
     def num_logprobs(self) -> int | None:
@@ -117,6 +120,9 @@ class SamplingParams:
                 f"max_tokens={self.max_tokens} exceeds the model's context length "
                 f"({context_len}); lower max_tokens."
             )
+        _int(self.min_tokens, "min_tokens")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be from 0 to max_tokens ({self.max_tokens}), got {self.min_tokens}.")
         _real(self.temperature, "temperature")
         if self.temperature < 0:
             raise RequestError(

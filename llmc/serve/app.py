@@ -292,7 +292,8 @@ def _sampling(srv: _Server, req: P._Sampling, max_tokens: int, logprobs: int | N
                        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                        frequency_penalty=req.frequency_penalty, seed=req.seed, stop=stop,
                        stop_token_ids=list(req.stop_token_ids or ()), max_tokens=max_tokens, logprobs=logprobs,
-                       ignore_eos=req.ignore_eos, priority=req.priority, logit_bias=req.logit_bias)
+                       ignore_eos=req.ignore_eos, priority=req.priority, logit_bias=req.logit_bias,
+                       min_tokens=req.min_tokens)
     try:
         p.validate()
         p.check_vocab(srv.vocab)

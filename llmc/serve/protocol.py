@@ -43,6 +43,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     priority: int = 0
     stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias from -100 to 100
 
 

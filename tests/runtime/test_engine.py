@@ -58,6 +58,19 @@ def test_logit_bias_forces_and_bans_tokens_on_every_path(llama_artifact, tok, al
     assert not llm.engine.has_unfinished()
 
 
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}], ids=["plain", "ngram"])
+def test_min_tokens_holds_off_a_forced_end_of_sequence(llama_artifact, tok, spec):
+    """The end of sequence made the certain choice (logit_bias) still waits for min_tokens, then ends the
+    request; on speculative steps too, where the threshold may fall inside a verified draft."""
+    eos = llama_artifact.info.eos_token_ids[0]
+    llm = LLM(llama_artifact, num_blocks=64, block_size=4, speculative=spec)
+    ps = prompts12(tok)[:2]
+    params = [SamplingParams(temperature=0, max_tokens=12, min_tokens=m, logit_bias={eos: 100.0}) for m in (5, 0)]
+    outs = llm.generate(ps, params)
+    assert len(outs[0].token_ids) == 6 and outs[0].token_ids[-1] == eos and eos not in outs[0].token_ids[:-1]
+    assert outs[0].finish_reason == "stop" and outs[1].token_ids == [eos]
+
+
 def test_generate_queues_longest_first(llama_artifact, tok):
     """The call ends with its last request: queued first, the long one runs beside the short ones instead of
     alone after them, so the call takes fewer steps; outputs, ids and their order are those of the prompts."""

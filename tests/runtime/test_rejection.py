@@ -246,3 +246,15 @@ def test_filtered_draft_tokens_zero_q_and_empty_residual():
     # k = 0: one token from row 0
     assert verify(logits[:1], seq(temperature=0.0), [], None, Sampler())[0] == [0]
     assert len(verify(logits[:1], seq(seed=1), [], torch.zeros(0, 5), Sampler())[0]) == 1
+
+
+def test_min_tokens_threshold_inside_a_draft_masks_only_the_rows_before_it():
+    """Row j of a verify step is the sequence with draft[:j] appended: with 2 tokens out and min_tokens 4 the
+    end of sequence is held off for rows 0 and 1 only."""
+    s = seq(output=(10, 11), temperature=0.0, min_tokens=4)
+    views = rejection.row_views(s, [5, 6, 7])
+    assert [len(v.output_token_ids) for v in views] == [2, 3, 4, 5]
+    processed = Sampler(eos_token_ids=[3]).process(torch.zeros(4, 16), views)
+    assert processed[:, 3].isneginf().tolist() == [True, True, False, False]
+    far = seq(output=(10,), temperature=0.0, min_tokens=9)  # every row held off: one view serves them all
+    assert rejection.row_views(far, [5, 6]) == [far] * 3

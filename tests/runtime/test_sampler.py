@@ -208,3 +208,25 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary():
     p.check_vocab(50)
     with pytest.raises(RequestError, match=r"token ids \[0, 50\); got 50"):
         SamplingParams(logit_bias={50: 1.0}).check_vocab(50)
+
+
+def test_min_tokens_holds_off_the_end_of_sequence_and_stop_ids():
+    logits = rand_logits(2)
+    sampler = Sampler(eos_token_ids=[3])
+    short = seq(output=(10, 11), temperature=0.0, min_tokens=3, stop_token_ids=[8])
+    long = seq(output=(10, 11, 12), temperature=0.0, min_tokens=3, stop_token_ids=[8])
+    assert not short.params.plain_greedy
+    processed = sampler.process(logits, [short, long])
+    assert processed[0, [3, 8]].isneginf().all() and not processed[1].isneginf().any()
+    keep = [t for t in range(V) if t not in (3, 8)]
+    assert torch.equal(processed[0, keep], logits[0, keep])
+    forced = [seq(output=(10,) * n, temperature=0.0, min_tokens=3, logit_bias={3: 100.0}) for n in (2, 3)]
+    assert sampler(logits, forced).token_ids[1] == 3 and sampler(logits, forced).token_ids[0] != 3
+
+
+def test_min_tokens_errors():
+    from llmc.errors import RequestError
+    with pytest.raises(RequestError, match=r"min_tokens must be from 0 to max_tokens \(4\), got 5"):
+        SamplingParams(max_tokens=4, min_tokens=5).validate()
+    with pytest.raises(RequestError, match="min_tokens must be an int"):
+        SamplingParams(min_tokens=1.5).validate()

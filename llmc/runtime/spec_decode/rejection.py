@@ -90,8 +90,10 @@ def accept_greedy(draft: list[int], target: list[int]) -> list[int]:
 def row_views(seq: Sequence, draft: list[int]) -> list:
     """What `Sampler.process` should see for each of the k + 1 rows: `seq` with draft[:j] appended."""
     p = seq.params
-    if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
-        return [seq] * (len(draft) + 1)  # without penalties `process` reads only the params
+    done = len(seq.output_token_ids)
+    alike = done >= p.min_tokens or done + len(draft) < p.min_tokens  # min_tokens holds every row or none
+    if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and alike:
+        return [seq] * (len(draft) + 1)  # `process` then treats every row alike
     return [_RowView(p, seq.token_ids + draft[:j], seq.output_token_ids + draft[:j], seq.generator)
             for j in range(len(draft) + 1)]
 
