@@ -90,7 +90,8 @@ class Sampler:
             rows, cols, bias = (to_device(list(c), device, d) for c, d in
                                 zip(zip(*entries), (torch.int64, torch.int64, torch.float32)))
             logits.index_put_((rows, cols), bias, accumulate=True)
-        short = [(i, t) for i, (s, p) in enumerate(zip(seqs, params)) if len(s.output_token_ids) < p.min_tokens
+        short = [(i, t) for i, (s, p) in enumerate(zip(seqs, params))
+                 if p.min_tokens and len(s.output_token_ids) < p.min_tokens
                  for t in {*self.eos_token_ids, *p.stop_token_ids} if t < logits.shape[1]]
         if short:  # too few tokens yet: nothing that would end the sequence may be drawn
             rows, cols = (to_device(list(c), device, torch.int64) for c in zip(*short))

@@ -87,7 +87,7 @@ class SamplingParams:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with no penalty: each token is the row's argmax."""
+        """Greedy with no penalty, logit bias or min_tokens: each token is the row's raw argmax."""
         return self.greedy and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0 and \
             self.frequency_penalty == 0.0 and not self.logit_bias and not self.min_tokens
 
