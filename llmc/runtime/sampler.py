@@ -4,6 +4,7 @@ Order (each step reads the previous one's output):
   0. logit bias (OpenAI): each request's {token id: bias} added to the model's logits; then, for a
      request with fewer output tokens than its `min_tokens`, its stop token ids and the end-of-sequence
      ids masked to -inf;
+     then each request's own `logits_processors`, row by row;
   1. repetition penalty (HF): over prompt+output tokens, divide positive logits, multiply
      negative ones, so a repeated token always becomes less likely;
   2. presence / frequency penalties (OpenAI): `logit -= frequency * count + presence * (count>0)`
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmc.errors import RequestError
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.transfer import to_device
 
@@ -96,6 +98,14 @@ class Sampler:
         if short:  # too few tokens yet: nothing that would end the sequence may be drawn
             rows, cols = (to_device(list(c), device, torch.int64) for c in zip(*short))
             logits[rows, cols] = float("-inf")
+        for i, (s, p) in enumerate(zip(seqs, params)):
+            for fn in p.logits_processors:
+                out = fn(list(s.output_token_ids), logits[i])
+                if not isinstance(out, torch.Tensor) or out.shape != logits[i].shape:
+                    raise RequestError(f"a logits processor returned {type(out).__name__} "
+                                       f"{tuple(getattr(out, 'shape', ()))}; it must return the logits row, a "
+                                       f"tensor of shape {tuple(logits[i].shape)}")
+                logits[i] = out
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = _token_counts([s.token_ids for s in seqs], logits.shape[1], device) > 0
             penalty = column("repetition_penalty")
@@ -119,12 +129,13 @@ class Sampler:
     @staticmethod
     def on_device(seq: Sequence) -> bool:
         """Whether `tokens_on_device` can sample this sequence's row: a plain argmax, or a draw under
-        temperature, top-k, top-p and min-p alone; no seed (its generator is on the host), no penalty (it
-        counts the sequence's tokens, the last of which may still be on the device), no logprobs."""
+        temperature, top-k, top-p and min-p alone; no seed (its generator is on the host), no penalty or
+        logits processor (they read the sequence's tokens, the last of which may still be on the device), no
+        logprobs."""
         p = seq.params
         return p.num_logprobs is None and (plain_greedy(p) or (
             seq.generator is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0))
+            and p.frequency_penalty == 0.0 and not p.logits_processors))
 
     def tokens_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Each row's token for `on_device` sequences, left on the device and not waited for (the engine's

@@ -50,6 +50,10 @@ class SamplingParams:
         logit_bias: {token id: bias} added to the model's logits before anything else (OpenAI semantics:
             a bias from -100 to 100; -100 practically bans a token, 100 practically forces it). JSON's
             string keys ("50256") are taken as the ids they spell.
+        logits_processors: Python callables `fn(output_token_ids, logits) -> logits`, applied in order to
+            each of the request's fp32 logits rows [V] after the bias and before the penalties (the offline
+            API only: a server request cannot carry code). The ids are the tokens generated so far, all of
+            them: a request with processors waits for its previous step's tokens, as one with penalties does.
         ignore_eos: keep generating past the end-of-sequence token.
         priority: lower value is served first (see `Scheduler` for the aging rule).
 
@@ -75,6 +79,7 @@ class SamplingParams:
     ignore_eos: bool = False
     priority: int = 0
     logit_bias: dict[int, float] | None = None
+    logits_processors: tuple | list = ()
 
     def __post_init__(self):
         if isinstance(self.logit_bias, Mapping):  # JSON (the server, --prompts) spells the ids as strings
@@ -87,9 +92,9 @@ class SamplingParams:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with no penalty, logit bias or min_tokens: each token is the row's raw argmax."""
+        """Greedy with no penalty, logit bias, min_tokens or logits processor: each token is the row's raw argmax."""
         return self.greedy and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0 and \
-            self.frequency_penalty == 0.0 and not self.logit_bias and not self.min_tokens
+            self.frequency_penalty == 0.0 and not self.logit_bias and not self.min_tokens and not self.logits_processors
 
     @property
     def num_logprobs(self) -> int | None:
@@ -166,6 +171,9 @@ class SamplingParams:
                 )
         self._validate_stop()
         self._validate_logit_bias()
+        procs = self.logits_processors
+        if not isinstance(procs, (list, tuple)) or not all(callable(f) for f in procs):
+            raise RequestError("logits_processors must be a list of callables fn(output_token_ids, logits) -> logits.")
 
     def _validate_logit_bias(self, vocab_size: int | None = None) -> None:
         bias = self.logit_bias

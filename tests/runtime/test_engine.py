@@ -71,6 +71,23 @@ def test_min_tokens_holds_off_a_forced_end_of_sequence(llama_artifact, tok, spec
     assert outs[0].finish_reason == "stop" and outs[1].token_ids == [eos]
 
 
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}], ids=["plain", "ngram"])
+def test_logits_processors_see_every_token_before_theirs(llama_artifact, tok, alone, spec):
+    """A processor that reads the history (next = last + 1) gets each request's real tokens, never a stand-in for
+    one still on the device: its request waits for them, beside plain greedy ones that overlap."""
+    vocab = llama_artifact.info.vocab_size
+
+    def successor(ids, row):
+        out = torch.full_like(row, float("-inf"))
+        out[(ids[-1] + 1) % vocab if ids else 5] = 0.0
+        return out
+    llm = LLM(llama_artifact, num_blocks=64, block_size=4, speculative=spec)
+    ps = prompts12(tok)[:2]
+    chained = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logits_processors=[successor])
+    outs = llm.generate(ps, [chained, GREEDY])
+    assert outs[0].token_ids == list(range(5, 17)) and outs[1].token_ids == alone[1]
+
+
 def test_generate_queues_longest_first(llama_artifact, tok):
     """The call ends with its last request: queued first, the long one runs beside the short ones instead of
     alone after them, so the call takes fewer steps; outputs, ids and their order are those of the prompts."""

@@ -230,3 +230,24 @@ def test_min_tokens_errors():
         SamplingParams(max_tokens=4, min_tokens=5).validate()
     with pytest.raises(RequestError, match="min_tokens must be an int"):
         SamplingParams(min_tokens=1.5).validate()
+
+
+def test_logits_processors_run_per_row_after_the_bias_and_see_the_outputs():
+    seen = []
+
+    def even_only(ids, row):
+        seen.append(list(ids))
+        out = row.clone()
+        out[1::2] = float("-inf")
+        return out
+    logits = rand_logits(2)
+    s = seq(output=(4, 9), temperature=0.0, logits_processors=[even_only], logit_bias={7: 50.0})
+    assert not s.params.plain_greedy and not Sampler.on_device(s)
+    out = Sampler()(logits, [s, seq(temperature=0.0)])
+    assert out.token_ids[0] == int(logits[0, ::2].argmax()) * 2 and seen == [[4, 9]]
+    assert out.token_ids[1] == int(logits[1].argmax())
+    from llmc.errors import RequestError
+    with pytest.raises(RequestError, match="a logits processor returned NoneType"):
+        Sampler()(logits[:1], [seq(temperature=0.0, logits_processors=[lambda ids, row: None])])
+    with pytest.raises(RequestError, match="logits_processors must be a list of callables"):
+        SamplingParams(logits_processors=["x"]).validate()
