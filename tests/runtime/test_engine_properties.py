@@ -207,7 +207,9 @@ class Driver:
     def abort(self, i: int) -> None:
         ids = sorted(self.pending, key=lambda r: int(r[1:])) + ["unknown"]
         rid = ids[i % len(ids)]
-        live = rid in self.pending and rid not in self.aborted
+        # a request that ended normally in a step that then failed (an overlapped step's tokens are read first)
+        # is finished, its final output still to come from the next step: not live
+        live = rid in self.pending and rid not in self.aborted and not self.eng.requests[rid].group.is_finished
         assert self.eng.abort(rid) == live
         if live:
             self.aborted.add(rid)
