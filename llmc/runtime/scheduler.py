@@ -17,8 +17,10 @@ then scheduled, and budgeted, as 1 + k tokens, all with logits (a verify entry);
 accepted prefix advances its computed tokens and blocks past them are freed (`BlockManager.trim`).
 With `enable_chunked_prefill` a prompt larger than the remaining budget is split across steps
 (only the final chunk is sampled). The token budget bounds how long a step makes running decodes wait;
-a step with no decode to run (nothing past its prompt, nothing swapped out) takes `max_prefill_tokens`
-instead, where that is larger: a prompt alone runs in fewer, larger chunks. With `step_budget` a step
+a step with no decode to run when it starts (nothing running past its prompt, nothing swapped out) takes
+`max_prefill_tokens` instead, where that is larger: a prompt alone runs in fewer, larger chunks. (A request
+admitted in such a step whose context is a prefix-cache hit up to its last token, a preempted sample of a
+forked request, then decodes in that larger step.) With `step_budget` a step
 that carries decodes and has prompt work takes what it says, where that is larger: the decodes' cost
 per step (their rows, their K/V reads) is then spread over enough prompt tokens (config.StepBudget).
 With `pace_prompts` (a factor f) such a step instead takes d + f * P / L tokens, rounded up to a power of

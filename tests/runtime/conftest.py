@@ -40,6 +40,10 @@ class FakeEngine:
         return group
 
     def step(self) -> SchedulerOutput:
+        # the scheduler's budget follows what runs when the step starts: a sequence admitted in it whose whole
+        # context but its last token is a prefix-cache hit (a preempted sample of a forked request) is a decode
+        # of that step, yet the step may have taken max_prefill_tokens before admitting it
+        self.decoding = any(not s.is_prefill for s in self.sched.running) or bool(self.sched.swapped)
         out = self.sched.schedule()
         self.num_preempted += len(out.preempted)
         self.check_plan(out)
@@ -79,7 +83,7 @@ class FakeEngine:
 
     def check_plan(self, out: SchedulerOutput) -> None:
         cfg, bm = self.config, self.bm
-        decodes = any(not e.is_prefill for e in out.scheduled)  # else the step may take max_prefill_tokens
+        decodes = getattr(self, "decoding", True)  # else the step may take max_prefill_tokens
         top = max(cfg.max_num_batched_tokens, cfg.max_prefill_tokens or 0)
         if not (decodes and cfg.step_budget):  # a step budget's steps are checked by its own test
             # paced prompts: a step with decodes may grow up to max_prefill_tokens
