@@ -62,3 +62,30 @@ def check_messages(messages, where: str = "messages") -> list[dict]:
             raise RequestError(f"{where}[{i}]['name'] must be a string")
         out.append({"role": m["role"], "content": m["content"], **({"name": m["name"]} if m.get("name") else {})})
     return out
+
+
+def conversation_texts(engine, messages, chat_template: str | None = None,
+                       add_generation_prompt: bool = True) -> list[str]:
+    """The prompt text of one conversation (a list of message dicts) or of each of several (a list of them),
+    rendered by `chat_template` or the engine's artifact's template; RequestError (nothing queued) where
+    there is no template or tokenizer, a message is malformed, or the template refuses them."""
+    import jinja2
+    source = chat_template if chat_template is not None else engine.info.chat_template
+    if not source:
+        raise RequestError("this model has no chat template, so it cannot format messages: pass chat_template= "
+                           "(Jinja over `messages`), or generate from your own prompt text")
+    if engine.tokenizer is None:
+        raise RequestError("this artifact has no tokenizer, so it cannot encode a conversation's text")
+    template = compile_template(source, "as chat_template=")
+    one = isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], Mapping)
+    conversations = [messages] if one else list(messages)
+    if not conversations:
+        raise RequestError("no conversations given")
+    texts = []
+    for i, conv in enumerate(conversations):
+        where = "messages" if one else f"messages[{i}]"
+        try:
+            texts.append(render(template, check_messages(conv, where), engine.tokenizer, add_generation_prompt))
+        except jinja2.exceptions.TemplateError as e:
+            raise RequestError(f"the chat template refused {where}: {e}") from None
+    return texts

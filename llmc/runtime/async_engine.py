@@ -81,6 +81,24 @@ class AsyncLLM:
         self._thread.start()
 
     # -- the consumers' side ----------------------------------------------------------------------
+    async def chat(self, messages: Seq[dict], params: SamplingParams | None = None, request_id: str | None = None,
+                   chat_template: str | None = None, add_generation_prompt: bool = True
+                   ) -> AsyncIterator[RequestOutput]:
+        """Stream the reply to one conversation (a list of {"role", "content"} dicts), rendered by the artifact's
+        chat template or `chat_template=` as `LLM.chat` renders it; otherwise as `generate`.
+
+        Example:
+            >>> async for out in llm.chat([{"role": "user", "content": "hi"}]):  # doctest: +SKIP
+            ...     print(out.outputs[0].delta_text, end="")
+        """
+        from llmc.chat import conversation_texts
+        if not isinstance(messages, Seq) or isinstance(messages, str) or \
+                (messages and not isinstance(messages[0], dict)):
+            raise RequestError("AsyncLLM.chat takes one conversation: a list of {'role', 'content'} dicts")
+        (text,) = conversation_texts(self.engine, messages, chat_template, add_generation_prompt)
+        async for out in self.generate(text, params, request_id):
+            yield out
+
     async def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs as the engine produces them.

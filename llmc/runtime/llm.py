@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -115,28 +115,8 @@ class LLM:
         Example:
             >>> llm.chat([{"role": "user", "content": "Write a haiku."}])[0].text   # doctest: +SKIP
         """
-        import jinja2
-
-        from llmc.chat import check_messages, compile_template, render
-        source = chat_template if chat_template is not None else self.engine.info.chat_template
-        if not source:
-            raise RequestError("this model has no chat template, so it cannot format messages: pass chat_template= "
-                               "(Jinja over `messages`), or generate() from your own prompt text")
-        if self.engine.tokenizer is None:
-            raise RequestError("this artifact has no tokenizer, so it cannot encode a conversation's text")
-        template = compile_template(source, "as chat_template=")
-        one = bool(messages) and isinstance(messages[0], Mapping)
-        conversations = [messages] if one else list(messages)
-        if not conversations:
-            raise RequestError("no conversations given")
-        texts = []
-        for i, conv in enumerate(conversations):
-            where = "messages" if one else f"messages[{i}]"
-            try:
-                texts.append(render(template, check_messages(conv, where), self.engine.tokenizer,
-                                    add_generation_prompt))
-            except jinja2.exceptions.TemplateError as e:
-                raise RequestError(f"the chat template refused {where}: {e}") from None
+        from llmc.chat import conversation_texts
+        texts = conversation_texts(self.engine, messages, chat_template, add_generation_prompt)
         return self.generate(texts, params, progress=progress)
 
     def stream(self, prompts: str | Seq[str] | Seq[Seq[int]],

@@ -54,3 +54,22 @@ def test_chat_errors_say_what_to_fix(chat_art, llama_artifact):
     with pytest.raises(LLMCError, match="does not parse.*as chat_template="):
         llm.chat(CONVERSATIONS[0], chat_template="{% for %}")
     assert not llm.engine.has_unfinished()
+
+
+def test_async_chat_streams_what_chat_returns(chat_art):
+    import asyncio
+
+    from llmc.runtime.async_engine import AsyncLLM
+    want = LLM(chat_art, backend="reference", num_blocks=64).chat(CONVERSATIONS[0], GREEDY)[0]
+
+    async def main():
+        async with AsyncLLM(chat_art, backend="reference", num_blocks=64) as llm:
+            last = None
+            async for out in llm.chat(CONVERSATIONS[0], GREEDY):
+                last = out
+            with pytest.raises(RequestError, match="one conversation"):
+                async for _ in llm.chat(CONVERSATIONS, GREEDY):
+                    pass
+            return last
+    got = asyncio.run(main())
+    assert got.finished and got.prompt_token_ids == want.prompt_token_ids and got.outputs[0].token_ids == want.token_ids
