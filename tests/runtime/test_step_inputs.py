@@ -83,3 +83,30 @@ def test_inputs_over_steps_whose_tables_grow_change_move_and_narrow():
     c.append(140)
     step((1, 160, c), (1, 3, b[:1]))  # c grown and back in row 0; b's trimmed copy
     step((2, 4, [1, 2]))
+
+
+def test_kept_table_rows_over_random_steps():
+    """300 random steps over 12 sequences whose tables grow in place, are replaced by copies (copy on write, a
+    trim), and move between rows as the batch changes its members, order and width: every step's inputs equal
+    the definition's, zeros past every table."""
+    rng, bs, ex = random.Random(1), 4, _Inputs(4)
+    tables = [[rng.randrange(1, 500) for _ in range(rng.randint(1, 3))] for _ in range(12)]
+    lengths = [len(t) * bs - rng.randrange(bs) for t in tables]  # tokens so far (the last block part full)
+    for _ in range(300):
+        for i in rng.sample(range(12), 3):
+            r = rng.random()
+            if r < 0.5:  # grows in place
+                tables[i].append(rng.randrange(1, 500))
+                lengths[i] = min(lengths[i] + bs, len(tables[i]) * bs)
+            elif r < 0.75:  # a new list (copy on write)
+                tables[i] = list(tables[i][:-1]) + [rng.randrange(1, 500)]
+            elif len(tables[i]) > 1:  # trimmed: a shorter copy
+                tables[i] = tables[i][:-1]
+                lengths[i] = min(lengths[i], len(tables[i]) * bs)
+        batch = []
+        for i in rng.sample(range(12), rng.randint(1, 12)):  # members, order and count change every step
+            n = 1 if rng.random() < 0.8 else rng.randint(1, min(3, lengths[i]))
+            batch.append(StepInput([7] * n, lengths[i] - n, tables[i], 1))
+        got, want = ex.build_inputs(batch), _direct(batch, bs)
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
