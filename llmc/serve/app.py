@@ -177,6 +177,24 @@ def create_app(llm: AsyncLLM, served_model_name: str, *, api_key: str | None = N
     async def post_chat(req: P.ChatCompletionRequest, request: Request):
         return await chat_completions(srv, req, request)
 
+    @app.post("/tokenize")
+    async def tokenize(req: P.TokenizeRequest):
+        """The ids a completion's prompt (or a chat's messages) becomes on this server, as vLLM's /tokenize."""
+        _check_model(srv, req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give either prompt (text) or messages (a chat)", "prompt")
+        ids = srv.encode(req.prompt, "prompt") if req.prompt is not None else \
+            _chat_ids(srv, req, req.add_generation_prompt)
+        return P.TokenizeResponse(count=len(ids), max_model_len=srv.max_len, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(req: P.DetokenizeRequest):
+        _check_model(srv, req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < srv.vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside this model's vocabulary [0, {srv.vocab})", "tokens")
+        return P.DetokenizeResponse(prompt=srv.decode(req.tokens))
+
     return app
 
 
@@ -231,19 +249,19 @@ def _field_of(message: str) -> str | None:
     return word if word in SamplingParams.__dataclass_fields__ else None
 
 
-_ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions"}
+_ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
 
 
 class _Gate:
-    """Pure ASGI middleware (it does not buffer streams): checks the API key on /v1 and counts every
-    /v1 request by endpoint and final status."""
+    """Pure ASGI middleware (it does not buffer streams): checks the API key on /v1 and the tokenizer's endpoints,
+    and counts each of their requests by endpoint and final status."""
 
     def __init__(self, app, metrics: ServerMetrics, api_key: str | None):
         self.app, self.metrics, self.api_key = app, metrics, api_key
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith("/v1"):
+        if scope["type"] != "http" or not (path.startswith("/v1") or path in _ENDPOINTS):
             return await self.app(scope, receive, send)
         status = [500]
         endpoint = path if path in _ENDPOINTS else "other"
@@ -515,26 +533,30 @@ def _messages(req: P.ChatCompletionRequest) -> list[dict]:
     return out
 
 
-async def chat_completions(srv: _Server, req: P.ChatCompletionRequest, request: Request | None = None):
-    """POST /v1/chat/completions: the messages rendered by the chat template, then one engine request."""
+def _chat_ids(srv: _Server, req, add_generation_prompt: bool) -> list[int]:
+    """The token ids of a request's messages rendered by the chat template (400s where that cannot be)."""
     import jinja2
-    _check_model(srv, req.model)
     if srv.template is None:
         raise APIError(400, "this model has no chat template, so it cannot format messages: start the server with "
                             "--chat-template FILE (a Jinja template over `messages`), or use /v1/completions",
                        "messages", "no_chat_template")
+    try:
+        text = render(srv.template, _messages(req), srv.tokenizer, add_generation_prompt)
+    except jinja2.exceptions.TemplateError as e:
+        raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
+    return srv.encode(text, "messages")
+
+
+async def chat_completions(srv: _Server, req: P.ChatCompletionRequest, request: Request | None = None):
+    """POST /v1/chat/completions: the messages rendered by the chat template, then one engine request."""
+    _check_model(srv, req.model)
+    ids = _chat_ids(srv, req, req.add_generation_prompt)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
         raise APIError(400, f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
                        "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     k = req.top_logprobs or 0
-    tok = srv.tokenizer
-    try:
-        text = render(srv.template, _messages(req), tok, req.add_generation_prompt)
-    except jinja2.exceptions.TemplateError as e:
-        raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
-    ids = srv.encode(text, "messages")
     mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if mt is None:
         mt = max(1, srv.max_len - len(ids))

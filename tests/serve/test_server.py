@@ -190,6 +190,27 @@ def test_logit_bias_forces_and_bans_tokens(server, artifact):
     assert banned.choices[0].logprobs.tokens != first.choices[0].logprobs.tokens
 
 
+def test_tokenize_and_detokenize_count_what_the_server_counts(server):
+    c, auth = server.client(), {"Authorization": f"Bearer {KEY}"}
+    r = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=1, temperature=0)
+    code, _, tok = http("POST", server.url + "/tokenize", {"model": "tiny", "prompt": PROMPTS[0]}, auth)
+    assert code == 200 and tok["count"] == len(tok["tokens"]) == r.usage.prompt_tokens and tok["max_model_len"] > 0
+    code, _, back = http("POST", server.url + "/detokenize", {"model": "tiny", "tokens": tok["tokens"]}, auth)
+    assert code == 200 and back == {"prompt": PROMPTS[0]}
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    chat = c.chat.completions.create(model="tiny", messages=messages, max_tokens=1, temperature=0)
+    code, _, tok = http("POST", server.url + "/tokenize", {"model": "tiny", "messages": messages}, auth)
+    assert code == 200 and tok["count"] == chat.usage.prompt_tokens
+    for path, body, status, param in [
+            ("/tokenize", {"model": "tiny"}, 400, "prompt"),
+            ("/tokenize", {"model": "tiny", "prompt": "x", "messages": messages}, 400, "prompt"),
+            ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+            ("/detokenize", {"model": "tiny", "tokens": [99999]}, 400, "tokens")]:
+        code, _, reply = http("POST", server.url + path, body, auth)
+        assert code == status and reply["error"]["param"] == param, (path, body, reply)
+    assert http("POST", server.url + "/tokenize", {"model": "tiny", "prompt": "x"})[0] == 401  # the API key holds
+
+
 def test_logprobs(server):
     c = server.client()
     r = c.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=10, temperature=0, logprobs=0)
