@@ -18,6 +18,7 @@ import concurrent.futures
 import queue
 import threading
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Sequence as Seq
@@ -93,7 +94,7 @@ class AsyncLLM:
         """
         from llmc.chat import conversation_texts
         if not isinstance(messages, Seq) or isinstance(messages, str) or \
-                (messages and not isinstance(messages[0], dict)):
+                (messages and not isinstance(messages[0], Mapping)):
             raise RequestError("AsyncLLM.chat takes one conversation: a list of {'role', 'content'} dicts")
         (text,) = conversation_texts(self.engine, messages, chat_template, add_generation_prompt)
         async for out in self.generate(text, params, request_id):

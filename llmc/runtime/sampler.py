@@ -133,9 +133,7 @@ class Sampler:
         logits processor (they read the sequence's tokens, the last of which may still be on the device), no
         logprobs."""
         p = seq.params
-        return p.num_logprobs is None and (plain_greedy(p) or (
-            seq.generator is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and not p.logits_processors))
+        return p.num_logprobs is None and (plain_greedy(p) or (seq.generator is None and not p.reads_tokens))
 
     def tokens_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Each row's token for `on_device` sequences, left on the device and not waited for (the engine's

@@ -91,10 +91,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def reads_tokens(self) -> bool:
+        """Whether sampling reads the sequence's tokens, not only these params: a penalty or a logits processor."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or \
+            bool(self.logits_processors)
+
+    @property
     def plain_greedy(self) -> bool:
         """Greedy with no penalty, logit bias, min_tokens or logits processor: each token is the row's raw argmax."""
-        return self.greedy and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0 and \
-            self.frequency_penalty == 0.0 and not self.logit_bias and not self.min_tokens and not self.logits_processors
+        return self.greedy and not self.reads_tokens and not self.logit_bias and not self.min_tokens
 
     @property
     def num_logprobs(self) -> int | None:

@@ -66,8 +66,7 @@ class _Server:
         self.llm, self.name, self.max_queue = llm, name, max_queue
         self.max_len, self.vocab = eng.max_model_len, eng.info.vocab_size
         self.max_num_seqs = eng.config.max_num_seqs
-        art = eng.artifact
-        self.tokenizer = art.tokenizer() if art.tokenizer_dir is not None else None
+        self.tokenizer = eng.tokenizer  # the engine's, loaded once
         source = chat_template if chat_template is not None else eng.info.chat_template
         self.template = compile_template(source) if source else None
         self.metrics = ServerMetrics(eng.stats)

@@ -92,8 +92,7 @@ def row_views(seq: Sequence, draft: list[int]) -> list:
     p = seq.params
     done = len(seq.output_token_ids)
     alike = done >= p.min_tokens or done + len(draft) < p.min_tokens  # min_tokens holds every row or none
-    if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and alike and \
-            not p.logits_processors:
+    if alike and not p.reads_tokens:
         return [seq] * (len(draft) + 1)  # `process` then treats every row alike
     return [_RowView(p, seq.token_ids + draft[:j], seq.output_token_ids + draft[:j], seq.generator)
             for j in range(len(draft) + 1)]
