@@ -34,6 +34,10 @@
 #   LAYOUTS=1x1,2x1s,2x1 bash benchmarks/gpu_pending.sh OUT parallel   # issue 16: TP=2 overlapped steps off / on
 #   bash benchmarks/gpu_pending.sh OUT ncu-int4       # issue 14: the int4 qlinear kernel at batch 1 under Nsight
 #                                                     #   Compute (stall reasons, issue rate, bandwidth): gate_up, down
+#   bash benchmarks/gpu_pending.sh OUT step-trace     # issue 20: the mixed workload's wall time by step kind (GPU span,
+#                                                     #   GPU gap, host launch) and its host's top functions (SHAPES)
+#   bash benchmarks/gpu_pending.sh OUT load-trace     # issue 20: a load's phases and warm-up steps, empty Triton cache
+#                                                     #   then warm (SHAPE, default 8b)
 #   bash benchmarks/gpu_pending.sh OUT profile-mixed  # issue 20: where the mixed workload's GPU time goes
 #                                                     #   (TOOLS/llmc_profile.py, TOOLS default ../shared/tools; SHAPES
 #                                                     #   default 8b; N requests)
@@ -379,6 +383,40 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
                     echo "$shape LLMC_MIXED_GRAPHS=$v: $(grep -E '^(compile|load|decode|ttft|throughput)' \
                         "$OUT/llmc_bench_${shape}_$v.log" | cut -c1-90 | tr '\n' '|')"
                 done
+            done ;;
+        step-trace)
+            # where the mixed workload's wall time goes, step kind by step kind, and the host's top functions
+            # (benchmarks/step_trace.py; SHAPES, default "1b 8b"; N_1b, N_8b requests as above; 128 at once)
+            for shape in ${SHAPES:-1b 8b}; do
+                rm -rf /tmp/tmp*
+                python3 benchmarks/step_trace.py --shape $shape --n $(requests_for $shape) --max-num-seqs 128 \
+                    --artifact "/tmp/art-$shape.llmc" --out "$OUT" >"$OUT/step_trace_$shape.log" 2>&1
+                grep -A12 "^# $shape," "$OUT/step_trace_$shape.log"
+            done ;;
+        load-trace)
+            # a load's phases under cProfile and its warm-up step by step (SHAPE, default 8b): first from an empty
+            # Triton cache, then again with the cache the first left
+            shape=${SHAPE:-8b}
+            rm -rf /tmp/tmp*
+            compile_shared "$shape" "/tmp/art-$shape.llmc" >"$OUT/load_trace_$shape.log" 2>&1
+            rm -rf "${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
+            for run in fresh warm; do
+                python3 - "/tmp/art-$shape.llmc" "$OUT/load_trace_${shape}_$run.prof.txt" >>"$OUT/load_trace_$shape.log" 2>&1 <<'PY'
+import cProfile, io, logging, pstats, sys, time
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(relativeCreated)8.0f %(name)s %(message)s")
+logging.getLogger("llmc.runtime.executor").setLevel(logging.DEBUG)
+import llmc
+prof = cProfile.Profile()
+t = time.perf_counter()
+prof.enable()
+llm = llmc.LLM(sys.argv[1], max_num_seqs=128)
+prof.disable()
+print(f"load {time.perf_counter() - t:.2f} s, warm-up {llm.stats()['warm_up_s']} s")
+s = io.StringIO()
+pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(60)
+open(sys.argv[2], "w").write(s.getvalue())
+PY
+                echo "$run: $(grep '^load' "$OUT/load_trace_$shape.log" | tail -1)"
             done ;;
         overlap)
             rm -rf /tmp/tmp*

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,6 +28,8 @@ from llmc.ir.graph import Graph
 from llmc.runtime.kv_cache import KVCache, with_kv_cache_dtype
 from llmc.runtime.step_graphs import StepGraphCache, TableRows
 from llmc.runtime.transfer import to_device
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "cuda", "triton-interpret", "reference")
 
@@ -207,7 +211,14 @@ class LocalExecutor:
             self.compile_ahead(batches)
         for batch in batches:
             for greedy in (True, False):
+                t0 = time.perf_counter()
                 self._warm_step(batch, greedy)
+                if log.isEnabledFor(logging.DEBUG):  # where a load's warm-up goes, step shape by step shape
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    log.debug("warm-up step of %d sequences, %d tokens, %s: %.3f s", len(batch.seqs),
+                              sum(len(s.token_ids) for s in batch.seqs), "greedy" if greedy else "logits",
+                              time.perf_counter() - t0)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return 2 * len(batches)
