@@ -36,6 +36,8 @@
 #                                                     #   Compute (stall reasons, issue rate, bandwidth): gate_up, down
 #   bash benchmarks/gpu_pending.sh OUT step-trace     # issue 20: the mixed workload's wall time by step kind (GPU span,
 #                                                     #   GPU gap, host launch) and its host's top functions (SHAPES)
+#   bash benchmarks/gpu_pending.sh OUT decode-step    # issue 20: one decode step (BATCHES, CONTEXTS) against its
+#                                                     #   weights + K/V bound, kernel by kernel (SHAPES)
 #   bash benchmarks/gpu_pending.sh OUT load-trace     # issue 20: a load's phases and warm-up steps, empty Triton cache
 #                                                     #   then warm (SHAPE, default 8b)
 #   bash benchmarks/gpu_pending.sh OUT profile-mixed  # issue 20: where the mixed workload's GPU time goes
@@ -390,9 +392,19 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
             for shape in ${SHAPES:-1b 8b}; do
                 rm -rf /tmp/tmp*
                 python3 benchmarks/step_trace.py --shape $shape --n $(requests_for $shape) --max-num-seqs 128 \
-                    --artifact "/tmp/art-$shape.llmc" --out "$OUT" >"$OUT/step_trace_$shape.log" 2>&1
+                    --artifact "/tmp/art-$shape.llmc" --out "$OUT" $([ "$shape" = 1b ] || echo --no-cprofile) \
+                    >"$OUT/step_trace_$shape.log" 2>&1
                 grep -A12 "^# $shape," "$OUT/step_trace_$shape.log"
             done ;;
+        decode-step)
+            # one decode step at batches 64, 128 and contexts 512, 1024 against its bound, kernel by kernel (SHAPES)
+            for shape in ${SHAPES:-1b 8b}; do
+                rm -rf /tmp/tmp*
+                python3 benchmarks/decode_step_profile.py --shape $shape --artifact "/tmp/art-$shape.llmc" \
+                    --batches "${BATCHES:-64,128}" --contexts "${CONTEXTS:-512,1024}" --out /tmp/dsp \
+                    >>"$OUT/decode_step.log" 2>&1
+            done
+            grep "^==" "$OUT/decode_step.log" ;;
         load-trace)
             # a load's phases under cProfile and its warm-up step by step (SHAPE, default 8b): first from an empty
             # Triton cache, then again with the cache the first left

@@ -120,7 +120,8 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     art = shared_artifact(a.shape, a.artifact)
-    with LLM(art, max_num_seqs=a.max_num_seqs) as llm:
+    # no prefix caching: the runs send the workload's same prompts, which a cache would serve from the last run's
+    with LLM(art, max_num_seqs=a.max_num_seqs, enable_prefix_caching=False) as llm:
         bench(llm, "mixed", num_requests=a.n, longest_first=True)  # untimed: every step shape met once
         rows, r = traced_run(llm, a.n)
         text = table(rows)
