@@ -1,11 +1,12 @@
 """Where a mixed-workload run's wall time goes, step by step: for every launched step, its composition
 (decodes, prompt tokens), the GPU's span over its launch (CUDA events at the launch's start and end, so the
 span holds the GPU's waits for launches inside a piecewise step), the GPU's idle gap before it (the last
-step's end event to this one's start), and the host's time in each engine phase. Steps are grouped by kind
+step's end event to this one's start), and the host's time in the launch call. Steps are grouped by kind
 (decode-only by batch size, mixed, prompt-only), so a host-bound kind shows as gaps and a launch-bound one as
 spans above its kernels' time.
 
-Then the same workload under cProfile: the host functions that cost most per step.
+The workload is the issue's tool's: `LLM.generate` over random prompt ids. Then the same workload under
+cProfile: the host functions that cost most per step.
 
     python3 benchmarks/step_trace.py --shape 1b --n 256 --max-num-seqs 128 --out OUT   # GPU
 
@@ -40,52 +41,73 @@ def kind(decodes: int, prompt_tokens: int) -> str:
     return "mixed, tokens <= 1024" if decodes + prompt_tokens <= 1024 else "mixed, tokens > 1024"
 
 
-def traced_run(llm, n: int) -> list[dict]:
-    """Run the mixed workload (`llmc.bench`, longest first) and return one row per launched step."""
-    from llmc.bench import bench
+def workload(vocab: int, n: int, seed: int, max_len: int) -> tuple[list[list[int]], list]:
+    """The issue's mixed workload as its tool sends it: random prompt ids, prompts U[64, 1024] and outputs
+    U[64, 512] tokens (seed 0 lengths), greedy, ignore_eos; capped to a context of `max_len` tokens."""
+    from llmc import SamplingParams
+    from llmc.serve.bench import workload_lengths
+    g = torch.Generator().manual_seed(seed)
+    lengths = [(min(p, max_len - min(o, max_len - 1)), min(o, max_len - 1))
+               for p, o in workload_lengths("mixed", n, 0)]
+    return ([torch.randint(0, vocab, (p,), generator=g).tolist() for p, _ in lengths],
+            [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in lengths])
+
+
+def run(llm, n: int, seed: int) -> tuple[float, int]:
+    """`LLM.generate` over the workload (longest output first, as it queues): (seconds, output tokens)."""
+    prompts, params = workload(llm.engine.info.vocab_size, n, seed, llm.engine.max_model_len)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync()
+    return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def traced_run(llm, n: int, seed: int) -> tuple[list[dict], dict]:
+    """Run the workload once and return one row per launched step, and the run's totals."""
     ex = llm.engine.executor
     rows: list[dict] = []
     cuda = getattr(ex, "device", torch.device("cpu")).type == "cuda"
     wrapped = {name: getattr(ex, name) for name in ("execute", "launch") if hasattr(ex, name)}
 
-    def traced(run):
+    def traced(fn):
         def call(batch, *args):
-            seqs = batch.seqs if hasattr(batch, "seqs") else []
+            seqs = batch.seqs
             decodes = sum(1 for s in seqs if len(s.token_ids) == 1)
             prompt = sum(len(s.token_ids) for s in seqs if len(s.token_ids) != 1)
             t0 = time.perf_counter()
             ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
             if ev:
                 ev[0].record()
-            out = run(batch, *args)
+            out = fn(batch, *args)
             if ev:
                 ev[1].record()
-            rows.append({"decodes": decodes, "prompt_tokens": prompt, "host_launch_ms": (time.perf_counter() - t0) * 1e3,
-                         "t": t0, "ev": ev})
+            rows.append({"decodes": decodes, "prompt_tokens": prompt,
+                         "host_launch_ms": (time.perf_counter() - t0) * 1e3, "t": t0, "ev": ev})
             return out
         return call
 
-    # the bench wraps execute/launch itself (its own events); ours sit inside them
-    for name, run in wrapped.items():
-        setattr(ex, name, traced(run))
+    for name, fn in wrapped.items():
+        setattr(ex, name, traced(fn))
     try:
-        r = bench(llm, "mixed", num_requests=n, longest_first=True)
+        seconds, tokens = run(llm, n, seed)
     finally:
-        for name, run in wrapped.items():
-            setattr(ex, name, run)
-    if cuda:
-        torch.cuda.synchronize()
-    prev_end = None
+        for name, fn in wrapped.items():
+            setattr(ex, name, fn)
+    prev_end, busy = None, 0.0
     for i, row in enumerate(rows):
         ev = row.pop("ev")
         row["wall_ms"] = (rows[i + 1]["t"] - row["t"]) * 1e3 if i + 1 < len(rows) else None
         if ev:
             row["gpu_span_ms"] = ev[0].elapsed_time(ev[1])
             row["gpu_gap_ms"] = prev_end.elapsed_time(ev[0]) if prev_end is not None else 0.0
+            busy += row["gpu_span_ms"]
             prev_end = ev[1]
     for row in rows:
         row.pop("t")
-    print(f"# run: {r['out_tok_s']:.0f} out tok/s, {len(rows)} steps, {r['duration_s']:.3f} s", flush=True)
+    r = {"out_tok_s": tokens / seconds, "duration_s": seconds, "steps": len(rows),
+         "gpu_busy": busy / 1e3 / seconds if cuda else None}
     return rows, r
 
 
@@ -115,32 +137,30 @@ def main() -> None:
     a = ap.parse_args()
     from decode_bench import shared_artifact
 
-    from llmc.bench import bench
     from llmc.runtime.llm import LLM
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     art = shared_artifact(a.shape, a.artifact)
-    # no prefix caching: the runs send the workload's same prompts, which a cache would serve from the last run's
-    with LLM(art, max_num_seqs=a.max_num_seqs, enable_prefix_caching=False) as llm:
-        bench(llm, "mixed", num_requests=a.n, longest_first=True)  # untimed: every step shape met once
-        rows, r = traced_run(llm, a.n)
+    with LLM(art, max_num_seqs=a.max_num_seqs) as llm:
+        run(llm, a.n, 1)  # untimed: every step shape met once (fresh prompts each run: no prefix-cache hit)
+        rows, r = traced_run(llm, a.n, 2)
         text = table(rows)
         stats = llm.stats()
         prof_text = ""
         if not a.no_cprofile:
             prof = cProfile.Profile()
             prof.enable()
-            rp = bench(llm, "mixed", num_requests=a.n, longest_first=True)
+            seconds, tokens = run(llm, a.n, 3)
             prof.disable()
             s = io.StringIO()
-            ps = pstats.Stats(prof, stream=s).sort_stats("tottime")
-            ps.print_stats(45)
-            prof_text = f"# under cProfile: {rp['out_tok_s']:.0f} out tok/s\n" + s.getvalue()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(45)
+            prof_text = f"# under cProfile: {tokens / seconds:.0f} out tok/s\n" + s.getvalue()
             (out / f"step_trace_{a.shape}_cprofile.txt").write_text(prof_text)
     (out / f"step_trace_{a.shape}.json").write_text(json.dumps({"run": r, "stats": stats, "steps": rows}))
     print(prof_text[:6000])
-    print(f"# {a.shape}, {a.n} requests, {a.max_num_seqs} at once: {r['out_tok_s']:.0f} out tok/s, "
-          f"{r['duration_s']:.3f} s, GPU busy {r.get('gpu_busy')}")
+    busy = f"{r['gpu_busy']:.3f}" if r["gpu_busy"] is not None else "n/a"
+    print(f"# {a.shape}, {a.n} requests, {a.max_num_seqs} at once (LLM.generate): {r['out_tok_s']:.0f} out tok/s, "
+          f"{r['duration_s']:.3f} s, {r['steps']} steps, GPU busy over the launches' spans {busy}")
     print(text)
 
 
