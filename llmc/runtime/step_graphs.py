@@ -108,7 +108,7 @@ class StepGraphCache:
         its next replay). None when no graph shape fits the batch. `feed` (executor.Feed) overwrites input
         tokens with the previous step's argmax rows on the device."""
         kind = graph_kind(batch, self.prefill)
-        dg = self._graph(kind, greedy) if kind is not None else None
+        dg = self._graph(kind, False) if kind is not None else None
         if dg is None:
             return None
         dg.load(batch, self.block_size)
@@ -116,7 +116,8 @@ class StepGraphCache:
             feed.apply(dg.inputs["input_ids"])
         dg.graph.replay()
         rows = len(batch)
-        return dg.out[:rows].clone() if greedy else dg.out[:rows].float()
+        tokens, logits = dg.out
+        return tokens[:rows].clone() if greedy else logits[:rows].float()
 
     def run_chain(self, batch, k: int) -> torch.Tensor | None:
         """k greedy decode steps of `batch` (one-token sequences at their first step's positions) on one
@@ -124,7 +125,7 @@ class StepGraphCache:
         The host writes step j + 1's positions and slots while the device runs step j. Returns the
         tokens [len(batch), k] on the host, or None when no decode graph fits the batch."""
         kind = graph_kind(batch, self.prefill)
-        dg = self._graph(kind, True) if kind is not None and kind[0] == "decode" else None
+        dg = self._graph(kind, False) if kind is not None and kind[0] == "decode" else None
         if dg is None:
             return None
         n = len(batch)
@@ -134,7 +135,7 @@ class StepGraphCache:
             if j:  # after the copy of the step's inputs, and before the replay that reads them
                 dg.inputs["input_ids"][:n].copy_(tokens[j - 1])
             dg.graph.replay()
-            tokens[j].copy_(dg.out[:n])
+            tokens[j].copy_(dg.out[0][:n])
         return tokens.t().cpu()
 
     def captured(self, batch) -> bool | None:
@@ -151,7 +152,7 @@ class StepGraphCache:
         the stage's graph cut to the batch's rows: the values the next stage receives, or, on the last
         stage, the logits rows. They are views of the graph's buffers, valid until its next replay."""
         kind = graph_kind(batch, self.prefill)
-        dg = self._graph(kind, None) if kind is not None else None
+        dg = self._graph(kind, True) if kind is not None else None
         if dg is None:
             return None
         dg.load(batch, self.block_size)
@@ -162,16 +163,15 @@ class StepGraphCache:
         return [o[tuple(slice(0, dim_eval(d, rows)) for d in v.type.shape)]
                 for o, v in zip(dg.out, self.plan.graph.outputs)]
 
-    def _graph(self, kind: tuple[str, int], greedy: bool | None) -> "_StepGraph | None":
-        """The graph for `kind` (captured on first use) that returns what `_capture` says for `greedy`; a
-        pipeline stage's (greedy None) are kept under "stage". None where its capture ran out of device
-        memory (its arena, warm-up runs or graph did not fit): that shape's steps then run eagerly, as those
-        of a shape with no graph, and the engine goes on; it is not tried again."""
-        key = (*kind, "stage" if greedy is None else greedy)
+    def _graph(self, kind: tuple[str, int], stage: bool) -> "_StepGraph | None":
+        """The graph for `kind` (captured on first use) that returns what `_capture` says for `stage`. None where
+        its capture ran out of device memory (its arena, warm-up runs or graph did not fit): that shape's steps
+        then run eagerly, as those of a shape with no graph, and the engine goes on; it is not tried again."""
+        key = (*kind, "stage" if stage else "sample")
         dg = self.graphs.get(key)
         if dg is None and key not in self.refused:
             try:
-                dg = self.graphs[key] = self._capture(*kind, greedy)
+                dg = self.graphs[key] = self._capture(*kind, stage)
             except torch.cuda.OutOfMemoryError as e:
                 self.refused.add(key)
                 torch.cuda.empty_cache()
@@ -179,9 +179,11 @@ class StepGraphCache:
                             "eagerly", kind[0], kind[1], str(e).splitlines()[0][:200])
         return dg
 
-    def _capture(self, kind: str, size: int, greedy: bool | None) -> "_StepGraph":
-        """A graph for `kind` at `size` that returns argmax tokens (greedy), logits (False), or every output of
-        the plan (None: a pipeline stage's)."""
+    def _capture(self, kind: str, size: int, stage: bool) -> "_StepGraph":
+        """A graph for `kind` at `size` that returns (argmax tokens, logits), or every output of the plan
+        (`stage`: a pipeline stage's). Greedy and sampled steps share the one graph: a second graph per shape
+        would double the captures at load (each a few eager runs and a capture) and the arenas, for an argmax
+        that costs a sampled step microseconds."""
         max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
         dg = _StepGraph(kind, size, max_blocks, self.device)
         # fixed for the capture: keys per split follow the longest context the model allows
@@ -195,21 +197,19 @@ class StepGraphCache:
 
         def step():
             outs = self.plan.run(inputs, hints, arena=dg.arena)
-            if greedy is None:
-                return outs
-            return self.argmax(outs[0]) if greedy else outs[0]
+            return outs if stage else (self.argmax(outs[0]), outs[0])
         dg.graph, dg.out = self._record(step)
         return dg
 
     def _record(self, step: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
-        """(graph, its outputs) of `step` captured (every graph shares one memory pool), after two warm-up
-        runs."""
+        """(graph, its outputs) of `step` captured (every graph shares one memory pool), after a warm-up run."""
         self._warm(step)
         return self._capture_only(step)
 
     @staticmethod
-    def _warm(step: Callable[[], object], times: int = 2) -> None:
-        """Run `step` on a side stream: every kernel compiled and library handles set up before a capture."""
+    def _warm(step: Callable[[], object], times: int = 1) -> None:
+        """Run `step` on a side stream: every kernel compiled (a tuned choice made) and library handles set up
+        before a capture. One run does all of that; each more cost a load's warm-up an eager step per graph."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -312,7 +312,7 @@ class _StepGraph:
         self.dev.copy_(self.host)
         self.copied = torch.cuda.Event() if cuda else None
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
+        self.out: tuple | list | None = None  # (tokens, logits), or a pipeline stage's outputs
         self.arena: torch.Tensor | None = None
         self.recv: dict[str, torch.Tensor] = {}  # a pipeline stage's received values (StepGraphCache.run_stage)
         self.rows = T  # token rows holding a token in the last step (the rest are padding)

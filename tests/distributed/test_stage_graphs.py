@@ -37,7 +37,7 @@ def _record(self, step):
 
     def replay():
         new = step()
-        for o, n in zip(out if isinstance(out, list) else [out], new if isinstance(new, list) else [new]):
+        for o, n in zip(out if isinstance(out, (list, tuple)) else [out], new if isinstance(new, (list, tuple)) else [new]):
             o.copy_(n)
     return SimpleNamespace(replay=replay), out
 

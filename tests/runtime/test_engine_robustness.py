@@ -288,12 +288,12 @@ def test_a_graph_that_does_not_fit_leaves_its_steps_eager(monkeypatch, caplog):
     class Graph:
         def __init__(self):
             self.graph = type("Replay", (), {"replay": lambda self: None})()
-            self.out = torch.zeros(4, dtype=torch.int64)
+            self.out = (torch.zeros(4, dtype=torch.int64), torch.zeros(4, 8))
 
         def load(self, batch, block_size, offset=0):
             pass
 
-    def capture(self, kind, size, greedy):
+    def capture(self, kind, size, stage):
         tried.append((kind, size))
         if size == 2048:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")

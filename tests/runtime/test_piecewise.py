@@ -13,7 +13,8 @@ from llmc.runtime.piecewise import PiecewiseGraphs
 
 
 class _Graphs:
-    """Stand-ins for StepGraphCache._warm (runs the piece twice, as on the GPU) and _capture_only: a capture
+    """Stand-ins for StepGraphCache._warm (runs the piece twice, where the GPU's runs it once: however many
+    warm-up runs there are, the step's result must not change) and _capture_only: a capture
     runs nothing, so the stand-in runs the piece (to make its values) and then puts back every tensor it
     may have written (KV caches, the arenas, attention outputs); its replay reruns the piece."""
 
