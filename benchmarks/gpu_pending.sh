@@ -406,27 +406,32 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
             done
             grep "^==" "$OUT/decode_step.log" ;;
         load-trace)
-            # a load's phases under cProfile and its warm-up step by step (SHAPE, default 8b): first from an empty
-            # Triton cache, then again with the cache the first left
+            # a load and its warm-up step by step (SHAPE, default 8b): first from an empty Triton cache, then again
+            # with the cache the first left, then that under cProfile (the load's phases)
             shape=${SHAPE:-8b}
             rm -rf /tmp/tmp*
             compile_shared "$shape" "/tmp/art-$shape.llmc" >"$OUT/load_trace_$shape.log" 2>&1
             rm -rf "${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
-            for run in fresh warm; do
-                python3 - "/tmp/art-$shape.llmc" "$OUT/load_trace_${shape}_$run.prof.txt" >>"$OUT/load_trace_$shape.log" 2>&1 <<'PY'
+            for run in fresh warm warm-profiled; do
+                python3 - "/tmp/art-$shape.llmc" "$OUT/load_trace_${shape}.prof.txt" $run >>"$OUT/load_trace_$shape.log" \
+                    2>&1 <<'PY'
 import cProfile, io, logging, pstats, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(relativeCreated)8.0f %(name)s %(message)s")
 logging.getLogger("llmc.runtime.executor").setLevel(logging.DEBUG)
 import llmc
+import llmc.compiler  # noqa: F401  (what a compile in the same process has imported before its load)
 prof = cProfile.Profile()
+profiled = sys.argv[3].endswith("profiled")
 t = time.perf_counter()
-prof.enable()
+if profiled:
+    prof.enable()
 llm = llmc.LLM(sys.argv[1], max_num_seqs=128)
 prof.disable()
-print(f"load {time.perf_counter() - t:.2f} s, warm-up {llm.stats()['warm_up_s']} s")
-s = io.StringIO()
-pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(60)
-open(sys.argv[2], "w").write(s.getvalue())
+print(f"load ({sys.argv[3]}) {time.perf_counter() - t:.2f} s, warm-up {llm.stats()['warm_up_s']} s")
+if profiled:
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(60)
+    open(sys.argv[2], "w").write(s.getvalue())
 PY
                 echo "$run: $(grep '^load' "$OUT/load_trace_$shape.log" | tail -1)"
             done ;;
