@@ -428,12 +428,19 @@ if profiled:
 llm = llmc.LLM(sys.argv[1], max_num_seqs=128)
 prof.disable()
 print(f"load ({sys.argv[3]}) {time.perf_counter() - t:.2f} s, warm-up {llm.stats()['warm_up_s']} s")
+if sys.argv[3] == "warm":  # the weights on the GPU, bit for bit the file's
+    import torch
+    from safetensors import safe_open
+    params = llm.engine.executor.plan.params
+    with safe_open(sys.argv[1] + "/weights.safetensors", framework="pt") as f:
+        bad = [n for n in params if not torch.equal(params[n].cpu(), f.get_tensor(n))]
+    print(f"weights checked: {len(params) - len(bad)} of {len(params)} equal {bad[:3]}")
 if profiled:
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(60)
     open(sys.argv[2], "w").write(s.getvalue())
 PY
-                echo "$run: $(grep '^load' "$OUT/load_trace_$shape.log" | tail -1)"
+                echo "$run: $(grep -E '^(load|weights)' "$OUT/load_trace_$shape.log" | tail -2 | tr '\n' ' ')"
             done ;;
         overlap)
             rm -rf /tmp/tmp*
