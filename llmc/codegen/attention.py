@@ -232,20 +232,6 @@ def attention_tiles_key(head_dim: int, num_q_heads: int, num_kv_heads: int, dtyp
         (":window" if window else "")
 
 
-# split-K decode programs to aim for per launch: past it a program takes several of a sequence's splits
-DECODE_PROGRAMS = 2048
-
-
-def decode_programs(seqs: int, kv_heads: int, splits: int) -> int:
-    """Programs per (sequence, kv head) of a split-K decode launch of `splits` splits: every split its own
-    where the launch stays within DECODE_PROGRAMS, else fewer, each taking every G-th split. Under a CUDA
-    graph `splits` covers the model's context limit (16 at 4,096 keys), so a batch of 128 would start 16
-    programs per kv head where a 512-key context uses 2; on an H200 those that return at once cost a
-    quarter of the kernel's time. A sequence's partitions, partials and their order of combination are the
-    same whichever program takes them."""
-    return max(1, min(splits, cdiv(DECODE_PROGRAMS, seqs * kv_heads)))
-
-
 def decode_partition(max_seqlen_k: int, block_n: int, min_partition: int = 256, max_splits: int = 128) -> int:
     """Keys per split of split-K decode: `min_partition` keys, more only past `max_splits` splits.
 
@@ -410,6 +396,6 @@ def _decode(q, kv_cache, quantized, qsl, seq_lens, block_tables, N, out, scale, 
     l_part = torch.empty_like(m_part)
     o_part = torch.empty((N, Hq, splits, c["BLOCK_D"]), dtype=torch.float32, device=q.device)
     counts = tile_counters(q.device, N * Hkv) if splits > 1 else m_part
-    mod.paged_attention_decode_kernel[(N, Hkv, decode_programs(N, Hkv, splits))](
+    mod.paged_attention_decode_kernel[(N, Hkv, splits)](
         out, m_part, l_part, o_part, counts, *tensors, *strides, *m_part.stride(), *o_part.stride(),
-        scale * LOG2E, window, partition, splits, **c, **launch)
+        scale * LOG2E, window, partition, **c, **launch)

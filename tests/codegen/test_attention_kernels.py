@@ -373,26 +373,6 @@ def test_decode_sequence_alone_equals_in_batch(tiles):
         assert torch.equal(alone[0], both[i])
 
 
-@pytest.mark.parametrize("programs", [1, 2, 3], ids=lambda n: f"{n}-per-kv-head")
-def test_decode_programs_that_take_several_splits_give_the_same_bits(programs, monkeypatch):
-    """A launch of fewer programs than splits (attention.decode_programs: each takes every G-th split, as a CUDA
-    graph's launch of a large batch does) gives bit for bit a program per split's output, attends over every
-    key, and leaves every counter released: 1 to 5 splits of 16 keys over G = 1, 2 or 3 programs."""
-    from llmc.codegen import attention
-    from llmc.codegen.kernels import check_counters_released
-    c = make_case([70, 9, 33, 50, 1], [1] * 5, 4, 2, 24, 4, torch.float32, seed=24)
-    kw = dict(block_m=16, block_n=16, max_seqlen_q=1, max_seqlen_k=128, partition_size=16)  # 8 splits launched
-    cache = c["cache"].clone()
-    ref = reference(c, cache)  # writes the new K/V the kernels read
-    every = paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], 24 ** -0.5, **kw)
-    monkeypatch.setattr(attention, "DECODE_PROGRAMS", programs * 5 * 2)  # 5 sequences x 2 kv heads
-    assert attention.decode_programs(5, 2, 8) == programs
-    fewer = paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], 24 ** -0.5, **kw)
-    assert torch.equal(fewer, every)
-    close(fewer, ref, torch.float32)
-    check_counters_released()
-
-
 # --------------------------------------------------------------------------------------------- int8 cache
 
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=dtype_name)
