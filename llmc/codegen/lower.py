@@ -25,6 +25,7 @@ from llmc.ir.ops import RefEnv, get_op, is_elementwise
 from llmc.ir.interpreter import bind_dims
 from llmc.ir.types import dim_eval, make_dim, torch_dtype
 from llmc.plugins import LOWERING_SOURCES, record
+from llmc.runtime.transfer import upload
 
 ACT_EPILOGUE = {"silu": ("silu",), "relu": ("relu",), "gelu": ("gelu",),
                 "gelu_tanh": (("gelu", {"approximate": "tanh"}),)}
@@ -79,7 +80,7 @@ class Plan:
                  static_buffers: bool = True):
         self.graph, self.device, self.tuner, self.triton_matmul = graph, torch.device(device), tuner, triton_matmul
         self.state: dict = {}  # what ops run by their torch reference may need: the process groups of collectives
-        self.params = {p.name: graph.weights[p.name].to(self.device) for p in graph.params}
+        self.params = upload({p.name: graph.weights[p.name] for p in graph.params}, self.device)
         self.steps = [self._lower(n) for n in graph.nodes]
         self.buffers = None
         self.planned = [False] * len(self.steps)  # whether a step's outputs live in the arena
