@@ -38,6 +38,8 @@
 #                                                     #   GPU gap, host launch) and its host's top functions (SHAPES)
 #   bash benchmarks/gpu_pending.sh OUT decode-step    # issue 20: one decode step (BATCHES, CONTEXTS) against its
 #                                                     #   weights + K/V bound, kernel by kernel (SHAPES)
+#   bash benchmarks/gpu_pending.sh OUT context-graphs # issue 20: decode graphs per context bucket off / on
+#                                                     #   (LLMC_DECODE_CONTEXT_GRAPHS): a decode step, the mixed run
 #   bash benchmarks/gpu_pending.sh OUT load-trace     # issue 20: a load's phases and warm-up steps, empty Triton cache
 #                                                     #   then warm (SHAPE, default 8b)
 #   bash benchmarks/gpu_pending.sh OUT profile-mixed  # issue 20: where the mixed workload's GPU time goes
@@ -405,6 +407,22 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
                     >>"$OUT/decode_step.log" 2>&1
             done
             grep "^==" "$OUT/decode_step.log" ;;
+        context-graphs)
+            # decode graphs per context bucket (LLMC_DECODE_CONTEXT_GRAPHS) off, then on: one decode step at
+            # batch 128 over 512 and 1,024 keys, then the issue tool's mixed workload (step_trace.py), per shape
+            # (SHAPES, default "1b 8b")
+            for shape in ${SHAPES:-1b 8b}; do
+                rm -rf /tmp/tmp*
+                for v in 0 1 0 1; do
+                    LLMC_DECODE_CONTEXT_GRAPHS=$v python3 benchmarks/decode_step_profile.py --shape $shape \
+                        --artifact "/tmp/art-$shape.llmc" --batches 128 --contexts 512,1024 --out /tmp/dsp \
+                        2>&1 | grep "^==" | sed "s/^/context graphs $v: /" | tee -a "$OUT/context_graphs.log"
+                    LLMC_DECODE_CONTEXT_GRAPHS=$v python3 benchmarks/step_trace.py --shape $shape \
+                        --n $(requests_for $shape) --max-num-seqs 128 --artifact "/tmp/art-$shape.llmc" \
+                        --out /tmp/st --no-cprofile 2>&1 | grep "^# $shape," | sed "s/^/context graphs $v: /" \
+                        | tee -a "$OUT/context_graphs.log"
+                done
+            done ;;
         load-trace)
             # a load and its warm-up step by step (SHAPE, default 8b): first from an empty Triton cache, then again
             # with the cache the first left, then that under cProfile (the load's phases)

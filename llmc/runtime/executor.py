@@ -206,7 +206,9 @@ class LocalExecutor:
         LLMC_WARM_UP_AHEAD=1 (experimental, off until measured on a GPU): their kernels are compiled first, on
         threads or worker processes (`compile_ahead`), as a compile's tuning compiles its choices; the steps
         then find them in Triton's cache instead of compiling each in turn."""
-        batches = warm_up_batches(max_num_seqs, max_tokens, self.block_size, max_chunk)
+        graphs = getattr(self, "step_graphs", None)
+        batches = warm_up_batches(max_num_seqs, max_tokens, self.block_size, max_chunk,
+                                  graphs.contexts if graphs is not None else ())
         if os.environ.get("LLMC_WARM_UP_AHEAD") == "1":
             self.compile_ahead(batches)
         for batch in batches:
@@ -481,18 +483,20 @@ class KernelExecutor(LocalExecutor):
 WARM_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def warm_up_batches(max_num_seqs: int, max_tokens: int, block_size: int, max_chunk: int | None = None
-                    ) -> list[StepBatch]:
+def warm_up_batches(max_num_seqs: int, max_tokens: int, block_size: int, max_chunk: int | None = None,
+                    contexts: tuple[int, ...] = ()) -> list[StepBatch]:
     """The step shapes an engine of up to `max_num_seqs` sequences and `max_tokens` tokens a step meets, one
     step each, every sequence on block 0: a decode step of each decode graph's bucket up to max_num_seqs'
     (each captures its graph), and mixed steps of T = each of WARM_TOKENS up to max_tokens, T - 1 and
     max_tokens (Triton specializes a kernel on whether a size divides by 16; piecewise graphs are captured
     per bucket), each T // 4 decodes (at most max_num_seqs - 1) beside prompt chunks of at most `max_chunk`
     tokens (a sequence's context; a step of several prompts may hold more), so that the logits rows' count
-    takes the widths between the decode buckets."""
+    takes the widths between the decode buckets. `contexts`: the decode graphs' context buckets
+    (step_graphs.decode_contexts), each past the first met by decodes at its last position."""
     from llmc.runtime.step_graphs import DECODE_BUCKETS
     top = next((b for b in DECODE_BUCKETS if b >= max_num_seqs), DECODE_BUCKETS[-1])
-    batches = [StepBatch([StepInput([0], 0, [0]) for _ in range(b)]) for b in DECODE_BUCKETS if b <= top]
+    batches = [StepBatch([StepInput([0], pos, [0] * (pos // block_size + 1)) for _ in range(b)])
+               for pos in [0] + [c - 1 for c in contexts[1:]] for b in DECODE_BUCKETS if b <= top]
     sizes = sorted({n for b in WARM_TOKENS if b <= max_tokens for n in (b - 1, b)} | {max_tokens})
     max_chunk = max_chunk or max_tokens
     for T in sizes:

@@ -36,6 +36,24 @@ PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 LONG_PREFILL_BUCKETS = tuple(range(768, 2049, 256))
 
 
+# decode graphs per context bucket (LLMC_DECODE_CONTEXT_GRAPHS=1, opt-in until measured on a GPU): a decode graph's
+# attention launch is sized for the longest context it may meet, one program per 256-key split of it for each
+# sequence and kv head, and the programs past a sequence's own splits return at once. Under the model's limit
+# (16 splits at 4,096 keys) a step of 512-key contexts starts 8x the programs it uses; on an H200 the decode
+# attention of full 1B and 8B decode steps ran at 57-75% of the copy rate (benchmarks/RESULTS.md, 2026-12-05).
+# A step whose contexts all fit a bucket replays that bucket's graph instead; its partition follows the model's
+# limit as every decode graph's does, so every sum stays the same.
+DECODE_CONTEXT_BUCKETS = (1024, 2048)
+
+
+def decode_contexts(max_model_len: int) -> tuple[int, ...]:
+    """The context buckets of decode graphs: DECODE_CONTEXT_BUCKETS below `max_model_len`, then it, where
+    LLMC_DECODE_CONTEXT_GRAPHS=1; else `max_model_len` alone."""
+    if os.environ.get("LLMC_DECODE_CONTEXT_GRAPHS", "0") != "1":
+        return (max_model_len,)
+    return tuple(c for c in DECODE_CONTEXT_BUCKETS if c < max_model_len) + (max_model_len,)
+
+
 def prefill_buckets() -> tuple[int, ...]:
     """The prefill graphs' token buckets: PREFILL_BUCKETS, then LONG_PREFILL_BUCKETS unless
     LLMC_LONG_PREFILL_GRAPHS=0."""
@@ -101,6 +119,7 @@ class StepGraphCache:
         self.refused: set[tuple] = set()  # graphs whose capture ran out of device memory: their steps run eagerly
         self._pool = None
         self.prefill = prefill_buckets()
+        self.contexts = decode_contexts(max_model_len)
 
     def run(self, batch, greedy: bool, feed=None) -> torch.Tensor | None:
         """Replay (capturing on first use) the graph for `batch`: argmax tokens [rows] with `greedy`, else fp32
@@ -108,7 +127,7 @@ class StepGraphCache:
         its next replay). None when no graph shape fits the batch. `feed` (executor.Feed) overwrites input
         tokens with the previous step's argmax rows on the device."""
         kind = graph_kind(batch, self.prefill)
-        dg = self._graph(kind, False) if kind is not None else None
+        dg = self._graph(kind, False, self._context(kind, batch)) if kind is not None else None
         if dg is None:
             return None
         dg.load(batch, self.block_size)
@@ -125,7 +144,8 @@ class StepGraphCache:
         The host writes step j + 1's positions and slots while the device runs step j. Returns the
         tokens [len(batch), k] on the host, or None when no decode graph fits the batch."""
         kind = graph_kind(batch, self.prefill)
-        dg = self._graph(kind, False) if kind is not None and kind[0] == "decode" else None
+        dg = self._graph(kind, False, self._context(kind, batch, k)) if kind is not None and kind[0] == "decode" \
+            else None
         if dg is None:
             return None
         n = len(batch)
@@ -163,15 +183,26 @@ class StepGraphCache:
         return [o[tuple(slice(0, dim_eval(d, rows)) for d in v.type.shape)]
                 for o, v in zip(dg.out, self.plan.graph.outputs)]
 
-    def _graph(self, kind: tuple[str, int], stage: bool) -> "_StepGraph | None":
-        """The graph for `kind` (captured on first use) that returns what `_capture` says for `stage`. None where
-        its capture ran out of device memory (its arena, warm-up runs or graph did not fit): that shape's steps
+    def _context(self, kind: tuple[str, int], batch, steps: int = 1) -> int | None:
+        """The context bucket of a decode batch's graph (`steps` decode steps from its positions), None for the
+        model's limit (every step's graph where context graphs are off)."""
+        if kind[0] != "decode" or len(self.contexts) == 1:
+            return None
+        longest = max(s.start_pos for s in batch) + steps
+        c = next(c for c in self.contexts if c >= longest)
+        return None if c == self.max_model_len else c
+
+    def _graph(self, kind: tuple[str, int], stage: bool, context: int | None = None) -> "_StepGraph | None":
+        """The graph for `kind` (captured on first use) that returns what `_capture` says for `stage`, its
+        attention launched for contexts of up to `context` keys (None: the model's limit). None where its
+        capture ran out of device memory (its arena, warm-up runs or graph did not fit): that shape's steps
         then run eagerly, as those of a shape with no graph, and the engine goes on; it is not tried again."""
-        key = (*kind, "stage" if stage else "sample")
+        key = (*kind, "stage" if stage else "sample") + (() if context is None else (context,))
         dg = self.graphs.get(key)
         if dg is None and key not in self.refused:
             try:
-                dg = self.graphs[key] = self._capture(*kind, stage)
+                dg = self.graphs[key] = self._capture(*kind, stage) if context is None else \
+                    self._capture(*kind, stage, context=context)
             except torch.cuda.OutOfMemoryError as e:
                 self.refused.add(key)
                 torch.cuda.empty_cache()
@@ -179,15 +210,17 @@ class StepGraphCache:
                             "eagerly", kind[0], kind[1], str(e).splitlines()[0][:200])
         return dg
 
-    def _capture(self, kind: str, size: int, stage: bool) -> "_StepGraph":
+    def _capture(self, kind: str, size: int, stage: bool, context: int | None = None) -> "_StepGraph":
         """A graph for `kind` at `size` that returns (argmax tokens, logits), or every output of the plan
         (`stage`: a pipeline stage's). Greedy and sampled steps share the one graph: a second graph per shape
         would double the captures at load (each a few eager runs and a capture) and the arenas, for an argmax
         that costs a sampled step microseconds."""
         max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
         dg = _StepGraph(kind, size, max_blocks, self.device)
-        # fixed for the capture: keys per split follow the longest context the model allows
-        hints = {"max_seqlen_q": dg.q, "max_seqlen_k": self.max_model_len}
+        # fixed for the capture: keys per split follow the longest context the model allows (also in a context
+        # bucket's graph, whose launch holds only the splits of its bucket)
+        hints = {"max_seqlen_q": dg.q, "max_seqlen_k": context or self.max_model_len,
+                 "context_limit": self.max_model_len}
         if self.receives:
             dims = bound_dims(self.plan.graph, dg.inputs)
             dg.recv = {v.name: torch.zeros([dim_eval(d, dims) for d in v.type.shape], dtype=torch_dtype(v.type.dtype),

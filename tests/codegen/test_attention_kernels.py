@@ -373,6 +373,20 @@ def test_decode_sequence_alone_equals_in_batch(tiles):
         assert torch.equal(alone[0], both[i])
 
 
+def test_decode_launched_for_a_context_bucket_gives_the_limits_bits():
+    """A decode graph of a context bucket (step_graphs.decode_contexts) launches attention for the bucket's keys
+    with the model's limit as `context_limit`: the partition follows the limit, so each sequence's sums, and
+    its output bit for bit, are those of the limit's launch (600, 9 and 300 keys in 256-key partitions under a
+    1,024-key bucket, against a 4,096-key launch; and past 32 Ki keys, where the partition grows)."""
+    c = make_case([600, 9, 300], [1, 1, 1], 4, 2, 32, 16, torch.float16, seed=25)
+    cache = c["cache"].clone()
+    reference(c, cache)
+    for limit in (4096, 1 << 16):
+        run = lambda k: paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], 32 ** -0.5,  # noqa: E731
+                                        max_seqlen_q=1, max_seqlen_k=k, context_limit=limit)
+        assert torch.equal(run(1024), run(limit))
+
+
 # --------------------------------------------------------------------------------------------- int8 cache
 
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=dtype_name)

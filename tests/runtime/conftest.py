@@ -164,9 +164,10 @@ def cpu_step_graphs(monkeypatch):
         def __init__(self, fn):
             self.replay = fn
 
-    def capture(self, kind, size, stage):
+    def capture(self, kind, size, stage, context=None):
         dg = step_graphs._StepGraph(kind, size, (self.max_model_len + self.block_size - 1) // self.block_size,
                                     self.device)
+        dg.context = context  # what the GPU's capture launches attention for (the stand-in reruns the plan)
         inputs = {**dg.inputs, **self.kv}
 
         def step():

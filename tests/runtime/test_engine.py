@@ -578,3 +578,44 @@ def test_optional_tuning_that_fails_leaves_the_defaults_and_the_compile_goes_on(
     with caplog.at_level(logging.WARNING, logger="llmc.compiler"):
         compiler._tune_kernels(llama_artifact.graph, None, SimpleBar())
     assert "attention tuning failed (RuntimeError: no such launch)" in caplog.text
+
+
+def test_decode_graphs_per_context_bucket_give_the_eager_runs_tokens(tiny_py_artifact, cpu_step_graphs,
+                                                                     monkeypatch):
+    """LLMC_DECODE_CONTEXT_GRAPHS=1: a decode step whose contexts all fit a bucket replays that bucket's graph
+    (its attention launched for the bucket, not the model's limit), a longer one the limit's. Whole engine runs
+    over contexts that cross the buckets give the eager runs' tokens, each graph captured for its bucket and
+    the warm-up's decode steps meeting every bucket."""
+    from llmc.runtime import step_graphs
+    from llmc.runtime.executor import warm_up_batches
+    from llmc.runtime.step_graphs import decode_contexts
+    assert decode_contexts(4096) == (4096,)  # off unless asked for
+    monkeypatch.setenv("LLMC_DECODE_CONTEXT_GRAPHS", "1")
+    assert decode_contexts(4096) == (1024, 2048, 4096) and decode_contexts(1500) == (1024, 1500)
+    monkeypatch.setattr(step_graphs, "DECODE_CONTEXT_BUCKETS", (32, 64))
+    prompts = [p[:40] for p in CODE_PROMPTS[:4]] + [CODE_PROMPTS[4][:8]]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    want = LLM(tiny_py_artifact, backend="reference", num_blocks=64).generate(prompts, params)
+    llm = LLM(tiny_py_artifact, backend="reference", num_blocks=64)
+    ex = llm.engine.executor
+    graphs = cpu_step_graphs(ex, 256)
+    assert graphs.contexts == (32, 64, 256)
+    eager_rows, chosen = ex._token_rows, []
+
+    def rows(seqs, feed=None, sample=None):
+        kind = step_graphs.graph_kind(seqs)
+        if kind is not None and kind[0] == "decode":  # the bucket holds every context of the step
+            chosen.append((max(s.start_pos + 1 for s in seqs), graphs._context(kind, seqs) or 256))
+        out = graphs.run(seqs, sample is None, feed)
+        return eager_rows(seqs, feed, sample) if out is None else (out if sample is None else sample(out))
+    ex._token_rows = rows
+    got = llm.generate(prompts, params)
+    assert chosen and all(n <= c and (c == 32 or n > c // 2 or c == 256) for n, c in chosen), chosen
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    decode = {k: g.context for k, g in graphs.graphs.items() if k[0] == "decode"}
+    assert {c for c in decode.values()} == {32, 64, None}, decode  # every bucket met, the limit's past 64
+    assert all(len(k) == 4 and k[3] == g or len(k) == 3 and g is None for k, g in decode.items())
+    warm = warm_up_batches(4, 64, 16, contexts=graphs.contexts)
+    met = {graphs._context(("decode", len(b.seqs)), b.seqs) for b in warm if all(len(s.token_ids) == 1
+                                                                                 for s in b.seqs)}
+    assert met == {32, 64, None}
