@@ -189,7 +189,7 @@ class StepGraphCache:
         if kind[0] != "decode" or len(self.contexts) == 1:
             return None
         longest = max(s.start_pos for s in batch) + steps
-        c = next(c for c in self.contexts if c >= longest)
+        c = next((c for c in self.contexts if c >= longest), self.max_model_len)
         return None if c == self.max_model_len else c
 
     def _graph(self, kind: tuple[str, int], stage: bool, context: int | None = None) -> "_StepGraph | None":
@@ -201,8 +201,7 @@ class StepGraphCache:
         dg = self.graphs.get(key)
         if dg is None and key not in self.refused:
             try:
-                dg = self.graphs[key] = self._capture(*kind, stage) if context is None else \
-                    self._capture(*kind, stage, context=context)
+                dg = self.graphs[key] = self._capture(*kind, stage, context)
             except torch.cuda.OutOfMemoryError as e:
                 self.refused.add(key)
                 torch.cuda.empty_cache()

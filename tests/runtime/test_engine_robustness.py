@@ -293,7 +293,7 @@ def test_a_graph_that_does_not_fit_leaves_its_steps_eager(monkeypatch, caplog):
         def load(self, batch, block_size, offset=0):
             pass
 
-    def capture(self, kind, size, stage):
+    def capture(self, kind, size, stage, context=None):
         tried.append((kind, size))
         if size == 2048:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
