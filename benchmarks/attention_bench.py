@@ -6,6 +6,7 @@ the device's copy bandwidth. Prefill (new tokens over cached context): TFLOP/s o
 launch's largest difference from SDPA's output (fresh prompt) or from the default launch's (the other cases).
 
     python3 benchmarks/attention_bench.py --shape 8b --out OUT
+    python3 benchmarks/attention_bench.py --shape 8b --layout heads --out OUT   # the cache's other memory order
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH
 from llmc.codegen.attention import DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES, paged_attention  # noqa: E402
 from llmc.codegen.autotune import gpu_time_ms  # noqa: E402
 from llmc.compiler import _attention_step  # noqa: E402
+from llmc.runtime.kv_cache import KV_LAYOUTS, empty_cache  # noqa: E402
 
 SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}  # Hq, Hkv, D
 _ragged = random.Random(0)
@@ -104,6 +106,8 @@ def main() -> None:
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill cases")
+    ap.add_argument("--layout", default="tokens", choices=KV_LAYOUTS,
+                    help="the cache's memory order (llmc.runtime.kv_cache: LLMC_KV_LAYOUT)")
     ap.add_argument("--partitions", default="", metavar="P,P",
                     help="also time the decode cases with these keys per split (each launch whose key tile divides "
                          "P; the runtime's is 256 up to 32 Ki keys: attention.decode_partition)")
@@ -112,10 +116,16 @@ def main() -> None:
     dtype, g = torch.bfloat16, torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth()
     rows = []
-    print(f"# {a.shape}: {Hq} q heads over {Hkv}, {D} wide, bf16; {torch.cuda.get_device_name()}, "
-          f"copy {bw / 1e12:.2f} TB/s")
+    print(f"# {a.shape}: {Hq} q heads over {Hkv}, {D} wide, bf16, cache layout {a.layout}; "
+          f"{torch.cuda.get_device_name()}, copy {bw / 1e12:.2f} TB/s")
+
+    def step(new, ctx):
+        q, kv, *rest = _attention_step(g, new, ctx, Hq, Hkv, D, dtype)
+        laid = empty_cache(tuple(kv.shape), kv.dtype, kv.device, a.layout)
+        laid.copy_(kv)
+        return (q, laid, *rest)
     for name, ctx in ({} if a.prefill_only else DECODE_CASES).items():
-        q, kv, qsl, lens, tables, out = _attention_step(g, [1] * len(ctx), ctx, Hq, Hkv, D, dtype)
+        q, kv, qsl, lens, tables, out = step([1] * len(ctx), ctx)
         kv_bytes = sum(ctx) * Hkv * D * 2 * kv.element_size()
         # the decode graphs' splits follow the longest context the model allows (4,096 here); an eager step's
         # its own longest: both, for the default tiles
@@ -133,7 +143,7 @@ def main() -> None:
                                  of_bandwidth=kv_bytes / (us * 1e-6) / bw))
         del kv
     for name, (new, ctx) in PREFILL_CASES.items():
-        q, kv, qsl, lens, tables, out = _attention_step(g, new, ctx, Hq, Hkv, D, dtype)
+        q, kv, qsl, lens, tables, out = step(new, ctx)
         flops = 4 * D * Hq * sum(sum(c - n + i + 1 for i in range(n)) for n, c in zip(new, ctx))
         lengths = dict(max_seqlen_q=max(new), max_seqlen_k=max(ctx))
         want = None
@@ -185,7 +195,8 @@ def main() -> None:
                   f"x{x['us'] / y['us']:.2f}")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / f"attention_bench_{a.shape}.json").write_text(json.dumps(dict(copy_bw=bw, rows=rows), indent=1))
+        name = f"attention_bench_{a.shape}" + ("" if a.layout == "tokens" else f"_{a.layout}")
+        (a.out / f"{name}.json").write_text(json.dumps(dict(copy_bw=bw, layout=a.layout, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

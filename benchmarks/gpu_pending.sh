@@ -40,6 +40,10 @@
 #                                                     #   weights + K/V bound, kernel by kernel (SHAPES)
 #   bash benchmarks/gpu_pending.sh OUT context-graphs # issue 20: decode graphs per context bucket off / on
 #                                                     #   (LLMC_DECODE_CONTEXT_GRAPHS): a decode step, the mixed run
+#   bash benchmarks/gpu_pending.sh OUT kv-layout      # issue 20: the cache's memory order (LLMC_KV_LAYOUT tokens / heads):
+#                                                     #   attention launches, then one decode step and the mixed run
+#                                                     #   (SHAPES, default "1b 8b"; MIXED_SHAPES, default "1b",
+#                                                     #   empty for none; ROUNDS of the decode step, default 1)
 #   bash benchmarks/gpu_pending.sh OUT load-trace     # issue 20: a load's phases and warm-up steps, empty Triton cache
 #                                                     #   then warm (SHAPE, default 8b)
 #   bash benchmarks/gpu_pending.sh OUT profile-mixed  # issue 20: where the mixed workload's GPU time goes
@@ -421,6 +425,32 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
                         --n $(requests_for $shape) --max-num-seqs 128 --artifact "/tmp/art-$shape.llmc" \
                         --out /tmp/st --no-cprofile 2>&1 | grep "^# $shape," | sed "s/^/context graphs $v: /" \
                         | tee -a "$OUT/context_graphs.log"
+                done
+            done ;;
+        kv-layout)
+            # the K/V cache stored token-major ([BS, Hkv, D] a block) and head-major ([Hkv, BS, D]): every decode
+            # and prefill attention launch in each (attention_bench.py), then one engine decode step (batch 128 over
+            # 512 and 1,024 keys) in each, alternating, per shape; then the issue tool's mixed workload in each
+            for shape in ${SHAPES:-1b 8b}; do
+                for layout in tokens heads; do
+                    python3 benchmarks/attention_bench.py --shape $shape --layout $layout --out "$OUT" \
+                        >"$OUT/attention_${shape}_$layout.log" 2>&1
+                    sed -n '/best llmc launch/,/^$/p' "$OUT/attention_${shape}_$layout.log" | sed "s/^/$layout: /"
+                done
+                rm -rf /tmp/tmp*
+                for layout in $(for _ in $(seq 1 "${ROUNDS:-1}"); do echo tokens heads; done); do
+                    LLMC_KV_LAYOUT=$layout python3 benchmarks/decode_step_profile.py --shape $shape \
+                        --artifact "/tmp/art-$shape.llmc" --batches 128 --contexts 512,1024 --out /tmp/dsp \
+                        >>"$OUT/kv_layout_steps.log" 2>&1
+                    grep "^==" "$OUT/kv_layout_steps.log" | tail -2 | sed "s/^/$layout: /" | tee -a "$OUT/kv_layout.log"
+                done
+            done
+            for shape in ${MIXED_SHAPES-1b}; do
+                for layout in tokens heads tokens heads; do
+                    LLMC_KV_LAYOUT=$layout python3 benchmarks/step_trace.py --shape $shape \
+                        --n $(requests_for $shape) --max-num-seqs 128 --artifact "/tmp/art-$shape.llmc" \
+                        --out /tmp/st --no-cprofile 2>&1 | grep "^# $shape," | sed "s/^/$layout: /" \
+                        | tee -a "$OUT/kv_layout.log"
                 done
             done ;;
         load-trace)

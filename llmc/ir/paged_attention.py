@@ -66,23 +66,23 @@ def _write(cache: torch.Tensor, scale: torch.Tensor | None, which: int, new: tor
     Quantized caches: a write at a block's offset 0 sets the block's centre (`scale_layout`); each
     vector is stored as its difference from the centre, with its own scale.
     """
-    NB, BS, H, D = cache.shape[1:]
+    BS, H, D = cache.shape[2:]
     keep = slots >= 0
     slots, new = slots[keep], new[keep]
     if slots.numel() == 0:
         return
-    flat = cache[which].view(NB * BS, H, D)
+    blocks, offs = slots // BS, slots % BS
+    at = (which, blocks, offs)  # indexed, not viewed: the cache's memory order is its own (kv_cache.py)
     if not quantized(cache):
-        flat[slots] = new.to(cache.dtype)
+        cache[at] = new.to(cache.dtype)
         return
     qmax, lay = QMAX[cache.dtype], scale_layout(D, BS)
     x = new.float()
-    blocks, offs = slots // BS, slots % BS
     centre = lay["v_zero" if which else "k_zero"]
     scale[blocks[offs == 0], :, centre] = x[offs == 0].to(scale.dtype)
     x = x - scale[blocks][..., centre].float()
     s = (x.abs().amax(dim=-1) / qmax).clamp_min(tiny(scale.dtype)).to(scale.dtype)  # [t, H]
-    flat[slots] = _to_q(x / s[..., None].float(), cache.dtype, qmax)
+    cache[at] = _to_q(x / s[..., None].float(), cache.dtype, qmax)
     col = lay["v_token" if which else "k_token"].start + offs
     scale[blocks[:, None], torch.arange(H, device=x.device)[None, :], col[:, None]] = s
 

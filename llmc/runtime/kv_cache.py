@@ -4,8 +4,15 @@ Layouts (one entry per attention layer, named like the graph inputs they feed):
     kv_cache.<i>  [2, NB, BS, Hkv, D]   K and V, in the model dtype or int8 / fp8
     kv_scale.<i>  [NB, Hkv, 2D + 2BS]   only for a quantized cache: per-block centres and per-token scales
 The block manager decides which blocks hold what; this class only moves bytes.
+
+Every kernel and reference op reads a cache through its strides, so the order its elements sit in memory is
+the cache's own choice (`KV_LAYOUTS`): "tokens" stores a block as [BS, Hkv, D] (a token's kv heads side by
+side), "heads" as [Hkv, BS, D] (one kv head's keys of a block contiguous: what a decode attention program,
+which reads one kv head, streams), both seen as [2, NB, BS, Hkv, D].
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -16,6 +23,24 @@ from llmc.ir.paged_attention import scale_width
 from llmc.ir.types import torch_dtype
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
+KV_LAYOUTS = ("tokens", "heads")
+
+
+def kv_layout(layout: str | None = None) -> str:
+    """The cache layout to allocate: `layout`, else $LLMC_KV_LAYOUT, else "tokens"."""
+    layout = layout or os.environ.get("LLMC_KV_LAYOUT") or "tokens"
+    if layout not in KV_LAYOUTS:
+        raise LLMCError(f"unknown KV cache layout {layout!r} (LLMC_KV_LAYOUT): use one of {', '.join(KV_LAYOUTS)}")
+    return layout
+
+
+def empty_cache(shape: tuple[int, ...], dtype: torch.dtype, device, layout: str, pin_memory: bool = False
+                ) -> torch.Tensor:
+    """A zeroed [2, NB, BS, Hkv, D] cache whose memory follows `layout` ("heads": [2, NB, Hkv, BS, D] underneath)."""
+    if layout == "tokens":
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    two, nb, bs, h, d = shape
+    return torch.zeros((two, nb, h, bs, d), dtype=dtype, device=device, pin_memory=pin_memory).transpose(2, 3)
 
 
 def with_kv_cache_dtype(graph: Graph, kv_cache_dtype: str, device: torch.device) -> Graph:
@@ -39,6 +64,7 @@ class KVCache:
         num_blocks: blocks per layer; None sizes the cache from `memory_fraction` of free device memory
             (CUDA) or `DEFAULT_CPU_KV_BYTES` (CPU), at least 16.
         num_cpu_blocks: host blocks for swap preemption (0: no swapping).
+        layout: the caches' memory order (`KV_LAYOUTS`); None: $LLMC_KV_LAYOUT, else "tokens".
 
     Example:
         >>> cache = KVCache(graph, torch.device("cpu"), block_size=16, num_blocks=64)   # doctest: +SKIP
@@ -46,10 +72,10 @@ class KVCache:
     """
 
     def __init__(self, graph: Graph, device: torch.device, block_size: int, num_blocks: int | None = None,
-                 memory_fraction: float = 0.5, num_cpu_blocks: int = 0):
+                 memory_fraction: float = 0.5, num_cpu_blocks: int = 0, layout: str | None = None):
         if block_size < 1 or (num_blocks is not None and num_blocks < 1) or num_cpu_blocks < 0:
             raise LLMCError("block_size and num_blocks must be >= 1 and num_cpu_blocks >= 0")
-        self.device, self.block_size = device, block_size
+        self.device, self.block_size, self.layout = device, block_size, kv_layout(layout)
         caches = kv_cache_inputs(graph)
         # cache name -> (shape without the block dim, dtype); blocks are dim 1 of caches, dim 0 of scales
         layout: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}
@@ -71,11 +97,16 @@ class KVCache:
             num_blocks = max(16, budget // per_block)
         self.num_blocks, self.num_cpu_blocks = int(num_blocks), num_cpu_blocks
         self.bytes = per_block * self.num_blocks
-        self.tensors = {name: torch.zeros(_with_blocks(shape, dim, self.num_blocks), dtype=dt, device=device)
+        self.tensors = {name: self._zeros(_with_blocks(shape, dim, self.num_blocks), dt, device)
                         for name, (shape, dt, dim) in layout.items()}
-        self.host = {name: torch.zeros(_with_blocks(shape, dim, num_cpu_blocks), dtype=dt,
+        self.host = {name: self._zeros(_with_blocks(shape, dim, num_cpu_blocks), dt, torch.device("cpu"),
                                        pin_memory=device.type == "cuda")
                      for name, (shape, dt, dim) in layout.items()} if num_cpu_blocks else {}
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device, pin_memory: bool = False) -> torch.Tensor:
+        if len(shape) == 5:  # a K/V cache (scales are [NB, Hkv, W] either way)
+            return empty_cache(shape, dtype, device, self.layout, pin_memory)
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate each src block into dst (all layers, K and V, scales)."""

@@ -406,6 +406,34 @@ def test_quantized_cache(mode, kv_dtype):
     close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=dtype_name)
+def test_a_head_major_cache_gives_the_token_major_ones_bits(kv_dtype):
+    """The cache's memory order (kv_cache.KV_LAYOUTS) is the cache's own: rope_kv_write stores, and a mixed step
+    (decode rows split + prompt rows) and a decode step read, the same values in the same order either way."""
+    from llmc.runtime.kv_cache import empty_cache
+    dtype = torch.bfloat16
+    c = make_case([70, 9, 300, 40, 120], [1, 1, 1, 40, 30], 4, 2, 32, 16, dtype, seed=15)
+    T, NB, D = c["q"].shape[0], c["cache"].shape[1], 32
+    g = torch.Generator().manual_seed(16)
+    cos, sin = torch.randn(T, D, generator=g).to(dtype), torch.randn(T, D, generator=g).to(dtype)
+    base = c["cache"] if kv_dtype == dtype else _to_q(c["cache"].float() / 0.02, kv_dtype, QMAX[kv_dtype])
+    runs = []
+    for layout in ("tokens", "heads"):
+        cache = empty_cache(tuple(base.shape), kv_dtype, "cpu", layout)
+        cache.copy_(base)
+        assert cache.is_contiguous() == (layout == "tokens")
+        scale = random_scales(NB, 2, D, 16, seed=17, dtype=dtype) if kv_dtype != dtype else None
+        q = rope_kv_write(c["q"], c["k"], c["v"], cos, sin, cache, c["slots"], kv_scale=scale)
+        kw = dict(kv_scale=scale, max_seqlen_k=300, block_m=16, block_n=16, context_limit=1024)
+        mixed = paged_attention(q, cache, c["qsl"], c["seq_lens"], c["bt"], D ** -0.5, max_seqlen_q=40,
+                                decode_rows=3, **kw)
+        decodes = paged_attention(q[:3], cache, c["qsl"][:4], c["seq_lens"][:3], c["bt"][:3], D ** -0.5,
+                                  max_seqlen_q=1, **kw)
+        runs.append((cache.contiguous(), scale, mixed, decodes))
+    for a, b in zip(*runs):
+        assert a is None and b is None or torch.equal(a, b)
+
+
 def test_rejects_bad_specs():
     with pytest.raises(ValueError):
         PagedAttentionSpec(24, 6, 4, 4)  # 6 q heads on 4 kv heads

@@ -111,7 +111,7 @@ def test_a_worker_error_and_a_hung_worker_are_llmc_errors(odd_heads_artifact):
     ex = DistributedExecutor(odd_heads_artifact, 1, 2, "reference", block_size=4, num_blocks=64)
     try:
         with pytest.raises(LLMCError, match=r"worker 0 \(tensor-parallel rank 0, pipeline stage 0\) failed: IRError: "
-                                            r"rope_kv_write failed in the interpreter: index 4000 is out of bounds"):
+                                            r"rope_kv_write failed in the interpreter: index 1000 is out of bounds"):
             ex.execute(StepBatch([StepInput([1, 2, 3], 0, [1000])]))  # a block past the cache
     finally:
         ex.close()
