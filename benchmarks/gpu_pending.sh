@@ -40,6 +40,7 @@
 #                                                     #   weights + K/V bound, kernel by kernel (SHAPES)
 #   bash benchmarks/gpu_pending.sh OUT context-graphs # issue 20: decode graphs per context bucket off / on
 #                                                     #   (LLMC_DECODE_CONTEXT_GRAPHS): a decode step, the mixed run
+#   VAR=LLMC_LINEAR_128 bash benchmarks/gpu_pending.sh OUT step-ab  # the same for any runtime switch
 #   bash benchmarks/gpu_pending.sh OUT kv-layout      # issue 20: the cache's memory order (LLMC_KV_LAYOUT tokens / heads):
 #                                                     #   attention launches, then one decode step and the mixed run
 #                                                     #   (SHAPES, default "1b 8b"; MIXED_SHAPES, default "1b",
@@ -411,20 +412,23 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
                     >>"$OUT/decode_step.log" 2>&1
             done
             grep "^==" "$OUT/decode_step.log" ;;
-        context-graphs)
-            # decode graphs per context bucket (LLMC_DECODE_CONTEXT_GRAPHS) off, then on: one decode step at
+        context-graphs|step-ab)
+            # a runtime switch (VAR, default LLMC_DECODE_CONTEXT_GRAPHS: decode graphs per context bucket; e.g.
+            # LLMC_LINEAR_128: the linears' own bucket for 65 to 128 tokens) off, then on: one decode step at
             # batch 128 over 512 and 1,024 keys, then the issue tool's mixed workload (step_trace.py), per shape
             # (SHAPES, default "1b 8b")
+            var=${VAR:-LLMC_DECODE_CONTEXT_GRAPHS}
             for shape in ${SHAPES:-1b 8b}; do
                 rm -rf /tmp/tmp*
                 for v in 0 1 0 1; do
-                    LLMC_DECODE_CONTEXT_GRAPHS=$v python3 benchmarks/decode_step_profile.py --shape $shape \
+                    env $var=$v python3 benchmarks/decode_step_profile.py --shape $shape \
                         --artifact "/tmp/art-$shape.llmc" --batches 128 --contexts 512,1024 --out /tmp/dsp \
-                        2>&1 | grep "^==" | sed "s/^/context graphs $v: /" | tee -a "$OUT/context_graphs.log"
-                    LLMC_DECODE_CONTEXT_GRAPHS=$v python3 benchmarks/step_trace.py --shape $shape \
+                        >>"$OUT/step_ab_steps.log" 2>&1
+                    grep "^==" "$OUT/step_ab_steps.log" | tail -2 | sed "s/^/$var=$v: /" | tee -a "$OUT/step_ab.log"
+                    env $var=$v python3 benchmarks/step_trace.py --shape $shape \
                         --n $(requests_for $shape) --max-num-seqs 128 --artifact "/tmp/art-$shape.llmc" \
-                        --out /tmp/st --no-cprofile 2>&1 | grep "^# $shape," | sed "s/^/context graphs $v: /" \
-                        | tee -a "$OUT/context_graphs.log"
+                        --out /tmp/st --no-cprofile 2>&1 | grep "^# $shape," | sed "s/^/$var=$v: /" \
+                        | tee -a "$OUT/step_ab.log"
                 done
             done ;;
         kv-layout)

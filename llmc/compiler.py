@@ -404,10 +404,14 @@ def _tune_attention(graph: Graph, tuner, bar) -> None:
 
 def _attention_step(g, new: list[int], ctx: list[int], Hq: int, Hkv: int, D: int, dtype, bs: int = 16) -> tuple:
     """One attention step's inputs on the GPU: sequence i has `new[i]` new tokens at the end of `ctx[i]` keys
-    (q, kv_cache, query_start_loc, seq_lens, block_tables, out), its blocks scattered over the cache."""
+    (q, kv_cache, query_start_loc, seq_lens, block_tables, out), its blocks scattered over a cache in the
+    memory order the runtime allocates (`kv_cache.kv_layout`)."""
+    from llmc.runtime.kv_cache import empty_cache, kv_layout
     per = max(-(-c // bs) for c in ctx)
     seqs, T = len(new), sum(new)
-    kv = torch.randn(2, seqs * per + 1, bs, Hkv, D, device="cuda", generator=g).to(dtype)
+    shape = (2, seqs * per + 1, bs, Hkv, D)
+    kv = empty_cache(shape, dtype, "cuda", kv_layout())
+    kv.copy_(torch.randn(shape, device="cuda", generator=g))
     tables = torch.randperm(seqs * per, device="cuda", generator=g).to(torch.int32).view(seqs, per)
     qsl = torch.tensor([0, *itertools.accumulate(new)], device="cuda", dtype=torch.int32)
     return (torch.randn(T, Hq, D, device="cuda", generator=g).to(dtype), kv, qsl,
@@ -443,7 +447,7 @@ def _tune_linears(graph: Graph, tuner, bar, device: str = "cuda") -> None:
         return
     # x [m, K], or gate and up as the halves of one [m, 2K] (a fused gate/up projection's output)
     xs = {(m, k, dt, pro): torch.randn(m, 2 * k if pro else k, dtype=dt, device=device)
-          for m in M_BUCKETS[:-1] for k, dt, pro in {(int(w.shape[1]), w.dtype, pro) for w, _, _, pro in linears}}
+          for m in M_BUCKETS for k, dt, pro in {(int(w.shape[1]), w.dtype, pro) for w, _, _, pro in linears}}
 
     def call(w, b, epi, pro, m, tuner):
         K, x = int(w.shape[1]), xs[(m, int(w.shape[1]), w.dtype, pro)]
@@ -451,11 +455,11 @@ def _tune_linears(graph: Graph, tuner, bar, device: str = "cuda") -> None:
     if isinstance(tuner, Tuner):
         recorded = Tuner(tuner.records, tuner.device, frozen=True, joint=tuner.joint)
         bar.step(f"compiling the recorded choices of {len(linears)} linear shapes")
-        run_on_threads([functools.partial(call, *lin, m, recorded) for lin in linears for m in M_BUCKETS[:-1]],
+        run_on_threads([functools.partial(call, *lin, m, recorded) for lin in linears for m in M_BUCKETS],
                        shared_kernels=True)
     for lin in linears:
         bar.step(f"tuning linear {list(lin[0].shape)}" + (" (SwiGLU prologue)" if lin[3] else ""))
-        for m in M_BUCKETS[:-1]:
+        for m in M_BUCKETS:  # 1 ... 64, and 128: autotune.linear_bucket's "128" (65 to 128 tokens)
             call(*lin, m, tuner)
 
 

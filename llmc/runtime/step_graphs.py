@@ -36,20 +36,21 @@ PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 LONG_PREFILL_BUCKETS = tuple(range(768, 2049, 256))
 
 
-# decode graphs per context bucket (LLMC_DECODE_CONTEXT_GRAPHS=1, opt-in until measured on a GPU): a decode graph's
-# attention launch is sized for the longest context it may meet, one program per 256-key split of it for each
-# sequence and kv head, and the programs past a sequence's own splits return at once. Under the model's limit
-# (16 splits at 4,096 keys) a step of 512-key contexts starts 8x the programs it uses; on an H200 the decode
-# attention of full 1B and 8B decode steps ran at 57-75% of the copy rate (benchmarks/RESULTS.md, 2026-12-05).
-# A step whose contexts all fit a bucket replays that bucket's graph instead; its partition follows the model's
-# limit as every decode graph's does, so every sum stays the same.
-DECODE_CONTEXT_BUCKETS = (1024, 2048)
+# decode graphs per context bucket (LLMC_DECODE_CONTEXT_GRAPHS=0: one per batch bucket, sized for the model's limit):
+# a decode graph's attention launch is sized for the longest context it may meet, one program per 256-key split of
+# it for each sequence and kv head, and the programs past a sequence's own splits return at once. Under the model's
+# limit (16 splits at 4,096 keys) a step of 512-key contexts starts 8x the programs it uses. A step whose contexts
+# all fit a bucket replays that bucket's graph instead; its partition follows the model's limit as every decode
+# graph's does, so every sum stays the same. On an H200 (benchmarks/RESULTS.md, 2026-12-05) buckets of 1,024 and
+# 2,048 keys took a 1B decode step of 128 x 512 keys from 2.22-2.41 to 2.02-2.04 ms (its kernels 2.066 -> 1.876 ms)
+# and the issue tool's 1B mixed workload from 37,289-38,292 to 39,155-39,274 out tok/s.
+DECODE_CONTEXT_BUCKETS = (512, 1024, 2048)
 
 
 def decode_contexts(max_model_len: int) -> tuple[int, ...]:
-    """The context buckets of decode graphs: DECODE_CONTEXT_BUCKETS below `max_model_len`, then it, where
-    LLMC_DECODE_CONTEXT_GRAPHS=1; else `max_model_len` alone."""
-    if os.environ.get("LLMC_DECODE_CONTEXT_GRAPHS", "0") != "1":
+    """The context buckets of decode graphs: DECODE_CONTEXT_BUCKETS below `max_model_len`, then it; with
+    LLMC_DECODE_CONTEXT_GRAPHS=0, `max_model_len` alone."""
+    if os.environ.get("LLMC_DECODE_CONTEXT_GRAPHS", "1") == "0":
         return (max_model_len,)
     return tuple(c for c in DECODE_CONTEXT_BUCKETS if c < max_model_len) + (max_model_len,)
 

@@ -582,16 +582,17 @@ def test_optional_tuning_that_fails_leaves_the_defaults_and_the_compile_goes_on(
 
 def test_decode_graphs_per_context_bucket_give_the_eager_runs_tokens(tiny_py_artifact, cpu_step_graphs,
                                                                      monkeypatch):
-    """LLMC_DECODE_CONTEXT_GRAPHS=1: a decode step whose contexts all fit a bucket replays that bucket's graph
+    """A decode step whose contexts all fit a bucket replays that bucket's graph
     (its attention launched for the bucket, not the model's limit), a longer one the limit's. Whole engine runs
     over contexts that cross the buckets give the eager runs' tokens, each graph captured for its bucket and
     the warm-up's decode steps meeting every bucket."""
     from llmc.runtime import step_graphs
     from llmc.runtime.executor import warm_up_batches
     from llmc.runtime.step_graphs import decode_contexts
-    assert decode_contexts(4096) == (4096,)  # off unless asked for
-    monkeypatch.setenv("LLMC_DECODE_CONTEXT_GRAPHS", "1")
-    assert decode_contexts(4096) == (1024, 2048, 4096) and decode_contexts(1500) == (1024, 1500)
+    assert decode_contexts(4096) == (512, 1024, 2048, 4096) and decode_contexts(1500) == (512, 1024, 1500)
+    monkeypatch.setenv("LLMC_DECODE_CONTEXT_GRAPHS", "0")
+    assert decode_contexts(4096) == (4096,)  # one graph per batch bucket when switched off
+    monkeypatch.delenv("LLMC_DECODE_CONTEXT_GRAPHS")
     monkeypatch.setattr(step_graphs, "DECODE_CONTEXT_BUCKETS", (32, 64))
     prompts = [p[:40] for p in CODE_PROMPTS[:4]] + [CODE_PROMPTS[4][:8]]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
