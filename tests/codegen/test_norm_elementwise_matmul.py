@@ -383,7 +383,8 @@ def test_argmax_split_over_programs(monkeypatch):
     import llmc.codegen.sampling as sampling
     monkeypatch.setattr(sampling, "SPLIT_ARGMAX", True)
     assert [sampling.argmax_splits(n, v) for n, v in ((1, 128256), (8, 128256), (128, 128256), (300, 128256),
-                                                      (1, 1000))] == [63, 33, 2, 1, 1]
+                                                      (1, 1000))] == [63, 63, 8, 3, 1]
+    monkeypatch.setattr(sampling, "SPLIT_PROGRAMS", 264)
     monkeypatch.setattr(sampling, "SPLIT_BLOCK", 16)
     N, V = 66, 65  # 4 splits of 32 logits: the last starts past the row
     assert sampling.argmax_splits(N, V) == 4
