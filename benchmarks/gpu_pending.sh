@@ -40,7 +40,7 @@
 #                                                     #   weights + K/V bound, kernel by kernel (SHAPES)
 #   bash benchmarks/gpu_pending.sh OUT context-graphs # issue 20: decode graphs per context bucket off / on
 #                                                     #   (LLMC_DECODE_CONTEXT_GRAPHS): a decode step, the mixed run
-#   VAR=LLMC_LINEAR_128 bash benchmarks/gpu_pending.sh OUT step-ab  # the same for any runtime switch
+#   VAR=LLMC_SPLIT_ARGMAX bash benchmarks/gpu_pending.sh OUT step-ab  # the same for any runtime switch
 #   bash benchmarks/gpu_pending.sh OUT kv-layout      # issue 20: the cache's memory order (LLMC_KV_LAYOUT tokens / heads):
 #                                                     #   attention launches, then one decode step and the mixed run
 #                                                     #   (SHAPES, default "1b 8b"; MIXED_SHAPES, default "1b",
@@ -414,7 +414,7 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
             grep "^==" "$OUT/decode_step.log" ;;
         context-graphs|step-ab)
             # a runtime switch (VAR, default LLMC_DECODE_CONTEXT_GRAPHS: decode graphs per context bucket; e.g.
-            # LLMC_LINEAR_128: the linears' own bucket for 65 to 128 tokens) off, then on: one decode step at
+            # LLMC_SPLIT_ARGMAX) off, then on: one decode step at
             # batch 128 over 512 and 1,024 keys, then the issue tool's mixed workload (step_trace.py), per shape
             # (SHAPES, default "1b 8b")
             var=${VAR:-LLMC_DECODE_CONTEXT_GRAPHS}

@@ -447,7 +447,7 @@ def _tune_linears(graph: Graph, tuner, bar, device: str = "cuda") -> None:
         return
     # x [m, K], or gate and up as the halves of one [m, 2K] (a fused gate/up projection's output)
     xs = {(m, k, dt, pro): torch.randn(m, 2 * k if pro else k, dtype=dt, device=device)
-          for m in M_BUCKETS for k, dt, pro in {(int(w.shape[1]), w.dtype, pro) for w, _, _, pro in linears}}
+          for m in M_BUCKETS[:-1] for k, dt, pro in {(int(w.shape[1]), w.dtype, pro) for w, _, _, pro in linears}}
 
     def call(w, b, epi, pro, m, tuner):
         K, x = int(w.shape[1]), xs[(m, int(w.shape[1]), w.dtype, pro)]
@@ -455,11 +455,11 @@ def _tune_linears(graph: Graph, tuner, bar, device: str = "cuda") -> None:
     if isinstance(tuner, Tuner):
         recorded = Tuner(tuner.records, tuner.device, frozen=True, joint=tuner.joint)
         bar.step(f"compiling the recorded choices of {len(linears)} linear shapes")
-        run_on_threads([functools.partial(call, *lin, m, recorded) for lin in linears for m in M_BUCKETS],
+        run_on_threads([functools.partial(call, *lin, m, recorded) for lin in linears for m in M_BUCKETS[:-1]],
                        shared_kernels=True)
     for lin in linears:
         bar.step(f"tuning linear {list(lin[0].shape)}" + (" (SwiGLU prologue)" if lin[3] else ""))
-        for m in M_BUCKETS:  # 1 ... 64, and 128: autotune.linear_bucket's "128" (65 to 128 tokens)
+        for m in M_BUCKETS[:-1]:
             call(*lin, m, tuner)
 
 

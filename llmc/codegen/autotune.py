@@ -62,13 +62,6 @@ def m_bucket(m: int) -> str:
     return "128+"
 
 
-def linear_bucket(m: int) -> str:
-    """A bf16 / f16 / f32 linear's shape bucket: `m_bucket`'s, with the steps of 65 to 128 tokens (large decode
-    batches, where a linear is still a weight stream) in a "128" of their own, tuned at 128 rows; a step of
-    more keeps "128+", which no compile tunes (cuBLAS). LLMC_LINEAR_128=0: "128+" for them too, as before."""
-    return "128" if 64 < m <= 128 and os.environ.get("LLMC_LINEAR_128", "1") != "0" else m_bucket(m)
-
-
 def bucket_size(bucket: str) -> int:
     """The largest M of a bucket (128 stands for 128 and more)."""
     return int(bucket.rstrip("+"))

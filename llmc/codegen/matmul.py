@@ -8,8 +8,7 @@ launch and its result does not depend on timing). Up to 64 tokens a program cove
 16-row tiles, one dot per tile with each w tile it loads (`m_tiles`): w is read once whatever the
 batch, and a row's sums are the same 16-row dots alone or among others. The epilogue (bias, silu,
 gelu, ...) runs on the fp32 accumulator, so y is written once and never read back. Tiles come from
-`autotune.Tuner` per M bucket; `prefer_cublas` records where cuBLAS wins. Decode batches of 65 to 128
-rows have a bucket of their own (`autotune.linear_bucket`): one 128-row tile, split-K for programs.
+`autotune.Tuner` per M bucket; `prefer_cublas` records where cuBLAS wins.
 """
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from llmc.codegen.autotune import JOINT_MARGIN, Tuner, bucket_size, linear_bucket, timing_io
+from llmc.codegen.autotune import JOINT_MARGIN, Tuner, bucket_size, m_bucket, timing_io
 from llmc.codegen.elementwise import (HELPERS, UNARY_OPS, _freeze_attrs, cast_expr, cast_helpers, compiled,
                                       interpreting, op_expr)
 from llmc.codegen.kernels import KernelSpec, tile_counters
@@ -125,10 +124,6 @@ def candidates(bucket: str, shared: bool = True) -> list[dict]:
         return [_cfg(m, 64, 64, 1, 4, 4), _cfg(m, 128, 64, 1, 4, 4), _cfg(m, 64, 128, 1, 4, 3),
                 _cfg(m, 128, 128, 1, 8, 3), _cfg(m, 64, 64, 2, 4, 4), _cfg(m, 128, 64, 2, 4, 4),
                 _cfg(m, 64, 128, 4, 4, 3), _cfg(m, 32, 128, 2, 4, 4)]
-    if bucket == "128":  # decode batches of 65 to 128: every row in one tile (w read once), split-K for programs
-        return [_cfg(128, 64, 64, 2, 4, 4), _cfg(128, 64, 64, 1, 4, 4), _cfg(128, 64, 64, 4, 4, 4),
-                _cfg(128, 64, 64, 8, 4, 3), _cfg(128, 32, 128, 4, 4, 3), _cfg(128, 128, 64, 1, 8, 3),
-                _cfg(128, 128, 64, 2, 8, 3), _cfg(64, 64, 64, 2, 4, 4)]
     return [_cfg(64, 128, 64, 1, 4, 4), _cfg(128, 128, 64, 1, 8, 3), _cfg(128, 64, 64, 1, 4, 4),
             _cfg(64, 64, 64, 1, 4, 4), _cfg(128, 256, 64, 1, 8, 3), _cfg(64, 256, 64, 1, 8, 3)]
 
@@ -256,9 +251,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
     if K == 0:
         return y.copy_(reference(x, w, b, epilogue, up=up))
     if config is None and tuner is None:
-        config = candidates(linear_bucket(M))[0]
+        config = candidates(m_bucket(M))[0]
     elif config is None:
-        bucket = linear_bucket(M)
+        bucket = m_bucket(M)
         group = tuner.joint if bucket in tuner.joint else (bucket,)
         if spec.prologue:  # gate and up as the halves of one [m, 2K] output, as a fused gate/up writes them
             io = timing_io(group, 2 * K, N, x2.dtype, x2.device)
@@ -285,10 +280,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
     rec, M = None, x.numel() // max(1, x.shape[-1])
     if tuner is not None:
         spec = MatmulSpec(dtype_name(x.dtype), b is not None, tuple(epilogue), "silu_mul" if up is not None else "")
-        rec = tuner.lookup(spec.key(w.shape[0], w.shape[1]), linear_bucket(M))
+        rec = tuner.lookup(spec.key(w.shape[0], w.shape[1]), m_bucket(M))
         if rec.prefer_cublas if rec is not None else tuner.frozen:
             return reference(x if up is None else silu_mul_product(x, up), w, b, epilogue, out)
     if up is not None and not prologue:
         return matmul(silu_mul_product(x, up), w, b, epilogue, out=out,
-                      config=dict(rec.config) if rec is not None else candidates(linear_bucket(M))[0])
+                      config=dict(rec.config) if rec is not None else candidates(m_bucket(M))[0])
     return matmul(x, w, b, epilogue, tuner=tuner, out=out, up=up)

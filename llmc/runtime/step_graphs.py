@@ -43,8 +43,9 @@ LONG_PREFILL_BUCKETS = tuple(range(768, 2049, 256))
 # all fit a bucket replays that bucket's graph instead; its partition follows the model's limit as every decode
 # graph's does, so every sum stays the same. On an H200 (benchmarks/RESULTS.md, 2026-12-05) buckets of 1,024 and
 # 2,048 keys took a 1B decode step of 128 x 512 keys from 2.22-2.41 to 2.02-2.04 ms (its kernels 2.066 -> 1.876 ms)
-# and the issue tool's 1B mixed workload from 37,289-38,292 to 39,155-39,274 out tok/s.
-DECODE_CONTEXT_BUCKETS = (512, 1024, 2048)
+# and the issue tool's 1B mixed workload from 37,289-38,292 to 39,155-39,274 out tok/s. A 512-key bucket besides
+# them left that step's kernels as they were (1.874-1.877 ms), so it is not captured.
+DECODE_CONTEXT_BUCKETS = (1024, 2048)
 
 
 def decode_contexts(max_model_len: int) -> tuple[int, ...]:

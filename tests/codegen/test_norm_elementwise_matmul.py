@@ -243,29 +243,6 @@ def test_matmul(dtype, mnk):
     close(matmul(x, w, b, epi, config=split), reference(x, w, b, epi), dtype)
 
 
-def test_large_decode_batches_have_a_bucket_of_their_own(monkeypatch):
-    """Linears of 65 to 128 tokens (decode batches) get the "128" bucket, tuned at 128 rows with one 128-row tile
-    per program (w read once) and split-K; longer steps keep "128+", which no compile tunes (cuBLAS). Every
-    "128" candidate at 65 and 128 rows against torch, counters released."""
-    from llmc.codegen.autotune import linear_bucket
-    from llmc.codegen.kernels import check_counters_released
-    assert [linear_bucket(m) for m in (1, 64, 65, 128, 129, 2048)] == ["1", "64", "128", "128", "128+", "128+"]
-    assert m_bucket(100) == "128+"  # the quantized linears' buckets are as they were
-    monkeypatch.setenv("LLMC_LINEAR_128", "0")
-    assert linear_bucket(100) == "128+" and linear_bucket(64) == "64"
-    monkeypatch.delenv("LLMC_LINEAR_128")
-    assert candidates("128") != candidates("128+") and all(c["SPLIT_K"] <= 8 for c in candidates("128"))
-    N, K = 96, 256
-    g = torch.Generator().manual_seed(6)
-    w = rand(N, K, gen=g) / K ** 0.5
-    for m in (65, 128):
-        x = rand(m, K, gen=g)
-        want = reference(x, w)
-        for cfg in candidates("128", shared=False):
-            close(matmul(x, w, config=dict(cfg, BLOCK_K=min(cfg["BLOCK_K"], 64))), want, torch.float32)
-    check_counters_released()
-
-
 # bf16 only compiled: the interpreter runs bf16 dots in fp32, so it would repeat the fp32 case at twice the time
 @pytest.mark.parametrize("dtype", [torch.float32] + ([] if interpreting() else [torch.bfloat16]), ids=str)
 def test_every_decode_candidate_at_a_tiny_models_shape(dtype):

@@ -589,7 +589,7 @@ def test_decode_graphs_per_context_bucket_give_the_eager_runs_tokens(tiny_py_art
     from llmc.runtime import step_graphs
     from llmc.runtime.executor import warm_up_batches
     from llmc.runtime.step_graphs import decode_contexts
-    assert decode_contexts(4096) == (512, 1024, 2048, 4096) and decode_contexts(1500) == (512, 1024, 1500)
+    assert decode_contexts(4096) == (1024, 2048, 4096) and decode_contexts(1500) == (1024, 1500)
     monkeypatch.setenv("LLMC_DECODE_CONTEXT_GRAPHS", "0")
     assert decode_contexts(4096) == (4096,)  # one graph per batch bucket when switched off
     monkeypatch.delenv("LLMC_DECODE_CONTEXT_GRAPHS")
