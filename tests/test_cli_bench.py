@@ -54,7 +54,8 @@ def test_mixed_longest_first_queues_the_longest_output_first(art, monkeypatch):
         for out in stream(self, *args, **kw):
             rid, new = out.request_id, len(out.outputs[0].delta_token_ids)
             if new:  # a prompt chunk that samples nothing is no output yet
-                order += [rid] if rid not in tokens else []
+                if rid not in tokens:
+                    order.append(rid)
                 tokens[rid] = tokens.get(rid, 0) + new
             yield out
     monkeypatch.setattr(LLM, "stream", recording)
