@@ -78,16 +78,16 @@ class KVCache:
         self.device, self.block_size, self.layout = device, block_size, kv_layout(layout)
         caches = kv_cache_inputs(graph)
         # cache name -> (shape without the block dim, dtype); blocks are dim 1 of caches, dim 0 of scales
-        layout: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}
+        shapes: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}
         for c in caches:
             _, _, _, heads, dim = c.type.shape
-            layout[c.name] = ((2, block_size, heads, dim), torch_dtype(c.type.dtype), 1)
+            shapes[c.name] = ((2, block_size, heads, dim), torch_dtype(c.type.dtype), 1)
         for v in graph.inputs:
             if v.name.startswith("kv_scale."):
                 cache = next(c for c in caches if c.name.split(".", 1)[1] == v.name.split(".", 1)[1])
                 width = scale_width(cache.type.shape[4], block_size)
-                layout[v.name] = ((v.type.shape[1], width), torch_dtype(v.type.dtype), 0)
-        per_block = sum(_numel(shape) * dt.itemsize for shape, dt, _ in layout.values())
+                shapes[v.name] = ((v.type.shape[1], width), torch_dtype(v.type.dtype), 0)
+        per_block = sum(_numel(shape) * dt.itemsize for shape, dt, _ in shapes.values())
         if num_blocks is None:
             if device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(device)
@@ -98,10 +98,10 @@ class KVCache:
         self.num_blocks, self.num_cpu_blocks = int(num_blocks), num_cpu_blocks
         self.bytes = per_block * self.num_blocks
         self.tensors = {name: self._zeros(_with_blocks(shape, dim, self.num_blocks), dt, device)
-                        for name, (shape, dt, dim) in layout.items()}
+                        for name, (shape, dt, dim) in shapes.items()}
         self.host = {name: self._zeros(_with_blocks(shape, dim, num_cpu_blocks), dt, torch.device("cpu"),
                                        pin_memory=device.type == "cuda")
-                     for name, (shape, dt, dim) in layout.items()} if num_cpu_blocks else {}
+                     for name, (shape, dt, dim) in shapes.items()} if num_cpu_blocks else {}
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device, pin_memory: bool = False) -> torch.Tensor:
         if len(shape) == 5:  # a K/V cache (scales are [NB, Hkv, W] either way)
