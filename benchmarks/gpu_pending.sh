@@ -132,6 +132,18 @@ requests_for() {  # the mixed workload's requests for a shape: $N_<shape>, else 
     echo "${!n:-$([ "$1" = 1b ] && echo 256 || echo 128)}"
 }
 
+decode_step_with() {  # one engine decode step of shape $1 (batch 128 over 512 and 1,024 keys) under the setting $2
+    # (VAR=value): its kernels appended to $3, its two summary lines, headed by the setting, to $4
+    env "$2" python3 benchmarks/decode_step_profile.py --shape "$1" --artifact "/tmp/art-$1.llmc" --batches 128 \
+        --contexts 512,1024 --out /tmp/dsp >>"$3" 2>&1
+    grep "^==" "$3" | tail -2 | sed "s/^/$2: /" | tee -a "$4"
+}
+
+mixed_with() {  # the issue tool's mixed workload (step_trace.py) of shape $1 under the setting $2: its line to $3
+    env "$2" python3 benchmarks/step_trace.py --shape "$1" --n "$(requests_for "$1")" --max-num-seqs 128 \
+        --artifact "/tmp/art-$1.llmc" --out /tmp/st --no-cprofile 2>&1 | grep "^# $1," | sed "s/^/$2: /" | tee -a "$3"
+}
+
 widened_hf() {  # the widened target as a Hugging Face directory (what widen-check reads)
     [ -f "$WIDE/w8b/widen_info.json" ] && return
     mkdir -p "$WIDE"
@@ -421,14 +433,8 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
             for shape in ${SHAPES:-1b 8b}; do
                 rm -rf /tmp/tmp*
                 for v in 0 1 0 1; do
-                    env $var=$v python3 benchmarks/decode_step_profile.py --shape $shape \
-                        --artifact "/tmp/art-$shape.llmc" --batches 128 --contexts 512,1024 --out /tmp/dsp \
-                        >>"$OUT/step_ab_steps.log" 2>&1
-                    grep "^==" "$OUT/step_ab_steps.log" | tail -2 | sed "s/^/$var=$v: /" | tee -a "$OUT/step_ab.log"
-                    env $var=$v python3 benchmarks/step_trace.py --shape $shape \
-                        --n $(requests_for $shape) --max-num-seqs 128 --artifact "/tmp/art-$shape.llmc" \
-                        --out /tmp/st --no-cprofile 2>&1 | grep "^# $shape," | sed "s/^/$var=$v: /" \
-                        | tee -a "$OUT/step_ab.log"
+                    decode_step_with $shape "$var=$v" "$OUT/step_ab_steps.log" "$OUT/step_ab.log"
+                    mixed_with $shape "$var=$v" "$OUT/step_ab.log"
                 done
             done ;;
         kv-layout)
@@ -443,18 +449,12 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
                 done
                 rm -rf /tmp/tmp*
                 for layout in $(for _ in $(seq 1 "${ROUNDS:-1}"); do echo tokens heads; done); do
-                    LLMC_KV_LAYOUT=$layout python3 benchmarks/decode_step_profile.py --shape $shape \
-                        --artifact "/tmp/art-$shape.llmc" --batches 128 --contexts 512,1024 --out /tmp/dsp \
-                        >>"$OUT/kv_layout_steps.log" 2>&1
-                    grep "^==" "$OUT/kv_layout_steps.log" | tail -2 | sed "s/^/$layout: /" | tee -a "$OUT/kv_layout.log"
+                    decode_step_with $shape "LLMC_KV_LAYOUT=$layout" "$OUT/kv_layout_steps.log" "$OUT/kv_layout.log"
                 done
             done
             for shape in ${MIXED_SHAPES-1b}; do
                 for layout in tokens heads tokens heads; do
-                    LLMC_KV_LAYOUT=$layout python3 benchmarks/step_trace.py --shape $shape \
-                        --n $(requests_for $shape) --max-num-seqs 128 --artifact "/tmp/art-$shape.llmc" \
-                        --out /tmp/st --no-cprofile 2>&1 | grep "^# $shape," | sed "s/^/$layout: /" \
-                        | tee -a "$OUT/kv_layout.log"
+                    mixed_with $shape "LLMC_KV_LAYOUT=$layout" "$OUT/kv_layout.log"
                 done
             done ;;
         load-trace)

@@ -30,8 +30,9 @@ def upload(tensors: dict[str, torch.Tensor], device: torch.device, threads: int 
     the GIL, and a mapped file's pages are read in parallel) and start each buffer's copy to the device on their
     own stream, so host reads and transfers overlap. Returns when every copy has landed. On an H200's host it
     moved an 8B model's 16 GB in 2.28 s, where a plain `.to("cuda")` per tensor took 2.67 s (both under cProfile,
-    benchmarks/RESULTS.md, 2026-12-05): reading the mapped file, beside the load's hash check, bounds both. Elsewhere than a GPU (or a tensor that is not contiguous) it is `.to(device)`;
-    `staged` forces the threads' path either way (tests run it on the CPU, without pinned memory or streams).
+    benchmarks/RESULTS.md, 2026-12-05): reading the mapped file, beside the load's hash check, bounds both.
+    Elsewhere than a GPU (or a tensor that is not contiguous) it is `.to(device)`; `staged` forces the threads'
+    path either way (tests run it on the CPU, without pinned memory or streams).
     """
     device = torch.device(device)
     staged = device.type == "cuda" if staged is None else staged
