@@ -60,6 +60,8 @@
 #                                                     #   with the argmax row on one program or split;
 #                                                     #   VAR=LLMC_PDL, VAR=LLMC_PDL_PREFETCH likewise;
 #                                                     #   VAR=LLMC_GC_FREEZE: the heap frozen at load or not;
+#                                                     #   SHAPE=1b WORKLOADS="decode mixed" VAR=LLMC_SILU_EPILOGUE:
+#                                                     #   the SwiGLU product after the gate/up matmul, or in it;
 #                                                     #   ROUNDS, default 2; N mixed requests, default 128)
 #   BASE=.bench_base bash benchmarks/gpu_pending.sh OUT tree-ab  # this tree against an older llmc under BASE
 #                                                     #   (`git archive COMMIT llmc | tar -x -C BASE`), alternating:

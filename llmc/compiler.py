@@ -17,7 +17,7 @@ from llmc.codegen import triton_setup
 from llmc.codegen.precompile import CompilePool, tune_processes
 from llmc.errors import CompileError
 from llmc.ir.graph import Graph
-from llmc.ir.ops import linear_weight_inputs
+from llmc.ir.ops import FLOAT_LINEARS, linear_weight_inputs
 from llmc.passes.manager import Pass, PassContext, PassManager
 from llmc.artifact import MANIFEST, Artifact, ArtifactWriter
 
@@ -267,7 +267,7 @@ def _budget_linears(graph: Graph, tuner, device: str = "cuda"):
     shapes: collections.Counter = collections.Counter()
     quantized: dict = {}
     for n in graph.nodes:
-        if n.op in ("linear", "linear_act", "silu_mul_linear"):
+        if n.op in FLOAT_LINEARS:
             w = graph.weights[linear_weight_inputs(n)[0].name]
             if w.dtype in (torch.bfloat16, torch.float16) and int(w.shape[0]) != vocab:
                 shapes[(int(w.shape[0]), int(w.shape[1]), w.dtype)] += 1
@@ -428,37 +428,39 @@ def _tune_linears(graph: Graph, tuner, bar, device: str = "cuda") -> None:
     from llmc.codegen.autotune import M_BUCKETS, Tuner, run_on_threads
     from llmc.codegen.lower import ACT_EPILOGUE
     seen: set = set()
-    linears = []  # (weight on the device, bias, epilogue, whether the SwiGLU product is its prologue)
+    # (weight on the device, bias, epilogue, whether the SwiGLU product is its prologue, or its epilogue)
+    linears = []
     for n in graph.nodes:
         if n.op in ("qlinear", "qlinear_codes"):
             _tune_qlinear(graph, n, tuner, seen, bar, device)
-        if n.op not in ("linear", "linear_act", "silu_mul_linear"):
+        if n.op not in FLOAT_LINEARS:
             continue
         wv, bv = linear_weight_inputs(n)
         w = graph.weights[wv.name]
         b = graph.weights[bv.name].to(device) if bv is not None else None
         epi = ACT_EPILOGUE[n.attrs["act"]] if n.op == "linear_act" else ()
-        pro = n.op == "silu_mul_linear"
-        key = (tuple(w.shape), w.dtype, b is not None, epi, pro)
+        pro, gated = n.op == "silu_mul_linear", n.op == "linear_silu_mul"
+        key = (tuple(w.shape), w.dtype, b is not None, epi, pro, gated)
         if key not in seen:
             seen.add(key)
-            linears.append((w.to(device), b, epi, pro))
+            linears.append((w.to(device), b, epi, pro, gated))
     if not linears:
         return
     # x [m, K], or gate and up as the halves of one [m, 2K] (a fused gate/up projection's output)
     xs = {(m, k, dt, pro): torch.randn(m, 2 * k if pro else k, dtype=dt, device=device)
-          for m in M_BUCKETS[:-1] for k, dt, pro in {(int(w.shape[1]), w.dtype, pro) for w, _, _, pro in linears}}
+          for m in M_BUCKETS[:-1] for k, dt, pro in {(int(w.shape[1]), w.dtype, pro) for w, _, _, pro, _ in linears}}
 
-    def call(w, b, epi, pro, m, tuner):
+    def call(w, b, epi, pro, gated, m, tuner):
         K, x = int(w.shape[1]), xs[(m, int(w.shape[1]), w.dtype, pro)]
-        return mm.linear(x[:, :K], w, b, epi, tuner=tuner, up=x[:, K:] if pro else None)
+        return mm.linear(x[:, :K], w, b, epi, tuner=tuner, up=x[:, K:] if pro else None, gated=gated)
     if isinstance(tuner, Tuner):
         recorded = Tuner(tuner.records, tuner.device, frozen=True, joint=tuner.joint)
         bar.step(f"compiling the recorded choices of {len(linears)} linear shapes")
         run_on_threads([functools.partial(call, *lin, m, recorded) for lin in linears for m in M_BUCKETS[:-1]],
                        shared_kernels=True)
     for lin in linears:
-        bar.step(f"tuning linear {list(lin[0].shape)}" + (" (SwiGLU prologue)" if lin[3] else ""))
+        bar.step(f"tuning linear {list(lin[0].shape)}" + (" (SwiGLU prologue)" if lin[3] else "")
+                 + (" (SwiGLU epilogue)" if lin[4] else ""))
         for m in M_BUCKETS[:-1]:
             call(*lin, m, tuner)
 

@@ -121,7 +121,8 @@ def test_plugin_defines_a_users_op(llama_dir, llama_artifact, tmp_path, monkeypa
     plugin = tmp_path / "my_op.py"
     plugin.write_text(PLUGIN)
     art = tmp_path / "custom.llmc"
-    code, out = cli("compile", llama_dir, "-o", art, "--pass", f"{plugin}:UseIt")
+    code, out = cli("compile", llama_dir, "-o", art, "--pass", f"{plugin}:UseIt", "--pass-before",
+                    "fuse_linear_epilogue")
     assert code == 0, out
     monkeypatch.delitem(ops.OPS, "cli_test_swiglu")  # a fresh process: only llmc's own ops
     for cmd in (["run", art, "--prompt", PROMPT], ["inspect", art]):
@@ -146,7 +147,8 @@ def test_parallel_workers_import_the_users_ops(llama_dir, llama_artifact, tmp_pa
     plugin = tmp_path / "my_op.py"
     plugin.write_text(PLUGIN)
     art = tmp_path / "custom.llmc"
-    code, out = cli("compile", llama_dir, "-o", art, "--pass", f"{plugin}:UseIt")
+    code, out = cli("compile", llama_dir, "-o", art, "--pass", f"{plugin}:UseIt", "--pass-before",
+                    "fuse_linear_epilogue")
     assert code == 0, out
     code, want = cli("run", llama_artifact.path, "--prompt", PROMPT, "--max-tokens", 5, "--json", *FAST)
     code, out = cli("run", art, "--plugin", plugin, "-tp", 2, "--prompt", PROMPT, "--max-tokens", 5, "--json",

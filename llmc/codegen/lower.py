@@ -246,7 +246,8 @@ class Plan:
             return None
         wv, bv = linear_weight_inputs(n)
         w = wv.type
-        spec = mm.MatmulSpec(w.dtype, bv is not None, tuple(epilogue), "silu_mul" if n.op == "silu_mul_linear" else "")
+        spec = mm.MatmulSpec(w.dtype, bv is not None, tuple(epilogue), "silu_mul" if n.op == "silu_mul_linear" else "",
+                             n.op == "linear_silu_mul")
         key = spec.key(int(w.shape[0]), int(w.shape[1]))
         best = None
         for b in M_BUCKETS[:-1]:
@@ -280,13 +281,38 @@ class Plan:
             if tuner is not None:
                 return mm.linear(g, w, b, tuner=tuner, out=out, up=u, prologue=prologue)
             return mm.reference(mm.silu_mul_product(g, u), w, b, out=out)
-        kernel, spec = "triton:fused_elementwise+cublas", ""
-        tuned = self._tuned_buckets(n, ()) if not use_triton else None
-        if use_triton:
-            kernel, spec = "triton:matmul", "silu_mul prologue" if prologue else "silu_mul kernel first"
+        return self._swiglu_step(n, fn, "prologue" if prologue else "kernel first", ("fused_elementwise", "cublas"))
+
+    def _op_linear_silu_mul(self, n):
+        """A gate/up projection with the SwiGLU product in its epilogue (fuse_linear_epilogue): the generated
+        matmul keeps a gate and an up accumulator per tile and writes silu(gate) * up; where cuBLAS runs the
+        shape (tuning.json, or no tuning), the product kernel runs after it, as unfused. LLMC_SILU_EPILOGUE=0
+        (read when a plan is built) runs the product kernel after the matmul everywhere, with the same tiles:
+        the unfused form, to compare with."""
+        from llmc.codegen import matmul as mm
+        tuner, use_triton = self.tuner, self.triton_matmul
+        fused = os.environ.get("LLMC_SILU_EPILOGUE", "1") != "0"
+
+        def fn(x, h, out=None):
+            b = x[2] if len(x) > 2 else None
+            if use_triton:
+                return mm.matmul(x[0], x[1], b, out=out, gated=True) if fused else mm.swiglu_of(
+                    mm.matmul(x[0], x[1], b), out)
+            if tuner is not None:
+                return mm.linear(x[0], x[1], b, tuner=tuner, out=out, gated=True, fused=fused)
+            return mm.reference(x[0], x[1], b, out=out, gated=True)
+        return self._swiglu_step(n, fn, "epilogue" if fused else "kernel after", ("cublas", "fused_elementwise"))
+
+    def _swiglu_step(self, n, fn, where: str, unfused: tuple[str, str]) -> Step:
+        """The step of a linear with the SwiGLU product fused into it (`where`: its place, as `inspect
+        --kernels` says), listed as the generated matmul where it runs, else as the `unfused` pair of kernels."""
+        library = "+".join(unfused)
+        kernel, spec = library.replace("fused_elementwise", "triton:fused_elementwise"), ""
+        tuned = self._tuned_buckets(n, ()) if not self.triton_matmul else None
+        if self.triton_matmul:
+            kernel, spec = "triton:matmul", f"silu_mul {where}"
         elif tuned:
-            kernel = "triton:matmul|fused_elementwise+cublas"
-            spec = f"silu_mul {'prologue' if prologue else 'kernel first'}: triton for M<={tuned}, cublas above"
+            kernel, spec = f"triton:matmul|{library}", f"silu_mul {where}: triton for M<={tuned}, cublas above"
         return Step(n, fn, kernel, spec, into=lambda x, h, outs: fn(x, h, outs[0]))
 
     def _op_qlinear(self, n):

@@ -63,16 +63,20 @@ class MatmulSpec(KernelSpec):
     has_bias: bool
     epilogue: tuple = ()
     prologue: str = ""
+    gated: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         object.__setattr__(self, "epilogue", _norm_epilogue(self.epilogue))
         if self.prologue not in PROLOGUES:
             raise CompileError(f"matmul prologue: {self.prologue!r} is not one of {PROLOGUES}")
+        if self.gated and (self.epilogue or self.prologue):
+            raise CompileError("matmul: the SwiGLU epilogue (gated) takes no other epilogue op and no prologue")
 
     def key(self, n: int, k: int) -> str:
-        """The autotune key: this kernel at a static weight shape [n, k]."""
+        """The autotune key: this kernel at a static weight shape [n, k] (gated: n is the gate and up rows)."""
         epi = "+".join(op + "".join(f"[{k_}={v}]" for k_, v in at) for op, at in self.epilogue) or "none"
+        epi = "silu_mul" if self.gated else epi
         pro = f",prologue={self.prologue}" if self.prologue else ""
         return f"matmul[{self.dtype},bias={int(self.has_bias)},epilogue={epi}{pro}]N{n}K{k}"
 
@@ -81,12 +85,12 @@ class MatmulSpec(KernelSpec):
         lines = [f"acc = {op_expr(op, ['acc'], dict(at), helpers)}" for op, at in self.epilogue]
         # the interpreter's tl.dot runs np.matmul on bf16's raw uint16 bits: feed it fp32 there
         # fp32 on the GPU: "ieee" keeps full precision (tf32 would miss the 1e-4 tolerance)
-        if self.dtype == "bf16" and interpreting():
-            dot = "tl.dot(a.to(tl.float32), b.to(tl.float32), acc)"
-        elif self.dtype == "f32":
-            dot = 'tl.dot(a, b, acc, input_precision="ieee")'
-        else:
-            dot = "tl.dot(a, b, acc)"
+        def dot(b: str) -> str:
+            if self.dtype == "bf16" and interpreting():
+                return f"tl.dot(a.to(tl.float32), {b}.to(tl.float32), acc)"
+            if self.dtype == "f32":
+                return f'tl.dot(a, {b}, acc, input_precision="ieee")'
+            return f"tl.dot(a, {b}, acc)"
         e = torch_dtype(self.dtype).itemsize
         bytes_comment = (f"bytes: w read once ({e}NK), x ({e}MK, from L2 per N tile), y written once ({e}MN); "
                          f"unfused, each of the {len(self.epilogue) + self.has_bias} epilogue ops would read and "
@@ -94,9 +98,13 @@ class MatmulSpec(KernelSpec):
         summary = ("(silu(gate) * up)" if self.prologue else "x") + " @ w.T" + (" + b" if self.has_bias else "")
         for op, _ in self.epilogue:
             summary = f"{op}({summary})"
+        if self.gated:
+            summary = f"silu(gate) * up of [gate | up] = {summary}"
         # the product as the unfused elementwise kernel computes and stores it (fp32, then x's dtype)
         prologue_expr = cast_expr(op_expr("silu_mul", ["g", "u"], {}, helpers), self.dtype) if self.prologue else ""
-        return {"has_bias": self.has_bias, "epilogue_lines": lines, "dot": dot, "max_m_tiles": MAX_M_TILES,
+        return {"has_bias": self.has_bias, "epilogue_lines": lines, "dot": dot("b"), "max_m_tiles": MAX_M_TILES,
+                "gated": self.gated, "dot_up": dot("bu"), "gate_round": cast_expr("acc", self.dtype),
+                "up_round": cast_expr("accu", self.dtype), "glu_expr": op_expr("silu_mul", ["g", "u"], {}, helpers),
                 "prologue": self.prologue, "prologue_expr": prologue_expr,
                 "pdl_defer": PDL_PREFETCH, "line_elems": 128 // e, "prefetch_lines": PREFETCH_LINES,
                 "bytes_comment": bytes_comment, "store_cast": cast_expr("acc", self.dtype), "summary": summary,
@@ -128,11 +136,18 @@ def candidates(bucket: str, shared: bool = True) -> list[dict]:
             _cfg(64, 64, 64, 1, 4, 4), _cfg(128, 256, 64, 1, 8, 3), _cfg(64, 256, 64, 1, 8, 3)]
 
 
-def silu_mul_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul_product(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up by the generated elementwise kernel, as the unfused graph computes it: the input
-    of a `silu_mul_linear` step that runs on cuBLAS (a prologue has no place there)."""
+    of a `silu_mul_linear` step that runs on cuBLAS (a prologue has no place there), and the output of a
+    `linear_silu_mul` step that does (`out`: a contiguous tensor of gate's shape to write it into)."""
     from llmc.codegen.elementwise import fused_elementwise
-    return fused_elementwise(_silu_mul_spec(dtype_name(gate.dtype)), [gate, up])[0]
+    return fused_elementwise(_silu_mul_spec(dtype_name(gate.dtype)), [gate, up], None if out is None else [out])[0]
+
+
+def swiglu_of(y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up of a gate/up projection's output y = [gate | up] (the product kernel)."""
+    half = y.shape[-1] // 2
+    return silu_mul_product(y[..., :half], y[..., half:], out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,10 +157,13 @@ def _silu_mul_spec(dtype: str):
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = (),
-              out: torch.Tensor | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, up: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """The same computation with torch (cuBLAS on the GPU) and the IR ops' reference implementations.
     `out`: a contiguous [..., N] tensor to write y into. `up`: x is the gate of silu(x) * up, formed in
-    fp32 and rounded to x's dtype once (as the generated kernels form it)."""
+    fp32 and rounded to x's dtype once (as the generated kernels form it). `gated`: y is silu(gate) * up
+    of [gate | up] = x @ w.T + b, by the product kernel (as the unfused graph runs it)."""
+    if gated:
+        return swiglu_of(reference(x, w, b), out)
     if up is not None:
         x = (F.silu(x.float()) * up.float()).to(x.dtype)
     if out is not None and not epilogue and x.is_contiguous():
@@ -186,11 +204,11 @@ def _launch(spec: MatmulSpec, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor
             cfg: dict, u2: torch.Tensor | None = None) -> None:
     mod = compiled(spec)
     M, K = x2.shape
-    N = w.shape[0]
+    N = w.shape[0] // 2 if spec.gated else w.shape[0]  # the output's columns
     split_k = cfg["SPLIT_K"]
     mt = m_tiles(M, cfg["BLOCK_M"])
     grid = (cdiv(M, cfg["BLOCK_M"] * mt), cdiv(N, cfg["BLOCK_N"]), split_k)
-    ws = torch.empty((split_k, M, N) if split_k > 1 else (1,), dtype=torch.float32, device=x2.device)
+    ws = torch.empty((split_k, M, w.shape[0]) if split_k > 1 else (1,), dtype=torch.float32, device=x2.device)
     counts = tile_counters(x2.device, grid[0] * grid[1]) if split_k > 1 else ws
     bias = (b,) if spec.has_bias else ()
     pre = prefetch_columns(M, K, grid, cfg, x2.element_size()) if PDL_PREFETCH else 0
@@ -208,8 +226,9 @@ def _rows(t: torch.Tensor, K: int) -> torch.Tensor:
 
 def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = (), *,
            tuner: Tuner | None = None, config: dict | None = None, out: torch.Tensor | None = None,
-           up: torch.Tensor | None = None) -> torch.Tensor:
-    """y = epilogue(x @ w.T + b) with a generated Triton kernel; with `up`, y = epilogue((silu(x) * up) @ w.T + b).
+           up: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """y = epilogue(x @ w.T + b) with a generated Triton kernel; with `up`, y = epilogue((silu(x) * up) @ w.T + b);
+    `gated`, y = silu(gate) * up of [gate | up] = x @ w.T + b.
 
     Args:
         x: [..., K] activations (any row stride, unit column stride).
@@ -224,9 +243,11 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
         up: x's shape and dtype: x is then the gate of the SwiGLU product, which the kernel forms as it loads
             each tile (rounded to x's dtype, as the product kernel stores it). Typically x and up are the two
             halves of a fused gate/up projection's output, so they share a row stride.
+        gated: w (and b) hold N gate rows, then N up rows: the SwiGLU product in the epilogue (`linear_silu_mul`),
+            gate and up each rounded to x's dtype first, as the unfused projection stores them.
 
     Returns:
-        y [..., N] of x's dtype.
+        y [..., N] of x's dtype (gated: [..., N / 2] for w of N rows).
 
     Example:
         >>> y = matmul(torch.randn(3, 64), torch.randn(32, 64), torch.randn(32), ("silu",))
@@ -236,7 +257,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
     assert w.dim() == 2 and w.shape[1] == K, f"matmul: weight {list(w.shape)} does not match x's last dim {K}"
     assert w.dtype == x.dtype and (b is None or (b.shape == (N,) and b.dtype == x.dtype)), "matmul: mixed dtypes"
     assert up is None or (up.shape == x.shape and up.dtype == x.dtype), "matmul: up differs from x"
-    spec = MatmulSpec(dtype_name(x.dtype), b is not None, tuple(epilogue), "silu_mul" if up is not None else "")
+    assert not gated or N % 2 == 0, f"matmul: a gated weight has gate and up rows, not {N}"
+    spec = MatmulSpec(dtype_name(x.dtype), b is not None, tuple(epilogue), "silu_mul" if up is not None else "", gated)
     x2 = _rows(x, K)
     u2 = _rows(up, K) if up is not None else None
     if u2 is not None and u2.stride(0) != x2.stride(0):  # the kernel steps both by x's row stride
@@ -244,12 +266,13 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
     w = w if w.stride(-1) == 1 else w.contiguous()
     b = b.contiguous() if b is not None else None
     M = x2.shape[0]
-    y = out if out is not None else torch.empty(x.shape[:-1] + (N,), dtype=x.dtype, device=x.device)
+    n_out = N // 2 if gated else N
+    y = out if out is not None else torch.empty(x.shape[:-1] + (n_out,), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    y2 = y.view(-1, N)
+    y2 = y.view(-1, n_out)
     if K == 0:
-        return y.copy_(reference(x, w, b, epilogue, up=up))
+        return y.copy_(reference(x, w, b, epilogue, up=up, gated=gated))
     if config is None and tuner is None:
         config = candidates(m_bucket(M))[0]
     elif config is None:
@@ -260,10 +283,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
             bench = lambda cfg: [_launch(spec, xi[:, :K], w, b, yi, cfg, xi[:, K:]) for xi, yi in io()]
             baseline = lambda: [reference(silu_mul_product(xi[:, :K], xi[:, K:]), w, b, spec.epilogue)
                                 for xi, _ in io()]
-        else:
+        else:  # gated: the unfused baseline writes the [m, N] projection, then the product kernel its half
             io = timing_io(group, K, N, x2.dtype, x2.device)
-            bench = lambda cfg: [_launch(spec, xi, w, b, yi, cfg) for xi, yi in io()]
-            baseline = lambda: [reference(xi, w, b, spec.epilogue) for xi, _ in io()]
+            bench = lambda cfg: [_launch(spec, xi, w, b, yi[:, :n_out], cfg) for xi, yi in io()]
+            baseline = lambda: [reference(xi, w, b, spec.epilogue, gated=gated) for xi, _ in io()]
         config = tuner.choose(spec.key(N, K), group, candidates(bucket, len(group) > 1), bench=bench,
                               baseline=baseline, margin=JOINT_MARGIN if len(group) > 1 else 0.97)
     _launch(spec, x2, w, b, y2, config, u2)
@@ -272,18 +295,23 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epilogue: Sequence = (), *,
            tuner: Tuner | None = None, out: torch.Tensor | None = None, up: torch.Tensor | None = None,
-           prologue: bool = True) -> torch.Tensor:
+           prologue: bool = True, gated: bool = False, fused: bool = True) -> torch.Tensor:
     """`matmul`, or cuBLAS (torch) where the tuner recorded that cuBLAS is faster for this shape bucket,
     or where a frozen tuner (an artifact's) has no record for it. With `up` the cuBLAS path runs the SwiGLU
     product kernel first (`silu_mul_product`), so both paths give the same x; `prologue=False` does so on
-    the generated path too, with the tiles tuned for the prologue (the unfused form, to compare with)."""
+    the generated path too, with the tiles tuned for the prologue (the unfused form, to compare with).
+    `gated`: the cuBLAS path runs the product kernel after the projection; `fused=False` does so on the
+    generated path too, with the tiles tuned for the gated kernel (the unfused form, to compare with)."""
     rec, M = None, x.numel() // max(1, x.shape[-1])
     if tuner is not None:
-        spec = MatmulSpec(dtype_name(x.dtype), b is not None, tuple(epilogue), "silu_mul" if up is not None else "")
+        spec = MatmulSpec(dtype_name(x.dtype), b is not None, tuple(epilogue), "silu_mul" if up is not None else "",
+                          gated)
         rec = tuner.lookup(spec.key(w.shape[0], w.shape[1]), m_bucket(M))
         if rec.prefer_cublas if rec is not None else tuner.frozen:
-            return reference(x if up is None else silu_mul_product(x, up), w, b, epilogue, out)
-    if up is not None and not prologue:
-        return matmul(silu_mul_product(x, up), w, b, epilogue, out=out,
-                      config=dict(rec.config) if rec is not None else candidates(m_bucket(M))[0])
-    return matmul(x, w, b, epilogue, tuner=tuner, out=out, up=up)
+            return reference(x if up is None else silu_mul_product(x, up), w, b, epilogue, out, gated=gated)
+    if (up is not None and not prologue) or (gated and not fused):
+        cfg = dict(rec.config) if rec is not None else candidates(m_bucket(M))[0]
+        if gated:
+            return swiglu_of(matmul(x, w, b, config=cfg), out)
+        return matmul(silu_mul_product(x, up), w, b, epilogue, out=out, config=cfg)
+    return matmul(x, w, b, epilogue, tuner=tuner, out=out, up=up, gated=gated)

@@ -490,6 +490,29 @@ register_op("silu_mul_linear", "nn", ("gate", "up", "weight", "bias?"), _silu_mu
             traits=("no_fold",))
 
 
+def _linear_silu_mul_infer(ts, a):
+    w = ts[1]
+    if w.rank == 2 and isinstance(w.shape[0], int) and w.shape[0] % 2:
+        raise IRError(f"linear_silu_mul: weight {w} has an odd number of rows (gate rows, then as many up rows)")
+    y = _linear_infer(ts, a)
+    return y.with_shape(y.shape[:-1] + (w.shape[0] // 2,))
+
+
+def _linear_silu_mul_ref(x, a, env):
+    y = F.linear(x[0], x[1], x[2] if len(x) > 2 else None)
+    half = y.shape[-1] // 2
+    return get_op("silu_mul").ref([y[..., :half], y[..., half:]], {}, env)
+
+
+# not a "linear" by trait: its output is half the weight's rows wide (generic passes take a linear's output
+# width for the weight's rows); tensor parallelism unfuses it first (llmc/ir/sharding.py)
+register_op("linear_silu_mul", "nn", ("x", "weight", "bias?"), _linear_silu_mul_infer, _linear_silu_mul_ref,
+            doc="silu(gate) * up of y = x @ weight.T + bias, gate and up the first and second half of y's columns "
+            "(weight: the gate rows, then the up rows): a fused gate/up projection with the SwiGLU product in "
+            "its epilogue (gate and up rounded to x's dtype first, as the unfused projection stores them)",
+            traits=("no_fold",))
+
+
 def _moe_infer(ts, a):
     x, router, gate_up, down = ts
     H = x.shape[-1]
@@ -531,9 +554,13 @@ def _qlinear_operands(x: list, a: dict) -> tuple:
     return qw, sc, zeros, bias
 
 
+# the ops that multiply float activations by a float weight matrix (`linear_weight_inputs` reads their weight)
+FLOAT_LINEARS = ("linear", "linear_act", "silu_mul_linear", "linear_silu_mul")
+
+
 def linear_weight_inputs(n) -> tuple:
-    """(weight, bias or None): the weight operands (Values) of a `linear` or `linear_act` node, or of a
-    `silu_mul_linear` node, whose first two inputs are the SwiGLU product's gate and up."""
+    """(weight, bias or None): the weight operands (Values) of a `linear`, `linear_act` or `linear_silu_mul`
+    node, or of a `silu_mul_linear` node, whose first two inputs are the SwiGLU product's gate and up."""
     rest = n.inputs[2 if n.op == "silu_mul_linear" else 1:]
     return rest[0], rest[1] if len(rest) > 1 else None
 

@@ -163,7 +163,8 @@ def shard_graph(g: Graph, tp_size: int, rank: int, expert_parallel: bool = False
         return g
     from llmc.ir.act_quant import unfuse_act_quant
     unfuse_act_quant(g)  # W8A8 / FP8 linears quantize their own (on a row-parallel linear: sliced) input
-    unfuse_silu_mul_linear(g)  # the MLP rule reads silu_mul -> linear (a shard keeps the product kernel)
+    unfuse_silu_mul_linear(g)  # the MLP rule reads linear -> slices -> silu_mul -> linear (a shard keeps the
+    unfuse_linear_silu_mul(g)  # product kernel, and its gate/up projection takes its rows of both halves)
     return plan_sharding(g, tp_size, expert_parallel).apply(rank)
 
 
@@ -177,6 +178,27 @@ def unfuse_silu_mul_linear(g: Graph) -> int:
         lin = g.make_node("linear", [act.outputs[0], *n.inputs[2:]], {}, meta=n.meta)
         g.insert_before(n, lin)
         g.replace_uses(n.outputs[0], lin.outputs[0])
+        g.remove_nodes([n])
+    return len(fused)
+
+
+def unfuse_linear_silu_mul(g: Graph) -> int:
+    """Each `linear_silu_mul` (fuse_linear_epilogue) back to the gate/up `linear`, its two halves and `silu_mul`,
+    in place (exact: the fused op is defined as that composition); returns how many were unfused."""
+    fused = [n for n in g.nodes if n.op == "linear_silu_mul"]
+    for n in fused:
+        lin = g.make_node("linear", list(n.inputs), {}, meta=n.meta)
+        g.insert_before(n, lin)
+        y = lin.outputs[0]
+        dim, width = y.type.rank - 1, int(y.type.shape[-1])
+        halves = []
+        for start, end in ((0, width // 2), (width // 2, width)):
+            half = g.make_node("slice", [y], {"dim": dim, "start": start, "end": end, "step": 1}, meta=n.meta)
+            g.insert_before(n, half)
+            halves.append(half.outputs[0])
+        act = g.make_node("silu_mul", halves, {}, meta=n.meta)
+        g.insert_before(n, act)
+        g.replace_uses(n.outputs[0], act.outputs[0])
         g.remove_nodes([n])
     return len(fused)
 

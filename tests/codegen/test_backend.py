@@ -46,7 +46,7 @@ def test_hot_ops_lower_to_generated_kernels(llama_artifact):
     assert kinds["add_rms_norm"] == "triton:rms_norm+residual"
     assert kinds["rope_kv_write"] == "triton:rope_kv_write"
     assert kinds["attend_paged"] == "triton:paged_attention"
-    assert kinds["silu_mul"] == "triton:fused_elementwise"
+    assert kinds["linear_silu_mul"] == "triton:matmul" and "silu_mul" not in kinds  # the SwiGLU epilogue
     assert kinds["linear"] == "triton:matmul"
     assert kernels_per_layer(plan)["layers"] == 2
 

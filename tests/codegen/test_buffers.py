@@ -46,8 +46,9 @@ def test_plan_packs_values_by_lifetime(llama_artifact):
     assert not outputs & set(bp.buffers), "graph outputs must not live in the arena"
     for T in (1, 7, 64, 65, 300, 4097):
         stats = _check_layout(bp, {"T": T, "N": 2, "L": 2})
-        # near the lower bound (bucketing adds at most 12.5%, alignment a little), far below no reuse
-        assert stats["arena_bytes"] <= 1.15 * stats["peak_live_bytes"] + 256 * stats["values"], stats
+        # near the lower bound (the packing of this graph's values within 1.25x of it; bucketing adds at most
+        # 12.5%, alignment a little), far below no reuse
+        assert stats["arena_bytes"] <= 1.25 * 1.125 * stats["peak_live_bytes"] + 256 * stats["values"], stats
         if T >= 64:  # (tiny values below: the 256-byte alignment dominates)
             assert stats["arena_bytes"] * 4 < stats["unshared_bytes"], stats
     # bindings in one bucket share a placement; each binding gets its exact sizes
@@ -97,14 +98,15 @@ def test_planned_kernels_write_into_the_arena(llama_artifact):
 
 
 def test_the_swiglu_prologue_shrinks_the_arena(tmp_path):
-    """With the SwiGLU product formed in the down projection's prologue (the opt-in fuse_linear_prologue) no
-    [T, I] product is stored: at Llama's MLP width (I = 4H, bf16) the arena is about a quarter smaller."""
+    """With the SwiGLU product formed in the down projection's prologue (the opt-in fuse_linear_prologue, before
+    fuse_linear_epilogue, which would form it in the gate/up projection's epilogue) no [T, I] product is
+    stored: at Llama's MLP width (I = 4H, bf16) the arena is about a quarter smaller."""
     import llmc
     from llmc.ir.sharding import unfuse_silu_mul_linear
     from llmc.passes.fuse_linear_prologue import FuseLinearPrologue
     from tests.distributed.conftest import make_llama
     art = llmc.compile(make_llama(tmp_path, "l", 4, 2, False, intermediate=4 * 48, layers=2), None, dtype="bfloat16",
-                       passes=[FuseLinearPrologue()])
+                       passes=[FuseLinearPrologue()], before="fuse_linear_epilogue")
     plain = art.graph.clone()
     assert unfuse_silu_mul_linear(plain) == 2
     for T in (64, 2048):

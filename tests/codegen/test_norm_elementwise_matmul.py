@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from llmc.codegen import autotune
 from llmc.codegen import matmul as mm
@@ -327,6 +328,36 @@ def test_silu_mul_prologue_equals_the_product_kernel_then_the_matmul(dtype, m):
     assert MatmulSpec("bf16", False, (), "silu_mul").key(N, K) != MatmulSpec("bf16", False, ()).key(N, K)
     with pytest.raises(CompileError, match="prologue"):
         MatmulSpec("f32", False, (), "gelu_mul")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 17, 70])  # one row tile; row tiles in one program; one tile per program
+def test_swiglu_epilogue_equals_the_matmul_then_the_product_kernel(dtype, m):
+    """The SwiGLU product in a gate/up projection's epilogue (linear_silu_mul) gives the bits of the plain
+    matmul on the same tiles followed by the product kernel, with a bias and with split-K (its partials of
+    both halves in one workspace), and matches the torch reference; the cuBLAS path and the unfused generated
+    path (fused=False) form the same product after the projection."""
+    g = torch.Generator().manual_seed(m)
+    K, N = 96, 40
+    x = rand(m, K, dtype=dtype, gen=g)
+    w, b = (rand(2 * N, K, gen=g) / K ** 0.5).to(dtype), rand(2 * N, dtype=dtype, gen=g)
+    for cfg in (None, dict(candidates("1")[6], BLOCK_K=32)):  # the default tiles; 4 splits of K
+        for bias in (None, b):
+            fused = matmul(x, w, bias, config=cfg, gated=True)
+            assert fused.shape == (m, N)
+            assert torch.equal(fused, mm.swiglu_of(matmul(x, w, bias, config=cfg)))
+            close(fused, reference(x, w, bias, gated=True), dtype)
+    y = reference(x, w, b)
+    torch.testing.assert_close(reference(x, w, b, gated=True).float(),
+                               (F.silu(y[:, :N].float()) * y[:, N:].float()).to(dtype).float())
+    close(mm.linear(x, w, b, tuner=Tuner(frozen=True), gated=True), reference(x, w, b, gated=True), dtype)
+    assert torch.equal(mm.linear(x, w, b, gated=True, fused=False), mm.swiglu_of(matmul(x, w, b)))
+    out = torch.empty(m, N, dtype=dtype)
+    assert mm.linear(x, w, b, gated=True, out=out) is out and torch.equal(out, matmul(x, w, b, gated=True))
+    # the epilogue is part of the kernel's identity and its tuning key; it takes no other epilogue op
+    assert MatmulSpec("bf16", False, (), "", True).key(2 * N, K) != MatmulSpec("bf16", False, ()).key(2 * N, K)
+    with pytest.raises(CompileError, match="gated"):
+        MatmulSpec("f32", False, ("silu",), "", True)
 
 
 def test_matmul_leading_dims_and_strided_rows():

@@ -89,6 +89,7 @@ from llmc.codegen.matmul import MatmulSpec
 from llmc.codegen.norm import RmsNormSpec
 
 mm = load(MatmulSpec("bf16", False, ()), pdl=True)
+glu = load(MatmulSpec("bf16", True, (), "", True), pdl=True)  # the SwiGLU epilogue, with a bias
 assert isinstance(mm.matmul_kernel, PDLKernel) and isinstance(mm._finish, JITFunction), "only kernels wrapped"
 assert isinstance(load(MatmulSpec("bf16", False, ()), pdl=False).matmul_kernel, JITFunction)
 norm = load(RmsNormSpec(256, "bf16", True), pdl=True).rms_norm_kernel.fn
@@ -107,6 +108,10 @@ cases = attn + [
       "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32",
       "prefetch_k": "i32"},
      {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "M_TILES": 1}),
+    (glu.matmul_kernel.fn, {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
+      "count_ptr": "*i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32",
+      "K": "i32", "prefetch_k": "i32"},
+     {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "M_TILES": 4}),
     (norm, {"x_ptr": "*bf16", "r_ptr": "*bf16", "h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
             "stride_x": "i32", "stride_r": "i32", "stride_h": "i32", "stride_out": "i32", "eps": "fp32"},
      {"BLOCK": 256}),
@@ -143,8 +148,8 @@ print("ok")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "1") == "0", reason="the child compiles; a GPU run has the "
                                                                           "real launches")
 def test_compiled_for_hopper_the_wait_precedes_every_memory_access():
-    """Kernels compiled here for sm_90 (the matmul, the norm, prefill attention over bf16 and int8 caches): each
-    compiles, and its one wait comes before any memory access."""
+    """Kernels compiled here for sm_90 (the matmul, also with the SwiGLU epilogue, the norm, prefill attention
+    over bf16 and int8 caches): each compiles, and its one wait comes before any memory access."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-3000:]

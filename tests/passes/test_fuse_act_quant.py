@@ -117,11 +117,11 @@ def test_linears_compile_their_recorded_choices_on_threads_before_tuning(llama_d
     from llmc import compiler
     from llmc.codegen import matmul as mm
     from llmc.codegen.autotune import M_BUCKETS, Tuner
-    from llmc.ir.ops import linear_weight_inputs
+    from llmc.ir.ops import FLOAT_LINEARS, linear_weight_inputs
     art = llmc.compile(llama_dir, tmp_path / "f32.llmc")
     calls, lock = [], threading.Lock()
 
-    def linear(x, w, b, epi, tuner, up=None):
+    def linear(x, w, b, epi, tuner, up=None, gated=False):
         with lock:
             calls.append((threading.current_thread().name.startswith("llmc-tune"), tuner.frozen, tuple(w.shape),
                           x.shape[0]))
@@ -129,7 +129,7 @@ def test_linears_compile_their_recorded_choices_on_threads_before_tuning(llama_d
     monkeypatch.setenv("LLMC_TUNE_THREADS", "4")
     compiler._tune_linears(art.graph, Tuner(device="test-gpu"), compiler._Progress(False), device="cpu")
     shapes = {tuple(art.graph.weights[linear_weight_inputs(n)[0].name].shape)
-              for n in art.graph.nodes if n.op in ("linear", "linear_act", "silu_mul_linear")}
+              for n in art.graph.nodes if n.op in FLOAT_LINEARS}
     want = sorted((s, m) for s in shapes for m in M_BUCKETS[:-1])
     collected, first, then = calls[:len(want)], calls[len(want):2 * len(want)], calls[2 * len(want):]
     assert all(frozen and not threaded for threaded, frozen, *_ in collected) and sorted(r[2:] for r in collected) == want

@@ -117,9 +117,30 @@ PRO_AFTER = """graph t(%x: f32[T,8]) {
 """
 
 
+GLU = """graph t(%x: f32[T,8]) {
+  dims T[1..64]
+  param %wgu: f32[12,8]
+  param %bgu: f32[12]
+  %0: f32[T,12] = linear(%x, %wgu, %bgu)
+  %1: f32[T,6] = slice(%0) {dim=1, start=0, end=6, step=1}
+  %2: f32[T,6] = slice(%0) {dim=-1, start=6, end=12, step=1}
+  %3: f32[T,6] = silu_mul(%1, %2)
+  return %3
+}
+"""
+GLU_AFTER = """graph t(%x: f32[T,8]) {
+  dims T[1..64]
+  param %wgu: f32[12,8]
+  param %bgu: f32[12]
+  %4: f32[T,6] = linear_silu_mul(%x, %wgu, %bgu)
+  return %4
+}
+"""
+
+
 CASES = [("qkv", QKV, QKV_AFTER, FuseParallelLinears), ("add_rmsnorm", ADDN, ADDN_AFTER, FuseAddRmsNorm),
          ("elementwise", EW, EW_AFTER, FuseElementwise), ("epilogue", EPI, EPI_AFTER, FuseLinearEpilogue),
-         ("prologue", PRO, PRO_AFTER, FuseLinearPrologue)]
+         ("prologue", PRO, PRO_AFTER, FuseLinearPrologue), ("swiglu_epilogue", GLU, GLU_AFTER, FuseLinearEpilogue)]
 
 
 @pytest.mark.parametrize("name,before,after,cls", CASES, ids=[c[0] for c in CASES])
@@ -134,6 +155,22 @@ def test_fusion_before_after(name, before, after, cls):
     assert str(out) == after
     for a, b in zip(run_graph(out, inputs), ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("old,new,why", [
+    ("  return %3", "  %9: f32[T,12] = neg(%0)\n  return %3, %9", "other users"),  # the projection read elsewhere
+    ("  return %3", "  return %3, %1", "other users"),  # a half is a graph output
+    ("start=6, end=12", "start=5, end=11", None),  # not the two halves: no SwiGLU of a gate/up projection
+])
+def test_the_swiglu_epilogue_declines(old, new, why):
+    """The SwiGLU product moves into the projection's epilogue only where nothing else reads the projection or
+    its halves, and only for the projection's two halves."""
+    g = parse_graph(GLU.replace(old, new))
+    ctx = PassContext()
+    out = PassManager([FuseLinearEpilogue()], verify=True).run(g, ctx)
+    assert "linear_silu_mul" not in str(out)
+    if why:
+        assert any(why in r for r in ctx.explain)
 
 
 def test_elementwise_explains_a_closed_region():
@@ -153,7 +190,8 @@ def test_whole_model_fused_equals_unfused(llama_dir):
     fused = llmc.compile(llama_dir, None, verify=True)
     plain = llmc.compile(llama_dir, None, verify=True, fuse=False)
     per_layer = lambda a: {op: n for op, n in a.graph.op_counts().items()}
-    assert per_layer(fused)["linear"] == 2 * 4 + 1 and per_layer(plain)["linear"] == 2 * 7 + 1
+    assert per_layer(fused)["linear"] == 2 * 3 + 1 and per_layer(plain)["linear"] == 2 * 7 + 1
+    assert per_layer(fused)["linear_silu_mul"] == 2 and "silu_mul" not in per_layer(fused)
     assert "rope_kv_write" in per_layer(fused) and "paged_attention" not in per_layer(fused)
     p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [20, 21, 22, 23, 24, 25, 26, 27, 28]]

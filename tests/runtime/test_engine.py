@@ -475,7 +475,7 @@ def test_the_compile_measures_the_budget_over_every_linear_but_the_lm_head(llama
     import llmc.compiler
     from llmc.codegen.autotune import TuneRecord
     from llmc.compiler import TOKEN_BUDGET_CANDIDATES, _measure_token_budget
-    from llmc.ir.ops import linear_weight_inputs
+    from llmc.ir.ops import FLOAT_LINEARS, linear_weight_inputs
     g = llmc.compile(llama_dir, tmp_path / "bf16.llmc", dtype="bfloat16").graph
     vocab = int(g.outputs[0].type.shape[-1])
     monkeypatch.setattr(llmc.compiler, "COPY_BYTES", 1 << 20)
@@ -500,7 +500,7 @@ def test_the_compile_measures_the_budget_over_every_linear_but_the_lm_head(llama
     t = Tuner()
     out = _measure_token_budget(g, t, SimpleBar(), device="cpu")
     weights = [g.weights[linear_weight_inputs(n)[0].name] for n in g.nodes
-               if n.op in ("linear", "linear_act", "silu_mul_linear")]
+               if n.op in FLOAT_LINEARS]
     runs = collections.Counter((int(w.shape[0]), int(w.shape[1])) for w in weights)
     shapes = {s for s in runs if s[0] != vocab}
     assert any(n == vocab for n, _ in runs)  # the graph's LM head is a linear: what is left out
