@@ -40,6 +40,16 @@ def test_norms_feeding_code_linears_make_the_codes(llama_dir, fused, tmp_path):
         assert all(n.attrs["kind"] == kind for n in art.graph.nodes if n.op.endswith("_quant"))
 
 
+def test_a_float_gate_up_feeding_a_code_linear_keeps_its_product_for_the_codes(llama_dir, tmp_path):
+    """Gate/up kept in the model dtype, down W8A8: the SwiGLU product stays out of the gate/up projection's
+    epilogue (fuse_linear_epilogue declines), so that it makes the down projection's codes (silu_mul_quant)."""
+    art = llmc.compile(llama_dir, None, quant={**SQ, "skip": ("lm_head", "gate_proj", "up_proj")})
+    ops = art.summary()["op_counts"]
+    assert ops["silu_mul_quant"] == 2 and "linear_silu_mul" not in ops and ops["linear"] == 2 + 1, ops
+    plain = llmc.compile(llama_dir, None, dtype="float32")  # nothing quantized: the product in the epilogue
+    assert plain.summary()["op_counts"]["linear_silu_mul"] == 2
+
+
 def test_fused_equals_unfused_bit_for_bit(llama_dir, fused, tmp_path, monkeypatch):
     monkeypatch.setattr(FuseActQuant, "run", lambda self, graph, ctx: PassResult(graph, changed=False))
     unfused = llmc.compile(llama_dir, tmp_path / "unfused.llmc", quant=SQ)
