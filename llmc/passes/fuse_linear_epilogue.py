@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from llmc.passes.fuse_act_quant import CODE_KINDS
-from llmc.passes.manager import Pass, register_pass
-from llmc.passes.pattern import P, RewritePass, RewriteRule
+from llmc.passes.manager import Pass, PassContext, register_pass
+from llmc.passes.pattern import P, RewritePass, RewriteRule, apply_rewrites
 
 _ACTS = {("silu", None): "silu", ("relu", None): "relu", ("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh"}
 FLOAT_DTYPES = ("bf16", "f16", "f32")
@@ -72,6 +72,14 @@ def _swiglu_rule(ctx) -> RewriteRule:
         return b.call("linear_silu_mul", *y.producer.inputs)
 
     return RewriteRule("linear_silu_mul", root, rewrite)
+
+
+def fuse_swiglu_epilogues(graph) -> int:
+    """The SwiGLU rule alone, on `graph` in place: how many products moved into their projection's epilogue.
+    A tensor-parallel shard runs it after the sharding, which unfolds them to split the MLP
+    (llmc/ir/sharding.py): each rank's gate/up projection holds its rows of both halves, so its product
+    moves back into its epilogue."""
+    return apply_rewrites(graph, [_swiglu_rule(PassContext())])["linear_silu_mul"]
 
 
 @register_pass

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from llmc.ir.sharding import shard_graph
+from llmc.passes.fuse_linear_epilogue import fuse_swiglu_epilogues
 from llmc.passes.manager import Pass, PassResult, register_pass
 
 
@@ -28,4 +29,5 @@ class Shard(Pass):
         if self.tp_size == 1:
             return PassResult(g, False)
         g = shard_graph(g, self.tp_size, self.rank, self.expert_parallel)
+        fuse_swiglu_epilogues(g)  # as a worker does after sharding
         return PassResult(g, True, {k: v for k, v in g.meta["tensor_parallel"].items() if k != "replicated"})

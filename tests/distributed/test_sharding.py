@@ -99,6 +99,23 @@ def test_shard_pass_by_name(artifacts):
     from llmc.passes import PassManager, parse_pass_spec
     g = PassManager([parse_pass_spec("shard{tp_size=3,rank=2}")], verify=True).run(artifacts["h6-kv2"].graph.clone())
     assert g.meta["tensor_parallel"]["rank"] == 2 and "all_gather" in str(g)
+    assert g.op_counts()["linear_silu_mul"] == 2 and "silu_mul" not in g.op_counts()  # fused again, as a worker does
+
+
+@pytest.mark.parametrize("name,tp", [("h6-kv2", 2), ("qwen2", 4)])
+def test_a_shards_swiglu_products_return_to_their_epilogues(artifacts, name, tp):
+    """The sharding unfolds each gate/up projection's SwiGLU epilogue to split the MLP; fused again on each rank
+    (its rows of both halves), the ranks still give the unsharded logits."""
+    from llmc.passes.fuse_linear_epilogue import fuse_swiglu_epilogues
+    g = artifacts[name].graph
+    layers = g.op_counts()["linear_silu_mul"]
+    assert layers >= 2
+    ranks = [shard_graph(g.clone(), tp, r) for r in range(tp)]
+    assert all(r.op_counts().get("linear_silu_mul", 0) == 0 for r in ranks)
+    assert [fuse_swiglu_epilogues(r) for r in ranks] == [layers] * tp
+    (want,) = Interpreter(g).run(step_inputs(g))
+    for (got,) in run_ranks(ranks, step_inputs):
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
 @pytest.mark.parametrize("name", ["h6-kv3-tied", "qwen2"])

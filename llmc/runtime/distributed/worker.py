@@ -100,6 +100,7 @@ def _serve(spec: WorkerSpec, store) -> None:
     from llmc.ir.collectives import TorchCollectives
     from llmc.ir.sharding import shard_graph
     from llmc.ir.stages import split_stages
+    from llmc.passes.fuse_linear_epilogue import fuse_swiglu_epilogues
     from llmc.plugins import import_sources
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
     cuda = spec.backend == "cuda"
@@ -109,6 +110,8 @@ def _serve(spec: WorkerSpec, store) -> None:
     import_sources(spec.plugins)  # the ops of a user's that the artifact holds, registered as in the driver
     art = load_artifact(spec.artifact, verify=False)  # the driver checks the hashes before it sends a step
     graph = shard_graph(art.graph, spec.tp, spec.tp_rank, spec.expert_parallel)
+    if spec.tp > 1:  # the sharding unfolded each SwiGLU epilogue to split the MLP: the rank's own, fused again
+        fuse_swiglu_epilogues(graph)
     mine, tuning = split_stages(graph, spec.pp).graphs[spec.stage], art.tuning
     if cuda and spec.tp > 1:  # the shard's linears have shapes of their own: tuned here, once per machine
         tuning = shard_tuning(spec, store, mine, tuning)
