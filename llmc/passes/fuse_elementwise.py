@@ -10,12 +10,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from llmc.ir.ops import is_elementwise
+from llmc.ir.ops import family, is_elementwise
 from llmc.passes.manager import Pass, PassResult, register_pass
 
 
 def _fusible(n) -> bool:
     return is_elementwise(n.op) or n.op == "constant"
+
+
+def _sink_movement(g) -> None:
+    """Each movement op (unsqueeze, reshape, ...) of an elementwise op's output moved down to just before its
+    first reader. A region closes when a node outside it reads one of its values, so a view taken between
+    two elementwise ops that share an input (an exporter may order cos, its cast and view, then sin) would
+    split what can be one kernel; moved to its reader, it no longer stands between them."""
+    movement = family("movement")
+    for n in reversed(list(g.nodes)):
+        src = n.inputs[0].producer if n.inputs else None
+        if n.op not in movement or src is None or not _fusible(src) or n.outputs[0] in g.outputs:
+            continue
+        readers = [i for i, u in enumerate(g.nodes) if any(v in u.inputs for v in n.outputs)]
+        at = g.nodes.index(n)
+        if readers and min(readers) > at + 1:
+            g.nodes.remove(n)
+            g.nodes.insert(min(readers) - 1, n)
 
 
 @register_pass
@@ -25,6 +42,7 @@ class FuseElementwise(Pass):
     max_ops: int = 64
 
     def run(self, g, ctx):
+        _sink_movement(g)
         region_of: dict[int, list] = {}
         escaped: set[int] = set()
         regions: list[list] = []

@@ -1,8 +1,11 @@
-"""Lift primitive subgraphs to llmc's LLM ops: rms_norm, rope (rotate-half), silu_mul."""
+"""Lift primitive subgraphs to llmc's LLM ops: rms_norm, rope (rotate-half), silu_mul; and the rotary
+angles' concat(f, f) folded into their frequency vector."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
+
+import torch
 
 from llmc.passes.manager import Pass, register_pass
 from llmc.passes.pattern import P, RewritePass, RewriteRule
@@ -54,6 +57,25 @@ def rope_rule() -> RewriteRule:
     return RewriteRule("rope", root, rewrite)
 
 
+def rope_angles_rule() -> RewriteRule:
+    """concat(f, f) along the last dim of the rotary angles f = a * inv_freq (a: positions, last dim 1;
+    inv_freq: a weight vector) becomes a * concat(inv_freq, inv_freq), the doubled vector made at compile
+    time. Each angle is the same product, so the values are the same bits; the concat kernel goes, and
+    cos and sin of the angles then fuse with the product into one elementwise kernel (fuse_elementwise)."""
+    f = P.op("mul")(P.any("a"), P.param("p").rank(1)).named("f")
+    root = P.op("concat")(f, f)
+
+    def rewrite(b, m):
+        a, p, cat = m["a"], m["p"], m.root.producer
+        rank = m["f"].type.rank
+        if cat.attrs["dim"] % rank != rank - 1 or a.type.shape[-1] != 1 or m["f"].type.dtype != p.type.dtype:
+            return None
+        w = b.graph.weights[p.name]
+        return b.call("mul", a, b.param(p.name + ".doubled", torch.cat([w, w])))
+
+    return RewriteRule("rope_angles", root, rewrite)
+
+
 def silu_mul_rule() -> RewriteRule:
     root = P.op("mul")(P.op("silu")(P.any("gate")), P.any("up"))
 
@@ -74,7 +96,8 @@ class LiftPatterns(RewritePass, Pass):
     rms_norm: bool = True
     rope: bool = True
     silu_mul: bool = True
+    rope_angles: bool = True
 
     def rules(self, ctx):
         return [r() for flag, r in ((self.rms_norm, rms_norm_rule), (self.rope, rope_rule),
-                                    (self.silu_mul, silu_mul_rule)) if flag]
+                                    (self.silu_mul, silu_mul_rule), (self.rope_angles, rope_angles_rule)) if flag]

@@ -173,6 +173,29 @@ def test_the_swiglu_epilogue_declines(old, new, why):
         assert any(why in r for r in ctx.explain)
 
 
+def test_a_view_between_two_elementwise_readers_of_one_value_does_not_split_their_region():
+    """cos, its cast and its view, then sin of the same angles (an exporter's order): the view moves down to its
+    reader, so one kernel makes both."""
+    g = parse_graph("""graph t(%x: f32[T,8]) {
+  dims T[1..64]
+  %a: f32[T,8] = mul(%x, %x)
+  %c: f32[T,8] = cos(%a)
+  %cv: f32[1,T,8] = unsqueeze(%c) {dim=0}
+  %s: f32[T,8] = sin(%a)
+  %sv: f32[1,T,8] = unsqueeze(%s) {dim=0}
+  %o: f32[1,T,8] = add(%cv, %sv)
+  %r: f32[1,T,8] = softmax(%o) {dim=-1}
+  return %r
+}
+""")
+    x = torch.randn(5, 8)
+    (ref,) = run_graph(g, {"x": x})
+    out = PassManager([FuseElementwise()], verify=True).run(g, PassContext())
+    fused = [n for n in out.nodes if n.op == "fused"]
+    assert len(fused) == 1 and {e[1] for e in fused[0].attrs["body"]} == {"mul", "cos", "sin"}
+    torch.testing.assert_close(run_graph(out, {"x": x})[0], ref, rtol=0, atol=0)
+
+
 def test_elementwise_explains_a_closed_region():
     g = parse_graph(EW)
     ctx = PassContext()
