@@ -19,23 +19,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import llmc  # noqa: E402
 import llmc.codegen.buffers as buffers  # noqa: E402
+from decode_bench import SHAPES  # noqa: E402  (the shapes' widths, beside this script)
 from llmc.codegen.lower import Plan  # noqa: E402
 from llmc.ir.sharding import unfuse_linear_silu_mul  # noqa: E402
-
-WIDTHS = {"1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8),
-          "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=sorted(WIDTHS), default="1b")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", default="1,64,2048", help="token counts, comma-separated")
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
     path = Path(tempfile.mkdtemp()) / "model"
-    cfg = LlamaConfig(**WIDTHS[args.shape], num_hidden_layers=args.layers, vocab_size=512,
-                      max_position_embeddings=8192, tie_word_embeddings=True)
+    cfg = LlamaConfig(**{**SHAPES[args.shape], "num_hidden_layers": args.layers, "vocab_size": 512,
+                         "max_position_embeddings": 8192, "tie_word_embeddings": True})
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     fused = llmc.compile(path, None, dtype="bfloat16").graph
     unfused = fused.clone()

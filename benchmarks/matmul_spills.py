@@ -33,14 +33,11 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from llmc.codegen.kernels import load  # noqa: E402
 from llmc.codegen.matmul import MatmulSpec, candidates  # noqa: E402
+from sass_loop import cuobjdump  # noqa: E402  (beside this script)
 
 SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32",
        "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32",
        "prefetch_k": "i32"}
-
-
-def cuobjdump() -> str:
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
 
 
 def resources(cfg: dict, m_tiles: int, gated: bool) -> dict:
@@ -56,12 +53,12 @@ def resources(cfg: dict, m_tiles: int, gated: bool) -> dict:
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "k.cubin"
         cubin.write_bytes(k.asm["cubin"])
-        usage = subprocess.run([cuobjdump(), "--dump-resource-usage", str(cubin)], check=True, capture_output=True,
-                               text=True).stdout
-        sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
-    ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z]+)", sass))
-    return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)), "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
-            "stl": ops["STL"], "ldl": ops["LDL"]}
+        usage, sass = (subprocess.run([str(cuobjdump()), flag, str(cubin)], check=True, capture_output=True,
+                                      text=True).stdout for flag in ("--dump-resource-usage", "-sass"))
+    ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z]+)",
+                                                              sass))
+    return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "stl": ops["STL"], "ldl": ops["LDL"]}
 
 
 def main() -> None:
@@ -72,7 +69,8 @@ def main() -> None:
     keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
     cfgs = ([dict(zip(keys, map(int, c.split(",")))) for c in a.configs] if a.configs
             else [{k: c[k] for k in keys} for c in candidates("1")])
-    print(f"triton {triton.__version__}, sm_90, bf16: registers a thread, stack bytes, spill stores + loads (STL + LDL)")
+    print(f"triton {triton.__version__}, sm_90, bf16: registers a thread, stack bytes, "
+          "spill stores + loads (STL + LDL)")
     print("| BLOCK_M, N, K, SPLIT_K, warps, stages | row tiles | plain | SwiGLU epilogue |")
     print("|---|---|---|---|")
     rows = []
