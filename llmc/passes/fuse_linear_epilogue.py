@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from llmc.passes.fuse_act_quant import CODE_KINDS
+from llmc.passes.fuse_linear_prologue import FLOAT_DTYPES  # the dtypes the generated matmul takes
 from llmc.passes.manager import Pass, PassContext, register_pass
 from llmc.passes.pattern import P, RewritePass, RewriteRule, apply_rewrites
 
 _ACTS = {("silu", None): "silu", ("relu", None): "relu", ("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh"}
-FLOAT_DTYPES = ("bf16", "f16", "f32")
 
 
 def _act_rule(ctx) -> RewriteRule:
