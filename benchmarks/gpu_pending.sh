@@ -36,6 +36,10 @@
 #                                                     #   Compute (stall reasons, issue rate, bandwidth): gate_up, down
 #   bash benchmarks/gpu_pending.sh OUT step-trace     # issue 20: the mixed workload's wall time by step kind (GPU span,
 #                                                     #   GPU gap, host launch) and its host's top functions (SHAPES)
+#   bash benchmarks/gpu_pending.sh OUT mixed-step-graphs  # issue 20: whole-step mixed graphs: the packed attention's
+#                                                     #   bits and times (gpu_check_attention.py --quick), then the
+#                                                     #   step trace with LLMC_MIXED_STEP_GRAPHS=0 and =1 alternating
+#                                                     #   in fresh processes (SHAPES, default "1b 8b"; ROUNDS, 2)
 #   bash benchmarks/gpu_pending.sh OUT decode-step    # issue 20: one decode step (BATCHES, CONTEXTS) against its
 #                                                     #   weights + K/V bound, kernel by kernel (SHAPES)
 #   bash benchmarks/gpu_pending.sh OUT context-graphs # issue 20: decode graphs per context bucket off / on
@@ -416,6 +420,21 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
                     --artifact "/tmp/art-$shape.llmc" --out "$OUT" $([ "$shape" = 1b ] || echo --no-cprofile) \
                     >"$OUT/step_trace_$shape.log" 2>&1
                 grep -A12 "^# $shape," "$OUT/step_trace_$shape.log"
+            done ;;
+        mixed-step-graphs)
+            python3 scripts/gpu_check_attention.py --quick >"$OUT/attn_packed.log" 2>&1
+            grep -E "packed|ok$|FAIL" "$OUT/attn_packed.log" | tail -12
+            for shape in ${SHAPES:-1b 8b}; do
+                for round in $(seq 1 "${ROUNDS:-2}"); do
+                    for v in 0 1; do
+                        rm -rf /tmp/tmp*
+                        LLMC_MIXED_STEP_GRAPHS=$v python3 benchmarks/step_trace.py --shape $shape \
+                            --n $(requests_for $shape) --max-num-seqs 128 --artifact "/tmp/art-$shape.llmc" \
+                            --out "$OUT/msg-$v-$round" --no-cprofile >"$OUT/msg_${shape}_${v}_$round.log" 2>&1
+                        echo "LLMC_MIXED_STEP_GRAPHS=$v, round $round"
+                        grep -A12 "^# $shape," "$OUT/msg_${shape}_${v}_$round.log"
+                    done
+                done
             done ;;
         decode-step)
             # one decode step at batches 64, 128 and contexts 512, 1024 against its bound, kernel by kernel (SHAPES)

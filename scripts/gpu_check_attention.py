@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from llmc.codegen.attention import paged_attention, rope_kv_write  # noqa: E402
+from llmc.codegen.attention import mixed_rows, paged_attention, rope_kv_write  # noqa: E402
 from llmc.ir.ops import _rope_ref  # noqa: E402
 from llmc.ir.paged_attention import QMAX, _to_q, _write, paged_attention_ref, scale_width  # noqa: E402
 
@@ -97,6 +97,29 @@ def attention_case(name, ctx, new, Hq, Hkv, D, BS, dtype, window=0, timing=True,
     print(f"{name:<34} {str(dtype)[6:]:>8} D={D:<4} {err:9.2e} {err_base:9.2e} {t_k:9.3f} {t_g:9.3f} {t_t:9.3f} {gbs:8.0f}  "
           f"{'ok' if ok else 'FAIL'}")
     return ok
+
+
+def packed_case(name, ctx, new, Hq, Hkv, D, BS, dtype, decode_rows, tokens, seqs):
+    """A mixed step launched as a whole-step graph launches it (`rows`: padded to `tokens` tokens and `seqs`
+    sequences, the prefill kernel on its packed grid) against the eager step's two launches: the same bits; ms
+    per call of each in a CUDA graph."""
+    b = make_batch(ctx, new, Hq, Hkv, D, BS, dtype)
+    scale, T, N = D ** -0.5, b["q"].shape[0], len(ctx)
+    kw = dict(max_seqlen_k=max(ctx), context_limit=4096)
+    eager = lambda: paged_attention(b["q"], b["cache"], b["qsl"], b["seq_lens"], b["bt"], scale,  # noqa: E731
+                                    max_seqlen_q=max(new), decode_rows=decode_rows, **kw)
+    qsl = torch.cat([b["qsl"], torch.full((seqs - N,), T, dtype=torch.int32, device=DEV)])
+    rows = tuple(torch.from_numpy(a.copy()).to(DEV) for a in mixed_rows(qsl.cpu().numpy(), decode_rows))
+    bt = torch.cat([b["bt"], torch.zeros(seqs - N, b["bt"].shape[1], dtype=torch.int32, device=DEV)])
+    lens = torch.cat([b["seq_lens"], torch.ones(seqs - N, dtype=torch.int32, device=DEV)])
+    q = torch.cat([b["q"], torch.zeros(tokens - T, Hq, D, dtype=dtype, device=DEV)])
+    packed = lambda: paged_attention(q, b["cache"], qsl, lens, bt, scale, max_seqlen_q=tokens, rows=rows,  # noqa: E731
+                                     **kw)
+    same = torch.equal(packed()[:T], eager())
+    t_e, t_p = bench_graph(eager), bench_graph(packed)
+    print(f"{name:<34} {str(dtype)[6:]:>8} D={D:<4} same bits: {same}  two launches {t_e:8.4f} ms, packed "
+          f"{t_p:8.4f} ms  {'ok' if same else 'FAIL'}")
+    return same
 
 
 def golden_case(name, ctx, new, Hq, Hkv, D, BS, dtype, kv_dtype, window=0, decode_rows=0):
@@ -215,6 +238,12 @@ def main():
             for split in (0, 32):
                 oks.append(attention_case(f"mixed 32 + 2 x 512{', decodes split' if split else ''}", ctx,
                                           [1] * 32 + [512, 512], Hq, Hkv, D, BS, dtype, decode_rows=split))
+            # as a whole-step mixed graph launches them: 128 decodes beside one chunk, beside five
+            ctx = rand(128, 1536, 128)
+            oks.append(packed_case("packed: 128 + 1 x 300 in 512 / 160", ctx + [700], [1] * 128 + [300], Hq, Hkv, D,
+                                   BS, dtype, 128, 512, 160))
+            oks.append(packed_case("packed: 120 + 5 chunks in 1024 / 128", ctx[:120] + [900, 64, 300, 200, 513],
+                                   [1] * 120 + [200, 64, 100, 150, 300], Hq, Hkv, D, BS, dtype, 120, 1024, 128))
         if not args.quick:
             oks.append(attention_case("prefill fp32 1 x 512", [512], [512], Hq, Hkv, D, BS, torch.float32))
             oks.append(attention_case("decode fp32 B=4", rand(1, 2048, 4), [1] * 4, Hq, Hkv, D, BS, torch.float32))

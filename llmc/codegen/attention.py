@@ -21,6 +21,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from llmc.codegen.elementwise import compiled, interpreting
@@ -151,10 +152,13 @@ class PagedAttentionSpec(KernelSpec):
     block_m: int = 0  # rows of a query tile (query tokens x packed heads); 0 = pick from head_dim
     block_n: int = 0  # keys per inner-loop tile; 0 = pick from head_dim
     split: bool = False  # decode only: contexts may span several partitions (else one covers them all)
+    packed: bool = False  # prefill only: a 1D grid over the step's query tiles, fixed for any step (graphs)
 
     def __post_init__(self):
         if self.mode not in ("prefill", "decode"):
             raise ValueError(f"mode must be 'prefill' or 'decode', got {self.mode!r}")
+        if self.packed and self.mode != "prefill":
+            raise ValueError("packed is a prefill launch")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_q_heads {self.num_q_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -199,6 +203,8 @@ class PagedAttentionSpec(KernelSpec):
                  GROUP_P2=group_p2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=self.block_size)
         if self.mode == "prefill":
             c["BLOCK_Q"] = block_m // group_p2
+        if self.packed:
+            c.update(NUM_KV_HEADS=self.num_kv_heads, SEQ_CHUNK=PACKED_SEQ_CHUNK, HEAVY_SEQS=HEAVY_FIRST_SEQS)
         return c
 
 
@@ -223,6 +229,8 @@ PREFILL_TILE_CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_stages=st, num_warps=w
 # chunks 1.15x, but a step of 128 decode rows beside one chunk 0.89x (1B): its decode rows' programs, all in
 # the last wave, then read their K/V with no prompt tile beside them
 HEAVY_FIRST_SEQS = 4
+# a packed prefill launch reads the step's query start offsets this many at a time
+PACKED_SEQ_CHUNK = 128
 
 
 def attention_tiles_key(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: str, kv_dtype: str,
@@ -252,7 +260,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     max_seqlen_k: int | None = None, *, block_m: int = 0, block_n: int = 0,
                     partition_size: int | None = None, out: torch.Tensor | None = None,
                     decode_tiles: dict | None = None, prefill_tiles: dict | None = None, decode_rows: int = 0,
-                    context_limit: int | None = None) -> torch.Tensor:
+                    context_limit: int | None = None,
+                    rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of the new tokens over their sequences' whole context, read from the paged cache.
 
     The cache must already hold the new K/V (`rope_kv_write` ran first). The new tokens of
@@ -285,6 +294,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         context_limit: the longest context the caller's decode steps size their splits for (the model's
             limit, as under the runtime's CUDA graphs); the decode partition follows it, so a sequence's
             sums are the same in an eager step as in a graph's. None: max_seqlen_k.
+        rows: a mixed step's rows split for a launch that does not depend on them (a CUDA graph's:
+            runtime.step_graphs, kind "mixed"): (decode_qsl, prompt_qsl), each [N+1] int32 like
+            query_start_loc, decode_qsl with the prompt rows empty (no tokens) and prompt_qsl with the decode
+            rows empty (`mixed_rows`). The decode kernel then runs over all N rows (a row without a token returns
+            at once) and the prefill kernel on a packed grid sized for max_seqlen_q tokens (the step's token
+            count) in N sequences. Each row's programs compute what decode_rows' two launches compute, so
+            the outputs are the same bits. Needs max_seqlen_q and max_seqlen_k; decode_rows is ignored.
 
     Returns:
         [T, Hq, D] attention output in q's dtype.
@@ -314,6 +330,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     base = (("head_dim", D), ("num_q_heads", Hq), ("num_kv_heads", Hkv), ("block_size", BS),
             ("dtype", dtype_name(q.dtype)), ("kv_dtype", dtype_name(kv_cache.dtype)), ("sliding_window", window > 0),
             ("block_n", block_n))
+    if rows is not None:
+        assert max_seqlen_k is not None, "a launch for any mixed step needs max_seqlen_k"
+        decode_qsl, prompt_qsl = rows
+        assert decode_qsl.shape == prompt_qsl.shape == query_start_loc.shape
+        _decode(q, kv_cache, quantized, decode_qsl, seq_lens, block_tables, N, out, scale, window, max_seqlen_k,
+                context_limit or max_seqlen_k, partition_size, decode_tiles, base)
+        _prefill(q, kv_cache, quantized, prompt_qsl, seq_lens, block_tables, out, scale, causal, window,
+                 max_seqlen_q, block_m, prefill_tiles, base, packed=True)
+        return out
     if mode == "decode" or 0 < decode_rows < N:
         D1 = N if mode == "decode" else decode_rows
         if max_seqlen_k is None:
@@ -351,12 +376,13 @@ def _tiled(base: tuple, tiles: tuple | None) -> tuple[dict, dict, dict]:
 
 
 @functools.lru_cache(maxsize=None)
-def _prefill_launch(base: tuple, causal: bool, block_m: int, tiles: tuple | None
+def _prefill_launch(base: tuple, causal: bool, block_m: int, tiles: tuple | None, packed: bool = False
                     ) -> tuple[PagedAttentionSpec, dict, dict]:
     """A prefill launch's spec, constexprs and launch options (memoized: a mixed step launches attention
     eagerly once per layer, and building these costs more host time than the launch)."""
     base, launch, t = _tiled(base, tiles)
-    spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m or t.get("BLOCK_M", 0))
+    spec = PagedAttentionSpec(**base, mode="prefill", causal=causal, block_m=block_m or t.get("BLOCK_M", 0),
+                              packed=packed)
     return spec, spec.constexprs(), launch
 
 
@@ -369,15 +395,29 @@ def _decode_launch(base: tuple, tiles: tuple | None) -> tuple[int, dict, PagedAt
 
 
 def _prefill(q, kv_cache, quantized, qsl, seq_lens, block_tables, out, scale, causal, window, max_seqlen_q,
-             block_m, prefill_tiles, base) -> None:
-    """paged_attention's prefill launch over every sequence of qsl (one or more new tokens each)."""
+             block_m, prefill_tiles, base, packed: bool = False) -> None:
+    """paged_attention's prefill launch over every sequence of qsl (one or more new tokens each), or with
+    `packed` over the rows of qsl that hold tokens (the others none), for steps of up to max_seqlen_q tokens."""
     N, Hkv = seq_lens.shape[0], kv_cache.shape[3]
     tensors, strides = _pointers_and_strides(q, kv_cache, quantized, qsl, seq_lens, block_tables, out)
-    spec, c, launch = _prefill_launch(base, causal, block_m, _tiles_key(prefill_tiles))
-    tiles, heavy_first = cdiv(max_seqlen_q, c["BLOCK_Q"]), N <= HEAVY_FIRST_SEQS
-    grid = (Hkv, N, tiles) if heavy_first else (tiles, N, Hkv)
+    spec, c, launch = _prefill_launch(base, causal, block_m, _tiles_key(prefill_tiles), packed)
+    if packed:  # each sequence holds at most one partial tile: the step's tiles are at most these
+        grid = (Hkv * (cdiv(max_seqlen_q, c["BLOCK_Q"]) + N),)
+        arg = N
+    else:
+        tiles, heavy_first = cdiv(max_seqlen_q, c["BLOCK_Q"]), N <= HEAVY_FIRST_SEQS
+        grid = (Hkv, N, tiles) if heavy_first else (tiles, N, Hkv)
+        arg = int(heavy_first)
     compiled(spec).paged_attention_prefill_kernel[grid](
-        out, *tensors, *strides, scale * LOG2E, window, int(heavy_first), **c, **launch)
+        out, *tensors, *strides, scale * LOG2E, window, arg, **c, **launch)
+
+
+def mixed_rows(qsl: np.ndarray, decode_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(decode_qsl, prompt_qsl) of `paged_attention`'s `rows` from a step's query start offsets (host side):
+    the first `decode_rows` sequences (one token each) kept in the first and emptied in the second, the rest
+    the other way round."""
+    at = qsl[decode_rows]
+    return np.minimum(qsl, at), np.maximum(qsl, at)
 
 
 def _decode(q, kv_cache, quantized, qsl, seq_lens, block_tables, N, out, scale, window, max_seqlen_k, context_limit,

@@ -402,7 +402,7 @@ class Plan:
                               max_seqlen_k=h.get("max_seqlen_k"), partition_size=h.get("partition_size"),
                               out=None if out is None else out.view(T, H, D), decode_tiles=decode,
                               prefill_tiles=prefill, decode_rows=h.get("decode_rows", 0),
-                              context_limit=h.get("context_limit"))
+                              context_limit=h.get("context_limit"), rows=h.get("mixed_rows"))
         return out.transpose(0, 1).unsqueeze(0)
 
     def _attention_tiles(self, n) -> tuple[dict | None, dict | None]:

@@ -26,7 +26,7 @@ from llmc.errors import ArtifactError, LLMCError
 from llmc.intmath import cdiv
 from llmc.ir.graph import Graph
 from llmc.runtime.kv_cache import KVCache, with_kv_cache_dtype
-from llmc.runtime.step_graphs import StepGraphCache, TableRows
+from llmc.runtime.step_graphs import StepGraphCache, TableRows, mixed_buckets
 from llmc.runtime.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -207,8 +207,11 @@ class LocalExecutor:
         threads or worker processes (`compile_ahead`), as a compile's tuning compiles its choices; the steps
         then find them in Triton's cache instead of compiling each in turn."""
         graphs = getattr(self, "step_graphs", None)
+        if graphs is not None:
+            graphs.max_seqs = max_num_seqs
         batches = warm_up_batches(max_num_seqs, max_tokens, self.block_size, max_chunk,
-                                  graphs.contexts if graphs is not None else ())
+                                  graphs.contexts if graphs is not None else (),
+                                  graphs.mixed if graphs is not None else None)
         if os.environ.get("LLMC_WARM_UP_AHEAD") == "1":
             self.compile_ahead(batches)
         for batch in batches:
@@ -407,6 +410,8 @@ class KernelExecutor(LocalExecutor):
         from llmc.ir.ops import FAMILIES
         collective = any(n.op in FAMILIES.get("collective", ()) for n in graph.nodes)
         self.mixed_graphs = os.environ.get("LLMC_MIXED_GRAPHS", "0" if collective else "1") != "0"
+        if cuda_graphs and not receives and not collective:  # whole-step mixed graphs (LLMC_MIXED_STEP_GRAPHS=1)
+            self.step_graphs.mixed = mixed_buckets()
 
     def compile_ahead(self, batches: list[StepBatch]) -> int:
         """Compile the kernels that `batches` (greedy and not) run eagerly: each step run once with nothing
@@ -484,7 +489,7 @@ WARM_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def warm_up_batches(max_num_seqs: int, max_tokens: int, block_size: int, max_chunk: int | None = None,
-                    contexts: tuple[int, ...] = ()) -> list[StepBatch]:
+                    contexts: tuple[int, ...] = (), mixed: tuple[int, ...] | None = None) -> list[StepBatch]:
     """The step shapes an engine of up to `max_num_seqs` sequences and `max_tokens` tokens a step meets, one
     step each, every sequence on block 0: a decode step of each decode graph's bucket up to max_num_seqs'
     (each captures its graph), and mixed steps of T = each of WARM_TOKENS up to max_tokens, T - 1 and
@@ -492,20 +497,22 @@ def warm_up_batches(max_num_seqs: int, max_tokens: int, block_size: int, max_chu
     per bucket), each T // 4 decodes (at most max_num_seqs - 1) beside prompt chunks of at most `max_chunk`
     tokens (a sequence's context; a step of several prompts may hold more), so that the logits rows' count
     takes the widths between the decode buckets. `contexts`: the decode graphs' context buckets
-    (step_graphs.decode_contexts), each past the first met by decodes at its last position."""
+    (step_graphs.decode_contexts), each past the first met by decodes at its last position, also in a mixed step
+    of each of `mixed`'s token buckets (whole-step mixed graphs, where they are on)."""
     from llmc.runtime.step_graphs import DECODE_BUCKETS
     top = next((b for b in DECODE_BUCKETS if b >= max_num_seqs), DECODE_BUCKETS[-1])
     batches = [StepBatch([StepInput([0], pos, [0] * (pos // block_size + 1)) for _ in range(b)])
                for pos in [0] + [c - 1 for c in contexts[1:]] for b in DECODE_BUCKETS if b <= top]
     sizes = sorted({n for b in WARM_TOKENS if b <= max_tokens for n in (b - 1, b)} | {max_tokens})
     max_chunk = max_chunk or max_tokens
-    for T in sizes:
+    at_contexts = [(T, 0) for T in sizes] + [(T, c - 1) for T in (mixed or ()) if T <= max_tokens for c in contexts[1:]]
+    for T, pos in at_contexts:
         d = min(max_num_seqs - 1, T // 4)
         while d > 0 and d + -(-(T - d) // max_chunk) > max_num_seqs:
             d -= 1
-        if -(-(T - d) // max_chunk) > max_num_seqs - d:
-            continue  # no step of max_num_seqs sequences holds T tokens
-        seqs = [StepInput([0], 0, [0]) for _ in range(d)]
+        if -(-(T - d) // max_chunk) > max_num_seqs - d or (pos and not d):
+            continue  # no step of max_num_seqs sequences holds T tokens (beside a decode)
+        seqs = [StepInput([0], pos, [0] * (pos // block_size + 1)) for _ in range(d)]
         for at in range(0, T - d, max_chunk):
             n = min(max_chunk, T - d - at)
             seqs.append(StepInput([0] * n, 0, [0] * -(-n // block_size), 1, True))

@@ -7,6 +7,7 @@ the executor as one-token rows (see executor.py), so it replays a decode graph.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from typing import Callable
@@ -48,6 +49,23 @@ LONG_PREFILL_BUCKETS = tuple(range(768, 2049, 256))
 DECODE_CONTEXT_BUCKETS = (1024, 2048)
 
 
+# mixed steps (prompt chunks beside decodes, several sequences) of up to 1,024 tokens on whole-step graphs too,
+# with LLMC_MIXED_STEP_GRAPHS=1 (off until measured on a GPU). Their attention launches are sized for the bucket's
+# tokens and sequences, not for the step's rows (`paged_attention`'s `rows`: the decode kernel over every row,
+# the prefill kernel on a packed grid), so one graph per token bucket (and decode context bucket) runs any such
+# step, with the bits of the eager step. Elsewhere these steps run on piecewise graphs (piecewise.py), whose
+# attention runs eagerly once per layer: on the H200 a 1B step of 128 decodes and a few hundred prompt tokens
+# cost the host 3.5-4 ms of launches against 2.7-3.5 ms of GPU time (benchmarks/RESULTS.md, 2026-12-05).
+# Larger steps are bound by the GPU and stay on the pieces.
+MIXED_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+
+
+def mixed_buckets() -> tuple[int, ...] | None:
+    """The token buckets of whole-step mixed graphs, or None where they are off (LLMC_MIXED_STEP_GRAPHS unset
+    or 0)."""
+    return MIXED_BUCKETS if os.environ.get("LLMC_MIXED_STEP_GRAPHS", "0") == "1" else None
+
+
 def decode_contexts(max_model_len: int) -> tuple[int, ...]:
     """The context buckets of decode graphs: DECODE_CONTEXT_BUCKETS below `max_model_len`, then it; with
     LLMC_DECODE_CONTEXT_GRAPHS=0, `max_model_len` alone."""
@@ -71,15 +89,29 @@ def blocks_covering(i: int, token_ids: list[int], start_pos: int, table: list[in
     return used
 
 
-def graph_kind(batch, prefill: tuple[int, ...] | None = None) -> tuple[str, int] | None:
+def graph_kind(batch, prefill: tuple[int, ...] | None = None, mixed: tuple[int, ...] | None = None,
+               max_seqs: int = 0) -> tuple[str, int] | None:
     """(kind, bucket) of the graph that can run `batch` (a list of StepInput), or None: run eager. `prefill`:
-    the prefill buckets (default `prefill_buckets()`, what a StepGraphCache holds)."""
+    the prefill buckets (default `prefill_buckets()`, what a StepGraphCache holds); `mixed`: the mixed graphs'
+    token buckets (None: none), for steps of up to `mixed_seqs(bucket, max_seqs)` sequences."""
     prefill = prefill_buckets() if prefill is None else prefill
     if all(len(s.token_ids) == 1 and s.num_logits == 1 for s in batch) and len(batch) <= DECODE_BUCKETS[-1]:
         return "decode", _bucket(DECODE_BUCKETS, len(batch))
     if len(batch) == 1 and batch[0].num_logits == 1 and len(batch[0].token_ids) <= prefill[-1]:
         return "prefill", _bucket(prefill, len(batch[0].token_ids))
+    if mixed:
+        T = sum(len(s.token_ids) for s in batch)
+        if T <= mixed[-1] and all(s.num_logits <= 1 for s in batch):
+            size = _bucket(mixed, T)
+            if len(batch) <= mixed_seqs(size, max_seqs):
+                return "mixed", size
     return None
+
+
+def mixed_seqs(size: int, max_seqs: int) -> int:
+    """The sequences a mixed graph of `size` tokens holds: as many as its tokens, at most the engine's
+    `max_seqs` (its logits rows: padding rows cost the LM head little next to its weights' read)."""
+    return min(size, max_seqs)
 
 
 def _bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -122,13 +154,16 @@ class StepGraphCache:
         self._pool = None
         self.prefill = prefill_buckets()
         self.contexts = decode_contexts(max_model_len)
+        self.mixed: tuple[int, ...] | None = None  # the mixed graphs' token buckets, where the executor turns them on
+        self.max_seqs = 256  # the engine's max_num_seqs (the warm-up sets it): a mixed graph's sequences
+        self._mixed_arenas: dict[int, torch.Tensor | None] = {}  # one per token bucket, whatever the context
 
     def run(self, batch, greedy: bool, feed=None) -> torch.Tensor | None:
         """Replay (capturing on first use) the graph for `batch`: argmax tokens [rows] with `greedy`, else fp32
         logits [rows, V], on the device and not waited for (copies: the graph's output buffer is reused by
         its next replay). None when no graph shape fits the batch. `feed` (executor.Feed) overwrites input
         tokens with the previous step's argmax rows on the device."""
-        kind = graph_kind(batch, self.prefill)
+        kind = graph_kind(batch, self.prefill, self.mixed, self.max_seqs)
         dg = self._graph(kind, False, self._context(kind, batch)) if kind is not None else None
         if dg is None:
             return None
@@ -136,7 +171,7 @@ class StepGraphCache:
         if feed is not None:  # after the copy of the step's inputs, and before the replay that reads them
             feed.apply(dg.inputs["input_ids"])
         dg.graph.replay()
-        rows = len(batch)
+        rows = sum(s.num_logits for s in batch)
         tokens, logits = dg.out
         return tokens[:rows].clone() if greedy else logits[:rows].float()
 
@@ -186,11 +221,16 @@ class StepGraphCache:
                 for o, v in zip(dg.out, self.plan.graph.outputs)]
 
     def _context(self, kind: tuple[str, int], batch, steps: int = 1) -> int | None:
-        """The context bucket of a decode batch's graph (`steps` decode steps from its positions), None for the
-        model's limit (every step's graph where context graphs are off)."""
-        if kind[0] != "decode" or len(self.contexts) == 1:
+        """The context bucket of a decode batch's graph (`steps` decode steps from its positions), or of a mixed
+        batch's decode rows (its leading one-token sequences); None for the model's limit (every step's graph
+        where context graphs are off)."""
+        if kind[0] not in ("decode", "mixed") or len(self.contexts) == 1:
             return None
-        longest = max(s.start_pos for s in batch) + steps
+        if kind[0] == "mixed":
+            d = decode_rows(batch)
+            longest = max((s.start_pos + 1 for s in batch[:d]), default=1)
+        else:
+            longest = max(s.start_pos for s in batch) + steps
         c = next((c for c in self.contexts if c >= longest), self.max_model_len)
         return None if c == self.max_model_len else c
 
@@ -217,17 +257,25 @@ class StepGraphCache:
         would double the captures at load (each a few eager runs and a capture) and the arenas, for an argmax
         that costs a sampled step microseconds."""
         max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
-        dg = _StepGraph(kind, size, max_blocks, self.device)
+        dg = _StepGraph(kind, size, max_blocks, self.device, mixed_seqs(size, self.max_seqs))
         # fixed for the capture: keys per split follow the longest context the model allows (also in a context
         # bucket's graph, whose launch holds only the splits of its bucket)
         hints = {"max_seqlen_q": dg.q, "max_seqlen_k": context or self.max_model_len,
                  "context_limit": self.max_model_len}
+        if kind == "mixed":  # attention launched for any step of the bucket: its rows split on the device
+            hints["mixed_rows"] = (dg.inputs["decode_qsl"], dg.inputs["prompt_qsl"])
         if self.receives:
             dims = bound_dims(self.plan.graph, dg.inputs)
             dg.recv = {v.name: torch.zeros([dim_eval(d, dims) for d in v.type.shape], dtype=torch_dtype(v.type.dtype),
                                            device=self.device) for v in self.receives}
-        inputs = {**dg.inputs, **self.kv, **dg.recv}
-        dg.arena = self.plan.new_arena(inputs, hints)  # the graph's own intermediates, for its lifetime
+        inputs = {**{v.name: dg.inputs[v.name] for v in self.plan.graph.inputs if v.name in dg.inputs}, **self.kv,
+                  **dg.recv}
+        if kind != "mixed":
+            dg.arena = self.plan.new_arena(inputs, hints)  # the graph's own intermediates, for its lifetime
+        else:  # a token bucket's graphs (one per context bucket) never run at once: they share one arena
+            if size not in self._mixed_arenas:
+                self._mixed_arenas[size] = self.plan.new_arena(inputs, hints)
+            dg.arena = self._mixed_arenas[size]
 
         def step():
             outs = self.plan.run(inputs, hints, arena=dg.arena)
@@ -303,10 +351,18 @@ class TableRows:
                 held[i] = (t, u)
 
 
+def decode_rows(batch) -> int:
+    """How many leading sequences of a step have one token: its decodes (the scheduler puts them first), which
+    attention runs on its decode kernel."""
+    return next((i for i, s in enumerate(batch) if len(s.token_ids) != 1), len(batch))
+
+
 class _StepGraph:
     """A step captured for T token rows of N sequences:
       decode:  N = T sequences of one token each, N logits rows;
       prefill: one sequence (N = 1) of up to T new tokens, the logits of its last token;
+      mixed:   up to N sequences (`seqs`) of up to T tokens in all, at most one logits row each: N rows, the
+               step's first, then padding rows (the logits of token 0, dropped);
 
     The step's inputs live in one device buffer, filled from one pinned host buffer by a single
     asynchronous copy per step; the host side is written through numpy views, so preparing a step
@@ -315,14 +371,16 @@ class _StepGraph:
     decode, a sequence of its own with a one-token context.
     """
 
-    def __init__(self, kind: str, size: int, max_blocks: int, device: torch.device):
+    def __init__(self, kind: str, size: int, max_blocks: int, device: torch.device, seqs: int = 0):
         self.kind = kind
-        T, N = size, 1 if kind == "prefill" else size
-        self.q = size if kind == "prefill" else 1  # query tokens per sequence (the attention hint)
+        T, N = size, {"prefill": 1, "mixed": seqs}.get(kind, size)
+        self.q = 1 if kind == "decode" else size  # query tokens per sequence at most (the attention hint)
         layout = [("input_ids", torch.int64, (T,)), ("positions", torch.int64, (T,)),
                   ("slot_mapping", torch.int64, (T,)), ("logits_indices", torch.int64, (N,)),
                   ("query_start_loc", torch.int32, (N + 1,)), ("seq_lens", torch.int32, (N,)),
                   ("block_tables", torch.int32, (N, max_blocks))]
+        if kind == "mixed":  # the rows split for attention (attention.mixed_rows)
+            layout += [("decode_qsl", torch.int32, (N + 1,)), ("prompt_qsl", torch.int32, (N + 1,))]
         offsets, nbytes = [], 0
         for _, dtype, shape in layout:
             # 16-byte aligned like any fresh tensor: Triton specializes kernels on pointer alignment,
@@ -339,8 +397,8 @@ class _StepGraph:
             size_b = dtype.itemsize * int(np.prod(shape))
             self.inputs[name] = self.dev[off:off + size_b].view(dtype).view(shape)
             self.np[name] = host_np[off:off + size_b].view(np.dtype(str(dtype).removeprefix("torch."))).reshape(shape)
-        self.np["query_start_loc"][:] = np.arange(N + 1)
-        self.np["logits_indices"][:] = np.arange(N)
+        self.np["query_start_loc"][:] = np.arange(N + 1) if kind != "mixed" else 0
+        self.np["logits_indices"][:] = np.arange(N) if kind != "mixed" else 0
         self.np["slot_mapping"][:] = -1
         self.np["seq_lens"][:] = 1
         self.dev.copy_(self.host)
@@ -359,6 +417,8 @@ class _StepGraph:
             self.copied.synchronize()
         if self.kind == "decode":
             self._load_decode(batch, block_size, offset)
+        elif self.kind == "mixed":
+            self._load_mixed(batch, block_size)
         else:
             self._load_prefill(batch, block_size)
         self.dev.copy_(self.host, non_blocking=True)
@@ -379,6 +439,39 @@ class _StepGraph:
             self.np["input_ids"][n:], self.np["positions"][n:], self.np["slot_mapping"][n:] = 0, 0, -1
             self.np["seq_lens"][n:] = 1
         self.rows = n
+
+    def _load_mixed(self, batch, block_size: int) -> None:
+        from llmc.codegen.attention import mixed_rows
+        n = len(batch)
+        new = np.fromiter((len(s.token_ids) for s in batch), np.int64, n)
+        start = np.fromiter((s.start_pos for s in batch), np.int64, n)
+        used = (start + new + block_size - 1) // block_size  # the blocks each context covers after the step
+        short = np.flatnonzero(used > np.fromiter((len(s.block_table) for s in batch), np.int64, n))
+        if short.size:
+            i = int(short[0])
+            blocks_covering(i, batch[i].token_ids, batch[i].start_pos, batch[i].block_table, block_size)  # raises
+        qsl = self.np["query_start_loc"]
+        qsl[0] = 0
+        np.cumsum(new, out=qsl[1:n + 1])
+        T = int(qsl[n])
+        qsl[n + 1:] = T  # padding sequences: no tokens
+        tables = self.np["block_tables"]
+        self.table_rows.write(tables, [s.block_table for s in batch], used.tolist())
+        pos = np.arange(T) - np.repeat(qsl[:n] - start, new)
+        self.np["input_ids"][:T] = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in batch), np.int64, T)
+        self.np["positions"][:T] = pos
+        self.np["slot_mapping"][:T] = tables[np.repeat(np.arange(n), new), pos // block_size].astype(np.int64) * \
+            block_size + pos % block_size
+        if T < self.rows:
+            self.np["input_ids"][T:], self.np["positions"][T:], self.np["slot_mapping"][T:] = 0, 0, -1
+        self.rows = T
+        self.np["seq_lens"][:n] = start + new
+        self.np["seq_lens"][n:] = 1
+        k = np.fromiter((s.num_logits for s in batch), np.int64, n)
+        rows = (qsl[1:n + 1] - 1)[k > 0]  # a sequence's logits row: its last token
+        self.np["logits_indices"][:rows.size] = rows
+        self.np["logits_indices"][rows.size:] = 0
+        self.np["decode_qsl"][:], self.np["prompt_qsl"][:] = mixed_rows(qsl, decode_rows(batch))
 
     def _load_prefill(self, batch, block_size: int) -> None:
         s = batch[0]

@@ -303,6 +303,57 @@ def test_mixed_step_runs_its_decode_rows_on_the_decode_kernel(dtype):
     assert not torch.equal(mixed[:3], one_launch[:3])  # the decode rows did take the other kernel
 
 
+def _padded_rows(c, decode_rows: int, pad: int, tokens: int):
+    """A mixed step as a captured graph holds it: `pad` more rows holding no tokens, the token rows padded to
+    `tokens`, and the (decode_qsl, prompt_qsl) pair of the rows split at `decode_rows`."""
+    import numpy as np
+
+    from llmc.codegen.attention import mixed_rows
+    N, T = c["seq_lens"].shape[0], c["q"].shape[0]
+    qsl = np.concatenate([c["qsl"].numpy(), np.full(pad, T, np.int32)])
+    rows = tuple(torch.from_numpy(a.copy()) for a in mixed_rows(qsl, decode_rows))
+    bt = torch.cat([c["bt"], torch.zeros(pad, c["bt"].shape[1], dtype=torch.int32)])
+    lens = torch.cat([c["seq_lens"], torch.ones(pad, dtype=torch.int32)])
+    q = torch.cat([c["q"], torch.zeros(tokens - T, *c["q"].shape[1:], dtype=c["q"].dtype)])
+    return q, torch.from_numpy(qsl), lens, bt, rows, N
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+@pytest.mark.parametrize("prompts", [1, 5], ids=lambda n: f"{n}-prompts")
+def test_a_launch_for_any_mixed_step_gives_the_two_launches_bits(dtype, prompts):
+    """A mixed step launched as a captured graph launches it (`rows`: the decode kernel over every row, the
+    prefill kernel on a packed grid sized for the bucket's tokens, padding rows and tokens past the step's)
+    gives each row the bits of the eager step's two launches (decode_rows), in both launch orders (one prompt:
+    its last tiles first; five: sequence by sequence)."""
+    ctx = [70, 9, 300][:3] + [40, 120, 60, 33, 18][:prompts]
+    new = [1, 1, 1] + [40, 30, 7, 33, 1][:prompts]
+    c = make_case(ctx, new, 4, 2, 32, 16, dtype, seed=15)
+    cache = c["cache"].clone()
+    ref = reference(c, cache)
+    kw = dict(max_seqlen_k=300, block_m=16, block_n=16, context_limit=1024)
+    eager = paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], 32 ** -0.5,
+                            max_seqlen_q=max(new), decode_rows=3, **kw)
+    close(eager, ref, dtype)
+    T = c["q"].shape[0]
+    q, qsl, lens, bt, rows, N = _padded_rows(c, 3, pad=4, tokens=T + 20)
+    packed = paged_attention(q, cache, qsl, lens, bt, 32 ** -0.5, max_seqlen_q=T + 20, rows=rows, **kw)
+    assert torch.equal(packed[:T], eager)
+
+
+def test_a_packed_launch_of_a_step_without_prompts_writes_nothing():
+    """Every row a decode (or padding): the packed prefill grid's programs all return."""
+    c = make_case([70, 9], [1, 1], 4, 2, 32, 16, torch.float32, seed=16)
+    cache = c["cache"].clone()
+    reference(c, cache)
+    q, qsl, lens, bt, rows, N = _padded_rows(c, 2, pad=2, tokens=16)
+    out = torch.full((16, 4, 32), 7.0)
+    paged_attention(q, cache, qsl, lens, bt, 32 ** -0.5, max_seqlen_q=16, max_seqlen_k=70, rows=rows,
+                    context_limit=1024, block_m=16, block_n=16, out=out)
+    decodes = paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], 32 ** -0.5, max_seqlen_q=1,
+                              max_seqlen_k=70, context_limit=1024, block_m=16, block_n=16)
+    assert torch.equal(out[:2], decodes) and bool((out[2:] == 7.0).all())
+
+
 # --------------------------------------------------------------------------------------------- decode
 
 DECODE = {

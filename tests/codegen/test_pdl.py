@@ -94,10 +94,12 @@ assert isinstance(mm.matmul_kernel, PDLKernel) and isinstance(mm._finish, JITFun
 assert isinstance(load(MatmulSpec("bf16", False, ()), pdl=False).matmul_kernel, JITFunction)
 norm = load(RmsNormSpec(256, "bf16", True), pdl=True).rms_norm_kernel.fn
 from llmc.codegen.attention import PagedAttentionSpec
-attn = []  # prefill attention, whose launch order and grid are runtime arguments, over bf16 and int8 caches
-for kv, cache in (("bfloat16", "*bf16"), ("int8", "*i8")):
+attn = []  # prefill attention, whose launch order and grid are runtime arguments, over bf16 and int8 caches,
+# and its packed grid (a captured mixed step's)
+for kv, cache, packed in (("bfloat16", "*bf16", False), ("int8", "*i8", False), ("bfloat16", "*bf16", True)):
     spec = PagedAttentionSpec(head_dim=128, num_q_heads=32, num_kv_heads=8, block_size=16, dtype="bfloat16",
-                              kv_dtype=kv, sliding_window=False, block_n=64, mode="prefill", causal=True, block_m=64)
+                              kv_dtype=kv, sliding_window=False, block_n=64, mode="prefill", causal=True, block_m=64,
+                              packed=packed)
     fn = load(spec, pdl=True).paged_attention_prefill_kernel.fn
     c = spec.constexprs()
     ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "cache_ptr": cache, "kv_scale_ptr": "*bf16", "qsl_ptr": "*i32",
@@ -149,7 +151,8 @@ print("ok")
                                                                           "real launches")
 def test_compiled_for_hopper_the_wait_precedes_every_memory_access():
     """Kernels compiled here for sm_90 (the matmul, also with the SwiGLU epilogue, the norm, prefill attention
-    over bf16 and int8 caches): each compiles, and its one wait comes before any memory access."""
+    over bf16 and int8 caches and on its packed grid): each compiles, and its one wait comes before any memory
+    access."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-3000:]
