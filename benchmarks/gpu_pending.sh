@@ -432,7 +432,7 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
                             --n $(requests_for $shape) --max-num-seqs 128 --artifact "/tmp/art-$shape.llmc" \
                             --out "$OUT/msg-$v-$round" --no-cprofile >"$OUT/msg_${shape}_${v}_$round.log" 2>&1
                         echo "LLMC_MIXED_STEP_GRAPHS=$v, round $round"
-                        grep -A12 "^# $shape," "$OUT/msg_${shape}_${v}_$round.log"
+                        grep -B1 -A12 "^# $shape," "$OUT/msg_${shape}_${v}_$round.log"
                     done
                 done
             done ;;

@@ -146,6 +146,13 @@ def main() -> None:
         rows, r = traced_run(llm, a.n, 2)
         text = table(rows)
         stats = llm.stats()
+        graphs = getattr(llm.engine.executor, "step_graphs", None)
+        held = None  # which whole-step graphs the engine holds (decode, prefill, mixed)
+        if graphs is not None:
+            held = defaultdict(int)
+            for key in graphs.graphs:
+                held[key[0]] += 1
+            held = dict(held)
         prof_text = ""
         if not a.no_cprofile:
             prof = cProfile.Profile()
@@ -158,6 +165,8 @@ def main() -> None:
             (out / f"step_trace_{a.shape}_cprofile.txt").write_text(prof_text)
     (out / f"step_trace_{a.shape}.json").write_text(json.dumps({"run": r, "stats": stats, "steps": rows}))
     print(prof_text[:6000])
+    if held is not None:
+        print(f"# step graphs held: {held}; warm-up {stats.get('warm_up_s', 0):.2f} s")
     busy = f"{r['gpu_busy']:.3f}" if r["gpu_busy"] is not None else "n/a"
     print(f"# {a.shape}, {a.n} requests, {a.max_num_seqs} at once (LLM.generate): {r['out_tok_s']:.0f} out tok/s, "
           f"{r['duration_s']:.3f} s, {r['steps']} steps, GPU busy over the launches' spans {busy}")
