@@ -411,7 +411,7 @@ class KernelExecutor(LocalExecutor):
         collective = any(n.op in FAMILIES.get("collective", ()) for n in graph.nodes)
         self.mixed_graphs = os.environ.get("LLMC_MIXED_GRAPHS", "0" if collective else "1") != "0"
         if cuda_graphs and not receives and not collective:  # whole-step mixed graphs (LLMC_MIXED_STEP_GRAPHS=1)
-            self.step_graphs.mixed = mixed_buckets()
+            self.step_graphs.mixed, self.step_graphs.split_decodes = mixed_buckets(), self.split_decodes
 
     def compile_ahead(self, batches: list[StepBatch]) -> int:
         """Compile the kernels that `batches` (greedy and not) run eagerly: each step run once with nothing

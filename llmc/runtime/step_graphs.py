@@ -156,6 +156,7 @@ class StepGraphCache:
         self.contexts = decode_contexts(max_model_len)
         self.mixed: tuple[int, ...] | None = None  # the mixed graphs' token buckets, where the executor turns them on
         self.max_seqs = 256  # the engine's max_num_seqs (the warm-up sets it): a mixed graph's sequences
+        self.split_decodes = True  # a mixed step's decodes on the decode kernel (the executor's LLMC_SPLIT_DECODES)
         self._mixed_arenas: dict[int, torch.Tensor | None] = {}  # one per token bucket, whatever the context
 
     def run(self, batch, greedy: bool, feed=None) -> torch.Tensor | None:
@@ -167,7 +168,7 @@ class StepGraphCache:
         dg = self._graph(kind, False, self._context(kind, batch)) if kind is not None else None
         if dg is None:
             return None
-        dg.load(batch, self.block_size)
+        dg.load(batch, self.block_size, split=self.split_decodes)
         if feed is not None:  # after the copy of the step's inputs, and before the replay that reads them
             feed.apply(dg.inputs["input_ids"])
         dg.graph.replay()
@@ -227,7 +228,7 @@ class StepGraphCache:
         if kind[0] not in ("decode", "mixed") or len(self.contexts) == 1:
             return None
         if kind[0] == "mixed":
-            d = decode_rows(batch)
+            d = decode_rows(batch) if self.split_decodes else 0
             longest = max((s.start_pos + 1 for s in batch[:d]), default=1)
         else:
             longest = max(s.start_pos for s in batch) + steps
@@ -410,15 +411,16 @@ class _StepGraph:
         self.rows = T  # token rows holding a token in the last step (the rest are padding)
         self.table_rows = TableRows()  # what each row of block_tables holds (decode steps)
 
-    def load(self, batch, block_size: int, offset: int = 0) -> None:
+    def load(self, batch, block_size: int, offset: int = 0, split: bool = True) -> None:
         """Write the batch into the pinned buffer and start its one copy to the device (a decode batch
-        `offset` positions on: a chain's later steps)."""
+        `offset` positions on: a chain's later steps; a mixed batch's decodes on the decode kernel unless not
+        `split`)."""
         if self.copied is not None:  # the previous step's copy must have left the pinned buffer
             self.copied.synchronize()
         if self.kind == "decode":
             self._load_decode(batch, block_size, offset)
         elif self.kind == "mixed":
-            self._load_mixed(batch, block_size)
+            self._load_mixed(batch, block_size, split)
         else:
             self._load_prefill(batch, block_size)
         self.dev.copy_(self.host, non_blocking=True)
@@ -440,7 +442,7 @@ class _StepGraph:
             self.np["seq_lens"][n:] = 1
         self.rows = n
 
-    def _load_mixed(self, batch, block_size: int) -> None:
+    def _load_mixed(self, batch, block_size: int, split: bool) -> None:
         from llmc.codegen.attention import mixed_rows
         n = len(batch)
         new = np.fromiter((len(s.token_ids) for s in batch), np.int64, n)
@@ -471,7 +473,7 @@ class _StepGraph:
         rows = (qsl[1:n + 1] - 1)[k > 0]  # a sequence's logits row: its last token
         self.np["logits_indices"][:rows.size] = rows
         self.np["logits_indices"][rows.size:] = 0
-        self.np["decode_qsl"][:], self.np["prompt_qsl"][:] = mixed_rows(qsl, decode_rows(batch))
+        self.np["decode_qsl"][:], self.np["prompt_qsl"][:] = mixed_rows(qsl, decode_rows(batch) if split else 0)
 
     def _load_prefill(self, batch, block_size: int) -> None:
         s = batch[0]

@@ -40,10 +40,15 @@ def graphs_of(ex, max_model_len=64):
     return g
 
 
-def test_mixed_steps_replay_one_graph_per_bucket_with_the_eager_logits(llama_artifact, replayed):
+@pytest.mark.parametrize("split", ["1", "0"], ids=["decodes-split", "one-launch"])
+def test_mixed_steps_replay_one_graph_per_bucket_with_the_eager_logits(llama_artifact, replayed, monkeypatch, split):
+    """One graph of a token bucket replays every step of that bucket with the eager plan's logits and K/V: the
+    decodes on the decode kernel, or (LLMC_SPLIT_DECODES=0) every row on the prefill kernel, as eager."""
+    monkeypatch.setenv("LLMC_SPLIT_DECODES", split)
     g = llama_artifact.graph
     plain, cached = (make_executor(g, "triton-interpret", num_blocks=32, block_size=4) for _ in range(2))
     graphs = graphs_of(cached)
+    graphs.split_decodes = cached.split_decodes
     p0, p1, p2 = list(range(3, 12)), [40, 41, 42, 43, 44], [7, 8, 9, 10, 11, 12, 13]
     steps = [  # two prompts; their decodes beside a third prompt's first chunk (no logits row); then its rest; ...
         [StepInput(p0, 0, [0, 1, 2], 1, True), StepInput(p1, 0, [3, 4], 1, True)],
