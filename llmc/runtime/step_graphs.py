@@ -168,7 +168,7 @@ class StepGraphCache:
         dg = self._graph(kind, False, self._context(kind, batch)) if kind is not None else None
         if dg is None:
             return None
-        dg.load(batch, self.block_size, split=self.split_decodes)
+        dg.load(batch, self.block_size)
         if feed is not None:  # after the copy of the step's inputs, and before the replay that reads them
             feed.apply(dg.inputs["input_ids"])
         dg.graph.replay()
@@ -258,7 +258,7 @@ class StepGraphCache:
         would double the captures at load (each a few eager runs and a capture) and the arenas, for an argmax
         that costs a sampled step microseconds."""
         max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
-        dg = _StepGraph(kind, size, max_blocks, self.device, mixed_seqs(size, self.max_seqs))
+        dg = _StepGraph(kind, size, max_blocks, self.device, mixed_seqs(size, self.max_seqs), self.split_decodes)
         # fixed for the capture: keys per split follow the longest context the model allows (also in a context
         # bucket's graph, whose launch holds only the splits of its bucket)
         hints = {"max_seqlen_q": dg.q, "max_seqlen_k": context or self.max_model_len,
@@ -372,8 +372,10 @@ class _StepGraph:
     decode, a sequence of its own with a one-token context.
     """
 
-    def __init__(self, kind: str, size: int, max_blocks: int, device: torch.device, seqs: int = 0):
+    def __init__(self, kind: str, size: int, max_blocks: int, device: torch.device, seqs: int = 0,
+                 split: bool = True):
         self.kind = kind
+        self.split = split  # a mixed step's decodes on the decode kernel (else every row on the prefill kernel)
         T, N = size, {"prefill": 1, "mixed": seqs}.get(kind, size)
         self.q = 1 if kind == "decode" else size  # query tokens per sequence at most (the attention hint)
         layout = [("input_ids", torch.int64, (T,)), ("positions", torch.int64, (T,)),
@@ -411,16 +413,15 @@ class _StepGraph:
         self.rows = T  # token rows holding a token in the last step (the rest are padding)
         self.table_rows = TableRows()  # what each row of block_tables holds (decode steps)
 
-    def load(self, batch, block_size: int, offset: int = 0, split: bool = True) -> None:
+    def load(self, batch, block_size: int, offset: int = 0) -> None:
         """Write the batch into the pinned buffer and start its one copy to the device (a decode batch
-        `offset` positions on: a chain's later steps; a mixed batch's decodes on the decode kernel unless not
-        `split`)."""
+        `offset` positions on: a chain's later steps)."""
         if self.copied is not None:  # the previous step's copy must have left the pinned buffer
             self.copied.synchronize()
         if self.kind == "decode":
             self._load_decode(batch, block_size, offset)
         elif self.kind == "mixed":
-            self._load_mixed(batch, block_size, split)
+            self._load_mixed(batch, block_size)
         else:
             self._load_prefill(batch, block_size)
         self.dev.copy_(self.host, non_blocking=True)
@@ -442,7 +443,7 @@ class _StepGraph:
             self.np["seq_lens"][n:] = 1
         self.rows = n
 
-    def _load_mixed(self, batch, block_size: int, split: bool) -> None:
+    def _load_mixed(self, batch, block_size: int) -> None:
         from llmc.codegen.attention import mixed_rows
         n = len(batch)
         new = np.fromiter((len(s.token_ids) for s in batch), np.int64, n)
@@ -473,7 +474,7 @@ class _StepGraph:
         rows = (qsl[1:n + 1] - 1)[k > 0]  # a sequence's logits row: its last token
         self.np["logits_indices"][:rows.size] = rows
         self.np["logits_indices"][rows.size:] = 0
-        self.np["decode_qsl"][:], self.np["prompt_qsl"][:] = mixed_rows(qsl, decode_rows(batch) if split else 0)
+        self.np["decode_qsl"][:], self.np["prompt_qsl"][:] = mixed_rows(qsl, decode_rows(batch) if self.split else 0)
 
     def _load_prefill(self, batch, block_size: int) -> None:
         s = batch[0]
