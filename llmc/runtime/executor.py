@@ -12,7 +12,6 @@ Attention metadata is built here from the batch and passed to the plan as explic
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import os
 import time
@@ -26,7 +25,7 @@ from llmc.errors import ArtifactError, LLMCError
 from llmc.intmath import cdiv
 from llmc.ir.graph import Graph
 from llmc.runtime.kv_cache import KVCache, with_kv_cache_dtype
-from llmc.runtime.step_graphs import StepGraphCache, TableRows, mixed_buckets
+from llmc.runtime.step_graphs import StepGraphCache, TableRows, decode_rows, mixed_buckets, step_rows, token_slots
 from llmc.runtime.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -319,17 +318,9 @@ class LocalExecutor:
 
         Built with numpy over the step's tokens at once (a few Python operations per sequence, none
         per token): a mixed step's thousands of positions and slots cost what its sequences do."""
-        bs, n = self.block_size, len(seqs)
-        new = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
-        start = np.fromiter((s.start_pos for s in seqs), np.int64, n)
-        width = np.fromiter((len(s.block_table) for s in seqs), np.int64, n)
+        n = len(seqs)
+        new, start, width, qsl = step_rows(seqs, self.block_size)
         end = start + new
-        short = np.flatnonzero((end + bs - 1) // bs > width)
-        if short.size:
-            i = int(short[0])
-            raise LLMCError(f"sequence {i}: {int(end[i])} tokens need more blocks than its table has")
-        qsl = np.zeros(n + 1, np.int64)
-        np.cumsum(new, out=qsl[1:])
         # the table's width (its row stride in the attention kernels) rounded up to 16: Triton specializes an
         # integer argument on being 1 or a multiple of 16, so an unrounded width compiled a kernel variant for
         # each of 1, multiples of 16 and the rest as steps met them. The rows are kept across steps
@@ -340,13 +331,10 @@ class LocalExecutor:
         kept = self._rows.rows(n, cols)
         self._rows.write(kept, [s.block_table for s in seqs], width.tolist())
         tables = kept[:, :cols].copy()  # this step's own: the next step rewrites the kept rows
-        seq = np.repeat(np.arange(n), new)  # each token's sequence
-        pos = np.arange(int(qsl[-1])) - np.repeat(qsl[:-1] - start, new)
-        slots = tables[seq, pos // bs].astype(np.int64) * bs + pos % bs
+        ids, pos, slots = token_slots(seqs, new, start, qsl, tables, self.block_size)
         k = np.fromiter((s.num_logits for s in seqs), np.int64, n)
         first = np.repeat(qsl[1:] - k, k)  # the sequence's first logits row, per row
         logit_rows = first + np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
-        ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64, int(qsl[-1]))
         dev = self.device
 
         def put(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -472,8 +460,7 @@ class KernelExecutor(LocalExecutor):
         # context, so that kernel splits a context as they do
         hints = {"max_seqlen_q": max(len(s.token_ids) for s in seqs),
                  "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in seqs),
-                 "decode_rows": next((i for i, s in enumerate(seqs) if len(s.token_ids) != 1), len(seqs))
-                 if self.split_decodes else 0,
+                 "decode_rows": decode_rows(seqs) if self.split_decodes else 0,
                  "context_limit": self.max_model_len}
         if self.piecewise is not None and self.use_cuda_graphs and self.mixed_graphs:
             out = self.piecewise.run(inputs, hints)

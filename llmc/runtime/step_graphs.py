@@ -89,6 +89,35 @@ def blocks_covering(i: int, token_ids: list[int], start_pos: int, table: list[in
     return used
 
 
+def step_rows(seqs, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(new tokens, start positions, block-table lengths, query start offsets [n + 1]) of a step's sequences, int64;
+    an error naming the first sequence whose table holds too few blocks for its context after the step."""
+    n = len(seqs)
+    new = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
+    start = np.fromiter((s.start_pos for s in seqs), np.int64, n)
+    width = np.fromiter((len(s.block_table) for s in seqs), np.int64, n)
+    end = start + new
+    short = np.flatnonzero((end + block_size - 1) // block_size > width)
+    if short.size:
+        i = int(short[0])
+        raise LLMCError(f"sequence {i}: {int(end[i])} tokens need more blocks than its table has")
+    qsl = np.zeros(n + 1, np.int64)
+    np.cumsum(new, out=qsl[1:])
+    return new, start, width, qsl
+
+
+def token_slots(seqs, new: np.ndarray, start: np.ndarray, qsl: np.ndarray, tables: np.ndarray,
+                block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, positions, cache slots) of a step's tokens, flat in sequence order, from `step_rows` and the
+    sequences' block tables (a row each)."""
+    T = int(qsl[-1])
+    seq = np.repeat(np.arange(len(seqs)), new)  # each token's sequence
+    pos = np.arange(T) - np.repeat(qsl[:-1] - start, new)
+    slots = tables[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64, T)
+    return ids, pos, slots
+
+
 def graph_kind(batch, prefill: tuple[int, ...] | None = None, mixed: tuple[int, ...] | None = None,
                max_seqs: int = 0) -> tuple[str, int] | None:
     """(kind, bucket) of the graph that can run `batch` (a list of StepInput), or None: run eager. `prefill`:
@@ -446,25 +475,15 @@ class _StepGraph:
     def _load_mixed(self, batch, block_size: int) -> None:
         from llmc.codegen.attention import mixed_rows
         n = len(batch)
-        new = np.fromiter((len(s.token_ids) for s in batch), np.int64, n)
-        start = np.fromiter((s.start_pos for s in batch), np.int64, n)
-        used = (start + new + block_size - 1) // block_size  # the blocks each context covers after the step
-        short = np.flatnonzero(used > np.fromiter((len(s.block_table) for s in batch), np.int64, n))
-        if short.size:
-            i = int(short[0])
-            blocks_covering(i, batch[i].token_ids, batch[i].start_pos, batch[i].block_table, block_size)  # raises
-        qsl = self.np["query_start_loc"]
-        qsl[0] = 0
-        np.cumsum(new, out=qsl[1:n + 1])
+        new, start, _, qsl = step_rows(batch, block_size)
         T = int(qsl[n])
-        qsl[n + 1:] = T  # padding sequences: no tokens
-        tables = self.np["block_tables"]
-        self.table_rows.write(tables, [s.block_table for s in batch], used.tolist())
-        pos = np.arange(T) - np.repeat(qsl[:n] - start, new)
-        self.np["input_ids"][:T] = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in batch), np.int64, T)
-        self.np["positions"][:T] = pos
-        self.np["slot_mapping"][:T] = tables[np.repeat(np.arange(n), new), pos // block_size].astype(np.int64) * \
-            block_size + pos % block_size
+        self.table_rows.write(self.np["block_tables"], [s.block_table for s in batch],
+                              ((start + new + block_size - 1) // block_size).tolist())  # the blocks each covers
+        ids, pos, slots = token_slots(batch, new, start, qsl, self.np["block_tables"], block_size)
+        self.np["input_ids"][:T], self.np["positions"][:T], self.np["slot_mapping"][:T] = ids, pos, slots
+        self.np["query_start_loc"][:n + 1] = qsl
+        self.np["query_start_loc"][n + 1:] = T  # padding sequences: no tokens
+        qsl = self.np["query_start_loc"]
         if T < self.rows:
             self.np["input_ids"][T:], self.np["positions"][T:], self.np["slot_mapping"][T:] = 0, 0, -1
         self.rows = T
