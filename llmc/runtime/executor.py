@@ -398,7 +398,7 @@ class KernelExecutor(LocalExecutor):
         from llmc.ir.ops import FAMILIES
         collective = any(n.op in FAMILIES.get("collective", ()) for n in graph.nodes)
         self.mixed_graphs = os.environ.get("LLMC_MIXED_GRAPHS", "0" if collective else "1") != "0"
-        if cuda_graphs and not receives and not collective:  # whole-step mixed graphs (LLMC_MIXED_STEP_GRAPHS=1)
+        if cuda_graphs and not receives and not collective:  # whole-step mixed graphs (LLMC_MIXED_STEP_GRAPHS=0: off)
             self.step_graphs.mixed, self.step_graphs.split_decodes = mixed_buckets(), self.split_decodes
 
     def compile_ahead(self, batches: list[StepBatch]) -> int:

@@ -50,20 +50,20 @@ DECODE_CONTEXT_BUCKETS = (1024, 2048)
 
 
 # mixed steps (prompt chunks beside decodes, several sequences) of up to 1,024 tokens on whole-step graphs too,
-# with LLMC_MIXED_STEP_GRAPHS=1 (off until measured on a GPU). Their attention launches are sized for the bucket's
+# (LLMC_MIXED_STEP_GRAPHS=0 turns them off). Their attention launches are sized for the bucket's
 # tokens and sequences, not for the step's rows (`paged_attention`'s `rows`: the decode kernel over every row,
 # the prefill kernel on a packed grid), so one graph per token bucket (and decode context bucket) runs any such
 # step, with the bits of the eager step. Elsewhere these steps run on piecewise graphs (piecewise.py), whose
 # attention runs eagerly once per layer: on the H200 a 1B step of 128 decodes and a few hundred prompt tokens
 # cost the host 3.5-4 ms of launches against 2.7-3.5 ms of GPU time (benchmarks/RESULTS.md, 2026-12-05).
-# Larger steps are bound by the GPU and stay on the pieces.
+# Larger steps are bound by the GPU and stay on the pieces. On the H200 the whole-step graphs took those 1B steps
+# from 6.2-8.8 to 3.2-3.8 ms of wall time each (the host's launch from 4.6-6.8 to 1.0-1.5 ms; RESULTS.md, 2026-12-05).
 MIXED_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 
 
 def mixed_buckets() -> tuple[int, ...] | None:
-    """The token buckets of whole-step mixed graphs, or None where they are off (LLMC_MIXED_STEP_GRAPHS unset
-    or 0)."""
-    return MIXED_BUCKETS if os.environ.get("LLMC_MIXED_STEP_GRAPHS", "0") == "1" else None
+    """The token buckets of whole-step mixed graphs, or None where they are off (LLMC_MIXED_STEP_GRAPHS=0)."""
+    return None if os.environ.get("LLMC_MIXED_STEP_GRAPHS", "1") == "0" else MIXED_BUCKETS
 
 
 def decode_contexts(max_model_len: int) -> tuple[int, ...]:

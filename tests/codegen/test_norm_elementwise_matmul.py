@@ -352,7 +352,7 @@ def test_swiglu_epilogue_equals_the_matmul_then_the_product_kernel(dtype, m):
                                (F.silu(y[:, :N].float()) * y[:, N:].float()).to(dtype).float())
     close(mm.linear(x, w, b, tuner=Tuner(frozen=True), gated=True), reference(x, w, b, gated=True), dtype)
     assert torch.equal(mm.linear(x, w, b, gated=True, fused=False), mm.swiglu_of(matmul(x, w, b)))
-    out = torch.empty(m, N, dtype=dtype)
+    out = torch.empty(m, N, dtype=dtype, device=DEVICE)
     assert mm.linear(x, w, b, gated=True, out=out) is out and torch.equal(out, matmul(x, w, b, gated=True))
     # the epilogue is part of the kernel's identity and its tuning key; it takes no other epilogue op
     assert MatmulSpec("bf16", False, (), "", True).key(2 * N, K) != MatmulSpec("bf16", False, ()).key(2 * N, K)
