@@ -39,7 +39,10 @@
 #   bash benchmarks/gpu_pending.sh OUT mixed-step-graphs  # issue 20: whole-step mixed graphs: the packed attention's
 #                                                     #   bits and times (gpu_check_attention.py --quick), then the
 #                                                     #   step trace with LLMC_MIXED_STEP_GRAPHS=0 and =1 alternating
-#                                                     #   in fresh processes (SHAPES, default "1b 8b"; ROUNDS, 2)
+#                                                     #   in fresh processes (SHAPES, default "1b 8b"; ROUNDS, 2;
+#                                                     #   VALUES, default "0 1": "1 2048" for graphs of steps of
+#                                                     #   up to 1,024 tokens against up to 2,048; CHECK=0: no
+#                                                     #   attention check first)
 #   bash benchmarks/gpu_pending.sh OUT decode-step    # issue 20: one decode step (BATCHES, CONTEXTS) against its
 #                                                     #   weights + K/V bound, kernel by kernel (SHAPES)
 #   bash benchmarks/gpu_pending.sh OUT context-graphs # issue 20: decode graphs per context bucket off / on
@@ -422,11 +425,13 @@ print('compile', round(time.time() - t, 1), 's', {k: round(v, 1) for k, v in art
                 grep -A12 "^# $shape," "$OUT/step_trace_$shape.log"
             done ;;
         mixed-step-graphs)
-            python3 scripts/gpu_check_attention.py --quick >"$OUT/attn_packed.log" 2>&1
-            grep -E "packed|ok$|FAIL" "$OUT/attn_packed.log" | tail -12
+            if [ "${CHECK:-1}" != 0 ]; then  # CHECK=0: the step traces alone
+                python3 scripts/gpu_check_attention.py --quick >"$OUT/attn_packed.log" 2>&1
+                grep -E "packed|ok$|FAIL" "$OUT/attn_packed.log" | tail -12
+            fi
             for shape in ${SHAPES:-1b 8b}; do
                 for round in $(seq 1 "${ROUNDS:-2}"); do
-                    for v in 0 1; do
+                    for v in ${VALUES:-0 1}; do
                         rm -rf /tmp/tmp*
                         LLMC_MIXED_STEP_GRAPHS=$v python3 benchmarks/step_trace.py --shape $shape \
                             --n $(requests_for $shape) --max-num-seqs 128 --artifact "/tmp/art-$shape.llmc" \

@@ -58,12 +58,23 @@ DECODE_CONTEXT_BUCKETS = (1024, 2048)
 # cost the host 3.5-4 ms of launches against 2.7-3.5 ms of GPU time (benchmarks/RESULTS.md, 2026-12-05).
 # Larger steps are bound by the GPU and stay on the pieces. On the H200 the whole-step graphs took those 1B steps
 # from 6.2-8.8 to 3.2-3.8 ms of wall time each (the host's launch from 4.6-6.8 to 1.0-1.5 ms; RESULTS.md, 2026-12-05).
-MIXED_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+# LLMC_MIXED_STEP_GRAPHS=2048 (any of the buckets) takes steps of up to that many tokens onto them.
+MIXED_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+MIXED_LARGEST = 1024
 
 
 def mixed_buckets() -> tuple[int, ...] | None:
-    """The token buckets of whole-step mixed graphs, or None where they are off (LLMC_MIXED_STEP_GRAPHS=0)."""
-    return None if os.environ.get("LLMC_MIXED_STEP_GRAPHS", "1") == "0" else MIXED_BUCKETS
+    """The token buckets of whole-step mixed graphs, or None where they are off (LLMC_MIXED_STEP_GRAPHS=0): up
+    to MIXED_LARGEST tokens (unset or 1), or up to the bucket it names."""
+    v = os.environ.get("LLMC_MIXED_STEP_GRAPHS", "1").strip()
+    if v == "0":
+        return None
+    largest = MIXED_LARGEST if v in ("", "1") else int(v) if v.isdigit() else -1
+    if largest not in MIXED_BUCKETS:
+        raise LLMCError(f"LLMC_MIXED_STEP_GRAPHS={v!r}: use 0 (mixed steps on the pieces), 1 (whole-step graphs "
+                        f"for steps of up to {MIXED_LARGEST} tokens) or the largest step's tokens, one of "
+                        f"{', '.join(map(str, MIXED_BUCKETS))}")
+    return tuple(b for b in MIXED_BUCKETS if b <= largest)
 
 
 def decode_contexts(max_model_len: int) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""Whole-step CUDA graphs of mixed steps (runtime/step_graphs.py, kind "mixed", LLMC_MIXED_STEP_GRAPHS=1) on the
+"""Whole-step CUDA graphs of mixed steps (runtime/step_graphs.py, kind "mixed", on by default) on the
 CPU: the generated kernels under Triton's interpreter, the cache's own capture code with each recorded graph
 replaced by a stand-in that reruns the recorded step on the graph's fixed buffers. A graph is captured for a
 token bucket once; every step of that bucket, whatever its sequences, then replays it: its attention is
@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from llmc.errors import LLMCError
 from llmc.runtime import step_graphs
 from llmc.runtime.executor import StepInput, make_executor, warm_up_batches
 from llmc.runtime.step_graphs import StepGraphCache, graph_kind
@@ -36,7 +37,7 @@ def replayed(monkeypatch):
 def graphs_of(ex, max_model_len=64):
     from llmc.codegen.sampling import argmax
     g = StepGraphCache(ex.plan, ex.kv, ex.block_size, max_model_len, ex.device, argmax)
-    g.mixed, g.max_seqs = step_graphs.MIXED_BUCKETS, 8
+    g.mixed, g.max_seqs = tuple(b for b in step_graphs.MIXED_BUCKETS if b <= step_graphs.MIXED_LARGEST), 8
     return g
 
 
@@ -98,6 +99,25 @@ def test_the_decode_rows_context_picks_the_graph(llama_artifact, replayed):
     assert key([StepInput([5], 1023, [0] * 256, 1), prompt])[2] == 1024
     assert key([StepInput([5], 1024, [0] * 257, 1), prompt])[2] == 2048
     assert key([StepInput([5], 3000, [0] * 751, 1), prompt])[2] is None  # the model's limit
+
+
+@pytest.mark.parametrize("value, buckets", [(None, (16, 32, 64, 128, 256, 512, 1024)), ("1", 1024), ("0", None),
+                                            ("2048", 2048), (" 64 ", 64)])
+def test_the_switch_names_the_largest_mixed_graph(monkeypatch, value, buckets):
+    if value is None:
+        monkeypatch.delenv("LLMC_MIXED_STEP_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("LLMC_MIXED_STEP_GRAPHS", value)
+    got = step_graphs.mixed_buckets()
+    assert got == buckets if not isinstance(buckets, int) else got == tuple(b for b in (16, 32, 64, 128, 256, 512,
+                                                                                         1024, 2048) if b <= buckets)
+
+
+@pytest.mark.parametrize("value", ["3000", "yes", "-1"])
+def test_a_switch_value_that_is_no_bucket_is_named(monkeypatch, value):
+    monkeypatch.setenv("LLMC_MIXED_STEP_GRAPHS", value)
+    with pytest.raises(LLMCError, match=f"LLMC_MIXED_STEP_GRAPHS='{value}'.*2048, 4096, 8192"):
+        step_graphs.mixed_buckets()
 
 
 def test_the_warm_up_meets_each_mixed_graph_at_each_context():
