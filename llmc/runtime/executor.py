@@ -460,7 +460,7 @@ class KernelExecutor(LocalExecutor):
         # context, so that kernel splits a context as they do
         hints = {"max_seqlen_q": max(len(s.token_ids) for s in seqs),
                  "max_seqlen_k": max(s.start_pos + len(s.token_ids) for s in seqs),
-                 "decode_rows": decode_rows(seqs) if self.split_decodes else 0,
+                 "decode_rows": decode_rows(seqs, self.split_decodes),
                  "context_limit": self.max_model_len}
         if self.piecewise is not None and self.use_cuda_graphs and self.mixed_graphs:
             out = self.piecewise.run(inputs, hints)

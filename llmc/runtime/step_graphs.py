@@ -268,7 +268,7 @@ class StepGraphCache:
         if kind[0] not in ("decode", "mixed") or len(self.contexts) == 1:
             return None
         if kind[0] == "mixed":
-            d = decode_rows(batch) if self.split_decodes else 0
+            d = decode_rows(batch, self.split_decodes)
             longest = max((s.start_pos + 1 for s in batch[:d]), default=1)
         else:
             longest = max(s.start_pos for s in batch) + steps
@@ -392,10 +392,11 @@ class TableRows:
                 held[i] = (t, u)
 
 
-def decode_rows(batch) -> int:
+def decode_rows(batch, split: bool = True) -> int:
     """How many leading sequences of a step have one token: its decodes (the scheduler puts them first), which
-    attention runs on its decode kernel."""
-    return next((i for i, s in enumerate(batch) if len(s.token_ids) != 1), len(batch))
+    attention runs on its decode kernel; 0 where decodes are not split off (LLMC_SPLIT_DECODES=0: every row on
+    the prefill kernel)."""
+    return next((i for i, s in enumerate(batch) if len(s.token_ids) != 1), len(batch)) if split else 0
 
 
 class _StepGraph:
@@ -504,7 +505,7 @@ class _StepGraph:
         rows = (qsl[1:n + 1] - 1)[k > 0]  # a sequence's logits row: its last token
         self.np["logits_indices"][:rows.size] = rows
         self.np["logits_indices"][rows.size:] = 0
-        self.np["decode_qsl"][:], self.np["prompt_qsl"][:] = mixed_rows(qsl, decode_rows(batch) if self.split else 0)
+        self.np["decode_qsl"][:], self.np["prompt_qsl"][:] = mixed_rows(qsl, decode_rows(batch, self.split))
 
     def _load_prefill(self, batch, block_size: int) -> None:
         s = batch[0]
