@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from llmc.codegen.autotune import JOINT_MARGIN, Tuner, bucket_size, m_bucket, timing_io
+from llmc.codegen.autotune import JOINT_MARGIN, Tuner, bucket_size, fit_stages, m_bucket, timing_io
 from llmc.codegen.elementwise import (HELPERS, UNARY_OPS, _freeze_attrs, cast_expr, cast_helpers, compiled,
                                       interpreting, op_expr)
 from llmc.codegen.kernels import KernelSpec, tile_counters
@@ -207,6 +207,10 @@ def _launch(spec: MatmulSpec, x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor
     N = w.shape[0] // 2 if spec.gated else w.shape[0]  # the output's columns
     split_k = cfg["SPLIT_K"]
     mt = m_tiles(M, cfg["BLOCK_M"])
+    # a stage's tiles: w's (two with the gated epilogue's up rows) and x's per row tile (and up's with the prologue)
+    w_tiles, x_tiles = (2 if spec.gated else 1), mt * (2 if spec.prologue else 1)
+    cfg = fit_stages(cfg, (w_tiles * cfg["BLOCK_N"] + x_tiles * cfg["BLOCK_M"]) * cfg["BLOCK_K"] * x2.element_size(),
+                     x2.device)
     grid = (cdiv(M, cfg["BLOCK_M"] * mt), cdiv(N, cfg["BLOCK_N"]), split_k)
     ws = torch.empty((split_k, M, w.shape[0]) if split_k > 1 else (1,), dtype=torch.float32, device=x2.device)
     counts = tile_counters(x2.device, grid[0] * grid[1]) if split_k > 1 else ws

@@ -360,6 +360,30 @@ def test_swiglu_epilogue_equals_the_matmul_then_the_product_kernel(dtype, m):
         MatmulSpec("f32", False, ("silu",), "", True)
 
 
+
+def test_a_config_runs_the_stages_that_fit_the_devices_shared_memory(monkeypatch):
+    """fp32 tiles of the gated kernel at its default config need 3 x 81,920 bytes of shared memory, more
+    than an H100's or H200's 232,448 (the launch failed there): the launch takes a stage fewer; a config
+    that fits, and any launch off the GPU, runs as given."""
+    class Cuda:
+        type, index = "cuda", 0
+
+    monkeypatch.setattr(autotune, "can_time", lambda: True)
+    monkeypatch.setattr(autotune, "shared_memory_limit", lambda index: 232448)
+    cfg = candidates("16")[0]
+    assert cfg["num_stages"] == 4
+    assert autotune.fit_stages(cfg, 81920, Cuda()) == dict(cfg, num_stages=3)
+    assert autotune.fit_stages(cfg, 40960, Cuda()) is cfg
+    assert autotune.fit_stages(cfg, 300000, Cuda())["num_stages"] == 1
+    assert autotune.fit_stages(cfg, 81920, torch.device("cpu")) is cfg
+    seen = []
+    monkeypatch.setattr(mm, "fit_stages", lambda c, stage_bytes, device: seen.append(stage_bytes) or c)
+    x, w = torch.randn(17, 96), torch.randn(80, 96)
+    matmul(x, w, gated=True)  # two row tiles: two x tiles and the gate's and up's w tiles a stage
+    matmul(x, w[:40])
+    matmul(x[:1], w[:40], up=x[:1])  # one row tile of x and one of up
+    assert seen == [(2 * 64 + 2 * 16) * 128 * 4, (64 + 2 * 16) * 128 * 4, (64 + 2 * 16) * 128 * 4]
+
 def test_matmul_leading_dims_and_strided_rows():
     x = rand(2, 3, 48)[:, :, :40]  # rows with a stride > K
     w, b = rand(24, 40) / 40 ** 0.5, rand(24)
