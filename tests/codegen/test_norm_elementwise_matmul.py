@@ -378,7 +378,7 @@ def test_a_config_runs_the_stages_that_fit_the_devices_shared_memory(monkeypatch
     assert autotune.fit_stages(cfg, 81920, torch.device("cpu")) is cfg
     seen = []
     monkeypatch.setattr(mm, "fit_stages", lambda c, stage_bytes, device: seen.append(stage_bytes) or c)
-    x, w = torch.randn(17, 96), torch.randn(80, 96)
+    x, w = rand(17, 96), rand(80, 96)
     matmul(x, w, gated=True)  # two row tiles: two x tiles and the gate's and up's w tiles a stage
     matmul(x, w[:40])
     matmul(x[:1], w[:40], up=x[:1])  # one row tile of x and one of up
