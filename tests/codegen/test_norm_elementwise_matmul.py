@@ -378,7 +378,7 @@ def test_a_config_runs_the_stages_that_fit_the_devices_shared_memory(monkeypatch
     assert autotune.fit_stages(cfg, 81920, torch.device("cpu")) is cfg
     seen = []
     fit = autotune.fit_stages  # on a GPU the launches below need it: the first overflows without it
-    monkeypatch.setattr(mm, "fit_stages", lambda c, stage_bytes, device: seen.append(stage_bytes) or fit(c, stage_bytes, device))
+    monkeypatch.setattr(mm, "fit_stages", lambda c, nbytes, device: seen.append(nbytes) or fit(c, nbytes, device))
     x, w = rand(17, 96), rand(80, 96)
     matmul(x, w, gated=True)  # two row tiles: two x tiles and the gate's and up's w tiles a stage
     matmul(x, w[:40])
