@@ -40,7 +40,7 @@
 #                                                     #   bits and times (gpu_check_attention.py --quick), then the
 #                                                     #   step trace with LLMC_MIXED_STEP_GRAPHS=0 and =1 alternating
 #                                                     #   in fresh processes (SHAPES, default "1b 8b"; ROUNDS, 2;
-#                                                     #   VALUES, default "0 1": "1 2048" for graphs of steps of
+#                                                     #   VALUES, default "0 1": "1024 1" for graphs of steps of
 #                                                     #   up to 1,024 tokens against up to 2,048; CHECK=0: no
 #                                                     #   attention check first)
 #   bash benchmarks/gpu_pending.sh OUT decode-step    # issue 20: one decode step (BATCHES, CONTEXTS) against its

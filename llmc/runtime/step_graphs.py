@@ -49,18 +49,21 @@ LONG_PREFILL_BUCKETS = tuple(range(768, 2049, 256))
 DECODE_CONTEXT_BUCKETS = (1024, 2048)
 
 
-# mixed steps (prompt chunks beside decodes, several sequences) of up to 1,024 tokens on whole-step graphs too,
+# mixed steps (prompt chunks beside decodes, several sequences) of up to 2,048 tokens on whole-step graphs too,
 # (LLMC_MIXED_STEP_GRAPHS=0 turns them off). Their attention launches are sized for the bucket's
 # tokens and sequences, not for the step's rows (`paged_attention`'s `rows`: the decode kernel over every row,
 # the prefill kernel on a packed grid), so one graph per token bucket (and decode context bucket) runs any such
 # step, with the bits of the eager step. Elsewhere these steps run on piecewise graphs (piecewise.py), whose
 # attention runs eagerly once per layer: on the H200 a 1B step of 128 decodes and a few hundred prompt tokens
 # cost the host 3.5-4 ms of launches against 2.7-3.5 ms of GPU time (benchmarks/RESULTS.md, 2026-12-05).
-# Larger steps are bound by the GPU and stay on the pieces. On the H200 the whole-step graphs took those 1B steps
-# from 6.2-8.8 to 3.2-3.8 ms of wall time each (the host's launch from 4.6-6.8 to 1.0-1.5 ms; RESULTS.md, 2026-12-05).
-# LLMC_MIXED_STEP_GRAPHS=2048 (any of the buckets) takes steps of up to that many tokens onto them.
+# On the H200 the whole-step graphs took those 1B steps from 6.2-8.8 to 3.2-3.8 ms of wall time each (the host's
+# launch from 4.6-6.8 to 1.0-1.5 ms). The 1B steps of 1,025-2,048 tokens, bound by the GPU, still waited 0.08 ms
+# each for the pieces' launches (3.9 ms of host launch): on graphs up to 2,048 tokens the issue tool's 1B mixed
+# workload ran 34,148-34,677 out tok/s against 31,912-34,120 up to 1,024 (H100, alternating; RESULTS.md,
+# 2026-12-05). Larger steps stay on the pieces: an 8B step of 2,048 tokens takes 50 ms of GPU time, its host's
+# launch 6 ms. LLMC_MIXED_STEP_GRAPHS=N (any of the buckets) names the largest.
 MIXED_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-MIXED_LARGEST = 1024
+MIXED_LARGEST = 2048
 
 
 def mixed_buckets() -> tuple[int, ...] | None:

@@ -80,7 +80,7 @@ def test_which_steps_a_mixed_graph_takes(llama_artifact):
     assert kind([StepInput([1] * 20, 0, [0] * 5, 1, True)]) == ("prefill", 32)
     assert kind([decode, StepInput([1] * 20, 0, [0] * 5, 1, True)]) == ("mixed", 32)
     assert kind([decode] * 9 + [StepInput([1] * 20, 0, [0] * 5, 1, True)]) is None  # more sequences than it holds
-    assert kind([decode, StepInput([1] * 1100, 0, [0] * 275, 1, True)]) is None  # past the largest bucket
+    assert kind([decode, StepInput([1] * 2100, 0, [0] * 525, 1, True)]) is None  # past the largest bucket
     assert kind([decode, StepInput([1, 2, 3], 3, [0], 3)]) is None  # a verify row: all its logits
     graphs.mixed = None
     assert kind([decode, StepInput([1] * 20, 0, [0] * 5, 1, True)]) is None  # off
@@ -101,11 +101,12 @@ def test_the_decode_rows_context_picks_the_graph(llama_artifact, replayed):
     assert key([StepInput([5], 3000, [0] * 751, 1), prompt])[2] is None  # the model's limit
 
 
-UP_TO_1024 = (16, 32, 64, 128, 256, 512, 1024)
+UP_TO_2048 = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
-@pytest.mark.parametrize("value, buckets", [(None, UP_TO_1024), ("1", UP_TO_1024), ("0", None),
-                                            ("2048", UP_TO_1024 + (2048,)), (" 64 ", (16, 32, 64))])
+@pytest.mark.parametrize("value, buckets", [(None, UP_TO_2048), ("1", UP_TO_2048), ("0", None),
+                                            ("1024", UP_TO_2048[:-1]), ("4096", UP_TO_2048 + (4096,)),
+                                            (" 64 ", (16, 32, 64))])
 def test_the_switch_names_the_largest_mixed_graph(monkeypatch, value, buckets):
     if value is None:
         monkeypatch.delenv("LLMC_MIXED_STEP_GRAPHS", raising=False)
