@@ -92,7 +92,6 @@ def can_time() -> bool:
     return _device_name() is not None and not interpreting()
 
 
-
 @functools.lru_cache(maxsize=None)
 def shared_memory_limit(index: int) -> int:
     """The bytes of shared memory one program may use on CUDA device `index` (its opt-in limit)."""
@@ -107,22 +106,19 @@ def shared_memory_limit(index: int) -> int:
 
 def fit_stages(cfg: dict, stage_bytes: int, device) -> dict:
     """`cfg` with no more software-pipelining stages than fit the device's shared memory, where each buffered
-    stage holds `stage_bytes` of tiles (Triton keeps num_stages - 1 of them). A config that fits comes back as
+    stage holds `stage_bytes` of tiles (Triton 3.6 keeps num_stages - 1 of them). A config that fits comes back as
     it is; one that does not (fp32 tiles, the gated kernel's two weight tiles, a config recorded on a GPU with
     more shared memory) runs fewer stages rather than failing to launch, the same way whenever it is timed or
     run. Stages change no result, only how far the loads run ahead."""
     if getattr(device, "type", None) != "cuda" or not can_time():
         return cfg
-    limit = shared_memory_limit(device.index if device.index is not None else _current_device())
+    import torch
+    limit = shared_memory_limit(torch.cuda.current_device() if device.index is None else device.index)
     stages = cfg["num_stages"]
     while stages > 1 and (stages - 1) * stage_bytes > limit:
         stages -= 1
     return cfg if stages == cfg["num_stages"] else dict(cfg, num_stages=stages)
 
-
-def _current_device() -> int:
-    import torch
-    return torch.cuda.current_device()
 
 GRAPH_MS = 2.0  # GPU time of one timed replay
 REPLAYS = 5
