@@ -60,8 +60,9 @@ DECODE_CONTEXT_BUCKETS = (1024, 2048)
 # launch from 4.6-6.8 to 1.0-1.5 ms). The 1B steps of 1,025-2,048 tokens, bound by the GPU, still waited 0.08 ms
 # each for the pieces' launches (3.9 ms of host launch): on graphs up to 2,048 tokens the issue tool's 1B mixed
 # workload ran 34,148-34,677 out tok/s against 31,912-34,120 up to 1,024 (H100, alternating; RESULTS.md,
-# 2026-12-05). Larger steps stay on the pieces: an 8B step of 2,048 tokens takes 50 ms of GPU time, its host's
-# launch 6 ms. LLMC_MIXED_STEP_GRAPHS=N (any of the buckets) names the largest.
+# 2026-12-05). The 8B shape's steps of 1,025-2,048 tokens take 50 ms of GPU time against 6 ms of host launch: the
+# graphs take nothing from them (not measured at 2,048; at 1,024, 5,727 against 5,726 out tok/s off). Larger
+# steps stay on the pieces. LLMC_MIXED_STEP_GRAPHS=N (any of the buckets) names the largest.
 MIXED_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 MIXED_LARGEST = 2048
 

@@ -360,7 +360,6 @@ def test_swiglu_epilogue_equals_the_matmul_then_the_product_kernel(dtype, m):
         MatmulSpec("f32", False, ("silu",), "", True)
 
 
-
 def test_a_config_runs_the_stages_that_fit_the_devices_shared_memory(monkeypatch):
     """fp32 tiles of the gated kernel at its default config need 3 x 81,920 bytes of shared memory, more
     than an H100's or H200's 232,448 (the launch failed there): the launch takes a stage fewer; a config
@@ -368,7 +367,6 @@ def test_a_config_runs_the_stages_that_fit_the_devices_shared_memory(monkeypatch
     class Cuda:
         type, index = "cuda", 0
 
-    monkeypatch.setattr(autotune, "can_time", lambda: True)
     monkeypatch.setattr(autotune, "shared_memory_limit", lambda index: 232448)
     cfg = candidates("16")[0]
     assert cfg["num_stages"] == 4
@@ -384,6 +382,7 @@ def test_a_config_runs_the_stages_that_fit_the_devices_shared_memory(monkeypatch
     matmul(x, w[:40])
     matmul(x[:1], w[:40], up=x[:1])  # one row tile of x and one of up
     assert seen == [(2 * 64 + 2 * 16) * 128 * 4, (64 + 2 * 16) * 128 * 4, (64 + 2 * 16) * 128 * 4]
+
 
 def test_matmul_leading_dims_and_strided_rows():
     x = rand(2, 3, 48)[:, :, :40]  # rows with a stride > K
