@@ -224,8 +224,8 @@ for step in "$@"; do
             rm -rf /tmp/tmp*
             LLMC_PROFILE_DIR="$OUT/profile" LLMC_PROFILE_STEPS=${PROFILE_STEPS:-100:1500} \
                 python3 benchmarks/quant_decode_bench.py --shape 8b --quant "${QUANT:-rtn4}" --no-decode --mixed 128 \
-                --bf16-no-tune --out "$OUT" >"$OUT/quant_profile.log" 2>&1
-            tail -6 "$OUT/quant_profile.log"; head -14 "$OUT"/profile/*/profile-engine.txt ;;
+                --bf16-no-tune ${MIXED_OPTS:-} --out "$OUT" >"$OUT/quant_profile.log" 2>&1
+            tail -6 "$OUT/quant_profile.log"; head -${PROFILE_LINES:-14} "$OUT"/profile/*/profile-engine.txt ;;
         int4-ptx)
             TRITON_INTERPRET=0 python3 -m pytest -q tests/codegen/test_qmatmul.py -k "formats or ragged or split_k or tall \
 or row_tiles or leading or group_of_two" >"$OUT/int4_ptx_tests.log" 2>&1

@@ -6,6 +6,10 @@ prompt, prefill excluded) and batch-16 decode tok/s, the ratio to bf16, and the 
 memory roofline at batch 1 (bytes of the weights each step reads / measured copy bandwidth).
 
     python3 benchmarks/quant_decode_bench.py [--shape 8b] [--quant rtn4,fp8,smoothquant] [--new 128] [--out DIR]
+
+A config name may end in `+kvint8` or `+kvfp8`: the same artifact's engines then run on a K/V cache of that
+type (`kv_cache_dtype`), so that e.g. `--quant fp8,fp8+kvfp8` measures FP8 weights with and without an FP8
+cache in one run (the artifact compiled once per weight format).
 """
 from __future__ import annotations
 
@@ -47,6 +51,29 @@ def decode_rate(llm, prompt, new: int, batch: int) -> float:
     return batch * new / (time.perf_counter() - t)
 
 
+def run_engines(a, art, row: dict, engine: dict, prompt, profile_root, name: str) -> dict:
+    """`row` with the artifact's batch-1 / batch-16 decode and mixed-workload figures, engines built with
+    `engine` (e.g. a K/V cache type); printed and appended to the partial results as it is measured."""
+    from llmc.runtime.llm import LLM
+    if not a.no_decode:
+        llm = LLM(art, max_num_seqs=16, num_blocks=1024, **engine)
+        row.update(b1_tok_s=decode_rate(llm, prompt, a.new, 1), b16_tok_s=decode_rate(llm, prompt, a.new, 16))
+        del llm
+    if a.mixed:
+        from llmc.bench import bench
+        if profile_root:  # LLMC_PROFILE_DIR: each config's engine profiles into a directory of its own
+            os.environ["LLMC_PROFILE_DIR"] = str(Path(profile_root) / name)
+        budget = {} if a.mixed_budget is None else {"max_num_batched_tokens": a.mixed_budget,
+                                                    "max_prefill_tokens": 2048}
+        mix = bench(art, "mixed", num_requests=a.mixed, max_num_seqs=min(a.mixed, 128),
+                    longest_first=a.longest_first, **budget, **engine)
+        row.update(mixed_out_tok_s=mix["out_tok_s"], mixed_gpu_busy=mix.get("gpu_busy"))
+    print(json.dumps(row), flush=True)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    Path(a.out, "quant_decode_bench.partial.jsonl").open("a").write(json.dumps(row) + "\n")
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="8b")
@@ -68,7 +95,6 @@ def main() -> None:
     a = ap.parse_args()
     import llmc
     from decode_bench import SHAPES, bandwidth, random_model
-    from llmc.runtime.llm import LLM
     work = Path(tempfile.mkdtemp())
     random_model(a.shape, work / "model")  # tiny-py's tokenizer beside it: SmoothQuant's calibration text
     cfg = json.loads((work / "model" / "config.json").read_text())
@@ -76,46 +102,38 @@ def main() -> None:
     prompt = torch.randint(0, cfg["vocab_size"], (128,)).tolist()
     profile_root = os.environ.pop("LLMC_PROFILE_DIR", None)  # profiles the mixed runs only (see below)
     rows = []
-    for name in ["bf16"] + a.quant.split(","):
-        t = time.time()
-        quant = None if name == "bf16" else FORMATS[name]
-        if quant == "w8a8":
-            quant = {"method": "smoothquant", "calib_samples": 1, "calib_len": 16}
-        try:
-            art = llmc.compile(work / "model", work / f"{name}.llmc", dtype="bfloat16", quant=quant,
-                               tune=not a.no_tune and not (name == "bf16" and a.bf16_no_tune),
-                               batch_invariant=not (a.no_batch_invariant and name != "bf16"))
-        except Exception as e:  # a method that cannot run here is reported, the others go on
-            rows.append({"config": name, "error": f"{type(e).__name__}: {e}"[:300]})
-            print(json.dumps(rows[-1]), flush=True)
-            continue
-        compile_s = time.time() - t
-        if (art.path / "tuning.json").exists():  # the kernel choices, for reading beside the figures
+    names = ["bf16"] + a.quant.split(",")
+    compiled = {}  # weight format -> its artifact, compiled once for every cache type it is run with
+    for i, name in enumerate(names):
+        fmt, _, kv = name.partition("+kv")
+        compile_s = 0
+        if fmt not in compiled:
+            t = time.time()
+            quant = None if fmt == "bf16" else FORMATS[fmt]
+            if quant == "w8a8":
+                quant = {"method": "smoothquant", "calib_samples": 1, "calib_len": 16}
+            try:
+                compiled[fmt] = llmc.compile(work / "model", work / f"{fmt}.llmc", dtype="bfloat16", quant=quant,
+                                             tune=not a.no_tune and not (fmt == "bf16" and a.bf16_no_tune),
+                                             batch_invariant=not (a.no_batch_invariant and fmt != "bf16"))
+            except Exception as e:  # a method that cannot run here is reported, the others go on
+                rows.append({"config": name, "error": f"{type(e).__name__}: {e}"[:300]})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            compile_s = time.time() - t
+        art = compiled[fmt]
+        if compile_s and (art.path / "tuning.json").exists():  # the kernel choices, for reading beside the figures
             Path(a.out).mkdir(parents=True, exist_ok=True)
-            Path(a.out, f"{name}_tuning.json").write_text((art.path / "tuning.json").read_text())
+            Path(a.out, f"{fmt}_tuning.json").write_text((art.path / "tuning.json").read_text())
         weights = sum(p.stat().st_size for p in art.path.glob("*.safetensors"))
         embed = cfg["vocab_size"] * cfg["hidden_size"] * 2  # the input table is gathered, not read, per step
         row = {"config": name, "compile_s": round(compile_s), "weights_GiB": weights / 2**30,
                "roofline_b1_tok_s": bw / (weights - embed)}
-        if not a.no_decode:
-            llm = LLM(art, max_num_seqs=16, num_blocks=1024)
-            row.update(b1_tok_s=decode_rate(llm, prompt, a.new, 1), b16_tok_s=decode_rate(llm, prompt, a.new, 16))
-            del llm
-        if a.mixed:
-            from llmc.bench import bench
-            if profile_root:  # LLMC_PROFILE_DIR: each config's engine profiles into a directory of its own
-                os.environ["LLMC_PROFILE_DIR"] = str(Path(profile_root) / name)
-            budget = {} if a.mixed_budget is None else {"max_num_batched_tokens": a.mixed_budget,
-                                                        "max_prefill_tokens": 2048}
-            mix = bench(art, "mixed", num_requests=a.mixed, max_num_seqs=min(a.mixed, 128),
-                        longest_first=a.longest_first, **budget)
-            row.update(mixed_out_tok_s=mix["out_tok_s"], mixed_gpu_busy=mix.get("gpu_busy"))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        Path(a.out, "quant_decode_bench.partial.jsonl").open("a").write(json.dumps(row) + "\n")
-        del art
-        for p in work.glob(f"{name}.llmc/*.safetensors"):  # the disk holds a few 8B artifacts at most
+        rows.append(run_engines(a, art, row, {"kv_cache_dtype": kv} if kv else {}, prompt, profile_root, name))
+        if any(later.partition("+kv")[0] == fmt for later in names[i + 1:]):
+            continue  # the artifact runs again on another cache type
+        del art, compiled[fmt]
+        for p in work.glob(f"{fmt}.llmc/*.safetensors"):  # the disk holds a few 8B artifacts at most
             p.unlink()
         # nothing of this config's engines left on the device for the next compile, whose token budget times
         # GEMMs of up to 8,192 rows; and the engine's profiled window, if one is open, written now
@@ -137,16 +155,16 @@ def main() -> None:
     Path(a.out, "quant_decode_bench.json").write_text(json.dumps({"shape": a.shape, "gpu": gpu,
                                                                   "bw_TBps": bw / 1e12, "rows": rows}, indent=1))
     print(f"# {a.shape}, {gpu}, copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'config':10s} {'GiB':>6s} {'x':>5s} {'b1 tok/s':>9s} {'x':>5s} {'roofl':>6s} {'b16 tok/s':>10s} {'x':>5s} "
+    print(f"{'config':12s} {'GiB':>6s} {'x':>5s} {'b1 tok/s':>9s} {'x':>5s} {'roofl':>6s} {'b16 tok/s':>10s} {'x':>5s} "
           f"{'mixed tok/s':>11s} {'x':>5s}")
     for r in rows:
         if "error" in r:
-            print(f"{r['config']:10s} error: {r['error'][:90]}")
+            print(f"{r['config']:12s} error: {r['error'][:90]}")
             continue
         dec = (f"{r['b1_tok_s']:9.1f} {r['b1_x']:5.2f} {r['b1_of_roofline']:6.0%} {r['b16_tok_s']:10.1f} {r['b16_x']:5.2f}"
                if "b1_tok_s" in r else f"{'-':>9s} {'':5s} {'':6s} {'-':>10s} {'':5s}")
         mix = f"{r['mixed_out_tok_s']:11.1f} {r['mixed_x']:5.2f}" if "mixed_out_tok_s" in r else f"{'-':>11s}"
-        print(f"{r['config']:10s} {r['weights_GiB']:6.2f} {r['weights_x']:5.2f} {dec} {mix}")
+        print(f"{r['config']:12s} {r['weights_GiB']:6.2f} {r['weights_x']:5.2f} {dec} {mix}")
 
 
 if __name__ == "__main__":
