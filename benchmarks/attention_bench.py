@@ -7,6 +7,10 @@ launch's largest difference from SDPA's output (fresh prompt) or from the defaul
 
     python3 benchmarks/attention_bench.py --shape 8b --out OUT
     python3 benchmarks/attention_bench.py --shape 8b --layout heads --out OUT   # the cache's other memory order
+    python3 benchmarks/attention_bench.py --shape 8b --kv-dtype fp8 --decode-only  # a quantized cache's decode
+
+A quantized cache (`--kv-dtype int8 / fp8`) holds random codes and random per-block centres and per-token
+scales (its speed does not depend on their values); its bytes read count the codes and the scale rows.
 """
 from __future__ import annotations
 
@@ -106,44 +110,54 @@ def main() -> None:
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill cases")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode cases")
+    ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8", "fp8"),
+                    help="the cache's element type (int8 / fp8: codes with per-block centres and per-token scales)")
     ap.add_argument("--layout", default="tokens", choices=KV_LAYOUTS,
                     help="the cache's memory order (llmc.runtime.kv_cache: LLMC_KV_LAYOUT)")
     ap.add_argument("--partitions", default="", metavar="P,P",
                     help="also time the decode cases with these keys per split (each launch whose key tile divides "
                          "P; the runtime's is 256 up to 32 Ki keys: attention.decode_partition)")
     a = ap.parse_args()
+    a.decode_only |= a.kv_dtype != "bf16"  # the prefill cases compare with SDPA on a bf16 cache
     Hq, Hkv, D = SHAPES[a.shape]
     dtype, g = torch.bfloat16, torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth()
     rows = []
-    print(f"# {a.shape}: {Hq} q heads over {Hkv}, {D} wide, bf16, cache layout {a.layout}; "
+    print(f"# {a.shape}: {Hq} q heads over {Hkv}, {D} wide, bf16, {a.kv_dtype} cache, layout {a.layout}; "
           f"{torch.cuda.get_device_name()}, copy {bw / 1e12:.2f} TB/s")
 
     def step(new, ctx):
         q, kv, *rest = _attention_step(g, new, ctx, Hq, Hkv, D, dtype)
-        laid = empty_cache(tuple(kv.shape), kv.dtype, kv.device, a.layout)
-        laid.copy_(kv)
-        return (q, laid, *rest)
+        codes = {"bf16": kv.dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[a.kv_dtype]
+        laid = empty_cache(tuple(kv.shape), codes, kv.device, a.layout)
+        laid.copy_(kv.clamp(-100, 100) if a.kv_dtype == "int8" else kv)
+        scale = None  # [NB, Hkv, 2D + 2BS]: K and V centres, then K and V per-token scales (kv_cache.py)
+        if a.kv_dtype != "bf16":
+            scale = (torch.rand(kv.shape[1], Hkv, 2 * D + 2 * kv.shape[2], device="cuda", generator=g) * 0.01).to(dtype)
+        return (q, laid, scale, *rest)
     for name, ctx in ({} if a.prefill_only else DECODE_CASES).items():
-        q, kv, qsl, lens, tables, out = step([1] * len(ctx), ctx)
-        kv_bytes = sum(ctx) * Hkv * D * 2 * kv.element_size()
+        q, kv, scale, qsl, lens, tables, out = step([1] * len(ctx), ctx)
+        # K and V codes, and per block and kv head its scale row (centres and per-token scales)
+        kv_bytes = sum(ctx) * Hkv * D * 2 * kv.element_size() + \
+            (0 if scale is None else sum(-(-c // kv.shape[2]) for c in ctx) * Hkv * scale.shape[-1] * 2)
         # the decode graphs' splits follow the longest context the model allows (4,096 here); an eager step's
         # its own longest: both, for the default tiles
         for cfg, longest in [(None, max(ctx)), *((c, 4096) for c in [None, *DECODE_TILE_CANDIDATES])]:
-            us = timed(lambda: paged_attention(q, kv, qsl, lens, tables, D ** -0.5, max_seqlen_q=1,
+            us = timed(lambda: paged_attention(q, kv, qsl, lens, tables, D ** -0.5, max_seqlen_q=1, kv_scale=scale,
                                                max_seqlen_k=longest, out=out, decode_tiles=cfg))
             launch = (label(cfg) if cfg else "default") + ("" if longest == 4096 else f", splits for {longest}")
             rows.append(dict(kind="decode", case=name, launch=launch, us=us, of_bandwidth=kv_bytes / (us * 1e-6) / bw))
         # other partitions (a global constant: every batch would split a context the same way), graph splits
         for part in (int(x) for x in a.partitions.split(",") if x):
             for cfg in (c for c in DECODE_TILE_CANDIDATES if part % c["BLOCK_N"] == 0):
-                us = timed(lambda: paged_attention(q, kv, qsl, lens, tables, D ** -0.5, max_seqlen_q=1,
+                us = timed(lambda: paged_attention(q, kv, qsl, lens, tables, D ** -0.5, max_seqlen_q=1, kv_scale=scale,
                                                    max_seqlen_k=4096, out=out, decode_tiles=cfg, partition_size=part))
                 rows.append(dict(kind="decode", case=name, launch=f"{label(cfg)}, partition {part}", us=us,
                                  of_bandwidth=kv_bytes / (us * 1e-6) / bw))
         del kv
-    for name, (new, ctx) in PREFILL_CASES.items():
-        q, kv, qsl, lens, tables, out = step(new, ctx)
+    for name, (new, ctx) in ({} if a.decode_only else PREFILL_CASES).items():
+        q, kv, scale, qsl, lens, tables, out = step(new, ctx)
         flops = 4 * D * Hq * sum(sum(c - n + i + 1 for i in range(n)) for n, c in zip(new, ctx))
         lengths = dict(max_seqlen_q=max(new), max_seqlen_k=max(ctx))
         want = None
@@ -162,7 +176,7 @@ def main() -> None:
         # (default tiles, the decode graphs' splits) beside it: the runtime's launch since the split
         decodes = next((i for i, n in enumerate(new) if n != 1), len(new))
         for cfg, split in [(c, s) for c in [None, *PREFILL_TILE_CANDIDATES] for s in dict.fromkeys((0, decodes))]:
-            run = lambda: paged_attention(q, kv, qsl, lens, tables, D ** -0.5, out=out,  # noqa: E731
+            run = lambda: paged_attention(q, kv, qsl, lens, tables, D ** -0.5, out=out, kv_scale=scale,  # noqa: E731
                                           prefill_tiles=cfg, decode_rows=split, context_limit=4096, **lengths)
             us = timed(run)
             run()
@@ -195,8 +209,10 @@ def main() -> None:
                   f"x{x['us'] / y['us']:.2f}")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        name = f"attention_bench_{a.shape}" + ("" if a.layout == "tokens" else f"_{a.layout}")
-        (a.out / f"{name}.json").write_text(json.dumps(dict(copy_bw=bw, layout=a.layout, rows=rows), indent=1))
+        name = f"attention_bench_{a.shape}" + ("" if a.layout == "tokens" else f"_{a.layout}") + \
+            ("" if a.kv_dtype == "bf16" else f"_{a.kv_dtype}")
+        (a.out / f"{name}.json").write_text(json.dumps(dict(copy_bw=bw, layout=a.layout, kv_dtype=a.kv_dtype, rows=rows),
+                                                        indent=1))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@
 #   bash benchmarks/gpu_pending.sh OUT attention      # issue 20: paged attention launches against the bounds
 #                                                     #   (benchmarks/attention_bench.py; SHAPES, default "8b 1b";
 #                                                     #   PARTITIONS="64,128,512": decode keys per split besides 256)
+#   bash benchmarks/gpu_pending.sh OUT attention-kv   # issue 14: decode attention on a bf16, int8 and fp8 cache
+#                                                     #   (KV_DTYPES; SHAPES, default "8b 1b")
 #   bash benchmarks/gpu_pending.sh OUT ab-mixed       # issue 20: TTFT and mixed workload with VAR=0 and =1 alternating
 #                                                     #   (default LLMC_PREFILL_TILES; LLMC_LONG_PREFILL_GRAPHS:
 #                                                     #   a lone prompt of up to 2,048 tokens on a step graph;
@@ -538,6 +540,15 @@ PY
                     >"$OUT/attention_$shape.log" 2>&1
                 grep -E 'sdpa' "$OUT/attention_$shape.log"; sed -n '/best llmc launch/,$p' "$OUT/attention_$shape.log"
             done ;;
+        attention-kv)
+            # decode attention on each cache type (KV_DTYPES, default "bf16 int8 fp8"; SHAPES, default "8b 1b")
+            for shape in ${SHAPES:-8b 1b}; do
+                for kv in ${KV_DTYPES:-bf16 int8 fp8}; do
+                    python3 benchmarks/attention_bench.py --shape $shape --decode-only --kv-dtype $kv --out "$OUT" \
+                        >"$OUT/attention_${shape}_$kv.log" 2>&1
+                    echo "# $shape, $kv cache"; sed -n '/best llmc launch/,/^$/p' "$OUT/attention_${shape}_$kv.log"
+                done
+            done ;;
         ab-mixed)
             rm -rf /tmp/tmp*
             compile_shared "${SHAPE:-8b}" "/tmp/art-${SHAPE:-8b}.llmc" >"$OUT/ab_mixed.log" 2>&1
@@ -691,6 +702,6 @@ print('mixed tokens=$t', {k: d.get(k) for k in ('out_tok_s', 'ttft_ms_p50', 'ttf
             python3 benchmarks/allreduce_bench.py --out "$OUT/allreduce" >"$OUT/allreduce.log" 2>&1
             tail -9 "$OUT/allreduce.log" ;;
         *)
-            echo "unknown step $step (qmatmul, quant-decode, spec-load, spec-b1, widen-check, onnx, quant-mixed, quant-profile, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, compile-ab, compile-spy, step-profile, prefill-flags, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, mixed-ab, warm-up, issue-bench, overlap, mixed-factors, tuned-check, tuned-table, tree-ab, kernels, e2e)" ;;
+            echo "unknown step $step (qmatmul, quant-decode, spec-load, spec-b1, widen-check, onnx, quant-mixed, quant-profile, attention-kv, compile-8b, int4-ptx, ncu-int4, compile-cold, profile-mixed, attention, ab-mixed, budget, compile-ab, compile-spy, step-profile, prefill-flags, parallel, parallel-moe, multi-step, allreduce, verify, mixed-graphs, mixed-ab, warm-up, issue-bench, overlap, mixed-factors, tuned-check, tuned-table, tree-ab, kernels, e2e)" ;;
     esac
 done
