@@ -7,6 +7,9 @@ perplexity is measured on its first `--max-tokens` tokens, so the two never over
 
     python3 benchmarks/quant_quality.py [--dtype bfloat16] [--max-tokens 20000] [--backend reference]
         [--only rtn4,gptq4] [--out DIR]
+
+A config name may end in `+kvint8` or `+kvfp8`: that config's engine on a K/V cache of that type
+(`kv_cache_dtype`), e.g. `--only fp8,fp8+kvfp8,bf16+kvfp8`.
 """
 from __future__ import annotations
 
@@ -52,13 +55,19 @@ def main() -> None:
     from llmc.evaluate import dataset_text, perplexity
     text = dataset_text("builtin:heldout")
     names = ["bf16"] + [n for n in (a.only.split(",") if a.only else CONFIGS) if n != "bf16"]
+    unknown = [n for n in names
+               if n.partition("+kv")[0] not in CONFIGS or n.partition("+kv")[2] not in ("", "int8", "fp8")]
+    if unknown:
+        ap.error(f"unknown configs {unknown}: use {', '.join(CONFIGS)}, each optionally +kvint8 or +kvfp8")
     work = Path(tempfile.mkdtemp())
     rows = []
     for name in names:
         t = time.time()
-        art = llmc.compile("builtin:tiny-py", work / f"{name}.llmc", dtype=a.dtype, quant=CONFIGS[name], tune=False)
+        fmt, _, kv = name.partition("+kv")
+        art = llmc.compile("builtin:tiny-py", work / f"{name}.llmc", dtype=a.dtype, quant=CONFIGS[fmt], tune=False)
         compile_s = time.time() - t
-        opts = {"backend": a.backend, **({"device": a.device} if a.device else {})}
+        opts = {"backend": a.backend, **({"device": a.device} if a.device else {}),
+                **({"kv_cache_dtype": kv} if kv else {})}
         r = perplexity(art, text, max_tokens=a.max_tokens, **opts)
         plan = art.graph.meta.get("quant_plan") or {}
         weights = sum(p.stat().st_size for p in art.path.glob("*.safetensors"))
