@@ -61,8 +61,7 @@
 #                                                     #   (benchmarks/attention_bench.py; SHAPES, default "8b 1b";
 #                                                     #   PARTITIONS="64,128,512": decode keys per split besides 256)
 #   bash benchmarks/gpu_pending.sh OUT attention-kv   # issue 14: decode attention on a bf16, int8 and fp8 cache
-#                                                     #   (KV_DTYPES; SHAPES, default "8b 1b"; CENTRES="0 1": the
-#                                                     #   quantized ones also with LLMC_KV_BLOCK_CENTRES=1)
+#                                                     #   (KV_DTYPES; SHAPES, default "8b 1b")
 #   bash benchmarks/gpu_pending.sh OUT ab-mixed       # issue 20: TTFT and mixed workload with VAR=0 and =1 alternating
 #                                                     #   (default LLMC_PREFILL_TILES; LLMC_LONG_PREFILL_GRAPHS:
 #                                                     #   a lone prompt of up to 2,048 tokens on a step graph;
@@ -543,16 +542,11 @@ PY
             done ;;
         attention-kv)
             # decode attention on each cache type (KV_DTYPES, default "bf16 int8 fp8"; SHAPES, default "8b 1b")
-            # under each LLMC_KV_BLOCK_CENTRES of CENTRES (default "0"; "0 1": the quantized caches both ways)
             for shape in ${SHAPES:-8b 1b}; do
                 for kv in ${KV_DTYPES:-bf16 int8 fp8}; do
-                    for c in ${CENTRES:-0}; do
-                        [ "$kv" = bf16 ] && [ "$c" != 0 ] && continue
-                        LLMC_KV_BLOCK_CENTRES=$c python3 benchmarks/attention_bench.py --shape $shape --decode-only \
-                            --kv-dtype $kv >"$OUT/attention_${shape}_${kv}_$c.log" 2>&1
-                        echo "# $shape, $kv cache, LLMC_KV_BLOCK_CENTRES=$c"
-                        sed -n '/best llmc launch/,/^$/p' "$OUT/attention_${shape}_${kv}_$c.log"
-                    done
+                    python3 benchmarks/attention_bench.py --shape $shape --decode-only --kv-dtype $kv \
+                        >"$OUT/attention_${shape}_$kv.log" 2>&1
+                    echo "# $shape, $kv cache"; sed -n '/best llmc launch/,/^$/p' "$OUT/attention_${shape}_$kv.log"
                 done
             done ;;
         ab-mixed)

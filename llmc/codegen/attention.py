@@ -18,7 +18,6 @@ the rendered module is imported).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -154,17 +153,12 @@ class PagedAttentionSpec(KernelSpec):
     block_n: int = 0  # keys per inner-loop tile; 0 = pick from head_dim
     split: bool = False  # decode only: contexts may span several partitions (else one covers them all)
     packed: bool = False  # prefill only: a 1D grid over the step's query tiles, fixed for any step (graphs)
-    # decode over an int8 / fp8 cache only: each key tile's block centres read once, one dot product per block
-    # (LLMC_KV_BLOCK_CENTRES=1), not a centre per key in a dot of their own
-    block_centres: bool = False
 
     def __post_init__(self):
         if self.mode not in ("prefill", "decode"):
             raise ValueError(f"mode must be 'prefill' or 'decode', got {self.mode!r}")
         if self.packed and self.mode != "prefill":
             raise ValueError("packed is a prefill launch")
-        if self.block_centres and (self.mode != "decode" or self.kv_dtype not in QUANTIZED):
-            raise ValueError("block_centres is a decode launch over an int8 / fp8 cache")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_q_heads {self.num_q_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -194,7 +188,7 @@ class PagedAttentionSpec(KernelSpec):
 
     def context(self) -> dict[str, Any]:
         ctx = super().context()
-        ctx.update(quantized=self.kv_dtype in QUANTIZED, direct_output=not self.split, block_centres=self.block_centres,
+        ctx.update(quantized=self.kv_dtype in QUANTIZED, direct_output=not self.split,
                    # fp32 must not drop to tf32 on the GPU; the argument means nothing for 16-bit inputs
                    dot_args=', input_precision="ieee"' if self.dtype == "float32" else "",
                    # the interpreter's tl.dot multiplies bf16's raw uint16 bits: widen its operands
@@ -209,8 +203,6 @@ class PagedAttentionSpec(KernelSpec):
                  GROUP_P2=group_p2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=self.block_size)
         if self.mode == "prefill":
             c["BLOCK_Q"] = block_m // group_p2
-        if self.block_centres:  # a tile's runs of keys inside one block each
-            c.update(TILE_TOK=min(self.block_size, block_n), NBT=block_n // min(self.block_size, block_n))
         if self.packed:
             c.update(NUM_KV_HEADS=self.num_kv_heads, SEQ_CHUNK=PACKED_SEQ_CHUNK, HEAVY_SEQS=HEAVY_FIRST_SEQS)
         return c
@@ -394,17 +386,11 @@ def _prefill_launch(base: tuple, causal: bool, block_m: int, tiles: tuple | None
     return spec, spec.constexprs(), launch
 
 
-def block_centres() -> bool:
-    """Whether decode over an int8 / fp8 cache reads each tile's block centres once (LLMC_KV_BLOCK_CENTRES=1)."""
-    return os.environ.get("LLMC_KV_BLOCK_CENTRES", "0") == "1"
-
-
 @functools.lru_cache(maxsize=None)
-def _decode_launch(base: tuple, tiles: tuple | None, centres: bool = False
-                   ) -> tuple[int, dict, PagedAttentionSpec, PagedAttentionSpec, dict]:
+def _decode_launch(base: tuple, tiles: tuple | None) -> tuple[int, dict, PagedAttentionSpec, PagedAttentionSpec, dict]:
     """A decode launch's key tile, launch options, specs (one split; split-K) and constexprs (memoized)."""
     base, launch, _ = _tiled(base, tiles)
-    one, split = (PagedAttentionSpec(**base, mode="decode", split=s, block_centres=centres) for s in (False, True))
+    one, split = (PagedAttentionSpec(**base, mode="decode", split=s) for s in (False, True))
     return one.tiles()[1], launch, one, split, one.constexprs()
 
 
@@ -440,7 +426,7 @@ def _decode(q, kv_cache, quantized, qsl, seq_lens, block_tables, N, out, scale, 
     last position, so causal masks nothing)."""
     Hkv, Hq = kv_cache.shape[3], q.shape[1]
     tensors, strides = _pointers_and_strides(q, kv_cache, quantized, qsl, seq_lens, block_tables, out)
-    tile_n, launch, one, split, c = _decode_launch(base, _tiles_key(decode_tiles), bool(quantized) and block_centres())
+    tile_n, launch, one, split, c = _decode_launch(base, _tiles_key(decode_tiles))
     partition = partition_size or decode_partition(max(context_limit, max_seqlen_k), tile_n)
     assert partition % tile_n == 0, f"partition_size {partition} must be a multiple of the key tile {tile_n}"
     splits = cdiv(max(max_seqlen_k, 1), partition)

@@ -457,47 +457,6 @@ def test_quantized_cache(mode, kv_dtype):
     close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=dtype_name)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
-@pytest.mark.parametrize("tiles", [dict(BS=4, block_n=16, part=32, window=0),   # 4 blocks a tile, 2 tiles a split
-                                   dict(BS=16, block_n=32, part=32, window=0),  # 2 blocks a tile
-                                   dict(BS=32, block_n=16, part=16, window=0),  # a tile inside a block
-                                   dict(BS=4, block_n=16, part=32, window=21)],  # window starts mid-block
-                         ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
-def test_decode_reads_each_tiles_block_centres_once(monkeypatch, tiles, dtype, kv_dtype):
-    """LLMC_KV_BLOCK_CENTRES=1: a decode over an int8 / fp8 cache takes each key tile's block centres as one dot
-    product per block (not a centre per key): the golden model's output, at least as closely as the per-key path, with
-    contexts of one to several splits, blocks shorter and longer than a key tile, and a sliding window whose
-    first key sits inside a block."""
-    BS, block_n, part, window = tiles["BS"], tiles["block_n"], tiles["part"], tiles["window"]
-    ctx = [1, 13, 47, 70, 96]
-    c = make_case(ctx, [1] * len(ctx), 6, 2, 24, BS, dtype, seed=40)
-    NB, Hkv = c["cache"].shape[1], c["cache"].shape[3]
-    scale = random_scales(NB, Hkv, 24, BS, seed=41, dtype=dtype)
-    cache = _to_q(c["cache"].float() / 0.02, kv_dtype, QMAX[kv_dtype])
-    ref = reference(c, cache, scale, window=window)  # writes the new K/V (new centres where a block starts)
-    runs = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("LLMC_KV_BLOCK_CENTRES", on)
-        runs[on] = paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], 24 ** -0.5, kv_scale=scale,
-                                   window=window, max_seqlen_q=1, max_seqlen_k=max(ctx), block_n=block_n,
-                                   partition_size=part)
-    assert not torch.equal(runs["0"], runs["1"]) or dtype == torch.float32  # the two paths did run
-    err = {on: float((out.float() - ref.float()).abs().max()) for on, out in runs.items()}
-    # no further from the golden model than the per-key path (which, in bf16, rounds each dequantized key and
-    # value to bf16 before its dot; here the codes enter exact and the centres in fp32)
-    assert err["1"] <= max(err["0"], TOL[dtype]), err
-    if dtype == torch.float32:
-        close(runs["1"], ref, dtype)
-
-
-def test_block_centres_is_a_quantized_decode_launch():
-    PagedAttentionSpec(24, 4, 2, 16, kv_dtype="int8", mode="decode", block_centres=True)
-    for bad in (dict(kv_dtype="bfloat16", mode="decode"), dict(kv_dtype="int8", mode="prefill")):
-        with pytest.raises(ValueError, match="block_centres"):
-            PagedAttentionSpec(24, 4, 2, 16, **bad, block_centres=True)
-
-
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=dtype_name)
 def test_a_head_major_cache_gives_the_token_major_ones_bits(kv_dtype):
     """The cache's memory order (kv_cache.KV_LAYOUTS) is the cache's own: rope_kv_write stores, and a mixed step
