@@ -152,7 +152,7 @@ def main() -> None:
             r["mixed_x"] = r["mixed_out_tok_s"] / base["mixed_out_tok_s"]
     Path(a.out).mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    switches = {k: v for k, v in os.environ.items() if k.startswith("LLMC_")}  # e.g. LLMC_KV_BLOCK_CENTRES
+    switches = {k: v for k, v in os.environ.items() if k.startswith("LLMC_")}  # e.g. LLMC_PDL=0
     Path(a.out, "quant_decode_bench.json").write_text(json.dumps({"shape": a.shape, "gpu": gpu, "env": switches,
                                                                   "bw_TBps": bw / 1e12, "rows": rows}, indent=1))
     print(f"# {a.shape}, {gpu}, copy bandwidth {bw / 1e12:.2f} TB/s")

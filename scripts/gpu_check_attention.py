@@ -218,10 +218,12 @@ def main():
 
     Hq, Hkv, BS = 32, 8, 16
     heads = () if args.golden_only else ("64", "128") if not args.quick else ("128",)
-    print(f"\n-- Hq={Hq} Hkv={Hkv} block={BS}; max abs errors vs fp32 SDPA (rope: relative); ms per call: triton "
-          f"eager (host launch included), triton in a CUDA graph, torch eager; GB/s = KV (rope: all) bytes / graph time")
-    print(f"{'case':<34} {'dtype':>8} {'':6} {'err':>9} {'err_sdpa':>9} {'triton':>9} {'graph':>9} {'torch':>9} "
-          f"{'GB/s':>8}")
+    if heads:
+        print(f"\n-- Hq={Hq} Hkv={Hkv} block={BS}; max abs errors vs fp32 SDPA (rope: relative); ms per call: triton "
+              f"eager (host launch included), triton in a CUDA graph, torch eager; GB/s = KV (rope: all) bytes / graph "
+              f"time")
+        print(f"{'case':<34} {'dtype':>8} {'':6} {'err':>9} {'err_sdpa':>9} {'triton':>9} {'graph':>9} {'torch':>9} "
+              f"{'GB/s':>8}")
     for D in map(int, heads):
         for dtype in (torch.float16, torch.bfloat16):
             oks.append(rope_case(4096, Hq, Hkv, D, BS, dtype))
