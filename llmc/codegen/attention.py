@@ -193,7 +193,9 @@ class PagedAttentionSpec(KernelSpec):
                    dot_args=', input_precision="ieee"' if self.dtype == "float32" else "",
                    # the interpreter's tl.dot multiplies bf16's raw uint16 bits: widen its operands
                    # to fp32 there (exact, as the GPU's bf16 dot with an fp32 accumulator)
-                   widen=".to(tl.float32)" if self.dtype == "bfloat16" and interpreting() else "")
+                   widen=".to(tl.float32)" if self.dtype == "bfloat16" and interpreting() else "",
+                   # nor does its cast of int8 codes to bf16 give their values: through fp32 there (exact)
+                   widen_codes=".to(tl.float32)" if interpreting() else "")
         return ctx
 
     def constexprs(self) -> dict[str, Any]:
