@@ -6,10 +6,15 @@ opcode. Where a kernel is limited by issuing instructions, not by HBM (int4 deco
 the instructions a loop iteration issues per weight bound its speed:
 
     python3 benchmarks/sass_loop.py [--format int4-g128] [--configs 16,64,256,4,1,1 ...] [--json OUT]
+    python3 benchmarks/sass_loop.py --attention [--configs 64,4,3 128,8,2 ...]
 
 A config is BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,M_TILES,SWAP_AB. Each runs twice, with the int4 codes
 unpacked by inline PTX (the default) and by fp32 arithmetic (LLMC_INT4_PTX=0), each in a fresh
 process (the choice is read when a kernel is rendered).
+
+With --attention: the split-K decode attention kernel of the 8B shape (32 q heads over 8, 128 wide, bf16,
+blocks of 16) over a bf16, int8 and fp8 cache; a config is BLOCK_N,num_warps,num_stages, and the counts
+are per thread and per key of the main loop (the K/V tile loop).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+ATTENTION_CONFIGS = ["32,4,2", "64,4,3", "128,8,2"]
 DEFAULT_CONFIGS = ["16,64,256,4,1,1", "16,64,256,4,1,0", "16,64,256,4,4,1", "128,64,128,4,1,1", "64,128,128,1,1,0"]
 
 _COMPILE = r'''
@@ -53,6 +59,34 @@ open({out!r}, "wb").write(k.asm["cubin"])
 '''
 
 
+_COMPILE_ATTENTION = r'''
+import sys
+sys.path.insert(0, {root!r})
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from llmc.codegen.kernels import load
+from llmc.codegen.attention import PagedAttentionSpec
+kv, (bn, warps, stages) = {kv!r}, {cfg}
+spec = PagedAttentionSpec(head_dim=128, num_q_heads=32, num_kv_heads=8, block_size=16, dtype="bfloat16", kv_dtype=kv,
+                          mode="decode", split=True, block_n=bn)
+fn = load(spec).paged_attention_decode_kernel
+cache = {{"bfloat16": "*bf16", "int8": "*i8", "float8_e4m3fn": "*fp8e4nv"}}[kv]
+types = {{"out_ptr": "*bf16", "q_ptr": "*bf16", "kv_scale_ptr": "*bf16", "cache_ptr": cache, "m_ptr": "*fp32",
+         "l_ptr": "*fp32", "o_ptr": "*fp32", "qk_scale": "fp32"}}
+consts = spec.constexprs()
+# what a launch specializes: unit strides (the innermost of each tensor) to 1, the rest divisible by 16
+consts.update({{k: 1 for k in ("stride_qd", "stride_od", "stride_c4", "stride_s2", "stride_pd", "stride_bt1")
+               if k in fn.arg_names}})
+sig = {{n: types.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names if n not in consts}}
+attrs = {{(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in sig if k.endswith("_ptr") or k.startswith("stride")}}
+sig.update({{k: "constexpr" for k in consts}})
+src = ASTSource(fn, sig, constexprs={{(fn.arg_names.index(k),): v for k, v in consts.items()}}, attrs=attrs)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": warps, "num_stages": stages}})
+open({out!r}, "wb").write(k.asm["cubin"])
+'''
+
+
 def cuobjdump() -> Path:
     import triton
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -74,18 +108,43 @@ def loop_opcodes(sass: str) -> collections.Counter:
                                for addr, text in ins if start <= addr <= end)
 
 
-def count(cfg: str, ptx: bool, bits: int, group: int, dtype: str, warps: int, zero_points: bool = False
-          ) -> collections.Counter:
+def compiled_loop(template: str, env: dict, **fields) -> collections.Counter:
+    """Compile `template` (a _COMPILE* text) filled with `fields` in a fresh process, with `env` on top of this
+    one's; the opcodes of its main loop."""
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "k.cubin"
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(LLMC_INT4_PTX="1" if ptx else "0", LLMC_CACHE_DIR=str(Path(d) / "cache"),
-                   TRITON_CACHE_DIR=str(Path(d) / "triton"))
-        code = _COMPILE.format(root=str(ROOT), bits=bits, group=group, dtype=dtype, zp=zero_points,
-                               cfg=tuple(map(int, cfg.split(","))), warps=warps, out=str(cubin))
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env
+        env.update(LLMC_CACHE_DIR=str(Path(d) / "cache"), TRITON_CACHE_DIR=str(Path(d) / "triton"))
+        code = template.format(root=str(ROOT), out=str(cubin), **fields)
         subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
         sass = subprocess.run([str(cuobjdump()), "-sass", str(cubin)], check=True, capture_output=True, text=True)
         return loop_opcodes(sass.stdout)
+
+
+def count(cfg: str, ptx: bool, bits: int, group: int, dtype: str, warps: int, zero_points: bool = False
+          ) -> collections.Counter:
+    return compiled_loop(_COMPILE, {"LLMC_INT4_PTX": "1" if ptx else "0"}, bits=bits, group=group, dtype=dtype,
+                         zp=zero_points, cfg=tuple(map(int, cfg.split(","))), warps=warps)
+
+
+def count_attention(cfg: str, kv_dtype: str) -> collections.Counter:
+    return compiled_loop(_COMPILE_ATTENTION, {}, kv=kv_dtype, cfg=tuple(map(int, cfg.split(","))))
+
+
+def attention_main(configs: list[str], json_out: str | None) -> None:
+    kinds = ("bfloat16", "int8", "float8_e4m3fn")
+    print("decode attention, 8B shape, bf16 q: main-loop instructions per thread (per key)")
+    print(f"{'BLOCK_N,warps,stages':22s}" + "".join(f"{k:>16s}" for k in kinds) + "  top opcodes (fp8)")
+    rows = []
+    for cfg in configs:
+        counts = {k: count_attention(cfg, k) for k in kinds}
+        bn = int(cfg.split(",")[0])
+        rows.append({"config": cfg, **{k: dict(c) for k, c in counts.items()}})
+        cells = "".join(f"{sum(c.values()):8d} ({sum(c.values()) / bn:4.1f})" for c in counts.values())
+        top = ", ".join(f"{k} {v}" for k, v in counts["float8_e4m3fn"].most_common(6))
+        print(f"{cfg:22s}{cells}  {top}")
+    if json_out:
+        Path(json_out).write_text(json.dumps(rows, indent=1))
 
 
 def main() -> None:
@@ -94,9 +153,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--zero-points", action="store_true", help="asymmetric int4 (a zero point per group)")
-    ap.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS)
+    ap.add_argument("--configs", nargs="*")
+    ap.add_argument("--attention", action="store_true", help="the decode attention kernel per cache type")
     ap.add_argument("--json", help="also write the counts here")
     a = ap.parse_args()
+    if a.attention:
+        return attention_main(a.configs or ATTENTION_CONFIGS, a.json)
+    a.configs = a.configs or DEFAULT_CONFIGS
     rows = []
     print(f"int4 g{a.group}{' with zero points' if a.zero_points else ''} {a.dtype}, {a.warps} warps: main-loop "
           "instructions per thread and per code")
