@@ -457,6 +457,36 @@ def test_quantized_cache(mode, kv_dtype):
     close(out, ref, dtype)
 
 
+CENTRE_CASES = {
+    # (block size, key tile): four blocks a tile, two, a tile inside one block, sixteen
+    "bs4_n16": dict(BS=4, block_n=16), "bs16_n32": dict(BS=16, block_n=32), "bs32_n16": dict(BS=32, block_n=16),
+    "bs2_n32": dict(BS=2, block_n=32),
+    # a sliding window starting inside a block and a tile; several splits
+    "window": dict(BS=4, block_n=16, window=11), "splits": dict(BS=4, block_n=16, partition=32),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=dtype_name)
+@pytest.mark.parametrize("case", list(CENTRE_CASES))
+def test_decode_reads_each_tiles_block_centres_once(case, kv_dtype, dtype):
+    """Decode over a quantized cache in bf16 / fp32 (`block_centres`): each tile's centres enter as one row per
+    block, spread over its keys by a 0/1 matrix, and its values' centres by each block's sum of p; the
+    outputs are the reference's, whatever the tile's span of blocks, window or splits."""
+    p = dict(CENTRE_CASES[case])
+    BS, block_n, window = p["BS"], p["block_n"], p.get("window", 0)
+    ctx = [45, 1, 70, 16]
+    c = make_case(ctx, [1, 1, 1, 1], 4, 2, 32, BS, dtype, seed=40)
+    NB, Hkv = c["cache"].shape[1], c["cache"].shape[3]
+    scale = random_scales(NB, Hkv, 32, BS, seed=41, dtype=dtype)
+    cache = _to_q(c["cache"].float() / 0.02, kv_dtype, QMAX[kv_dtype])
+    ref = reference(c, cache, scale, window=window)
+    out = paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], 32 ** -0.5, kv_scale=scale,
+                          window=window, block_m=16, block_n=block_n, partition_size=p.get("partition", 0) or None,
+                          max_seqlen_k=max(c["seq_lens"].tolist()))
+    close(out, ref, dtype)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=dtype_name)
 def test_a_head_major_cache_gives_the_token_major_ones_bits(kv_dtype):
     """The cache's memory order (kv_cache.KV_LAYOUTS) is the cache's own: rope_kv_write stores, and a mixed step
