@@ -18,7 +18,6 @@ the rendered module is imported).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -189,20 +188,12 @@ class PagedAttentionSpec(KernelSpec):
 
     def context(self) -> dict[str, Any]:
         ctx = super().context()
-        block_n = self.tiles()[1]
         ctx.update(quantized=self.kv_dtype in QUANTIZED, direct_output=not self.split,
-                   # decode over a quantized cache reads each tile's block centres once (at most 16 a tile;
-                   # not in fp16, whose q . centre could overflow its range)
-                   block_centres=(self.mode == "decode" and self.kv_dtype in QUANTIZED and self.dtype != "float16"
-                                  and block_n // self.block_size <= 16 and os.environ.get("LLMC_KV_CENTRE_DOTS", "1") != "0"),
-                   n_centres=max(1, block_n // self.block_size),
                    # fp32 must not drop to tf32 on the GPU; the argument means nothing for 16-bit inputs
                    dot_args=', input_precision="ieee"' if self.dtype == "float32" else "",
                    # the interpreter's tl.dot multiplies bf16's raw uint16 bits: widen its operands
                    # to fp32 there (exact, as the GPU's bf16 dot with an fp32 accumulator)
-                   widen=".to(tl.float32)" if self.dtype == "bfloat16" and interpreting() else "",
-                   # nor does its cast of int8 codes to bf16 give their values: through fp32 there (exact)
-                   widen_codes=".to(tl.float32)" if interpreting() else "")
+                   widen=".to(tl.float32)" if self.dtype == "bfloat16" and interpreting() else "")
         return ctx
 
     def constexprs(self) -> dict[str, Any]:
