@@ -93,6 +93,8 @@ def main() -> None:
     ap.add_argument("--no-decode", action="store_true", help="skip the batch-1 and batch-16 decode figures")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
+    from quant_quality import weight_and_cache
+    configs = weight_and_cache(["bf16"] + a.quant.split(","), {"bf16": None, **FORMATS})
     import llmc
     from decode_bench import SHAPES, bandwidth, random_model
     work = Path(tempfile.mkdtemp())
@@ -102,10 +104,8 @@ def main() -> None:
     prompt = torch.randint(0, cfg["vocab_size"], (128,)).tolist()
     profile_root = os.environ.pop("LLMC_PROFILE_DIR", None)  # profiles the mixed runs only (see below)
     rows = []
-    names = ["bf16"] + a.quant.split(",")
     compiled = {}  # weight format -> its artifact, compiled once for every cache type it is run with
-    for i, name in enumerate(names):
-        fmt, _, kv = name.partition("+kv")
+    for i, (name, fmt, kv) in enumerate(configs):
         compile_s = 0
         if fmt not in compiled:
             t = time.time()
@@ -130,7 +130,7 @@ def main() -> None:
         row = {"config": name, "compile_s": round(compile_s), "weights_GiB": weights / 2**30,
                "roofline_b1_tok_s": bw / (weights - embed)}
         rows.append(run_engines(a, art, row, {"kv_cache_dtype": kv} if kv else {}, prompt, profile_root, name))
-        if any(later.partition("+kv")[0] == fmt for later in names[i + 1:]):
+        if any(later == fmt for _, later, _ in configs[i + 1:]):
             continue  # the artifact runs again on another cache type
         del art, compiled[fmt]
         for p in work.glob(f"{fmt}.llmc/*.safetensors"):  # the disk holds a few 8B artifacts at most

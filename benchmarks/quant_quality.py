@@ -41,6 +41,19 @@ CONFIGS = {
     "gptq4-small": {"method": "gptq", "wbits": 4, "skip": [], "embeddings": "int8"},
 }
 
+KV_SUFFIXES = ("int8", "fp8")  # a config name's `+kv...` suffix: the K/V cache type its engine runs on
+
+
+def weight_and_cache(names: list[str], formats) -> list[tuple[str, str, str]]:
+    """(name, weight format, cache type or "") of each config name `FORMAT[+kvint8|+kvfp8]`; SystemExit naming
+    the unknown ones (a weight format not in `formats`, a cache type not in KV_SUFFIXES)."""
+    split = [(n, *n.partition("+kv")[::2]) for n in names]
+    unknown = [n for n, fmt, kv in split if fmt not in formats or kv not in ("", *KV_SUFFIXES)]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}: use {', '.join(formats)}, each optionally "
+                         f"{' or '.join('+kv' + k for k in KV_SUFFIXES)}")
+    return split
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -55,15 +68,11 @@ def main() -> None:
     from llmc.evaluate import dataset_text, perplexity
     text = dataset_text("builtin:heldout")
     names = ["bf16"] + [n for n in (a.only.split(",") if a.only else CONFIGS) if n != "bf16"]
-    unknown = [n for n in names
-               if n.partition("+kv")[0] not in CONFIGS or n.partition("+kv")[2] not in ("", "int8", "fp8")]
-    if unknown:
-        ap.error(f"unknown configs {unknown}: use {', '.join(CONFIGS)}, each optionally +kvint8 or +kvfp8")
+    configs = weight_and_cache(names, CONFIGS)
     work = Path(tempfile.mkdtemp())
     rows = []
-    for name in names:
+    for name, fmt, kv in configs:
         t = time.time()
-        fmt, _, kv = name.partition("+kv")
         art = llmc.compile("builtin:tiny-py", work / f"{name}.llmc", dtype=a.dtype, quant=CONFIGS[fmt], tune=False)
         compile_s = time.time() - t
         opts = {"backend": a.backend, **({"device": a.device} if a.device else {}),

@@ -440,21 +440,26 @@ def test_decode_launched_for_a_context_bucket_gives_the_limits_bits():
 
 # --------------------------------------------------------------------------------------------- int8 cache
 
+def run_quantized(ctx, new, D, BS, dtype, kv_dtype, seed, window=0, **kw):
+    """(the kernels' output, the reference's) over an int8 / fp8 cache of random codes, centres and scales
+    (4 q heads over 2); the reference writes the new K/V first (new centres where a block starts)."""
+    c = make_case(ctx, new, 4, 2, D, BS, dtype, seed=seed)
+    NB, Hkv = c["cache"].shape[1], c["cache"].shape[3]
+    scale = random_scales(NB, Hkv, D, BS, seed=seed + 1, dtype=dtype)
+    cache = _to_q(c["cache"].float() / 0.02, kv_dtype, QMAX[kv_dtype])
+    ref = reference(c, cache, scale, window=window)
+    out = paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], D ** -0.5, kv_scale=scale, window=window,
+                          block_m=16, **kw)
+    return out, ref
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=dtype_name)
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 def test_quantized_cache(mode, kv_dtype):
     """int8 / fp8 K/V dequantized in the kernels with the centres and scales the reference wrote."""
-    dtype = torch.float16
-    ctx = [13, 1, 30]
     new = [5, 1, 30] if mode == "prefill" else [1, 1, 1]
-    c = make_case(ctx, new, 4, 2, 24, 4, dtype, seed=30)
-    NB, Hkv = c["cache"].shape[1], c["cache"].shape[3]
-    scale = random_scales(NB, Hkv, 24, 4, seed=31, dtype=dtype)
-    cache = _to_q(c["cache"].float() / 0.02, kv_dtype, QMAX[kv_dtype])
-    ref = reference(c, cache, scale)  # writes the new K/V (new centres where a block starts)
-    out = paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], 24 ** -0.5, kv_scale=scale,
-                          block_m=16, block_n=16, partition_size=16)
-    close(out, ref, dtype)
+    out, ref = run_quantized([13, 1, 30], new, 24, 4, torch.float16, kv_dtype, seed=30, block_n=16, partition_size=16)
+    close(out, ref, torch.float16)
 
 
 QUANTIZED_DECODE_CASES = {
@@ -474,16 +479,10 @@ def test_decode_over_a_quantized_cache_in_bf16_and_fp32(case, kv_dtype, dtype):
     tile's span of blocks (a part of one to sixteen), the window or the splits. In bf16 the kernel rounds each
     dequantized K/V vector to bf16 before its dots: up to 0.031 off here, hence 4e-2 (cast codes entering the
     dots as they are, scaled after them, stayed within 1e-2 under the interpreter: 28e1d23, not yet run on a GPU)."""
-    p = dict(QUANTIZED_DECODE_CASES[case])
-    BS, block_n, window = p["BS"], p["block_n"], p.get("window", 0)
-    c = make_case([45, 1, 70, 16], [1, 1, 1, 1], 4, 2, 32, BS, dtype, seed=40)
-    NB, Hkv = c["cache"].shape[1], c["cache"].shape[3]
-    scale = random_scales(NB, Hkv, 32, BS, seed=41, dtype=dtype)
-    cache = _to_q(c["cache"].float() / 0.02, kv_dtype, QMAX[kv_dtype])
-    ref = reference(c, cache, scale, window=window)
-    out = paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], 32 ** -0.5, kv_scale=scale,
-                          window=window, block_m=16, block_n=block_n, partition_size=p.get("partition", 0) or None,
-                          max_seqlen_k=max(c["seq_lens"].tolist()))
+    p = QUANTIZED_DECODE_CASES[case]
+    ctx = [45, 1, 70, 16]
+    out, ref = run_quantized(ctx, [1] * len(ctx), 32, p["BS"], dtype, kv_dtype, seed=40, window=p.get("window", 0),
+                             block_n=p["block_n"], partition_size=p.get("partition"), max_seqlen_k=max(ctx))
     tol = 4e-2 if dtype == torch.bfloat16 else TOL[dtype]
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
