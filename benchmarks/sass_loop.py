@@ -6,7 +6,7 @@ opcode. Where a kernel is limited by issuing instructions, not by HBM (int4 deco
 the instructions a loop iteration issues per weight bound its speed:
 
     python3 benchmarks/sass_loop.py [--format int4-g128] [--configs 16,64,256,4,1,1 ...] [--json OUT]
-    python3 benchmarks/sass_loop.py --attention [--configs 64,4,3 128,8,2 ...]
+    python3 benchmarks/sass_loop.py --attention [--code-dots] [--configs 64,4,3 128,8,2 ...]
 
 A config is BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,M_TILES,SWAP_AB. Each runs twice, with the int4 codes
 unpacked by inline PTX (the default) and by fp32 arithmetic (LLMC_INT4_PTX=0), each in a fresh
@@ -92,8 +92,8 @@ def cuobjdump() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def loop_opcodes(sass: str) -> collections.Counter:
-    """Opcodes (predicates and modifiers stripped) of the longest loop in a SASS listing."""
+def loop_opcodes(sass: str, modifiers: bool = False) -> collections.Counter:
+    """Opcodes (predicates stripped, and modifiers unless `modifiers`) of the longest loop in a SASS listing."""
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
@@ -104,13 +104,13 @@ def loop_opcodes(sass: str) -> collections.Counter:
     if not loops:
         raise RuntimeError("no loop found in the kernel")
     start, end = max(loops, key=lambda span: span[1] - span[0])
-    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
-                               for addr, text in ins if start <= addr <= end)
+    ops = (re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for addr, text in ins if start <= addr <= end)
+    return collections.Counter(op if modifiers else op.split(".")[0] for op in ops)
 
 
-def compiled_loop(template: str, env: dict, **fields) -> collections.Counter:
+def compiled_loop(template: str, env: dict, modifiers: bool = False, **fields) -> collections.Counter:
     """Compile `template` (a _COMPILE* text) filled with `fields` in a fresh process, with `env` on top of this
-    one's; the opcodes of its main loop."""
+    one's; the opcodes of its main loop (with their modifiers if `modifiers`)."""
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "k.cubin"
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env
@@ -118,7 +118,7 @@ def compiled_loop(template: str, env: dict, **fields) -> collections.Counter:
         code = template.format(root=str(ROOT), out=str(cubin), **fields)
         subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
         sass = subprocess.run([str(cuobjdump()), "-sass", str(cubin)], check=True, capture_output=True, text=True)
-        return loop_opcodes(sass.stdout)
+        return loop_opcodes(sass.stdout, modifiers)
 
 
 def count(cfg: str, ptx: bool, bits: int, group: int, dtype: str, warps: int, zero_points: bool = False
@@ -127,17 +127,20 @@ def count(cfg: str, ptx: bool, bits: int, group: int, dtype: str, warps: int, ze
                          zp=zero_points, cfg=tuple(map(int, cfg.split(","))), warps=warps)
 
 
-def count_attention(cfg: str, kv_dtype: str) -> collections.Counter:
-    return compiled_loop(_COMPILE_ATTENTION, {}, kv=kv_dtype, cfg=tuple(map(int, cfg.split(","))))
+def count_attention(cfg: str, kv_dtype: str, code_dots: bool = False, modifiers: bool = False
+                    ) -> collections.Counter:
+    return compiled_loop(_COMPILE_ATTENTION, {"LLMC_KV_CODE_DOTS": "1" if code_dots else "0"}, modifiers,
+                         kv=kv_dtype, cfg=tuple(map(int, cfg.split(","))))
 
 
-def attention_main(configs: list[str], json_out: str | None) -> None:
+def attention_main(configs: list[str], json_out: str | None, code_dots: bool = False) -> None:
     kinds = ("bfloat16", "int8", "float8_e4m3fn")
-    print("decode attention, 8B shape, bf16 q: main-loop instructions per thread (per key)")
+    print("decode attention, 8B shape, bf16 q: main-loop instructions per thread (per key)"
+          + (", quantized caches' codes in fp16 dots (LLMC_KV_CODE_DOTS=1)" if code_dots else ""))
     print(f"{'BLOCK_N,warps,stages':22s}" + "".join(f"{k:>16s}" for k in kinds) + "  top opcodes (fp8)")
     rows = []
     for cfg in configs:
-        counts = {k: count_attention(cfg, k) for k in kinds}
+        counts = {k: count_attention(cfg, k, code_dots) for k in kinds}
         bn = int(cfg.split(",")[0])
         rows.append({"config": cfg, **{k: dict(c) for k, c in counts.items()}})
         cells = "".join(f"{sum(c.values()):8d} ({sum(c.values()) / bn:4.1f})" for c in counts.values())
@@ -155,10 +158,11 @@ def main() -> None:
     ap.add_argument("--zero-points", action="store_true", help="asymmetric int4 (a zero point per group)")
     ap.add_argument("--configs", nargs="*")
     ap.add_argument("--attention", action="store_true", help="the decode attention kernel per cache type")
+    ap.add_argument("--code-dots", action="store_true", help="with --attention: quantized caches' codes in fp16 dots")
     ap.add_argument("--json", help="also write the counts here")
     a = ap.parse_args()
     if a.attention:
-        return attention_main(a.configs or ATTENTION_CONFIGS, a.json)
+        return attention_main(a.configs or ATTENTION_CONFIGS, a.json, a.code_dots)
     a.configs = a.configs or DEFAULT_CONFIGS
     rows = []
     print(f"int4 g{a.group}{' with zero points' if a.zero_points else ''} {a.dtype}, {a.warps} warps: main-loop "

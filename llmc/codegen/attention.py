@@ -18,6 +18,7 @@ the rendered module is imported).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,6 +34,11 @@ LOG2E = 1.4426950408889634
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
           "int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
 QUANTIZED = ("int8", "float8_e4m3fn")
+# decode over a quantized cache in a 16-bit model with the codes in fp16 dots (PagedAttentionSpec.context), and
+# each key tile's block centres read once; read when this module is imported: LLMC_KV_CODE_DOTS=0 gives the
+# dequantize-then-dot form, LLMC_KV_CENTRE_DOTS=0 a centre read per key
+KV_CODE_DOTS = os.environ.get("LLMC_KV_CODE_DOTS", "1") != "0"
+KV_CENTRE_DOTS = os.environ.get("LLMC_KV_CENTRE_DOTS", "1") != "0"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -188,7 +194,20 @@ class PagedAttentionSpec(KernelSpec):
 
     def context(self) -> dict[str, Any]:
         ctx = super().context()
+        block_n = self.tiles()[1]
+        code_dots = (self.mode == "decode" and self.kv_dtype in QUANTIZED and self.dtype in ("bfloat16", "float16")
+                     and KV_CODE_DOTS)
         ctx.update(quantized=self.kv_dtype in QUANTIZED, direct_output=not self.split,
+                   # decode over a quantized cache with the codes in fp16 dots: the codes enter the dots as they
+                   # are (exact in fp16), each key's scale multiplies its score after the dot and each value's
+                   # scale its probability before it; on the GPU the codes arrive as 16-bit pairs unpacked by PTX
+                   # (heads of a multiple of 16 wide), and in a bf16 model each key tile's block centres are
+                   # read once (a row per block, at most 16 a tile)
+                   code_dots=code_dots,
+                   code_words=code_dots and not interpreting() and self.head_dim % 16 == 0,
+                   block_centres=(code_dots and KV_CENTRE_DOTS and self.dtype == "bfloat16"
+                                  and block_n // self.block_size <= 16),
+                   n_centres=max(1, block_n // self.block_size),
                    # fp32 must not drop to tf32 on the GPU; the argument means nothing for 16-bit inputs
                    dot_args=', input_precision="ieee"' if self.dtype == "float32" else "",
                    # the interpreter's tl.dot multiplies bf16's raw uint16 bits: widen its operands

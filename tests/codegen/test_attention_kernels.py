@@ -25,6 +25,7 @@ and `test_bf16_attention_renders_plain_dots_when_compiled` checks the GPU's sour
 """
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -462,6 +463,29 @@ def test_quantized_cache(mode, kv_dtype):
     close(out, ref, torch.float16)
 
 
+def _kernels_with_code_dots(monkeypatch, on: bool):
+    """Kernels rendered with attention.KV_CODE_DOTS = on, fresh before and after."""
+    import llmc.codegen.attention as attention
+    from llmc.codegen import elementwise
+    elementwise._module.cache_clear()
+    monkeypatch.setattr(attention, "KV_CODE_DOTS", on)
+    yield
+    monkeypatch.undo()
+    elementwise._module.cache_clear()
+
+
+@pytest.fixture
+def code_dots(monkeypatch):
+    """Quantized caches' codes in fp16 dots (the default)."""
+    yield from _kernels_with_code_dots(monkeypatch, True)
+
+
+@pytest.fixture
+def dequantize_then_dot(monkeypatch):
+    """LLMC_KV_CODE_DOTS=0: K/V dequantized into q's dtype before the dots."""
+    yield from _kernels_with_code_dots(monkeypatch, False)
+
+
 QUANTIZED_DECODE_CASES = {
     # (block size, key tile): four blocks a tile, two, a tile inside one block, sixteen
     "bs4_n16": dict(BS=4, block_n=16), "bs16_n32": dict(BS=16, block_n=32), "bs32_n16": dict(BS=32, block_n=16),
@@ -474,17 +498,70 @@ QUANTIZED_DECODE_CASES = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=dtype_name)
 @pytest.mark.parametrize("case", list(QUANTIZED_DECODE_CASES))
-def test_decode_over_a_quantized_cache_in_bf16_and_fp32(case, kv_dtype, dtype):
-    """Decode over an int8 / fp8 cache in a bf16 or fp32 model gives the reference's outputs, whatever the key
-    tile's span of blocks (a part of one to sixteen), the window or the splits. In bf16 the kernel rounds each
-    dequantized K/V vector to bf16 before its dots: up to 0.031 off here, hence 4e-2 (cast codes entering the
-    dots as they are, scaled after them, stayed within 1e-2 under the interpreter: 28e1d23, not yet run on a GPU)."""
+def test_decode_over_a_quantized_cache_in_bf16_and_fp32(case, kv_dtype, dtype, dequantize_then_dot):
+    """Decode over an int8 / fp8 cache in a bf16 or fp32 model, K/V dequantized before the dots
+    (LLMC_KV_CODE_DOTS=0; fp32 models always), gives the reference's outputs, whatever the key tile's span of
+    blocks (a part of one to sixteen), the window or the splits. In bf16 this form rounds each dequantized K/V
+    vector to bf16 before its dots: up to 0.031 off here, hence 4e-2 (the codes in fp16 dots: one ulp, below)."""
     p = QUANTIZED_DECODE_CASES[case]
     ctx = [45, 1, 70, 16]
     out, ref = run_quantized(ctx, [1] * len(ctx), 32, p["BS"], dtype, kv_dtype, seed=40, window=p.get("window", 0),
                              block_n=p["block_n"], partition_size=p.get("partition"), max_seqlen_k=max(ctx))
     tol = 4e-2 if dtype == torch.bfloat16 else TOL[dtype]
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_name)
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=dtype_name)
+@pytest.mark.parametrize("case", list(QUANTIZED_DECODE_CASES))
+def test_decode_with_the_codes_in_fp16_dots(case, kv_dtype, dtype, code_dots):
+    """The default decode over a quantized cache: the codes enter fp16 dots as they are, scaled after them, q and p x scale shifted by
+    powers of two into fp16's range; in bf16 the tile's block centres are read once. Within one bf16 ulp of the
+    outputs (2-4 here: 0.0156) where the dequantize-then-dot form is two ulps off, whatever the blocks, window or
+    splits."""
+    from llmc.codegen.attention import PagedAttentionSpec
+    assert PagedAttentionSpec(head_dim=32, num_q_heads=4, num_kv_heads=2, block_size=4, dtype="bfloat16",
+                              kv_dtype="int8", mode="decode").context()["code_dots"]
+    p = QUANTIZED_DECODE_CASES[case]
+    ctx = [45, 1, 70, 16]
+    out, ref = run_quantized(ctx, [1] * len(ctx), 32, p["BS"], dtype, kv_dtype, seed=40, window=p.get("window", 0),
+                             block_n=p["block_n"], partition_size=p.get("partition"), max_seqlen_k=max(ctx))
+    if dtype == torch.bfloat16:  # one ulp of the largest outputs' binade
+        top = float(ref.float().abs().max())
+        assert (out.float() - ref.float()).abs().max() <= 2.0 ** (math.ceil(math.log2(top)) - 8)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("q_scale", [3e4, 1e-30], ids=["q-past-fp16", "q-tiny"])
+def test_code_dots_keep_q_and_the_value_scales_in_fp16s_range(q_scale, code_dots):
+    """q far past fp16's largest value or near its smallest, and value scales past 65504 / 2^14: the power-of-two
+    shifts keep every fp16 operand finite and normal, and the outputs are the reference's."""
+    c = make_case([40, 21], [1, 1], 4, 2, 32, 4, torch.bfloat16, seed=41)
+    c["q"] = (c["q"].float() * q_scale).to(torch.bfloat16)
+    NB, Hkv = c["cache"].shape[1], c["cache"].shape[3]
+    scale = random_scales(NB, Hkv, 32, 4, seed=42, dtype=torch.bfloat16)
+    scale[:, :, 2 * 32 + 4:] *= 1e7  # the value scales: p x scale up to 3e5
+    cache = _to_q(c["cache"].float() / 0.02, torch.int8, QMAX[torch.int8])
+    ref = reference(c, cache, scale)
+    out = paged_attention(c["q"], cache, c["qsl"], c["seq_lens"], c["bt"], 32 ** -0.5, kv_scale=scale, block_m=16,
+                          block_n=16, max_seqlen_k=40)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2, atol=1.6e-2 * ref.float().abs().max().item())
+
+
+def test_code_dots_compile_for_hopper_with_fewer_instructions():
+    """The decode kernel with the codes in fp16 dots, its codes unpacked from 16-bit pairs by PTX, compiles for
+    sm_90 here (ptxas ships with triton). Its main loop over int8 and fp8 caches issues fewer instructions than
+    the dequantize-then-dot form's and reads no code from shared memory a byte at a time (that form's loop
+    does). Its values on the GPU: scripts/gpu_check_attention.py --golden-only."""
+    from tests.codegen.conftest import sass_loop as load_sass_loop
+    sass_loop = load_sass_loop()
+    byte_loads = lambda c: sum(n for op, n in c.items() if op.startswith("LDS.") and op[4:] in ("U8", "S8"))  # noqa: E731
+    for kv in ("int8", "float8_e4m3fn"):
+        old, new = (sass_loop.count_attention("64,4,3", kv, on, modifiers=True) for on in (False, True))
+        assert sum(new.values()) < sum(old.values()), (kv, sum(new.values()), sum(old.values()))
+        assert byte_loads(old) > 32 and byte_loads(new) == 0, (kv, byte_loads(old), byte_loads(new))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=dtype_name)

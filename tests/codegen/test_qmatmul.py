@@ -553,16 +553,8 @@ def test_packed_nibbles_compile_for_hopper():
     triton), with and without zero points, and its main loop unpacks with packed FMAs (HFMA2; ptxas
     makes x * 1 + bias an HADD2) and no fp32 subtraction; LLMC_INT4_PTX=0 gives the fp32 path's loop.
     Correct results on the GPU: the tests above with TRITON_INTERPRET=0."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-    path = Path(__file__).parents[2] / "benchmarks" / "sass_loop.py"
-    spec = importlib.util.spec_from_file_location("sass_loop", path)
-    sass_loop = importlib.util.module_from_spec(spec)
-    sys.modules["sass_loop"] = sass_loop
-    spec.loader.exec_module(sass_loop)
-    if not sass_loop.cuobjdump().is_file():
-        pytest.skip("this triton ships no cuobjdump")
+    from tests.codegen.conftest import sass_loop as load_sass_loop
+    sass_loop = load_sass_loop()
     ptx, fp32 = (sass_loop.count("16,64,256,4,1,1", p, 4, 128, "bf16", 4) for p in (True, False))
     assert ptx["HFMA2"] and not ptx["FADD"] and not ptx["F2FP"]
     assert fp32["FADD"] and fp32["F2FP"] and not fp32["HFMA2"]
