@@ -210,6 +210,11 @@ def main():
         for new in ([5, 1, 130], [1, 1, 1]):
             oks.append(golden_case(f"{str(kv_dtype)[6:]} cache n={new}", [37, 1, 130], new, 8, 2, 128, 16,
                                    torch.bfloat16, kv_dtype))
+        # decode over the quantized cache in an fp16 model (its codes in fp16 dots, a centre read per key) and
+        # through a window that starts inside a block (bf16: the key tiles aligned down, keys before it masked)
+        for dtype in (torch.float16, torch.bfloat16):
+            oks.append(golden_case(f"{str(kv_dtype)[6:]} decode, window 64", [300, 7, 1000], [1, 1, 1], 8, 2, 64, 16,
+                                   dtype, kv_dtype, window=64))
     # a mixed step's leading decodes on the decode kernel, the prompt rows on the prefill kernel
     for dtype, kv_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
                             (torch.bfloat16, torch.int8), (torch.bfloat16, torch.float8_e4m3fn)):
