@@ -61,7 +61,8 @@
 #                                                     #   (benchmarks/attention_bench.py; SHAPES, default "8b 1b";
 #                                                     #   PARTITIONS="64,128,512": decode keys per split besides 256)
 #   bash benchmarks/gpu_pending.sh OUT attention-kv   # issue 14: decode attention on a bf16, int8 and fp8 cache
-#                                                     #   (KV_DTYPES; SHAPES, default "8b 1b")
+#                                                     #   (KV_DTYPES; SHAPES, default "8b 1b"; CODE_DOTS="1 0": the
+#                                                     #   quantized caches also with K/V dequantized first)
 #   bash benchmarks/gpu_pending.sh OUT ab-mixed       # issue 20: TTFT and mixed workload with VAR=0 and =1 alternating
 #                                                     #   (default LLMC_PREFILL_TILES; LLMC_LONG_PREFILL_GRAPHS:
 #                                                     #   a lone prompt of up to 2,048 tokens on a step graph;
@@ -544,9 +545,14 @@ PY
             # decode attention on each cache type (KV_DTYPES, default "bf16 int8 fp8"; SHAPES, default "8b 1b")
             for shape in ${SHAPES:-8b 1b}; do
                 for kv in ${KV_DTYPES:-bf16 int8 fp8}; do
-                    python3 benchmarks/attention_bench.py --shape $shape --decode-only --kv-dtype $kv \
-                        >"$OUT/attention_${shape}_$kv.log" 2>&1
-                    echo "# $shape, $kv cache"; sed -n '/best llmc launch/,/^$/p' "$OUT/attention_${shape}_$kv.log"
+                    dots_values=${CODE_DOTS:-1}  # LLMC_KV_CODE_DOTS values ("1 0": also dequantized first)
+                    for dots in $dots_values; do
+                        [ "$kv" = bf16 ] && [ "$dots" != "${dots_values%% *}" ] && continue  # a bf16 cache: once
+                        LLMC_KV_CODE_DOTS=$dots python3 benchmarks/attention_bench.py --shape $shape --decode-only \
+                            --kv-dtype $kv >"$OUT/attention_${shape}_${kv}_dots$dots.log" 2>&1
+                        echo "# $shape, $kv cache, LLMC_KV_CODE_DOTS=$dots"
+                        sed -n '/best llmc launch/,/^$/p' "$OUT/attention_${shape}_${kv}_dots$dots.log"
+                    done
                 done
             done ;;
         ab-mixed)
