@@ -495,6 +495,14 @@ QUANTIZED_DECODE_CASES = {
 }
 
 
+def run_decode_case(case, kv_dtype, dtype):
+    """run_quantized for one new token on each of four sequences, over QUANTIZED_DECODE_CASES[case]."""
+    p = QUANTIZED_DECODE_CASES[case]
+    ctx = [45, 1, 70, 16]
+    return run_quantized(ctx, [1] * len(ctx), 32, p["BS"], dtype, kv_dtype, seed=40, window=p.get("window", 0),
+                         block_n=p["block_n"], partition_size=p.get("partition"), max_seqlen_k=max(ctx))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=dtype_name)
 @pytest.mark.parametrize("case", list(QUANTIZED_DECODE_CASES))
@@ -503,10 +511,7 @@ def test_decode_over_a_quantized_cache_in_bf16_and_fp32(case, kv_dtype, dtype, d
     (LLMC_KV_CODE_DOTS=0; fp32 models always), gives the reference's outputs, whatever the key tile's span of
     blocks (a part of one to sixteen), the window or the splits. In bf16 this form rounds each dequantized K/V
     vector to bf16 before its dots: up to 0.031 off here, hence 4e-2 (the codes in fp16 dots: one ulp, below)."""
-    p = QUANTIZED_DECODE_CASES[case]
-    ctx = [45, 1, 70, 16]
-    out, ref = run_quantized(ctx, [1] * len(ctx), 32, p["BS"], dtype, kv_dtype, seed=40, window=p.get("window", 0),
-                             block_n=p["block_n"], partition_size=p.get("partition"), max_seqlen_k=max(ctx))
+    out, ref = run_decode_case(case, kv_dtype, dtype)
     tol = 4e-2 if dtype == torch.bfloat16 else TOL[dtype]
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
@@ -515,17 +520,14 @@ def test_decode_over_a_quantized_cache_in_bf16_and_fp32(case, kv_dtype, dtype, d
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=dtype_name)
 @pytest.mark.parametrize("case", list(QUANTIZED_DECODE_CASES))
 def test_decode_with_the_codes_in_fp16_dots(case, kv_dtype, dtype, code_dots):
-    """The default decode over a quantized cache: the codes enter fp16 dots as they are, scaled after them, q and p x scale shifted by
-    powers of two into fp16's range; in bf16 the tile's block centres are read once. Within one bf16 ulp of the
-    outputs (2-4 here: 0.0156) where the dequantize-then-dot form is two ulps off, whatever the blocks, window or
-    splits."""
+    """The default decode over a quantized cache: the codes enter fp16 dots as they are, scaled after them, q
+    and p x scale shifted by powers of two into fp16's range; in bf16 the tile's block centres are read once.
+    Within one bf16 ulp of the outputs (2-4 here: 0.0156) where the dequantize-then-dot form is two ulps off,
+    whatever the blocks, window or splits."""
     from llmc.codegen.attention import PagedAttentionSpec
     assert PagedAttentionSpec(head_dim=32, num_q_heads=4, num_kv_heads=2, block_size=4, dtype="bfloat16",
                               kv_dtype="int8", mode="decode").context()["code_dots"]
-    p = QUANTIZED_DECODE_CASES[case]
-    ctx = [45, 1, 70, 16]
-    out, ref = run_quantized(ctx, [1] * len(ctx), 32, p["BS"], dtype, kv_dtype, seed=40, window=p.get("window", 0),
-                             block_n=p["block_n"], partition_size=p.get("partition"), max_seqlen_k=max(ctx))
+    out, ref = run_decode_case(case, kv_dtype, dtype)
     if dtype == torch.bfloat16:  # one ulp of the largest outputs' binade
         top = float(ref.float().abs().max())
         assert (out.float() - ref.float()).abs().max() <= 2.0 ** (math.ceil(math.log2(top)) - 8)
@@ -557,7 +559,7 @@ def test_code_dots_compile_for_hopper_with_fewer_instructions():
     does). Its values on the GPU: scripts/gpu_check_attention.py --golden-only."""
     from tests.codegen.conftest import sass_loop as load_sass_loop
     sass_loop = load_sass_loop()
-    byte_loads = lambda c: sum(n for op, n in c.items() if op.startswith("LDS.") and op[4:] in ("U8", "S8"))  # noqa: E731
+    byte_loads = lambda c: sum(n for op, n in c.items() if op in ("LDS.U8", "LDS.S8"))  # noqa: E731
     for kv in ("int8", "float8_e4m3fn"):
         old, new = (sass_loop.count_attention("64,4,3", kv, on, modifiers=True) for on in (False, True))
         assert sum(new.values()) < sum(old.values()), (kv, sum(new.values()), sum(old.values()))
