@@ -120,3 +120,67 @@ class FastTokenizer:
 
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def check_text(text: str, what: str = "the text") -> str:
+    """`text` where it can be encoded as UTF-8 (what a tokenizer takes); else RequestError naming the first
+    character that cannot: a lone UTF-16 surrogate, which JSON's "\\ud800" escapes can spell."""
+    from llmc.errors import RequestError
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{what} holds {text[e.start]!r} at character {e.start}, a lone UTF-16 surrogate that "
+                           "is no Unicode character; send valid UTF-8 text") from None
+    return text
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the character a byte-level BPE vocabulary writes for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenBytes:
+    """The bytes each token id stands for, where a token may be part of a UTF-8 character (its text, decoded alone,
+    is then U+FFFD): byte-level BPE vocabularies (GPT-2's alphabet), SentencePiece byte fallback (`<0xE2>`, `▁`
+    for a space), else the token's decoded text. Added (special) tokens are their content's UTF-8.
+
+    Example:
+        >>> from llmc.models import builtin_dir
+        >>> tb = TokenBytes(load_tokenizer(builtin_dir("tiny-py")))
+        >>> tok = load_tokenizer(builtin_dir("tiny-py"))
+        >>> b"".join(tb(t) for t in tok.encode("€ = 1", add_special_tokens=False)).decode()
+        '€ = 1'
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+        kinds = json.dumps(decoder or {})
+        self.byte_level = '"ByteLevel"' in kinds
+        self.byte_fallback = '"ByteFallback"' in kinds
+        self.alphabet = _byte_level_decoder() if self.byte_level else {}
+        added = backend.get_added_tokens_decoder() if backend is not None else {}
+        self.added = {i: t.content for i, t in added.items()}
+
+    def __call__(self, token_id: int) -> bytes:
+        if token_id in self.added:
+            return self.added[token_id].encode()
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return b""
+        if self.byte_level and all(c in self.alphabet for c in piece):
+            return bytes(self.alphabet[c] for c in piece)
+        if self.byte_fallback and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        if self.byte_fallback or "▁" in piece:
+            return piece.replace("▁", " ").encode()
+        return self.tokenizer.decode([token_id]).encode()

@@ -33,7 +33,7 @@ def run_json(art, *args):
     (["--max-num-batched-tokens", 0], "--max-num-batched-tokens must be >= 1, got 0"),
     (["--block-size", 3, "--backend", "triton-interpret"], "--block-size must be a power of two"),
     (["--device", "tpu"], "--device 'tpu' is not a device"),
-    (["--repetition-penalty", 0], "--repetition-penalty must be > 0"),
+    (["--repetition-penalty", 0], "--repetition-penalty must be from 0.001 to 1000"),
 ])
 def test_engine_options_are_checked_in_their_cli_names(art, args, needle):
     assert_clean_error(*cli("run", art, "--prompt", PROMPT, *args), needle)

@@ -53,6 +53,7 @@ def serve(artifact, host, port, api_key, served_model_name, chat_template, max_q
                                             "--multi-step": multi_step})
     if not 0 < port < 65536:
         raise RequestError(f"--port must be in 1-65535, got {port}")
+    _check_port(host, port)
     template = None
     if chat_template is not None:
         path = Path(chat_template)
@@ -83,6 +84,24 @@ def serve(artifact, host, port, api_key, served_model_name, chat_template, max_q
     if not _run_server(app, host, port, shutdown_timeout):
         llm.shutdown()
         raise LLMCError(f"the server did not start on {host}:{port} (is the port in use?)")
+
+
+def _check_port(host: str, port: int) -> None:
+    """RequestError, before the model loads, where the server could not listen on host:port (a port in use, an
+    address not of this machine), as uvicorn binds it (SO_REUSEADDR)."""
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise RequestError(f"--host {host}: {e.strerror}; give an address or name of this machine") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise RequestError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port or stop what "
+                               "holds it") from None
 
 
 def _run_server(app, host: str, port: int, shutdown_timeout: float) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import threading
 import uuid
@@ -28,6 +29,8 @@ from llmc.errors import LLMCError, RequestError
 from llmc.runtime import heap
 from llmc.runtime.engine import LLMEngine, RequestOutput, engine_config, load_model
 from llmc.runtime.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AsyncLLM"]
 
@@ -230,6 +233,8 @@ class AsyncLLM:
             try:
                 self.engine.add_request(prompt, params, stream.request_id)
             except Exception as e:  # the engine changed nothing: only this consumer hears of it
+                if not isinstance(e, RequestError):  # a bad request is the client's to hear of; anything else a bug
+                    log.error("adding request %s failed", stream.request_id, exc_info=True)
                 self._deliver(stream, _as_llmc_error(e, "adding the request failed"))
                 return
             self._streams[stream.request_id] = stream
@@ -248,6 +253,7 @@ class AsyncLLM:
         try:
             outputs = self.engine.step()
         except Exception as e:
+            log.error("an engine step failed; its %d requests are aborted", len(self._streams), exc_info=True)
             err = _as_llmc_error(e, "an engine step failed")
             for stream in list(self._streams.values()):
                 self.engine.abort(stream.request_id)  # the ones not in the failed step, too

@@ -28,6 +28,7 @@ from llmc.runtime.sequence import SequenceGroup, SequenceStatus
 from llmc.runtime.spec_decode import SpecConfig, SpecDecoder
 from llmc.runtime.step_graphs import graphs_captured
 from llmc.runtime.stop import StopChecker
+from llmc.tokenizer import check_text
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,10 @@ class LLMEngine:
                 raise RequestError("the prompt is empty; give some text to continue")
             if self.tokenizer is None:
                 raise RequestError("this artifact has no tokenizer: pass token ids instead of text")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = self.tokenizer.encode(check_text(prompt, "the prompt"), add_special_tokens=False)
+        elif isinstance(prompt, (bytes, bytearray)):
+            raise RequestError("a prompt must be a string or a list of integer token ids, got bytes: decode them "
+                               "first (e.g. prompt.decode('utf-8'))")
         else:
             try:
                 ids = [operator.index(t) for t in prompt]

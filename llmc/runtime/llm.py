@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import operator
+
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,9 +149,15 @@ class LLM:
     def _add_all(self, prompts, params, request_ids=None, longest_first: bool = False) -> list[str]:
         """Validate every request, then queue them all (or none): in the order given, or with `longest_first`
         in order of their most output tokens, largest first (stable). Ids in the order given either way."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
+        if params is not None and not isinstance(params, (SamplingParams, list, tuple)):
+            raise TypeError(f"params must be a SamplingParams or a list of them, one per prompt; got "
+                            f"{type(params).__name__}" + (" (write SamplingParams(**params))"
+                                                         if isinstance(params, dict) else ""))
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if not all(isinstance(p, SamplingParams) for p in plist):
+            bad = next(p for p in plist if not isinstance(p, SamplingParams))
+            raise TypeError(f"params must be SamplingParams, got a {type(bad).__name__} in the list")
         if len(plist) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         rids = list(request_ids) if request_ids is not None else [None] * len(prompts)
@@ -187,6 +195,31 @@ class LLM:
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
+
+
+def _prompt_list(prompts) -> list:
+    """`generate`'s prompts as a list of prompts: a string or one list of token ids is one prompt; any other
+    iterable (a generator too) is taken as prompts. TypeError for what is neither."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)):
+        raise TypeError("prompts must be a string, token ids, or a list of them; got bytes: decode them first")
+    if prompts is None or not hasattr(prompts, "__iter__"):
+        raise TypeError(f"prompts must be a string, token ids, or a list of them; got {type(prompts).__name__}")
+    if not hasattr(prompts, "__getitem__"):
+        prompts = list(prompts)  # a generator, a set: read once
+    if len(prompts) and _is_token(prompts[0]):
+        return [prompts]
+    return prompts if isinstance(prompts, list) else list(prompts)
+
+
+def _is_token(x) -> bool:
+    """Whether x is one token id (an int, a numpy integer, a one-element integer tensor)."""
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
 
 
 def longest_first_order(requests: Seq[tuple[int, int]], max_model_len: int) -> list[int]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from llmc.errors import RequestError
+from llmc.runtime.sampling_params import GREEDY_TEMPERATURE
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.transfer import to_device
 
@@ -116,7 +117,7 @@ class Sampler:
             logits -= column("frequency_penalty") * counts
             logits -= column("presence_penalty") * (counts > 0)
         temperature = column("temperature")
-        logits /= torch.where(temperature == 0, 1.0, temperature)
+        logits /= torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature)
         vocab = logits.shape[1]
         if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
             logits = _top_k_top_p(logits, column("top_k", torch.int64), column("top_p"))
@@ -146,7 +147,7 @@ class Sampler:
         """Greedy rows' argmax; a seeded row drawn with its own generator; the other sampled rows in one
         `torch.multinomial` call (on a GPU: one launch and no wait per row)."""
         tokens = logits.argmax(dim=-1)  # [N]; first maximum = lowest id on ties
-        probs = torch.softmax(logits, dim=-1)
+        probs = _drawable(torch.softmax(logits, dim=-1), tokens)
         free = [i for i, seq in enumerate(seqs) if not seq.params.greedy and seq.generator is None]
         if free:
             rows = to_device(free, logits.device, torch.int64)
@@ -155,6 +156,15 @@ class Sampler:
             if not seq.params.greedy and seq.generator is not None:
                 tokens[i] = draw(probs[i], seq.generator)
         return tokens
+
+
+def _drawable(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`probs` with any row that is no distribution (NaN or inf in it, or nothing left: a logits processor's
+    NaN, every token filtered out) replaced by all its mass on the row's argmax (`tokens`), so that one such row
+    cannot fail the draw of the whole batch. Nothing waits for the device."""
+    probs = torch.nan_to_num(probs, nan=0.0, posinf=0.0, neginf=0.0)
+    dead = (probs.sum(dim=-1, keepdim=True) <= 0).to(probs.dtype)
+    return probs.scatter_add_(1, tokens[:, None], dead)
 
 
 def target_logprobs(logits: torch.Tensor, targets: list[int], num_top: int = 0

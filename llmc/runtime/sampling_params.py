@@ -16,6 +16,12 @@ from llmc.errors import RequestError
 
 
 MAX_LOGPROBS = 20  # most alternatives per generated token (OpenAI's chat top_logprobs limit)
+# temperatures below this are greedy (as vLLM's): dividing fp32 logits by less would overflow them to inf
+GREEDY_TEMPERATURE = 1e-5
+# repetition_penalty's range: dividing a logit by less than its lower end could overflow fp32
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
+# torch.Generator.manual_seed's range; sample i of a request uses seed + i
+SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)
 
 
 @dataclass
@@ -24,14 +30,15 @@ class SamplingParams:
 
     Args:
         n: number of independent samples of the same prompt (they share the prompt's KV blocks).
-        temperature: softmax temperature; 0 means greedy (argmax, ties to the lowest token id).
+        temperature: softmax temperature; 0 (or anything below `GREEDY_TEMPERATURE`, 1e-5) means greedy
+            (argmax, ties to the lowest token id).
         top_k: keep the k most likely tokens; 0 or -1 turns it off.
         top_p: keep the smallest set of most likely tokens whose probability sums to >= top_p.
         min_p: drop tokens whose probability is below min_p times the top token's probability.
-        repetition_penalty: HF semantics over prompt+output tokens (1.0 = off).
+        repetition_penalty: HF semantics over prompt+output tokens (1.0 = off; from 0.001 to 1000).
         presence_penalty: OpenAI semantics over output tokens (0.0 = off).
         frequency_penalty: OpenAI semantics over output tokens (0.0 = off).
-        seed: makes sampling repeatable; sample i of an n>1 request uses seed + i.
+        seed: makes sampling repeatable; sample i of an n>1 request uses seed + i (from -2**63 to 2**64 - 1).
         stop_token_ids: token ids that end generation (finish_reason "stop").
         stop: strings that end generation; the output text is cut before the stop string.
         max_tokens: most tokens to generate (finish_reason "length").
@@ -88,7 +95,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def reads_tokens(self) -> bool:
@@ -148,9 +155,10 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p}.")
         _real(self.repetition_penalty, "repetition_penalty")
-        if self.repetition_penalty <= 0:
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
             raise RequestError(
-                f"repetition_penalty must be > 0 (1.0 is off), got {self.repetition_penalty}."
+                f"repetition_penalty must be from {lo:g} to {hi:g} (1.0 is off), got {self.repetition_penalty}."
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -159,7 +167,14 @@ class SamplingParams:
                 raise RequestError(f"{name} must be in [-2, 2], got {value}.")
         if self.seed is not None:
             _int(self.seed, "seed")
+            lo, hi = SEED_RANGE
+            if not lo <= self.seed <= hi - (self.n - 1):
+                raise RequestError(f"seed must be an int from -2**63 to 2**64 - {self.n} (sample i of the request "
+                                   f"uses seed + i), got {self.seed}.")
         _int(self.priority, "priority")
+        for name in ("ignore_eos",):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}.")
         lp = self.logprobs
         if lp is not None and not isinstance(lp, bool) and \
                 (not isinstance(lp, Integral) or not 0 <= lp <= MAX_LOGPROBS):
@@ -196,8 +211,12 @@ class SamplingParams:
                 raise RequestError(f"logit_bias[{t}] must be from -100 to 100, got {b}.")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise `RequestError` where a token id the request names (logit_bias) is outside the vocabulary."""
+        """Raise `RequestError` where a token id the request names (logit_bias, stop_token_ids) is outside the
+        vocabulary."""
         self._validate_logit_bias(vocab_size)
+        bad = next((t for t in self.stop_token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"stop_token_ids holds token id {bad}, outside this model's vocabulary [0, {vocab_size}).")
 
     def _validate_stop(self) -> None:
         stop = self.stop

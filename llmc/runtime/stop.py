@@ -101,9 +101,17 @@ class StopChecker:
 
     def settle(self, seq: Sequence) -> None:
         """Bring `seq.output_text` up to its last token (`settle_text`): an offline request's text is then
-        decoded once, not token by token. A stop token that ended the sequence is not text."""
+        decoded once, not token by token. A stop token that ended the sequence is not text. A sequence that has
+        finished (not at a stop string) also gets the text of tokens that end mid-character, as the tokenizer
+        decodes them (U+FFFD), so that its text is its tokens' whole text."""
         if self.decode is not None:
-            settle_text(seq, self.decode, seq.num_tokens - (1 if isinstance(seq.stop_reason, int) else 0))
+            end = seq.num_tokens - (1 if isinstance(seq.stop_reason, int) else 0)
+            settle_text(seq, self.decode, end)
+            if seq.is_finished and not isinstance(seq.stop_reason, str) and end > seq.read_offset:
+                tokens = seq.token_ids
+                before = len(self.decode(tokens[seq.prefix_offset : seq.read_offset]))
+                seq.output_text += self.decode(tokens[seq.prefix_offset : end])[before:]
+                seq.prefix_offset, seq.read_offset = seq.read_offset, end
 
 
 def _find_stop_string(

@@ -2,8 +2,9 @@
 
 The app never touches the scheduler: it validates and tokenizes a request, hands token ids to
 `AsyncLLM.generate`, and turns the `RequestOutput`s it streams back into OpenAI responses or SSE
-chunks. The app keeps a tokenizer of its own (not the engine's), so tokenizing here on the event
-loop never races the engine thread's detokenizing. A client that goes away mid-stream cancels the
+chunks. Prompts are tokenized on the event loop (a tokenizer's encode is not safe to run beside another
+call on the same tokenizer), so a text too long to fit the context by its length alone is refused before
+it is tokenized, and a body over `MAX_BODY_BYTES` before it is read. A client that goes away mid-stream cancels the
 response task, which closes the `generate` iterator, which aborts the request and frees its blocks; one
 that goes away while a non-streamed answer is being generated cancels its generation the same way.
 
@@ -35,8 +36,12 @@ from llmc.runtime.engine import RequestOutput
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.serve import protocol as P
 from llmc.serve.metrics import RequestTimer, ServerMetrics
+from llmc.tokenizer import TokenBytes, check_text
 
 __all__ = ["create_app", "APIError"]
+
+# the largest request body read (413 above it): a hundred prompts of 32,768 tokens of four bytes fit it
+MAX_BODY_BYTES = 64 << 20
 
 
 class APIError(Exception):
@@ -47,7 +52,7 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
         self.type = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                     503: "service_unavailable"}.get(status, "server_error")
+                     413: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
 
 
 @dataclass
@@ -71,55 +76,97 @@ class _Server:
         self.template = compile_template(source) if source else None
         self.metrics = ServerMetrics(eng.stats)
         self.waiting = 0  # admitted requests with no output yet: what --max-queue bounds
-        # one token's text: asked for every alternative of every token, and fixed for a tokenizer
+        # one token's text (and bytes): asked for every alternative of every token, and fixed for a tokenizer
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: self.decode([t]))
+        raw = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
+        self.token_bytes = functools.lru_cache(maxsize=1 << 16)(
+            lambda t: list(raw(t)) if raw is not None else list(self.token_text(t).encode()))
+        # no token covers more characters than the longest in the vocabulary (x4: normalizers may merge some), so
+        # a text longer than this holds more tokens than the context: refused without tokenizing it
+        longest = max((len(k) for k in self.tokenizer.get_vocab()), default=1) if self.tokenizer is not None else 1
+        self.max_text = 4 * max(longest, 1) * self.max_len
 
     # -- prompts ----------------------------------------------------------------------------------
     def encode(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it takes token ids only: send the prompt as a "
                                 "list of integers", param)
+        if len(text) > self.max_text:
+            raise APIError(400, f"the {param} is {len(text):,} characters long, more than this model's context of "
+                                f"{self.max_len} tokens can hold; shorten it", param, "context_length_exceeded")
+        try:
+            check_text(text, f"the {param}")
+        except RequestError as e:
+            raise APIError(400, str(e), param) from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else "".join(f" {t}" for t in ids)
 
-    def check_prompt(self, ids: list[int], max_tokens: int, param: str) -> None:
+    def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> None:
+        """400 for a prompt that is empty, holds an id outside the vocabulary, or leaves no room in the context
+        for `max_tokens` (None: the request gave none, so at least one)."""
         if not ids:
             raise APIError(400, "the prompt is empty; give some text or token ids to continue", param)
         bad = next((t for t in ids if not 0 <= t < self.vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside this model's vocabulary [0, {self.vocab})", param)
+        if max_tokens is None and len(ids) >= self.max_len:
+            raise APIError(400, f"this model's maximum context length is {self.max_len} tokens and the prompt has "
+                                f"{len(ids)}, leaving no room for a generated token; shorten the prompt", param,
+                           "context_length_exceeded")
+        max_tokens = max_tokens or 1
         if len(ids) + max_tokens > self.max_len:
             raise APIError(400, f"this model's maximum context length is {self.max_len} tokens, but {len(ids)} "
                                 f"prompt tokens + max_tokens={max_tokens} is {len(ids) + max_tokens}; shorten the "
                                 "prompt or lower max_tokens", "max_tokens" if len(ids) < self.max_len else param,
                            "context_length_exceeded")
 
-    def admit(self, count: int) -> None:
+    def admit(self, count: int) -> "_Places":
+        """Places in the waiting queue for `count` requests, taken now (before anything is awaited, so requests that
+        arrive together see each other's), or 503 where --max-queue has no room for them."""
         if self.max_queue is not None and self.waiting + count > self.max_queue:
             raise APIError(503, f"the server's queue is full ({self.waiting} requests waiting, --max-queue "
                                 f"{self.max_queue}); retry shortly", None, "queue_full", {"Retry-After": "1"})
+        return _Places(self, count)
 
     # -- generation -------------------------------------------------------------------------------
-    async def generate(self, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """`AsyncLLM.generate`, counted in the metrics and in the waiting queue however it ends."""
+    async def generate(self, ids: list[int], params: SamplingParams, places: "_Places") -> AsyncIterator[RequestOutput]:
+        """`AsyncLLM.generate`, counted in the metrics; it gives one of `places` back at its first output, or
+        however it ends before one."""
         timer = self.metrics.track(len(ids))
-        self.waiting += 1
         waiting, reason = True, None
         try:
             async for out in self.llm.generate(ids, params, f"srv-{uuid.uuid4().hex}"):
                 if waiting:
                     waiting = False
-                    self.waiting -= 1
+                    places.give_back(1)
                 timer.output(sum(len(c.delta_token_ids) for c in out.outputs))
                 if out.finished:
                     reason = out.finish_reason
                 yield out
         finally:
             if waiting:
-                self.waiting -= 1
+                places.give_back(1)
             timer.done(reason)
+
+
+class _Places:
+    """A request's places in the server's waiting queue (one per engine request): each given back when its
+    request's first output comes, the rest when the handler is done with them (`give_back()`), or when this is
+    collected (a stream whose body never started)."""
+
+    def __init__(self, srv: _Server, count: int):
+        self.srv, self.left = srv, count
+        srv.waiting += count
+
+    def give_back(self, count: int | None = None) -> None:
+        n = self.left if count is None else min(count, self.left)
+        self.left -= n
+        self.srv.waiting -= n
+
+    def __del__(self):
+        self.give_back()
 
 
 def create_app(llm: AsyncLLM, served_model_name: str, *, api_key: str | None = None,
@@ -225,6 +272,10 @@ def _errors(app: FastAPI) -> None:
                          "invalid_request_error")
         if err.get("type") == "extra_forbidden":
             return reply(400, f"unknown field {'.'.join(loc)!r}", "invalid_request_error", ".".join(loc))
+        union = _union_forms(e.errors(), loc[:1])
+        if union:  # a value that is none of a union's forms: name them all, not the first tried
+            return reply(400, f"{loc[0]} must be one of: {', '.join(union)}; got {type(err.get('input')).__name__}",
+                         "invalid_request_error", loc[0])
         where = ".".join(loc) or "body"
         return reply(400, f"{where}: {err['msg']}", "invalid_request_error", loc[0] if loc else None)
 
@@ -240,6 +291,19 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal(request, e: Exception):
         return reply(500, f"internal error {type(e).__name__}: {e}", "server_error")
+
+
+def _union_forms(errors: list[dict], field: list[str]) -> list[str]:
+    """The forms a union field takes, as pydantic tags its errors ("prompt.str", "prompt.list[int].0", ...),
+    where every error is about that one field and there are several forms; else []."""
+    forms = []
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if not field or loc[:1] != field or len(loc) < 2:
+            return []
+        forms.append(loc[1])
+    forms = list(dict.fromkeys(forms))
+    return forms if len(forms) > 1 else []
 
 
 def _field_of(message: str) -> str | None:
@@ -280,13 +344,24 @@ class _Gate:
                                                (b"www-authenticate", b"Bearer")]})
                 await send({"type": "http.response.body", "body": body})
                 return
+            size = dict(scope.get("headers") or []).get(b"content-length", b"0")
+            if (int(size) if size.isdigit() else 0) > MAX_BODY_BYTES:
+                body = json.dumps(P.error_body(f"the request body is {int(size):,} bytes, more than the server reads "
+                                               f"({MAX_BODY_BYTES:,}); send fewer or shorter prompts",
+                                               "invalid_request_error", None, "request_too_large")).encode()
+                await send_status({"type": "http.response.start", "status": 413,
+                                   "headers": [(b"content-type", b"application/json"),
+                                               (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
             await self.app(scope, receive, send_status)
         finally:
             self.metrics.requests.labels(endpoint, str(status[0])).inc()
 
     def _authorized(self, scope) -> bool:
         auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-        return auth == f"Bearer {self.api_key}"
+        scheme, _, key = auth.partition(" ")
+        return scheme.lower() == "bearer" and key.strip() == self.api_key  # the scheme is case-insensitive
 
 
 # -- the handlers ---------------------------------------------------------------------------------
@@ -358,9 +433,9 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def _final(srv: _Server, ids: list[int], params: SamplingParams) -> RequestOutput:
+async def _final(srv: _Server, ids: list[int], params: SamplingParams, places: _Places) -> RequestOutput:
     out = None
-    async for out in srv.generate(ids, params):
+    async for out in srv.generate(ids, params, places):
         pass
     return out
 
@@ -373,14 +448,15 @@ def _usage(prompt: int, completion: int) -> P.Usage:
     return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-async def _merged(srv: _Server, jobs: list[tuple[list[int], SamplingParams]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merged(srv: _Server, jobs: list[tuple[list[int], SamplingParams]],
+                  places: _Places) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The outputs of several requests as they come, tagged with the job's index; closing this
     iterator (a client gone) cancels every job, which aborts its request."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, ids, params):
         try:
-            async for out in srv.generate(ids, params):
+            async for out in srv.generate(ids, params, places):
                 queue.put_nowait((i, out))
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which answers with an error event
             queue.put_nowait((i, e))
@@ -401,8 +477,8 @@ async def _merged(srv: _Server, jobs: list[tuple[list[int], SamplingParams]]) ->
 
 
 def _stream_error(e: Exception) -> str:
-    status = 400 if isinstance(e, (RequestError, APIError)) else 500
-    return _sse(P.error_body(str(e), "invalid_request_error" if status == 400 else "server_error", None, status))
+    bad = isinstance(e, (RequestError, APIError))
+    return _sse(P.error_body(str(e), "invalid_request_error" if bad else "server_error", None, None))
 
 
 def _token_texts(srv: _Server, ids: list[int]) -> list[str]:
@@ -441,13 +517,13 @@ async def completions(srv: _Server, req: P.CompletionRequest, request: Request |
     for p in prompts:
         mt = req.max_tokens if req.max_tokens is not None else max(1, srv.max_len - len(p.ids))
         sp = _sampling(srv, req, mt, req.logprobs)
-        srv.check_prompt(p.ids, mt, "prompt")
+        srv.check_prompt(p.ids, req.max_tokens, "prompt")
         if req.echo and not p.text:
             p.text = srv.decode(p.ids)
         if req.echo and want_lp:
             sp.prompt_logprobs = k
         params.append(sp)
-    srv.admit(len(prompts))
+    places = srv.admit(len(prompts))
     n, rid, created = req.n, f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
     def logprobs(p: _Prompt, c, out: RequestOutput | None, ids: list[int], offset: int) -> P.CompletionLogprobs:
@@ -468,7 +544,10 @@ async def completions(srv: _Server, req: P.CompletionRequest, request: Request |
                                     top_logprobs=top, text_offset=offsets)
 
     if not req.stream:
-        outs = await _unless_gone(request, _all(_final(srv, p.ids, sp) for p, sp in zip(prompts, params)))
+        try:
+            outs = await _unless_gone(request, _all(_final(srv, p.ids, sp, places) for p, sp in zip(prompts, params)))
+        finally:
+            places.give_back()
         choices = []
         for i, (p, out) in enumerate(zip(prompts, outs)):
             for c in out.outputs:
@@ -485,7 +564,7 @@ async def completions(srv: _Server, req: P.CompletionRequest, request: Request |
     async def events():
         done, sent, generated = set(), {}, 0
         try:
-            async for i, out in _merged(srv, [(p.ids, sp) for p, sp in zip(prompts, params)]):
+            async for i, out in _merged(srv, [(p.ids, sp) for p, sp in zip(prompts, params)], places):
                 p = prompts[i]
                 for c in out.outputs:
                     key = (i, c.index)
@@ -498,9 +577,9 @@ async def completions(srv: _Server, req: P.CompletionRequest, request: Request |
                     if not (c.delta_text or c.delta_token_ids or c.finish_reason or echo):
                         continue
                     lp = None
-                    if want_lp:
-                        lp = logprobs(p, c, out if echo and req.echo else None, c.delta_token_ids,
-                                      sent[key] - len(c.delta_text) + (len(p.text) if req.echo else 0))
+                    if want_lp:  # offsets into the choice's whole text: the echoed prompt's from 0
+                        lp = logprobs(p, c, out if echo else None, c.delta_token_ids,
+                                      0 if echo else sent[key] - len(c.delta_text) + (len(p.text) if req.echo else 0))
                     if c.finish_reason is not None:
                         done.add(key)
                     yield chunk([P.CompletionChoice(index=i * n + c.index, text=echo + c.delta_text, logprobs=lp,
@@ -510,6 +589,8 @@ async def completions(srv: _Server, req: P.CompletionRequest, request: Request |
         else:
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield chunk([], _usage(sum(len(p.ids) for p in prompts), generated))
+        finally:
+            places.give_back()
         yield _sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream")
@@ -556,17 +637,15 @@ async def chat_completions(srv: _Server, req: P.ChatCompletionRequest, request: 
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     k = req.top_logprobs or 0
-    mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if mt is None:
-        mt = max(1, srv.max_len - len(ids))
+    given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    mt = given if given is not None else max(1, srv.max_len - len(ids))
     params = _sampling(srv, req, mt, k if req.logprobs else None)
-    srv.check_prompt(ids, mt, "messages")
-    srv.admit(1)
+    srv.check_prompt(ids, given, "messages")
+    places = srv.admit(1)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-    def entry(t: int, lp: float) -> dict:
-        text = srv.token_text(t)
-        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode())}
+    def entry(t: int, lp: float) -> dict:  # bytes: the token's own, also where its text alone is not a character
+        return {"token": srv.token_text(t), "logprob": _lp(lp), "bytes": srv.token_bytes(t)}
 
     def logprobs(c, new: list[int]) -> P.ChatLogprobs | None:
         if not req.logprobs:
@@ -578,7 +657,10 @@ async def chat_completions(srv: _Server, req: P.ChatCompletionRequest, request: 
             P.TopLogprob(**entry(a, alp)) for a, alp in top.items()]) for t, lp, top in zip(new, lps, tops)])
 
     if not req.stream:
-        out = await _unless_gone(request, _final(srv, ids, params))
+        try:
+            out = await _unless_gone(request, _final(srv, ids, params, places))
+        finally:
+            places.give_back()
         choices = [P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
                                 logprobs=logprobs(c, c.token_ids), finish_reason=c.finish_reason)
                    for c in out.outputs]
@@ -594,7 +676,7 @@ async def chat_completions(srv: _Server, req: P.ChatCompletionRequest, request: 
         for j in range(req.n):
             yield chunk([P.ChatChunkChoice(index=j, delta=P.DeltaMessage(role="assistant", content=""))])
         try:
-            async for _, out in _merged(srv, [(ids, params)]):
+            async for _, out in _merged(srv, [(ids, params)], places):
                 for c in out.outputs:
                     if c.index in done:
                         continue
@@ -611,6 +693,8 @@ async def chat_completions(srv: _Server, req: P.ChatCompletionRequest, request: 
         else:
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield chunk([], _usage(len(ids), generated))
+        finally:
+            places.give_back()
         yield _sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields are an error, and so are values of the wrong JSON type ("5" or true for an int, "0.5" for a
+    number): a request means what it says, as the Python API's `SamplingParams.validate` takes it."""
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):

@@ -36,6 +36,22 @@ def test_token_ids_outside_the_vocabulary_are_a_request_error(llama_artifact):
     assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids == alone(llama_artifact, [1, 2, 3])
 
 
+def test_prompts_and_params_of_the_wrong_kind_are_type_errors(llama_artifact):
+    """bytes, None and numbers are no prompts; a dict is no SamplingParams: each a TypeError saying what to give,
+    nothing queued. Token ids as a numpy array, and prompts from a generator, are taken."""
+    import numpy as np
+    llm = LLM(llama_artifact, backend="reference", num_blocks=32, block_size=4)
+    for bad, match in ((b"def f():", "bytes: decode"), (None, "NoneType"), (5, "got int")):
+        with pytest.raises(TypeError, match=match):
+            llm.generate(bad, GREEDY)
+    with pytest.raises(TypeError, match=r"SamplingParams\(\*\*params\)"):
+        llm.generate([[1, 2, 3]], {"max_tokens": 3})
+    assert not llm.engine.has_unfinished()
+    want = alone(llama_artifact, [1, 2, 3])
+    assert llm.generate(np.array([1, 2, 3]), GREEDY)[0].token_ids == want
+    assert [o.token_ids for o in llm.generate((p for p in ([1, 2, 3], [1, 2, 3])), GREEDY)] == [want, want]
+
+
 def test_failure_inside_generate_aborts_its_requests_and_engine_stays_usable(llama_artifact):
     """Bug 3: an exception mid-generate (here: the executor, on the 3rd step) returns every block and
     leaves nothing queued; the next generate works."""

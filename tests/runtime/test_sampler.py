@@ -309,3 +309,14 @@ def test_process_matches_a_plain_reference_under_random_combinations():
             assert torch.equal(got[i].isinf(), want.isinf()), (trial, i, s.params)
             finite = ~want.isinf()
             torch.testing.assert_close(got[i][finite], want[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_that_is_no_distribution_fails_alone():
+    # a logits processor's NaN, or every token filtered out, must not fail the draw of the other rows
+    logits = rand_logits(3)
+    logits[1] = float("nan")
+    logits[2] = float("-inf")
+    logits[2, 7] = float("inf")
+    seqs = [seq(temperature=1.0), seq(temperature=1.0), seq(temperature=1.0, seed=3)]
+    out = Sampler()(logits, seqs)
+    assert 0 <= out.token_ids[0] < V and out.token_ids[2] == 7

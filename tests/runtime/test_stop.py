@@ -129,3 +129,25 @@ def test_settled_text_equals_token_by_token_text():
                 settle_text(b, dec, b.num_tokens)
         settle_text(b, dec, b.num_tokens)
         assert b.output_text == a.output_text, (prompt, out)
+
+
+def test_a_finished_sequence_keeps_the_text_of_a_character_cut_off_at_its_end():
+    """While running, a trailing incomplete character waits; once the sequence has finished (length, a stop
+    token) its text is the tokenizer's decode of all its tokens, U+FFFD included. A stop string's cut stays."""
+    from llmc.runtime.sequence import SequenceStatus
+    pieces = {0: b"h", 1: "\u20ac".encode()[:1], 2: "\u20ac".encode()[1:], 3: b"!", 9: b"</s>"}
+    dec = lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")  # noqa: E731
+    check = StopChecker(100, eos_token_id=9, decode=dec)
+    for tail, status, want in (([], SequenceStatus.FINISHED_LENGTH, "!\u20ac!\ufffd"),
+                               ([9], SequenceStatus.FINISHED_STOPPED, "!\u20ac!\ufffd")):
+        s = Sequence("r", [0], SamplingParams())
+        for t in (3, 1, 2, 3, 1, *tail):
+            s.append_token(t)
+            check(s)
+        check.settle(s)
+        assert s.output_text == "!\u20ac!"  # running: the cut character waits
+        s.status = status
+        check.settle(s)
+        assert s.output_text == want and s.output_text == dec(s.output_token_ids[:5])
+        check.settle(s)
+        assert s.output_text == want  # once

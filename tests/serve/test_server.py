@@ -361,6 +361,15 @@ ERRORS = [  # (body or raw bytes, headers, status, param)
     ({"model": "tiny", "prompt": "x", "logprobs": -1}, {}, 400, "logprobs"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, {}, 400, "logit_bias"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}, {}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "repetition_penalty": 1e-40}, {}, 400, "repetition_penalty"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": "5"}, {}, 400, "max_tokens"),  # JSON types are kept
+    ({"model": "tiny", "prompt": "x", "max_tokens": True}, {}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "temperature": "0.5"}, {}, 400, "temperature"),
+    ({"model": "tiny", "prompt": 5}, {}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x", "seed": 2 ** 64}, {}, 400, "seed"),
+    ({"model": "tiny", "prompt": "x", "stop_token_ids": [99999]}, {}, 400, "stop_token_ids"),
+    ({"model": "tiny", "prompt": "def \ud800 f(", "max_tokens": 1}, {}, 400, "prompt"),  # a lone surrogate
+    ({"model": "tiny", "prompt": "x" * 300_000, "max_tokens": 1}, {}, 400, "prompt"),  # refused untokenized
     ({"model": "gpt-4", "prompt": "x"}, {}, 404, "model"),
     ({"model": "tiny", "prompt": "x"}, {"Authorization": "Bearer wrong"}, 401, None),
     ({"model": "tiny", "prompt": "x"}, {"Authorization": ""}, 401, None),
@@ -387,6 +396,56 @@ def test_errors_answer_in_openai_shape_while_others_stream(server):
     want = c.completions.create(model="tiny", prompt=PROMPTS[5], max_tokens=40, temperature=0,
                                 extra_body={"ignore_eos": True})
     assert text == want.choices[0].text
+
+
+def test_a_tiny_temperature_is_greedy_and_fails_no_other_request(server):
+    """1e-40 would overflow fp32 logits divided by it: it is greedy (as vLLM takes it), and the request beside
+    it runs on."""
+    c = server.client()
+    kw = dict(model="tiny", prompt=PROMPTS[1], max_tokens=12, extra_body={"ignore_eos": True})
+    other = c.completions.create(stream=True, temperature=0.8, seed=1, **kw)
+    head = next(iter(other))
+    tiny = c.completions.create(temperature=1e-40, **kw)
+    assert tiny.choices[0].text == c.completions.create(temperature=0, **kw).choices[0].text
+    rest = list(other)
+    assert rest[-1].choices[0].finish_reason == "length" and head.choices[0].text is not None
+
+
+def test_a_token_that_is_part_of_a_character(server):
+    """Token 159 of tiny-py's byte-level vocabulary is the byte 0xE2 (the first of "€"): a chat logprob's
+    `bytes` are that byte, and a completion that ends on it keeps its text as the tokenizer decodes it."""
+    c = server.client()
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                     logprobs=True, logit_bias={"159": 100})
+    assert chat.choices[0].logprobs.content[0].bytes == [0xE2]
+    r = c.completions.create(model="tiny", prompt="x = ", max_tokens=1, logit_bias={"159": 100})
+    assert r.choices[0].text == "\ufffd" and r.choices[0].finish_reason == "length"
+
+
+def test_streamed_echo_offsets_equal_the_whole_answers(server):
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 5, "temperature": 0, "logprobs": 1, "echo": True}
+    whole = server.client().completions.create(**body).choices[0].logprobs
+    offsets, tokens = [], []
+    for ch in server.client().completions.create(stream=True, **body):
+        for c in ch.choices:
+            if c.logprobs is not None:
+                offsets += c.logprobs.text_offset
+                tokens += c.logprobs.tokens
+    assert tokens == whole.tokens and offsets == whole.text_offset and offsets[0] == 0
+
+
+def test_key_scheme_any_case_and_a_body_too_large(server):
+    for scheme in ("bearer", "BEARER"):
+        code, _, _ = http("GET", server.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+        assert code == 200, scheme
+    # a body announced over the limit is refused before it is read
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                     b"\r\nContent-Type: application/json\r\nContent-Length: 999999999999\r\n\r\n{")
+        reply = b""
+        while b"request_too_large" not in reply and (part := sock.recv(65536)):
+            reply += part
+    assert reply.startswith(b"HTTP/1.1 413") and b"request_too_large" in reply
 
 
 def test_metrics_count_the_requests_made(server):
@@ -425,6 +484,21 @@ def test_queue_full_no_template_and_graceful_sigterm(artifact):
         with pytest.raises(openai.BadRequestError, match="--chat-template"):
             c.chat.completions.create(model="tiny-py", messages=[{"role": "user", "content": "x"}])
         kw = dict(model="tiny-py", max_tokens=60, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        occupant = c.completions.create(prompt=PROMPTS[0], **kw)
+        next(iter(occupant))  # running: it holds the one sequence slot
+
+        async def burst():  # requests that arrive together see each other's places: of six, two fit the queue
+            async with s.async_client() as ac:
+                async def one(p):
+                    try:
+                        await ac.completions.create(model="tiny-py", prompt=p, max_tokens=2, timeout=120)
+                        return 200
+                    except openai.APIStatusError as e:
+                        return e.status_code
+                return await asyncio.gather(*(one(p) for p in PROMPTS[2:8]))
+        codes = asyncio.run(burst())
+        assert sorted(codes) == [200, 200, 503, 503, 503, 503], codes
+        list(occupant)
         first = c.completions.create(prompt=PROMPTS[0], **kw)
         head = next(iter(first))  # running: it holds the one sequence slot
         queued = [c.completions.create(prompt=p, **kw) for p in PROMPTS[1:3]]  # waiting for that slot
@@ -440,3 +514,16 @@ def test_queue_full_no_template_and_graceful_sigterm(artifact):
         assert s.proc.wait(30) == 0
     finally:
         s.stop()
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(artifact):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        r = subprocess.run([sys.executable, "-m", "llmc.cli", "serve", str(artifact), "--port", str(port),
+                            "--device", "cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], r.stderr
