@@ -146,8 +146,8 @@ class Sampler:
     def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Greedy rows' argmax; a seeded row drawn with its own generator; the other sampled rows in one
         `torch.multinomial` call (on a GPU: one launch and no wait per row)."""
-        tokens = logits.argmax(dim=-1)  # [N]; first maximum = lowest id on ties
-        probs = _drawable(torch.softmax(logits, dim=-1), tokens)
+        top, tokens = logits.max(dim=-1)  # [N]; first maximum = lowest id on ties
+        probs = _drawable(torch.softmax(logits, dim=-1), top, tokens)
         free = [i for i, seq in enumerate(seqs) if not seq.params.greedy and seq.generator is None]
         if free:
             rows = to_device(free, logits.device, torch.int64)
@@ -158,13 +158,13 @@ class Sampler:
         return tokens
 
 
-def _drawable(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """`probs` with any row that is no distribution (NaN or inf in it, or nothing left: a logits processor's
-    NaN, every token filtered out) replaced by all its mass on the row's argmax (`tokens`), so that one such row
-    cannot fail the draw of the whole batch. Nothing waits for the device."""
-    probs = torch.nan_to_num(probs, nan=0.0, posinf=0.0, neginf=0.0)
-    dead = (probs.sum(dim=-1, keepdim=True) <= 0).to(probs.dtype)
-    return probs.scatter_add_(1, tokens[:, None], dead)
+def _drawable(probs: torch.Tensor, top: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`probs` with each row that is no distribution replaced by all its mass on the row's argmax (`tokens`): a row
+    whose largest logit (`top`) is NaN or +inf (a logits processor's NaN, an inf that softmax turns into NaN) or
+    -inf (every token filtered out). One such row then cannot fail the whole batch's draw (on a GPU, a device
+    assert). Nothing waits for the device."""
+    bad = ~torch.isfinite(top)[:, None]
+    return probs.masked_fill_(bad, 0.0).scatter_add_(1, tokens[:, None], bad.to(probs.dtype))
 
 
 def target_logprobs(logits: torch.Tensor, targets: list[int], num_top: int = 0
