@@ -53,6 +53,10 @@ def load_plugins(files, option: str = "--plugin") -> None:
         sys.modules[name] = module  # dataclasses look their module up while the file runs
         try:
             spec.loader.exec_module(module)
+        except SystemExit as e:  # a script's exit, not this process's
+            del sys.modules[name]
+            raise LLMCError(f"{option} {f}: importing it called sys.exit({e.code!r}); a plugin registers ops and "
+                            "passes, and must not exit") from None
         except Exception as e:
             del sys.modules[name]
             raise LLMCError(f"{option} {f}: importing it failed: {type(e).__name__}: {e}") from e

@@ -37,6 +37,27 @@ def test_compile_output_checked_before_capture(llama_dir, tmp_path, no_capture):
     assert_clean_error(*cli("compile", llama_dir, "-o", f / "sub" / "o.llmc"), "file.llmc is a file, not a directory")
 
 
+def test_compile_options_that_cannot_apply_are_refused_before_capture(llama_dir, tmp_path, no_capture):
+    """-o naming no file, a --dump-ir that cannot be a directory, quantization options without --quant and
+    --pass-before without --pass: one line each, nothing written."""
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "o.llmc"
+    for args, needle in ((("-o", "."), "names no file"),
+                         (("-o", out, "--dump-ir", tmp_path / "afile"), "cannot write the IR to --dump-ir"),
+                         (("-o", out, "--dump-ir", tmp_path / "afile" / "sub"), "Not a directory"),
+                         (("-o", out, "--wbits", "8"), "--wbits goes with --quant METHOD"),
+                         (("-o", out, "--group-size", "64", "--calib", "x.txt"), "--group-size, --calib go with --quant"),
+                         (("-o", out, "--pass-before", "dead_code"), "give --pass SPEC too")):
+        assert_clean_error(*cli("compile", llama_dir, *args), needle)
+    assert not out.exists()
+
+
+def test_a_plugin_that_exits_is_an_error_not_an_exit(llama_artifact, tmp_path):
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\nsys.exit(3)\n")
+    assert_clean_error(*cli("inspect", llama_artifact.path, "--plugin", exits), "exits.py", "sys.exit(3)")
+
+
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only directories")
 def test_compile_output_unwritable(llama_dir, tmp_path, no_capture):
     ro = tmp_path / "ro"

@@ -34,6 +34,10 @@ def run_json(art, *args):
     (["--block-size", 3, "--backend", "triton-interpret"], "--block-size must be a power of two"),
     (["--device", "tpu"], "--device 'tpu' is not a device"),
     (["--repetition-penalty", 0], "--repetition-penalty must be from 0.001 to 1000"),
+    (["--temperature", "inf"], "--temperature must be a finite number"),
+    (["--seed", 2 ** 64], "--seed must be an int from -2**63 to 2**64 - 1"),
+    (["--spec-tokens", 4], "give --spec too"),
+    (["--num-blocks", 10 ** 12], "lower --num-blocks or --block-size"),
 ])
 def test_engine_options_are_checked_in_their_cli_names(art, args, needle):
     assert_clean_error(*cli("run", art, "--prompt", PROMPT, *args), needle)

@@ -30,7 +30,7 @@ class _Group(click.Group):
         except Exception as e:  # a bug in llmc: still no traceback by default, but say how to get one
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            click.echo(f"error: internal error {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+            click.echo(f"error: internal error {type(e).__name__}: {e} (rerun as `llmc --debug ...` for the traceback)",
                        err=True)
             sys.exit(2)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -80,11 +81,25 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
     from llmc.passes.manager import parse_pass_spec
     from llmc.passes.quantize.config import QuantConfig
     options.load_plugins(plugins)
+    if Path(output).name in ("", ".", ".."):
+        raise LLMCError(f"-o names the artifact to write, e.g. -o model.llmc; {output!r} names no file")
+    if dump_ir is not None:
+        try:
+            Path(dump_ir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise LLMCError(f"cannot write the IR to --dump-ir {dump_ir}: {e.strerror or e}; give a directory that "
+                            "can be created") from None
     if check_ort and not is_onnx(model):
         raise LLMCError("--check-ort compares with onnxruntime and needs an ONNX model (MODEL.onnx)")
     extra = [parse_pass_spec(s) for s in passes]
-    if (quant_lm_head or quant_embeddings) and not quant:
-        raise LLMCError("--quant-lm-head and --quant-embeddings go with --quant METHOD (e.g. --quant rtn)")
+    if not quant:
+        given = options.given_on_command_line("quant_lm_head", "quant_embeddings", "wbits", "group_size", "zero_point",
+                                               "calib", "calib_samples", "bits_budget", "act_order")
+        if given:
+            raise LLMCError(f"{', '.join(given)} go{'es' if len(given) == 1 else ''} with --quant METHOD (e.g. --quant "
+                            "rtn); without it nothing is quantized")
+    if (pass_before or pass_after) and not passes:
+        raise LLMCError("--pass-before and --pass-after place the passes given with --pass; give --pass SPEC too")
     qcfg = QuantConfig(quant, int(wbits), group_size, zero_point, calib, calib_samples, bits_budget=bits_budget,
                        act_order=act_order, skip=() if quant_lm_head else ("lm_head",),
                        embeddings=quant_embeddings) if quant else None

@@ -129,8 +129,8 @@ def engine_options(seqs_help: str = "Sequences batched per step.", speculative: 
 
 
 def parallel_options(f):
-    """--tensor-parallel-size / --pipeline-parallel-size / --expert-parallel (docs/distributed.md), for `run`
-    and `serve`."""
+    """--tensor-parallel-size / --pipeline-parallel-size / --expert-parallel (docs/distributed.md), for `run`,
+    `serve` and `bench`."""
     f = click.option("--expert-parallel", "expert_parallel", is_flag=True, help="Spread a mixture-of-experts "
                      "model's experts over the tensor-parallel ranks, whole experts per rank (with -tp N >= 2; "
                      "without it each expert is split over the ranks).")(f)
@@ -142,6 +142,16 @@ def parallel_options(f):
                         "GPU each, NCCL; without GPUs the reference backend over gloo).")(f)
 
 
+def given_on_command_line(*names: str) -> list[str]:
+    """Of the current command's parameters `names`, the ones the user typed, as their options (--wbits)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return []
+    params = {p.name: p for p in ctx.command.params}
+    return [params[n].opts[0] for n in names
+            if n in params and ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+
+
 def speculative_config(method: str | None, draft: str | None, tokens: str, bundled: Path | None = None) -> dict | None:
     """The `speculative` option of LLM from --spec / --draft / --spec-tokens (`bundled`: the target's own
     draft, from `llmc compile --draft`, used when --draft is not given)."""
@@ -149,6 +159,8 @@ def speculative_config(method: str | None, draft: str | None, tokens: str, bundl
     if method == "off":
         if draft:
             raise RequestError("--draft is given but --spec is off; drop one of them")
+        if given_on_command_line("spec_tokens"):
+            raise RequestError("--spec-tokens sizes the proposals of --spec ngram|draft|multi; give --spec too")
         return None
     draft = draft or (str(bundled) if bundled is not None and method in ("draft", "multi") else None)
     if method in ("draft", "multi") and not draft:

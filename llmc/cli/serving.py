@@ -185,10 +185,12 @@ def bench():
                    "later first tokens for short requests); default: in the workload's order, as a server takes "
                    "requests that arrive together.")
 @options.engine_options()
+@options.parallel_options
 @options.plugin_option
 def bench_artifact(artifact, workload, num_requests, seed, as_json, longest_first, backend, device, max_num_seqs,
                    max_num_batched_tokens, max_prefill_tokens, block_size, num_blocks, kv_cache_dtype, spec_method,
-                   draft_path, spec_tokens, multi_step, overlap, warm_up, plugins):
+                   draft_path, spec_tokens, multi_step, overlap, warm_up, tensor_parallel_size, pipeline_parallel_size,
+                   expert_parallel, plugins):
     """Benchmark ARTIFACT offline through llmc.LLM: output tokens per second, time to first token and
     inter-token latency (p50/p99, from the streamed outputs of every request), and on CUDA the fraction
     of the time the GPU spends in the model's steps.
@@ -217,7 +219,9 @@ def bench_artifact(artifact, workload, num_requests, seed, as_json, longest_firs
                         progress=sys.stderr.isatty(), longest_first=longest_first, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, max_prefill_tokens=max_prefill_tokens,
                         block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype, backend=backend,
-                        device=device, multi_step=multi_step, overlap=overlap, warm_up=warm_up)
+                        device=device, multi_step=multi_step, overlap=overlap, warm_up=warm_up,
+                        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                        expert_parallel=expert_parallel)
     click.echo(json.dumps(res) if as_json else offline.format_report(res))
 
 

@@ -164,6 +164,8 @@ def make_executor(graph: Graph, backend: str = "auto", device: str | None = None
     backend = select_backend(backend, device)
     dev = torch.device("cuda" if backend == "cuda" and (device is None or torch.device(device).type != "cuda")
                        else "cpu" if backend == "triton-interpret" else device or "cpu")
+    if dev.type == "cpu":  # "cpu:0" is the CPU, but compares unequal to "cpu": tensors .to() it would be copies
+        dev = torch.device("cpu")
     graph = with_kv_cache_dtype(graph, kv_cache_dtype, dev)
     cache = KVCache(graph, dev, block_size, num_blocks, memory_fraction, num_cpu_blocks)
     max_len = max_model_len or int(graph.meta.get("max_position_embeddings") or 4096)

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from llmc.errors import LLMCError
+from llmc.errors import LLMCError, RequestError
 from llmc.ir.graph import Graph
 from llmc.ir.kv_layout import kv_cache_inputs, set_kv_cache_dtype
 from llmc.ir.paged_attention import scale_width
@@ -97,6 +97,10 @@ class KVCache:
             num_blocks = max(16, budget // per_block)
         self.num_blocks, self.num_cpu_blocks = int(num_blocks), num_cpu_blocks
         self.bytes = per_block * self.num_blocks
+        _check_fits(self.bytes, device, f"a KV cache of {self.num_blocks:,} blocks of {block_size} tokens",
+                    "lower --num-blocks or --block-size, or leave --num-blocks out to size it from free memory")
+        _check_fits(per_block * num_cpu_blocks, torch.device("cpu"), f"{num_cpu_blocks:,} host blocks for swapping",
+                    "lower num_cpu_blocks")
         self.tensors = {name: self._zeros(_with_blocks(shape, dim, self.num_blocks), dt, device)
                         for name, (shape, dt, dim) in shapes.items()}
         self.host = {name: self._zeros(_with_blocks(shape, dim, num_cpu_blocks), dt, torch.device("cpu"),
@@ -154,3 +158,26 @@ def _with_blocks(shape: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
 def _by_block(t: torch.Tensor) -> torch.Tensor:
     """A view with blocks on dim 1: caches [2, NB, ...] as they are, scales [NB, ...] as [1, NB, ...]."""
     return t if t.dim() == 5 else t.unsqueeze(0)
+
+
+def _check_fits(nbytes: int, device: torch.device, what: str, fix: str) -> None:
+    """RequestError where `nbytes` are more than `device` has free (the CPU: the memory the OS reports available),
+    before anything is allocated: an allocation past it fails deep in torch, or the OS kills the process."""
+    if not nbytes:
+        return
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _available_host_bytes()
+    if free is not None and nbytes > free:
+        raise RequestError(f"{what} takes {nbytes / 2 ** 30:,.1f} GiB and the {device.type.upper()} has "
+                           f"{free / 2 ** 30:,.1f} GiB free; {fix}")
+
+
+def _available_host_bytes() -> int | None:
+    """The memory Linux reports available (MemAvailable: free plus what it can reclaim), else None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

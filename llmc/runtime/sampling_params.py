@@ -8,6 +8,7 @@ ever reaches the sampler (which would otherwise fail deep inside a torch call).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -251,5 +252,5 @@ def _int(value: object, name: str) -> None:
 
 
 def _real(value: object, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, Real) or value != value:
-        raise RequestError(f"{name} must be a number, got {value!r}.")
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value!r}.")

@@ -52,6 +52,14 @@ def test_prompts_and_params_of_the_wrong_kind_are_type_errors(llama_artifact):
     assert [o.token_ids for o in llm.generate((p for p in ([1, 2, 3], [1, 2, 3])), GREEDY)] == [want, want]
 
 
+def test_cpu_with_an_index_is_the_cpu(llama_artifact):
+    """torch.device("cpu:0") is the CPU but compares unequal to "cpu": the KV cache must not be copied away from
+    the writes of a step by a `.to(device)` (the tokens then parted from the plain CPU's after the prompt)."""
+    want = alone(llama_artifact, [1, 2, 3])
+    llm = LLM(llama_artifact, backend="reference", device="cpu:0", num_blocks=64, block_size=4)
+    assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids == want
+
+
 def test_failure_inside_generate_aborts_its_requests_and_engine_stays_usable(llama_artifact):
     """Bug 3: an exception mid-generate (here: the executor, on the 3rd step) returns every block and
     leaves nothing queued; the next generate works."""

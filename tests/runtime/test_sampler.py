@@ -193,7 +193,7 @@ def test_logit_bias_is_added_first_and_decides_greedy_and_draws():
 
 @pytest.mark.parametrize("bias, msg", [
     ([1, 2], "logit_bias must map token ids"), ({-1: 1.0}, "keys must be token ids"), ({"x": 1.0}, "keys must be"),
-    ({3: 101.0}, r"logit_bias\[3\] must be from -100 to 100"), ({3: float("nan")}, r"logit_bias\[3\] must be a number"),
+    ({3: 101.0}, r"logit_bias\[3\] must be from -100 to 100"), ({3: float("nan")}, r"logit_bias\[3\] must be a finite number"),
 ])
 def test_logit_bias_errors(bias, msg):
     from llmc.errors import RequestError
