@@ -116,7 +116,9 @@ def _check_tokens(items: list[_Prompt], params: list, art) -> None:
 @click.option("--top-k", default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
 @click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass, in (0, 1].")
 @click.option("--min-p", default=0.0, show_default=True, help="Drop tokens below min_p x the top probability.")
-@click.option("--repetition-penalty", default=1.0, show_default=True)
+@click.option("--repetition-penalty", default=1.0, show_default=True, metavar="R",
+              help="Divide the positive logits (multiply the negative) of tokens already in the prompt or output by R "
+                   "(Hugging Face's rule; 1.0 is off, from 0.001 to 1000).")
 @click.option("--seed", default=None, type=int, help="Seed for reproducible sampling.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--json", "as_json", is_flag=True,
