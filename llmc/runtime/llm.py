@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import operator
-
 import weakref
 from collections.abc import Iterator
 from pathlib import Path

@@ -234,7 +234,7 @@ class Scheduler:
             raise RequestError(
                 f"the request needs up to {self.bm.blocks_for(longest)} KV blocks "
                 f"({longest} tokens) but the cache has only {self.bm.num_blocks}; shorten the "
-                "prompt or max_tokens, or give the engine more KV-cache memory."
+                "prompt or max_tokens, or give the engine more KV-cache blocks (num_blocks; --num-blocks)."
             )
         if params.n > cfg.max_num_seqs:
             raise RequestError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}.")
