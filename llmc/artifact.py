@@ -34,6 +34,8 @@ FORMAT_VERSION = 3
 READ_VERSIONS = (2, 3)
 DRAFT_DIR = "draft.llmc"  # a draft model's artifact, bundled inside its target's
 MANIFEST = "manifest.json"
+# the files without one of which a model directory has no tokenizer (generation_config.json alone is none)
+TOKENIZER_CORE = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -269,7 +271,7 @@ class Artifact:
     def tokenizer_dir(self) -> Path | None:
         """The copied tokenizer files, or None when the source model had no tokenizer."""
         d = self.path / "tokenizer"
-        found = any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+        found = any((d / f).is_file() for f in TOKENIZER_CORE)
         return d if found else None
 
     def tokenizer(self):

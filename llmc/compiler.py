@@ -19,7 +19,7 @@ from llmc.errors import CompileError
 from llmc.ir.graph import Graph
 from llmc.ir.ops import FLOAT_LINEARS, linear_weight_inputs
 from llmc.passes.manager import Pass, PassContext, PassManager
-from llmc.artifact import MANIFEST, Artifact, ArtifactWriter
+from llmc.artifact import MANIFEST, TOKENIZER_CORE, Artifact, ArtifactWriter
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         bar.phase("passes")
         bar.step(f"running {len(plist)} passes")
         ctx = PassContext(options=dict(options), state={"status": bar.step})
-        if tok_files:
+        if any(f.name in TOKENIZER_CORE for f in tok_files):  # generation_config.json alone is no tokenizer
             ctx.state["tokenizer_dir"] = str(tok_files[0].parent)
         graph = PassManager(plist, verify=verify, dump_dir=dump_ir,
                             progress=lambda p: bar.step(f"pass {p.name}")).run(graph, ctx)

@@ -74,8 +74,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     try:
         with _quiet_transformers():
             if "quantization_config" not in cfg:
-                model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn,
-                                                                          local_files_only=True)
+                model, info = transformers.AutoModelForCausalLM.from_pretrained(
+                    path, dtype=dtype, attn_implementation=attn, local_files_only=True, output_loading_info=True)
+                _check_loaded(path, model, info)
             else:
                 checkpoint = checkpoint or read_prequantized(path, cfg["quantization_config"])
                 config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
@@ -83,13 +84,30 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                 model, info = getattr(transformers, cfg["architectures"][0]).from_pretrained(
                     None, config=config, state_dict=checkpoint.dense_state_dict(dtype), dtype=dtype,
                     attn_implementation=attn, output_loading_info=True)
-                if info["missing_keys"]:
-                    raise CompileError(f"{path}: the checkpoint has no {sorted(info['missing_keys'])[0]}")
+                _check_loaded(path, model, info)
     except CompileError:
         raise
     except Exception as e:
         raise CompileError(f"could not load the model in {path}: {str(e).splitlines()[0][:400]}") from e
     return model.eval()
+
+
+def _check_loaded(path: Path, model, info: dict) -> None:
+    """CompileError where the checkpoint lacks a weight of the model (transformers would leave it at its random
+    initialization) or holds a tensor of the wrong shape; a weight tied to another (the LM head to the embedding
+    table) is not missing."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = set(info.get("missing_keys") or ())
+    loaded = {p.data_ptr() for name, p in params.items() if name not in missing}
+    absent = sorted(k for k in missing if k not in params or params[k].data_ptr() not in loaded)
+    if absent:
+        more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+        raise CompileError(f"{path}: the checkpoint has no {absent[0]}{more}; it is incomplete or not this "
+                           "model's config")
+    bad = info.get("mismatched_keys") or []
+    if bad:
+        raise CompileError(f"{path}: the checkpoint's {bad[0][0] if isinstance(bad[0], tuple) else bad[0]} has "
+                           "another shape than the config gives it")
 
 
 def _capture_layers_once(model, example, dyn, name: str, status=lambda msg: None) -> Graph | None:

@@ -101,6 +101,8 @@ class PassManager:
         ctx = ctx or PassContext()
         if self.dump_dir:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
+            for old in self.dump_dir.glob("[0-9][0-9]-*.ir"):  # an earlier compile's dump: not this one's passes
+                old.unlink()
             (self.dump_dir / "00-input.ir").write_text(str(graph))
         for i, p in enumerate(self.passes, 1):
             if self.progress:
@@ -128,6 +130,12 @@ class PassManager:
                  "ms": round((time.perf_counter() - t0) * 1e3, 2)})
             if self.dump_dir:
                 (self.dump_dir / f"{i:02d}-{p.name}.ir").write_text(str(graph))
+        if not self.verify and self.passes:  # checked once at least: an invalid graph must not be written
+            try:
+                verify(graph)
+            except IRError as e:
+                raise CompileError(f"the passes left the graph invalid: {e} (--verify checks after every pass "
+                                   "and names the pass)") from None
         return graph
 
 
@@ -192,6 +200,9 @@ def load_pass_class(target: str) -> type[Pass]:
         sys.modules[mod_name] = module
         try:
             spec.loader.exec_module(module)
+        except SystemExit as e:  # the file's exit, not this process's
+            raise CompileError(f"importing pass file {path} called sys.exit({e.code!r}); a pass file defines "
+                               "passes and must not exit") from None
         except Exception as e:
             raise CompileError(f"importing pass file {path} failed: {type(e).__name__}: {e}") from e
     else:

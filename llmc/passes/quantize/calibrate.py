@@ -60,8 +60,10 @@ def calibration_windows(ctx: PassContext, cfg: QuantConfig) -> list[list[int]]:
     if tok_dir is None:
         raise CompileError("calibration needs the model's tokenizer: compile a Hugging Face directory (with its "
                            "tokenizer files), or quantize with --quant rtn or fp8, which need no calibration")
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    from llmc.tokenizer import load_tokenizer
+    tok = load_tokenizer(tok_dir)
+    if hasattr(tok, "model_max_length"):  # the text is cut into windows here: no "longer than the maximum" warning
+        tok.model_max_length = 1 << 62
     if cfg.calib == "builtin:heldout":
         from llmc.models import heldout_text_path
         text = heldout_text_path().read_text()
