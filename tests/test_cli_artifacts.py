@@ -47,7 +47,10 @@ def test_compile_options_that_cannot_apply_are_refused_before_capture(llama_dir,
                          (("-o", out, "--dump-ir", tmp_path / "afile" / "sub"), "Not a directory"),
                          (("-o", out, "--wbits", "8"), "--wbits goes with --quant METHOD"),
                          (("-o", out, "--group-size", "64", "--calib", "x.txt"), "--group-size, --calib go with --quant"),
-                         (("-o", out, "--pass-before", "dead_code"), "give --pass SPEC too")):
+                         (("-o", out, "--pass-before", "dead_code"), "give --pass SPEC too"),
+                         (("-o", out, "--quant", "fp8", "--wbits", "4"), "--quant fp8 does not use --wbits"),
+                         (("-o", out, "--quant", "rtn", "--bits-budget", "6", "--act-order"),
+                          "--quant rtn does not use --bits-budget, --act-order")):
         assert_clean_error(*cli("compile", llama_dir, *args), needle)
     assert not out.exists()
 

@@ -98,6 +98,8 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
         if given:
             raise LLMCError(f"{', '.join(given)} go{'es' if len(given) == 1 else ''} with --quant METHOD (e.g. --quant "
                             "rtn); without it nothing is quantized")
+    else:
+        _check_quant_options(quant)
     if (pass_before or pass_after) and not passes:
         raise LLMCError("--pass-before and --pass-after place the passes given with --pass; give --pass SPEC too")
     qcfg = QuantConfig(quant, int(wbits), group_size, zero_point, calib, calib_samples, bits_budget=bits_budget,
@@ -108,6 +110,8 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
                        progress=sys.stderr.isatty(), fuse=not no_fuse, tune=tune, batch_invariant=batch_invariant,
                        tuning_cache=tuning_cache, quant=qcfg, draft=draft_model, tokenizer=tokenizer)
     s = art.summary()
+    for line in dict.fromkeys(art.compile_log.log if art.compile_log else ()):  # what a pass did not do, and why
+        click.echo(f"note: {line}", err=True)
     if explain_fusion:
         reasons = art.compile_log.explain if art.compile_log else []
         for r in reasons:
@@ -208,3 +212,18 @@ def _echo_quant_plan(plan: dict | None, per_linear: bool) -> None:
         click.echo(f"  {name:40s} {label[name]:18s} {e['bits']:7.3f}  {e['note']}" + (f"  [{errs}]" if errs else ""))
     for name, e in tables.items():
         click.echo(f"  {name:40s} {e['format']:18s} {e['bits']:7.3f}  embedding table")
+
+
+# the options each --quant method reads (the others would be silently ignored)
+QUANT_OPTIONS = {"wbits": ("rtn", "gptq", "awq"), "group_size": ("rtn", "gptq", "awq"),
+                 "zero_point": ("rtn", "gptq", "awq"), "calib": ("gptq", "awq", "smoothquant", "mixed"),
+                 "calib_samples": ("gptq", "awq", "smoothquant", "mixed"), "bits_budget": ("mixed",),
+                 "act_order": ("gptq",)}
+
+
+def _check_quant_options(method: str) -> None:
+    """LLMCError naming the options given on the command line that `method` does not read."""
+    unread = options.given_on_command_line(*(n for n, methods in QUANT_OPTIONS.items() if method not in methods))
+    if unread:
+        raise LLMCError(f"--quant {method} does not use {', '.join(unread)}; drop {'it' if len(unread) == 1 else 'them'}, "
+                        "or pick a method that does (llmc compile --help)")

@@ -87,6 +87,13 @@ def test_cli_flags(llama_dir, tmp_path):
     assert res.exit_code == 0 and "model.embed_tokens" in res.output and "int8 rows" in res.output, res.output
 
 
+def test_a_tied_table_kept_is_said_at_the_command_line(model_root, tmp_path):
+    qwen = make_model_dir(model_root, "qwen2")  # tied embeddings: without --quant-lm-head the table stays
+    res = CliRunner().invoke(main, ["compile", str(qwen), "-o", str(tmp_path / "t.llmc"), "--quant", "rtn",
+                                    "--quant-embeddings", "int8"])
+    assert res.exit_code == 0 and "note: quantize_embeddings:" in res.output, res.output
+
+
 def test_bad_embeddings_option(llama_dir, tmp_path):
     with pytest.raises(llmc.errors.CompileError, match="int8"):
         llmc.compile(llama_dir, tmp_path / "z.llmc", quant={"method": "rtn", "embeddings": "int4"})
