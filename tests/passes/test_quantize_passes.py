@@ -184,3 +184,13 @@ def test_cli_compile_quant_and_inspect_plan(llama_dir, tmp_path):
     r = CliRunner().invoke(main, ["compile", str(llama_dir), "-o", str(tmp_path / "d.llmc"), "--quant", "gptq",
                                   "--calib", str(tmp_path / "nope.txt")])
     assert r.exit_code != 0 and "no such file" in r.output and "Traceback" not in r.output
+
+
+def test_a_budget_below_int4_and_more_windows_than_the_text_are_noted(llama_dir, tmp_path):
+    """--bits-budget 4 cannot be met (int4 g128 costs its scales too): the cheapest plan is used and said so;
+    --calib-samples past what the text holds side by side are cut to that, and said so."""
+    art = llmc.compile(llama_dir, tmp_path / "m.llmc", quant={"method": "mixed", "bits_budget": 4.0,
+                                                             "calib_samples": 100_000, "calib_len": 64})
+    notes = "\n".join(art.compile_log.log)
+    assert "below the cheapest plan's" in notes and "are used" in notes, notes
+    assert art.graph.meta["quant_plan"]["avg_bits"] > 4.0

@@ -77,6 +77,10 @@ def calibration_windows(ctx: PassContext, cfg: QuantConfig) -> list[list[int]]:
     n, length = cfg.calib_samples, cfg.calib_len
     if len(ids) < length:
         raise CompileError(f"--calib {cfg.calib}: {len(ids)} tokens, fewer than one calibration window of {length}")
+    if n > len(ids) // length:  # more windows than the text holds side by side: they would mostly repeat it
+        ctx.note(f"calibrate: --calib-samples {n} asks for more windows of {length} tokens than the {len(ids):,} "
+                 f"tokens of the calibration text hold without overlapping; {len(ids) // length} are used")
+        n = len(ids) // length
     step = max(1, (len(ids) - length) // max(1, n - 1)) if n > 1 else 1
     return [ids[i * step:i * step + length] for i in range(n) if i * step + length <= len(ids)]
 

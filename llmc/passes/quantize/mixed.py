@@ -92,6 +92,15 @@ class MixedPrecision(QuantizePass):
             measured.append(options)
             units.append({"params": params, "bits": bits, "error": [o[2] for o in options]})
         pick = choose(units, self.config.bits_budget)
+        total = sum(u["params"] for u in units)
+        floor, top = (sum(u["bits"][k] * u["params"] for u in units) / total for k in (0, -1))
+        budget = self.config.bits_budget
+        if budget < floor:
+            ctx.note(f"{self.name}: --bits-budget {budget:g} is below the cheapest plan's {floor:.3f} bits per weight "
+                     "(int4 g128 everywhere, its scales included); that plan is used")
+        elif budget >= top:
+            ctx.note(f"{self.name}: --bits-budget {budget:g} affords the model dtype's {top:.3f} bits per weight: "
+                     "every linear stays unquantized")
         done = 0
         for items, options, j in zip(groups.values(), measured, pick):
             _, qws, _ = options[j]
