@@ -168,10 +168,28 @@ def parse_pass_spec(spec: str) -> Pass:
     bad = set(opts) - names
     if bad:
         raise CompileError(f"pass {cls.name!r} has no option(s) {sorted(bad)}; its options: {sorted(names) or 'none'}")
+    for f in dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ():
+        if f.name in opts and not _fits_default(opts[f.name], f.default):
+            raise CompileError(f"pass {cls.name!r}: {f.name} takes {type(f.default).__name__} values like "
+                               f"{f.default!r}, got {opts[f.name]!r}")
     try:
         return cls(**opts)
     except TypeError as e:
         raise CompileError(f"cannot construct pass {cls.name!r} with {opts}: {e}") from None
+
+
+def _fits_default(value: Any, default: Any) -> bool:
+    """Whether an option's value is of its default's kind (bool, int, float: an int too, str); options whose
+    default is none of these (None, a config object, no default) take anything."""
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, str):
+        return isinstance(value, str)
+    return True
 
 
 def _parse_opts(text: str, spec: str) -> dict[str, Any]:

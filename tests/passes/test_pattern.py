@@ -161,6 +161,9 @@ def test_pipeline_insertion_and_specs(tmp_path):
     assert p.max_ops == 3
     with pytest.raises(CompileError, match="no option"):
         parse_pass_spec("fuse_elementwise{size=3}")
+    for bad in ("max_ops=abc", "max_ops=2.5", "max_ops=true"):  # an option takes its default's kind of value
+        with pytest.raises(CompileError, match="max_ops takes int values"):
+            parse_pass_spec(f"fuse_elementwise{{{bad}}}")
     with pytest.raises(CompileError, match="unknown pass"):
         parse_pass_spec("nonesuch")
     with pytest.raises(CompileError, match="no pass named"):
