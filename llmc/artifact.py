@@ -272,6 +272,11 @@ class Artifact:
         """The copied tokenizer files, or None when the source model had no tokenizer."""
         d = self.path / "tokenizer"
         found = any((d / f).is_file() for f in TOKENIZER_CORE)
+        if not found:
+            listed = [f for f in (self.manifest.get("files") or {}) if f.startswith("tokenizer/")]
+            lost = next((f for f in listed if not (self.path / f).is_file()), None)
+            if lost is not None:  # written with a tokenizer that is gone since: a damaged artifact, not a bare model
+                raise ArtifactError(f"artifact {self.path} is missing {lost}; recompile it")
         return d if found else None
 
     def tokenizer(self):

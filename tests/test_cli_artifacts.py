@@ -55,6 +55,14 @@ def test_compile_options_that_cannot_apply_are_refused_before_capture(llama_dir,
     assert not out.exists()
 
 
+def test_an_artifact_whose_tokenizer_was_removed_is_damaged_not_bare(llama_artifact, tmp_path):
+    damaged = tmp_path / "damaged.llmc"
+    shutil.copytree(llama_artifact.path, damaged)
+    shutil.rmtree(damaged / "tokenizer")
+    assert_clean_error(*cli("run", damaged, "--prompt", "x", "--max-tokens", "2", *FAST), "is missing tokenizer/",
+                       "recompile it")
+
+
 def test_a_plugin_that_exits_is_an_error_not_an_exit(llama_artifact, tmp_path):
     exits = tmp_path / "exits.py"
     exits.write_text("import sys\nsys.exit(3)\n")

@@ -112,7 +112,9 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
     s = art.summary()
     for line in dict.fromkeys(art.compile_log.log if art.compile_log else ()):  # what a pass did not do, and why
         click.echo(f"note: {line}", err=True)
-    if explain_fusion:
+    if explain_fusion and no_fuse:
+        click.echo("fusion: off (--no-fuse): no fusion pass ran")
+    elif explain_fusion:
         reasons = art.compile_log.explain if art.compile_log else []
         for r in reasons:
             click.echo(f"fusion: {r}")
