@@ -180,9 +180,14 @@ class QuantizePass(Pass):
         groups = by_input(planned(g, self.method))
         if not groups:
             return PassResult(g, False)
-        scales = {x: self.input_scale(g, ctx, x, items) for x, items in groups.items()}
+        status = ctx.state.get("status") or (lambda msg: None)
+        scales = {}
+        for k, (x, items) in enumerate(groups.items()):  # AWQ's scale search: most of its pass's time
+            status(f"pass {self.name}: scales of input {k + 1}/{len(groups)}")
+            scales[x] = self.input_scale(g, ctx, x, items)
         done = 0
-        for x, items in groups.items():
+        for k, (x, items) in enumerate(groups.items()):
+            status(f"pass {self.name}: input {k + 1}/{len(groups)}")
             for node, qw in self.quantize_group(g, ctx, x, items, scales[x]):
                 replace_with_qlinear(g, node, qw)
                 done += 1

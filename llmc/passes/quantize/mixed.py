@@ -69,7 +69,9 @@ class MixedPrecision(QuantizePass):
             return PassResult(g, False)
         plan = g.meta["quant_plan"]
         measured, units = [], []
-        for x, items in groups.items():
+        status = ctx.state.get("status") or (lambda msg: None)
+        for k, (x, items) in enumerate(groups.items()):
+            status(f"pass {self.name}: measuring input {k + 1}/{len(groups)} at each precision")
             h = self.stats(ctx, x).gptq_hessian()
             options = []
             for cand in CANDIDATES:
