@@ -46,20 +46,26 @@ def load_plugins(files, option: str = "--plugin") -> None:
         if path.suffix != ".py":
             raise LLMCError(f"{option} {f}: not a Python file; give the FILE.py that registers your ops")
         name = f"{PLUGIN_PREFIX}{path.stem}_{abs(hash(str(path.resolve())))}"
-        if name in sys.modules:
-            continue
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the file runs
-        try:
-            spec.loader.exec_module(module)
-        except SystemExit as e:  # a script's exit, not this process's
-            del sys.modules[name]
-            raise LLMCError(f"{option} {f}: importing it called sys.exit({e.code!r}); a plugin registers ops and "
-                            "passes, and must not exit") from None
-        except Exception as e:
-            del sys.modules[name]
-            raise LLMCError(f"{option} {f}: importing it failed: {type(e).__name__}: {e}") from e
+        if name not in sys.modules:
+            import_file(path, name, f"{option} {f}: importing it", "a plugin registers ops and passes")
+
+
+def import_file(path: Path, name: str, what: str, role: str, error: type[LLMCError] = LLMCError):
+    """Run a user's Python file as the module `name` and return it (registered in sys.modules while it runs, as
+    dataclasses need, and dropped again if it fails). Its failure, or its call of sys.exit (the file's exit, not
+    this process's), is `error`: "{what} failed: ..." / "{what} called sys.exit(...); {role} and must not exit"."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SystemExit as e:
+        del sys.modules[name]
+        raise error(f"{what} called sys.exit({e.code!r}); {role}, and must not exit") from None
+    except Exception as e:
+        del sys.modules[name]
+        raise error(f"{what} failed: {type(e).__name__}: {e}") from e
+    return module
 
 
 def sources_for(graph) -> list[tuple[str, str | None]]:

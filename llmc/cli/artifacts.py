@@ -93,8 +93,7 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
         raise LLMCError("--check-ort compares with onnxruntime and needs an ONNX model (MODEL.onnx)")
     extra = [parse_pass_spec(s) for s in passes]
     if not quant:
-        given = options.given_on_command_line("quant_lm_head", "quant_embeddings", "wbits", "group_size", "zero_point",
-                                               "calib", "calib_samples", "bits_budget", "act_order")
+        given = options.given_on_command_line("quant_lm_head", "quant_embeddings", *QUANT_OPTIONS)
         if given:
             raise LLMCError(f"{', '.join(given)} go{'es' if len(given) == 1 else ''} with --quant METHOD (e.g. --quant "
                             "rtn); without it nothing is quantized")

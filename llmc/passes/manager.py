@@ -10,7 +10,6 @@ import dataclasses
 import importlib.util
 import json
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,17 +211,9 @@ def load_pass_class(target: str) -> type[Pass]:
         path = Path(where)
         if not path.is_file():
             raise CompileError(f"pass file {path} does not exist")
-        mod_name = f"llmc_user_pass_{abs(hash(str(path.resolve())))}"
-        spec = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except SystemExit as e:  # the file's exit, not this process's
-            raise CompileError(f"importing pass file {path} called sys.exit({e.code!r}); a pass file defines "
-                               "passes and must not exit") from None
-        except Exception as e:
-            raise CompileError(f"importing pass file {path} failed: {type(e).__name__}: {e}") from e
+        from llmc.plugins import import_file
+        module = import_file(path, f"llmc_user_pass_{abs(hash(str(path.resolve())))}", f"importing pass file {path}",
+                             "a pass file defines passes", CompileError)
     else:
         try:
             module = importlib.import_module(where)
