@@ -6,8 +6,8 @@ the executor (independent of llmc):
 - bf16 (`--bf16 DIR`): teacher-forced next-token agreement with tiny-py fp32 over held-out text must
   be at least tiny-py bf16's own agreement with tiny-py fp32 (free-running agreement between two
   bf16 roundings is chaotic and says little); beside it McNemar's z of the paired positions and each
-  bf16 model's logits' relative RMS error against tiny-py fp32 (their ratio: how much less precise
-  the widening is).
+  bf16 model's `LogitErrors` against tiny-py fp32 (centred logits' relative RMS error and the
+  next-token distributions' KL divergence; their ratios: how much less precise the widening is).
 
     python3 benchmarks/widen_check.py [--fp32 DIR] [--bf16 DIR] [--tokens 16384] [--out DIR]
 """
@@ -29,20 +29,55 @@ def load(path, dtype):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(DEVICE).eval()
 
 
+class LogitErrors:
+    """A model's logits against the reference's, in measures that a per-position shift of all logits
+    leaves alone (softmax and argmax do not see one; scripts/widen_model.py's logit shift makes one):
+    the relative RMS error of the logits centred on each position's mean, and the mean KL divergence
+    ``KL(p_ref || p)`` of the next-token distributions (what sampling sees; the centred error is
+    mostly the tail's, tokens no sampler draws)."""
+
+    def __init__(self):
+        self.sq, self.norm, self.kl, self.n = 0.0, 0.0, 0.0, 0
+
+    def add(self, out: torch.Tensor, ref: torch.Tensor) -> None:
+        out, ref = out.double(), ref.double()
+        co, cr = out - out.mean(-1, keepdim=True), ref - ref.mean(-1, keepdim=True)
+        self.sq += (co - cr).square().sum().item()
+        self.norm += cr.square().sum().item()
+        lp, lq = ref.log_softmax(-1), out.log_softmax(-1)
+        self.kl += (lp.exp() * (lp - lq)).sum().item()
+        self.n += len(ref)
+
+    def result(self) -> dict:
+        return {"logit_rel_rms_error": (self.sq / self.norm) ** 0.5, "kl": self.kl / self.n}
+
+
 @torch.no_grad()
-def against_fp32(ref_model, models, ids: torch.Tensor, window: int = 1024) -> list[tuple[torch.Tensor, float]]:
-    """Per model: where its teacher-forced argmax equals `ref_model`'s [T], and its logits' relative RMS
-    error against `ref_model`'s over all windows (the less noisy of the two measures)."""
-    hits, err, norm = [[] for _ in models], [0.0] * len(models), 0.0
+def against_fp32(ref_model, models, ids: torch.Tensor, window: int = 1024) -> list[tuple[torch.Tensor, dict]]:
+    """Per model: where its teacher-forced argmax equals `ref_model`'s [T], and its `LogitErrors`
+    against `ref_model`'s over all windows (less noisy than the agreement)."""
+    hits, errs = [[] for _ in models], [LogitErrors() for _ in models]
     for i in range(0, len(ids), window):
         chunk = ids[i:i + window].to(DEVICE)[None]
         ref = ref_model(chunk).logits[0].float()
-        norm += ref.square().sum().item()
         for k, m in enumerate(models):
             out = m(chunk).logits[0].float()
             hits[k].append((out.argmax(-1) == ref.argmax(-1)).cpu())
-            err[k] += (out - ref).square().sum().item()
-    return [(torch.cat(h), (e / norm) ** 0.5) for h, e in zip(hits, err)]
+            errs[k].add(out, ref)
+    return [(torch.cat(h), e.result()) for h, e in zip(hits, errs)]
+
+
+def compare(own_hit, own_err, wide_hit, wide_err) -> dict:
+    """tiny-py bf16 against a widening: agreements, McNemar's z over the positions only one of the two
+    gets right, and the ratios of their `LogitErrors`."""
+    own, agree = own_hit.float().mean().item(), wide_hit.float().mean().item()
+    only_own, only_wide = int((own_hit & ~wide_hit).sum()), int((wide_hit & ~own_hit).sum())
+    return {"tiny_py_bf16_agreement": own, "widened_bf16_agreement": agree, "ok": agree >= own,
+            "only_tiny_py_bf16_right": only_own, "only_widened_right": only_wide,
+            "mcnemar_z": (only_wide - only_own) / max(1.0, (only_own + only_wide) ** 0.5),
+            "tiny_py_bf16": own_err, "widened_bf16": wide_err,
+            "logit_error_ratio": wide_err["logit_rel_rms_error"] / own_err["logit_rel_rms_error"],
+            "kl_ratio": wide_err["kl"] / own_err["kl"]}
 
 
 @torch.no_grad()
@@ -75,8 +110,9 @@ def main() -> None:
         wide = load(a.fp32, torch.float32)
         got = [greedy(wide, p, a.new) for p in prompts]
         probe = ids[:512].to(DEVICE)[None]
-        with torch.no_grad():
-            l0, l1 = base32(probe).logits.float(), wide(probe).logits.float()
+        with torch.no_grad():  # centred: a widening with the logit shift moves each position's logits
+            l0, l1 = (m(probe).logits.float() for m in (base32, wide))
+            l0, l1 = l0 - l0.mean(-1, keepdim=True), l1 - l1.mean(-1, keepdim=True)
         res["fp32"] = {"greedy_equal": got == ref_greedy,
                        "greedy_tokens_equal": sum(x == y for g, r in zip(got, ref_greedy) for x, y in zip(g, r)),
                        "greedy_tokens": sum(len(r) for r in ref_greedy),
@@ -85,16 +121,16 @@ def main() -> None:
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     if a.bf16:
-        (own_hit, own_err), (wide_hit, wide_err) = against_fp32(base32, [load(src, torch.bfloat16),
-                                                                         load(a.bf16, torch.bfloat16)], ids)
-        own, agree = own_hit.float().mean().item(), wide_hit.float().mean().item()
-        # paired counts: positions only one of the two bf16 models gets right (McNemar's test)
-        only_own, only_wide = int((own_hit & ~wide_hit).sum()), int((wide_hit & ~own_hit).sum())
-        z = (only_wide - only_own) / max(1.0, (only_own + only_wide) ** 0.5)
-        res["bf16"] = {"tiny_py_bf16_agreement": own, "widened_bf16_agreement": agree, "ok": agree >= own,
-                       "only_tiny_py_bf16_right": only_own, "only_widened_right": only_wide, "mcnemar_z": z,
-                       "tiny_py_bf16_logit_rel_rms_error": own_err, "widened_bf16_logit_rel_rms_error": wide_err,
-                       "logit_error_ratio": wide_err / own_err}
+        wide = load(a.bf16, torch.bfloat16)
+        (own_hit, own_err), (wide_hit, wide_err) = against_fp32(base32, [load(src, torch.bfloat16), wide], ids)
+        res["bf16"] = compare(own_hit, own_err, wide_hit, wide_err)
+        info = json.loads(Path(a.bf16, "widen_info.json").read_text())
+        if info.get("logit_shift"):  # the same widening without its logit shift (step 8), for comparison
+            h = info["source_shape"]["hidden"]
+            with torch.no_grad():
+                wide.lm_head.weight[:, h:2 * h] = 0
+            ((plain_hit, plain_err),) = against_fp32(base32, [wide], ids)
+            res["bf16"]["without_logit_shift"] = compare(own_hit, own_err, plain_hit, plain_err)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     Path(a.out, "widen_check.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))

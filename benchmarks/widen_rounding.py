@@ -3,14 +3,15 @@ widened with ``--rounding nearest`` (the norm weights carry sqrt(h/H), q_proj sq
 rounded to nearest), with ``--rounding feedback`` (the factors move into the linears that read
 each norm, rounded with GPTQ's error feedback) and with ``--rounding copies`` (the residual's
 padding holds scaled copies of its real dims, so the norms need no factor and only q_proj's
-sqrt(D/d) is rounded, with feedback), measured with Hugging Face transformers against tiny-py fp32
+sqrt(D/d) is rounded, with feedback; by default with the logit shift of step 8, ``copies-plain``
+without it), measured with Hugging Face transformers against tiny-py fp32
 (CPU or GPU; ``--modes`` picks the widenings):
 
 - teacher-forced next-token agreement with tiny-py fp32's argmax over held-out tokens (the first
   400,000 characters of the held-out text, windows of 1024, as benchmarks/widen_check.py), for
   tiny-py bf16 and both widenings; paired counts (positions only one of two models gets right) and
-  McNemar's z of each widening against tiny-py bf16 and of feedback against nearest; the relative
-  RMS error of the logits against fp32's;
+  McNemar's z of each widening against tiny-py bf16 and of feedback against nearest; the logits'
+  errors against fp32's (`widen_check.LogitErrors`: centred relative RMS error, KL divergence);
 - per linear that reads a norm, for a few layers and the LM head, the relative output error
   ``||Y - Y_exact|| / ||Y_exact||`` of the weights as written (norm weight times linear, in the
   source's coordinates, fp64) on tiny-py fp32's held-out norm outputs: nearest, the factor moved
@@ -45,8 +46,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MODES = ("nearest", "feedback", "copies")
+# more widenings --modes can name: mode -> (rounding, logit_shift)
+VARIANTS = {"copies-plain": ("copies", False)}
 
 from tests.scripts import load_script  # noqa: E402  (after the repository is on sys.path)
+from widen_check import LogitErrors  # noqa: E402  (benchmarks/ is this script's own directory)
 
 wm = load_script("widen_model")
 
@@ -59,19 +63,19 @@ def load(path, dtype):
 @torch.no_grad()
 def run_windows(model, ids: torch.Tensor, ref: list | None = None, window: int = 1024):
     """Teacher-forced argmax [T] over windows of `window`; with `ref` (fp32's logits per window),
-    also the logits' relative RMS error against it. Without, returns the logits per window."""
-    hits, logits, err, norm = [], [], 0.0, 0.0
+    also the logits' errors against it (`widen_check.LogitErrors`). Without, returns the logits per
+    window."""
+    hits, logits, errs = [], [], LogitErrors()
     for k, i in enumerate(range(0, len(ids), window)):
         out = model(ids[i:i + window].to(DEVICE)[None]).logits[0].float()  # [W, V]
         hits.append(out.argmax(-1).cpu())
         if ref is None:
             logits.append(out.cpu())
         else:
-            err += (out.cpu() - ref[k]).square().sum().item()
-            norm += ref[k].square().sum().item()
+            errs.add(out.cpu(), ref[k])
     if ref is None:
         return torch.cat(hits), logits
-    return torch.cat(hits), math.sqrt(err / norm)
+    return torch.cat(hits), errs.result()
 
 
 def paired(hits: dict[str, torch.Tensor], a: str, b: str) -> dict:
@@ -81,16 +85,19 @@ def paired(hits: dict[str, torch.Tensor], a: str, b: str) -> dict:
             "mcnemar_z": (only_b - only_a) / max(1.0, (only_a + only_b) ** 0.5)}
 
 
-def build(src, work: Path, shape: dict, dtype: torch.dtype, rounding: str) -> Path:
-    out = work / rounding
+def build(src, work: Path, shape: dict, dtype: torch.dtype, mode: str) -> Path:
+    rounding, shift = VARIANTS.get(mode, (mode, None))
+    out = work / mode
     info = out / "widen_info.json"
     if info.is_file():
         old = json.loads(info.read_text())
-        if (old["target_shape"], old.get("rounding"), old["dtype"]) == (shape, rounding, str(dtype)[6:]):
+        shifted = (rounding == "copies") if shift is None else shift  # widen's default in a 16-bit dtype
+        if (old["target_shape"], old.get("rounding"), old["dtype"], bool(old.get("logit_shift"))) == \
+                (shape, rounding, str(dtype)[6:], shifted):
             return out
     t0 = time.perf_counter()
-    wm.widen(src, out, dtype=dtype, rounding=rounding, **shape)
-    print(f"built {rounding} in {time.perf_counter() - t0:.0f} s", flush=True)
+    wm.widen(src, out, dtype=dtype, rounding=rounding, logit_shift=shift, **shape)
+    print(f"built {mode} in {time.perf_counter() - t0:.0f} s", flush=True)
     return out
 
 
@@ -168,7 +175,7 @@ def layer_errors(src, dirs: dict[str, Path], x: dict[str, torch.Tensor], layers:
             return ((xn * ratio) @ lin_w.T - exact).norm().item() / exact.norm().item()
 
         res = {m: err(wide[m][norm + ".weight"].get_tensor(norm + ".weight")[:p.h].double(),
-                      placed(m, name, rows), 1.0 if m == "copies" else c) for m in modes}
+                      placed(m, name, rows), 1.0 if m.startswith("copies") else c) for m in modes}
         res["moved_nearest"] = err(w, (c * s * source(src_name)).to(dtype).double())
         res.update({f"{m}_over_nearest": res[m] / res["nearest"] for m in modes if m != "nearest" and "nearest" in res})
         out[label] = res
@@ -222,7 +229,7 @@ def main() -> None:
         hits[name] = argmax == ref
     print(f"agreement in {time.perf_counter() - t0:.0f} s", flush=True)
     res["agreement"] = {k: h.float().mean().item() for k, h in hits.items()}
-    res["logit_rel_rms_error"] = logit_err
+    res["logit_errors"] = logit_err
     res["paired"] = {f"{b}_vs_{a}": paired(hits, a, b) for a, b in
                      [("tiny_py", m) for m in dirs] + [(x, y) for i, x in enumerate(dirs) for y in list(dirs)[i + 1:]]}
     Path(a.out).mkdir(parents=True, exist_ok=True)

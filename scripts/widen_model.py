@@ -24,7 +24,7 @@ Construction, step by step (``x[:h]`` are the "real" dims, the rest "padding"):
 
 1. **Embeddings / LM head.** ``E'[v, :h] = E[v]``, ``E'[v, h:] = 0``; same for an untied
    ``lm_head``. The residual stream therefore starts with zero padding. Tied stays tied (except
-   with feedback rounding, step 7).
+   with feedback rounding, step 7, and the logit shift, step 8).
 
 2. **RMSNorm** (``y = w * x / sqrt(mean(x^2) + eps)``, mean over the *whole* hidden size). With
    zero padding, ``mean_H(x^2) = (h/H) * mean_h(x^2)``, so with ``eps' = eps * h/H``:
@@ -109,10 +109,27 @@ Construction, step by step (``x[:h]`` are the "real" dims, the rest "padding"):
    every weight the same way and is a small stand-in for the 8B one
    (``benchmarks/widen_rounding.py`` measures both modes on it).
 
-Exactness: in exact arithmetic the widened model equals the source; in fp32 the differences are
-rounding (the sqrt factors, the different reduction lengths), ~1e-6 relative on logits. In a
-16-bit dtype the scaled weights carry one extra rounding (step 7), so its tokens can differ from
-the source's tokens in that dtype; the fp32 check is the reference.
+8. **Logit shift** (``--logit-shift``, default on with ``copies`` in a 16-bit dtype). A 16-bit LM head
+   rounds each logit to the format's grid at the logit's magnitude: tiny-py's top logits are about 15,
+   where bf16's step is 1/16, and near-ties between the top tokens are decided by that rounding (on
+   tiny-py, rounding the fp32 model's logits alone to bf16 costs 0.8 of the 1.5 points by which
+   tiny-py bf16's argmax differs from fp32's). Softmax and argmax are unchanged when every logit of a
+   position moves by the same amount, so the widened LM head subtracts ``u . x``, a least-squares
+   estimate of the position's top logit from the final norm's output ``x`` (`top_logit_fit`, the
+   source in fp32 on the calibration text): the final norm keeps the source's weight on copy 1 too,
+   and every row of the LM head reads copy 1 with ``-u / s_1`` beside the source's embedding on the
+   real dims, which stay bit for bit (the head is untied; Llama-3-8B's is too). The shifted top
+   logits are a few units, where bf16's grid is several times finer. Any rounding of ``u`` or of the
+   copy moves all of a position's logits alike, so it changes nothing. What it does change: a
+   repetition penalty that divides positive and multiplies negative logits (HF's, llmc's) acts on
+   the shifted values, so penalised sampling is not the source's; greedy, temperature, top-k/p,
+   min-p, presence/frequency penalties and log-probabilities are.
+
+Exactness: in exact arithmetic the widened model equals the source (its logits less a per-position
+shift with step 8); in fp32 the differences are rounding (the sqrt factors, the different reduction
+lengths), ~1e-6 relative on logits. In a 16-bit dtype the scaled weights carry one extra rounding
+(step 7), so its tokens can differ from the source's tokens in that dtype; the fp32 check is the
+reference.
 
 The output is written tensor by tensor into safetensors shards, so an 8B-shaped model never
 needs more memory than one shard (default 2 GiB) plus a few tensors.
@@ -268,10 +285,10 @@ def feedback_round(w: torch.Tensor, hessian: torch.Tensor, dtype: torch.dtype = 
     return Qt[torch.argsort(perm)].t()
 
 
-def calibration_hessians(src_dir, samples: int = 128) -> dict[str, torch.Tensor]:
-    """``X^T X`` [h, h] (fp64) of every RMSNorm's output, by module name, running the source in fp32
-    over the calibration text of llmc's quantization passes (``builtin:heldout``: the second half of
-    the held-out text, `samples` windows of 256 tokens; benchmarks read its beginning)."""
+def _calibrate(src_dir, samples: int, hooks: dict) -> None:
+    """Run the source in fp32 over the calibration text of llmc's quantization passes
+    (``builtin:heldout``: the second half of the held-out text, `samples` windows of 256 tokens;
+    benchmarks read its beginning), with ``hooks[name](module, args, out)`` on the modules named."""
     from transformers import AutoModelForCausalLM
 
     from llmc.passes.manager import PassContext
@@ -283,6 +300,21 @@ def calibration_hessians(src_dir, samples: int = 128) -> dict[str, torch.Tensor]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32, local_files_only=True)
     model = model.to(device).eval()
+    for name, module in model.named_modules():
+        if name in hooks:
+            module.register_forward_hook(hooks[name])
+    with torch.no_grad():
+        for i in range(0, len(windows), 8):
+            model(torch.tensor(windows[i:i + 8], device=device))
+
+
+def calibration_hessians(src_dir, samples: int = 128) -> dict[str, torch.Tensor]:
+    """``X^T X`` [h, h] (fp64) of every RMSNorm's output, by module name, from the source in fp32 on
+    the calibration text (`_calibrate`)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig.from_pretrained(src_dir, local_files_only=True)
+    names = [f"model.layers.{k}.{n}" for k in range(cfg.num_hidden_layers) for n in NORM_READERS] + ["model.norm"]
     hessians: dict[str, torch.Tensor] = {}
 
     def observe(name):
@@ -291,13 +323,28 @@ def calibration_hessians(src_dir, samples: int = 128) -> dict[str, torch.Tensor]
             hessians[name] = hessians[name] + x.T @ x if name in hessians else x.T @ x
         return hook
 
-    for name, module in model.named_modules():
-        if name.endswith("layernorm") or name == "model.norm":
-            module.register_forward_hook(observe(name))
-    with torch.no_grad():
-        for i in range(0, len(windows), 8):
-            model(torch.tensor(windows[i:i + 8], device=device))
+    _calibrate(src_dir, samples, {n: observe(n) for n in names})
     return {k: v.cpu() for k, v in hessians.items()}
+
+
+def top_logit_fit(src_dir, samples: int = 128) -> tuple[torch.Tensor, dict]:
+    """The least-squares ``u`` [h] (fp64) with ``u . x ~= max_v logit_v`` at every position, ``x`` being
+    the final norm's output, from the source in fp32 on the calibration text (`_calibrate`): the
+    logit shift of step 8. Also ``{"tokens", "top_logit_rms", "residual_rms"}``: how large the top
+    logits are and what is left of them after the shift."""
+    sums: dict[str, torch.Tensor] = {}
+
+    def hook(module, args, out):
+        x = args[0].reshape(-1, args[0].shape[-1]).double()  # the LM head's input [tokens, h]
+        m = out.reshape(-1, out.shape[-1]).amax(-1).double()  # each position's largest logit
+        for k, v in (("xx", x.T @ x), ("xm", x.T @ m), ("mm", m @ m), ("n", torch.tensor(float(len(m))))):
+            sums[k] = sums[k] + v if k in sums else v
+    _calibrate(src_dir, samples, {"lm_head": hook})
+    xx, xm, mm, n = (sums[k].cpu() for k in ("xx", "xm", "mm", "n"))
+    ridge = 1e-9 * xx.diagonal().mean() * torch.eye(len(xx), dtype=xx.dtype)
+    u = torch.linalg.solve(xx + ridge, xm)
+    residual = (mm - 2 * u @ xm + u @ xx @ u).clamp(min=0) / n
+    return u, {"tokens": int(n), "top_logit_rms": (mm / n).sqrt().item(), "residual_rms": residual.sqrt().item()}
 
 
 def feedback_weights(get, p: Plan, tied: bool, dtype: torch.dtype,
@@ -366,7 +413,8 @@ def _check_config(cfg) -> None:
 
 def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
           dtype: torch.dtype = torch.float32, head_dim: int | None = None,
-          shard_bytes: int = 2 << 30, rounding: str | None = None, calib_samples: int = 128) -> Path:
+          shard_bytes: int = 2 << 30, rounding: str | None = None, calib_samples: int = 128,
+          logit_shift: bool | None = None) -> Path:
     """Write a function-preserving widening of the Llama at ``src_dir`` to ``out_dir``.
 
     Args:
@@ -378,7 +426,9 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
         shard_bytes: maximum size of one safetensors shard.
         rounding: ``"nearest"``, ``"feedback"`` or ``"copies"`` (step 7 of the module docstring);
             default copies for a 16-bit dtype (feedback where ``hidden < 2h``), nearest for float32.
-        calib_samples: feedback rounding: calibration windows of 256 tokens.
+        calib_samples: feedback rounding and the logit shift: calibration windows of 256 tokens.
+        logit_shift: subtract a linear estimate of each position's top logit in the LM head (step 8);
+            default on for the copies rounding in a 16-bit dtype, which it needs.
 
     Returns:
         ``out_dir`` as a Path. Raises ``ValueError`` for an impossible target shape or rounding.
@@ -421,6 +471,11 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
     # copies: q_proj's sqrt(D/d) in two terms, the second reading copy 1, where its scale is a power of two
     split_q = copies and p.r != 1 and math.frexp(scales[0])[0] == 0.5
     calibrated = feedback or (copies and p.r != 1 and not split_q)
+    if logit_shift is None:
+        logit_shift = copies and dtype != torch.float32
+    if logit_shift and not copies:
+        raise ValueError("the logit shift reads a copy of the final norm's output: it needs rounding 'copies'")
+    shift, shift_info = (top_logit_fit(src, calib_samples) if logit_shift else (None, {}))
     scaled, norm_scale, q_scale = {}, 1.0, 1.0
     if calibrated:  # the factors live in the rounded linears; the norms are the source's
         scaled = feedback_weights(raw, p, tied, dtype, calibration_hessians(src, calib_samples), copies)
@@ -460,6 +515,18 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
         o = norm(w)
         if split_q:  # copy 1 of the normed residual, for q_proj's second term
             o[p.h:2 * p.h] = w.to(dtype)
+        return o
+
+    def final_norm(w: torch.Tensor) -> torch.Tensor:
+        o = norm(w)
+        if logit_shift:  # copy 1 of the final normed residual, for the LM head's shift
+            o[p.h:2 * p.h] = w.to(dtype)
+        return o
+
+    def lm_head(w: torch.Tensor) -> torch.Tensor:  # [V, h] -> [V, H]
+        o = pad(w, (V, p.H))
+        if logit_shift:  # every row alike: minus u . x, read from copy 1 (scale s_1)
+            o[:, p.h:2 * p.h] = (-shift / scales[0]).to(dtype)
         return o
 
     def kv_proj(w):  # [nkv*d, h] -> [NKV*D, H]
@@ -505,9 +572,10 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
              zero_out((p.H, p.I)) if extra
              else (lambda n=spre: residual(get(n + "mlp.down_proj.weight"), p.I))),
         ]
-    entries.append(("model.norm.weight", (p.H,), lambda: norm(get("model.norm.weight"))))
-    if not tied or feedback:
-        entries.append(("lm_head.weight", (V, p.H), lambda: pad(get("lm_head.weight"), (V, p.H))))
+    entries.append(("model.norm.weight", (p.H,), lambda: final_norm(get("model.norm.weight"))))
+    if not tied or feedback or logit_shift:
+        head = "model.embed_tokens.weight" if tied and not feedback else "lm_head.weight"
+        entries.append(("lm_head.weight", (V, p.H), lambda: lm_head(get(head))))
 
     # Assign shards by size, then build and write one shard at a time.
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -547,7 +615,7 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
     new.num_attention_heads, new.num_key_value_heads = p.NH, p.NKV
     new.head_dim, new.intermediate_size = p.D, p.I
     new.rms_norm_eps = cfg.rms_norm_eps if copies else cfg.rms_norm_eps * p.h / p.H
-    new.tie_word_embeddings = tied and not feedback
+    new.tie_word_embeddings = tied and not feedback and not logit_shift
     new.architectures = ["LlamaForCausalLM"]
     new.dtype = dtype
     new.save_pretrained(out)
@@ -566,9 +634,12 @@ def widen(src_dir, out_dir, hidden: int, layers: int, heads: int, kv_heads: int,
         "rounding": rounding,
         **({"copy_scales": scales, "q_proj_in_two_terms": split_q} if copies else {}),
         **({"calibration": {"text": "builtin:heldout", "windows": calib_samples, "window_tokens": 256}}
-           if calibrated else {}),
+           if calibrated or logit_shift else {}),
+        "logit_shift": {"fit": "least squares of each position's top logit on the final norm's output",
+                        **shift_info} if logit_shift else None,
         "note": "function-preserving widening (scripts/widen_model.py); extra layers have zero "
-                "o_proj/down_proj; logits equal the source's up to float rounding in fp32",
+                "o_proj/down_proj; logits equal the source's up to float rounding in fp32"
+                + (", less a per-position shift (softmax and argmax unchanged)" if logit_shift else ""),
     }, indent=2) + "\n")
     return out
 
@@ -589,7 +660,11 @@ def main(argv=None) -> int:
                          "default: copies for bfloat16/float16 (feedback below twice the source's hidden "
                          "size), nearest for float32")
     ap.add_argument("--calib-samples", type=int, default=128,
-                    help="feedback rounding: calibration windows of 256 tokens")
+                    help="feedback rounding and the logit shift: calibration windows of 256 tokens")
+    ap.add_argument("--logit-shift", action=argparse.BooleanOptionalAction, default=None,
+                    help="subtract a linear estimate of each position's top logit in the LM head, so a 16-bit "
+                         "dtype rounds the logits near zero (module docstring, step 8); default: on for the "
+                         "copies rounding in bfloat16/float16")
     ap.add_argument("--shard-gb", type=float, default=2.0, help="max safetensors shard size (GiB)")
     a = ap.parse_args(argv)
     src = a.src_dir
@@ -601,7 +676,7 @@ def main(argv=None) -> int:
     try:
         out = widen(src, a.out_dir, a.hidden, a.layers, a.heads, a.kv_heads, a.intermediate,
                     dtype=DTYPES[a.dtype], head_dim=a.head_dim, shard_bytes=int(a.shard_gb * (1 << 30)),
-                    rounding=a.rounding, calib_samples=a.calib_samples)
+                    rounding=a.rounding, calib_samples=a.calib_samples, logit_shift=a.logit_shift)
     except (ValueError, LLMCError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

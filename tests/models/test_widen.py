@@ -287,16 +287,22 @@ def copies_widened(tmp_path_factory):
 
 
 def test_bf16_copies_keep_the_source_weights(copies_widened):
-    """The default bf16 widening (copies): norms, eps, k/v/gate/up and the tied embeddings are the
-    source's bit for bit; the residual writers' copy rows are the real rows times each scale."""
+    """The default bf16 widening (copies, logit shift): norms, eps, k/v/gate/up, the embeddings and the
+    LM head's real columns are the source's bit for bit; the residual writers' copy rows are the real
+    rows times each scale; the LM head reads copy 1 of the final norm with the same shift in every row."""
     from safetensors.torch import load_file
 
     out = copies_widened
     w, s = load_file(out / "model.safetensors"), load_file(SRC / "model.safetensors")
     cfg, info = json.loads((out / "config.json").read_text()), json.loads((out / "widen_info.json").read_text())
     assert info["rounding"] == "copies" and info["copy_scales"] == wm.copy_scales(384, 2048)
-    assert info["q_proj_in_two_terms"] and "calibration" not in info
-    assert cfg["tie_word_embeddings"] is True and cfg["rms_norm_eps"] == 1e-5
+    assert info["q_proj_in_two_terms"] and info["logit_shift"]["tokens"] == 16 * 256
+    assert cfg["tie_word_embeddings"] is False and cfg["rms_norm_eps"] == 1e-5
+    head, norm = w["lm_head.weight"], w["model.norm.weight"]
+    assert torch.equal(head[:, :384], s["model.embed_tokens.weight"]) and not head[:, 768:].any()
+    assert head[:, 384:768].any() and torch.equal(head[:, 384:768], head[:1, 384:768].expand(8192, -1))
+    assert torch.equal(norm[:384], s["model.norm.weight"]) and torch.equal(norm[384:768], norm[:384])
+    assert not norm[768:].any()
     p = wm.make_plan(384, 8, 6, 2, 64, 1024, 2048, 10, 16, 4, 128, 2048)
     kv_rows = torch.cat([ts[0] * 128 + p.dim_index() for ts in p.kv_map])
     q_rows = torch.cat([t * 128 + p.dim_index() for t in p.q_map])
@@ -351,15 +357,44 @@ def test_bf16_copies_run_like_the_source_in_bf16(copies_widened):
     assert torch.equal(norm[..., 384:768], norm[..., :384] * scales[0]) and not norm[..., 768:].any()
     same = (o.logits[0].argmax(-1) == ref.logits[0].argmax(-1)).float().mean().item()
     assert same > 0.97, same
+    # the logit shift: the top logits move from ~15 to a few units, where bf16's grid is finer
+    top, ref_top = o.logits[0].float().amax(-1).abs().mean(), ref.logits[0].float().amax(-1).abs().mean()
+    assert top < ref_top / 2, (top, ref_top)
+
+
+def test_logit_shift_keeps_the_distributions(tmp_path):
+    """Run in fp32, a widening with the logit shift gives the source's log-probabilities and greedy
+    tokens, its logits differing from the source's by one amount per position, and its top logits
+    near zero; without the copies rounding there is nothing to read the shift from."""
+    from transformers import AutoTokenizer
+
+    out = wm.widen(SRC, tmp_path / "shift", **SHAPE, rounding="copies", logit_shift=True,
+                   calib_samples=8)
+    info = json.loads((out / "widen_info.json").read_text())["logit_shift"]
+    assert info["residual_rms"] < info["top_logit_rms"] / 2
+    tok = AutoTokenizer.from_pretrained(SRC, local_files_only=True)
+    ids = torch.tensor([tok.encode(heldout_text_path().read_text()[:8_000], add_special_tokens=False)[:512]])
+    with torch.no_grad():
+        ref, got = (_load(m)(ids).logits[0] for m in (SRC, out))
+    assert torch.equal(ref.argmax(-1), got.argmax(-1))
+    assert torch.allclose(got.log_softmax(-1), ref.log_softmax(-1), atol=2e-4, rtol=0)
+    diff = got - ref
+    assert (diff - diff.mean(-1, keepdim=True)).abs().max() < 2e-3 * ref.abs().max()
+    assert diff.std(0).mean() > 1  # one amount per position, not one for all
+    assert got.amax(-1).abs().mean() < ref.amax(-1).abs().mean() / 2
+    with pytest.raises(ValueError, match="needs rounding 'copies'"):
+        wm.widen(SRC, tmp_path / "no", **SHAPE, dtype=torch.bfloat16, rounding="feedback", logit_shift=True)
 
 
 def test_llmc_runs_a_copies_widening_like_the_source(tmp_path):
-    """llmc compiles and runs the copies widening (fp32: its residual's padding is not zero, and q_proj
-    reads copy 1) with tiny-py's greedy tokens, as the speculative-decoding benchmarks use it."""
+    """llmc compiles and runs the copies widening with the logit shift (fp32: its residual's padding is
+    not zero, q_proj and the LM head read copy 1) with tiny-py's greedy tokens, as the
+    speculative-decoding benchmarks use it."""
     import llmc
 
-    wide = wm.widen(SRC, tmp_path / "wide", **SHAPE, rounding="copies")
-    assert json.loads((wide / "widen_info.json").read_text())["q_proj_in_two_terms"]
+    wide = wm.widen(SRC, tmp_path / "wide", **SHAPE, rounding="copies", logit_shift=True, calib_samples=8)
+    info = json.loads((wide / "widen_info.json").read_text())
+    assert info["q_proj_in_two_terms"] and info["logit_shift"]
     params = llmc.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     got = [llmc.LLM(llmc.compile(m, tmp_path / f"{name}.llmc", tune=False).path).generate(PROMPTS[:2], params)
            for name, m in (("src", "builtin:tiny-py"), ("wide", wide))]
