@@ -187,7 +187,21 @@ def inspect(artifact, ir, kernels, as_json, show_plan, plugins):
     click.echo("ops")
     for op, n in s["op_counts"].items():
         click.echo(f"  {op:18s} {n}")
-    _echo_quant_plan(art.graph.meta.get("quant_plan"), show_plan)
+    _echo_quant_plan(_quant_plan(art), show_plan)
+
+
+def _quant_plan(art) -> dict | None:
+    """The artifact's quantization plan; for one quantized by a pass that records none (a user's own
+    method), the plan read back from its graph, under that pass's name."""
+    plan = art.graph.meta.get("quant_plan")
+    if plan:
+        return plan
+    from llmc.passes.manager import PASSES
+    from llmc.passes.quantize.materialize import plan_from_graph
+    applied = [p["name"].split("{")[0] for p in art.manifest.get("passes", [])]  # "name{option=value}"
+    own = [n for n in applied if n not in PASSES or not PASSES[n].__module__.startswith("llmc.")]
+    plan = plan_from_graph(art.graph, ", ".join(own) or "a pass")
+    return plan and {**plan, "from_graph": True}
 
 
 def _echo_quant_plan(plan: dict | None, per_linear: bool) -> None:
@@ -200,7 +214,8 @@ def _echo_quant_plan(plan: dict | None, per_linear: bool) -> None:
     label = {n: QuantFormat(**e["format"]).label if e["format"] else "unquantized" for n, e in plan["linears"].items()}
     click.echo(f"quantization  {plan['method']}: {plan['avg_bits']} bits per weight on average"
                + (f", calibrated on {plan['calibration']['tokens']} tokens of {plan['calibration']['source']}"
-                  if plan.get("calibration") else ""))
+                  if plan.get("calibration") else "")
+               + (" (read from the graph: the pass recorded no plan)" if plan.get("from_graph") else ""))
     tables = plan.get("embeddings", {})
     if not per_linear:
         for fmt in sorted(set(label.values())):

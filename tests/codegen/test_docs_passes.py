@@ -49,6 +49,14 @@ def test_example_4_own_quantization(tmp_path, monkeypatch):
     ns = run_block(4, tmp_path, monkeypatch)
     assert ns["art"].graph.op_counts() == {"qlinear": 1}
     assert float((ns["y"] - ns["ref"]).norm() / ns["ref"].norm()) < 0.02
+    # `llmc inspect` shows the plan of a method that records none, read back from the graph
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+    r = CliRunner().invoke(main, ["inspect", str(ns["art"].path), "--plan"])
+    assert r.exit_code == 0, r.output
+    assert "quantization  clipped_int8: 8.125 bits per weight" in r.output, r.output  # fp32 scales
+    assert "read from the graph" in r.output and "w8a16-ch" in r.output, r.output
 
 
 def test_example_3_user_triton_kernel_plugin(tmp_path):

@@ -59,6 +59,42 @@ def plan_entry(method: str, fmt: QuantFormat | None, w: torch.Tensor, note: str)
             "params": w.numel(), "note": note}
 
 
+def _module_name(param: str) -> str:
+    for suffix in (".qweight", ".codes", ".weight"):
+        param = param.removesuffix(suffix)
+    return param
+
+
+def plan_from_graph(g: Graph, method: str) -> dict | None:
+    """The plan read back from the graph's linears, for a graph quantized by a pass that wrote none (a
+    method of the user's own, docs/passes.md): each qlinear's format and bits from its attributes and
+    params, each dense linear kept; None where the graph has no quantized linear."""
+    from llmc.ir.ops import OPS
+
+    linears, quantized = {}, False
+    for n in g.nodes:
+        names = [o.rstrip("?*") for o in OPS[n.op].operands] if n.op in OPS else []
+        operand = dict(zip(names, n.inputs))
+        w = operand.get("qweight") or operand.get("weight")
+        if w is None or w.kind != "param":
+            continue
+        t = g.weights[w.name]
+        if "qweight" in operand:
+            fmt, k = QuantFormat.from_attrs(n.attrs), n.attrs["in_features"]
+            scales = operand["scales"].name
+            bits = fmt.bits_per_weight(k, g.weights[scales].element_size() if scales in g.weights else 2)
+            linears[_module_name(w.name)] = {"method": method, "format": fmt.to_json(), "bits": round(bits, 4),
+                                                "params": t.shape[0] * k, "note": f"{n.op} in the graph"}
+            quantized = True
+        elif t.dim() == 2 and t.dtype.is_floating_point:
+            linears[_module_name(w.name)] = plan_entry(method, None, t, "kept")
+    if not quantized:
+        return None
+    params = sum(e["params"] for e in linears.values())
+    return {"method": method, "avg_bits": round(sum(e["bits"] * e["params"] for e in linears.values()) / params, 3),
+            "linears": linears}
+
+
 def by_input(nodes: list[tuple[Node, Any]]) -> dict[Value, list[tuple[Node, Any]]]:
     """Group linears by the value they read (q/k/v, gate/up): they share input statistics and scales."""
     groups: dict[Value, list] = {}
