@@ -52,13 +52,6 @@ DECODE_JOINT_BUCKETS = ("1", "2", "4")
 # only the generated kernel keeps a row's sums the same at every batch size (cuBLAS picks kernels,
 # and split-K, per size), and only it runs split-K in one launch, where cuBLAS adds a reduce kernel
 JOINT_MARGIN = 1.03
-# Within a joint group, a config's tile width, warps and stages decide who computes an output, not the order
-# of its K terms (RESULTS 2026-12-06: the bf16 matmul's configs fall into families by K split alone, int4's by
-# K split and the tile's instruction). So a bucket of the group may run a faster member of its choice's
-# family, configs of the same K split whose outputs there are bitwise the choice's, and stay batch-invariant.
-# Done for the batch-1 bucket (decode alone), where the group's choice is timed least; it must win by this.
-FAMILY_BUCKETS = ("1",)
-FAMILY_MARGIN = 0.98
 
 
 def m_bucket(m: int) -> str:
@@ -82,9 +75,6 @@ class TuneRecord:
     triton_ms: float | None = None
     cublas_ms: float | None = None
     prefer_cublas: bool = False
-    # set where a bucket of a joint group runs a faster config of the same bits (`FAMILY_BUCKETS`): the
-    # group's own choice, whose sums this one repeats bit for bit
-    family_of: dict[str, Any] | None = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -284,8 +274,7 @@ class Tuner:
 
     def choose(self, key: str, buckets: str | Sequence[str], candidates: Sequence[dict],
                bench: Callable[[dict], Any], baseline: Callable[[], Any] | None = None,
-               margin: float = 0.97, *, at: str | None = None,
-               one: tuple[Callable[[dict, int], Any], Callable[[int], Any]] | None = None) -> dict:
+               margin: float = 0.97) -> dict:
         """The config for `key` at `buckets`: recorded, else timed now (GPU), else the first candidate.
 
         Args:
@@ -296,10 +285,6 @@ class Tuner:
             bench: runs the kernel once with a config (timed as a CUDA graph; a config that fails is skipped).
             baseline: runs the cuBLAS/torch equivalent once; its time is recorded beside the best.
             margin: cuBLAS is preferred unless Triton is faster than `margin` times its time.
-            at: the bucket being launched, one of `buckets` (default the first): its record is returned.
-            one: (run, output): ``run(config, i)`` runs a config on the i-th bucket's timing input only (as
-                `bench` does all), ``output(i)`` is what it wrote; given, a joint group's `FAMILY_BUCKETS`
-                may each take a faster config of the same bits (`refine`).
 
         Returns:
             The chosen config.
@@ -308,8 +293,7 @@ class Tuner:
         if not can_time():
             return dict(candidates[0])
         buckets = (buckets,) if isinstance(buckets, str) else tuple(buckets)
-        at = at or buckets[0]
-        rec = self.lookup(key, at)
+        rec = self.lookup(key, buckets[0])
         if rec is not None:
             self.used.add(key)
             return rec.config
@@ -321,45 +305,7 @@ class Tuner:
             self.records.setdefault(key, {})[b] = asdict(rec)
         log.info("autotune %s [%s]: %s in %.4f ms (cuBLAS %s ms)", key, ",".join(buckets), rec.config,
                  rec.triton_ms or -1, rec.cublas_ms)
-        if one is not None and len(buckets) > 1 and not rec.prefer_cublas:
-            self.refine(key, buckets, rec, candidates, one)
-        return self.lookup(key, at).config
-
-    def refine(self, key: str, buckets: Sequence[str], joint: TuneRecord, candidates: Sequence[dict],
-               one: tuple[Callable[[dict, int], Any], Callable[[int], Any]]) -> None:
-        """Record for each of `FAMILY_BUCKETS` in the joint group `buckets` the fastest config of the
-        group's choice's family, if one beats the choice there by `FAMILY_MARGIN`: the same K split, and
-        outputs on that bucket's timing input bitwise equal to the choice's (`one`, see `choose`)."""
-        import torch
-        run, output = one
-        split = joint.config.get("SPLIT_K", 1)
-        for b in FAMILY_BUCKETS:
-            if b not in buckets:
-                continue
-            i = buckets.index(b)
-            try:
-                run(joint.config, i)
-                ref = output(i).clone()
-                best, best_ms = None, FAMILY_MARGIN * gpu_time_ms(lambda: run(joint.config, i))
-            except Exception as e:  # nothing to compare with: the group's choice stays
-                log.debug("autotune: %s [%s] not refined: %s", key, b, e)
-                continue
-            for cfg in candidates:
-                if cfg == joint.config or cfg.get("SPLIT_K", 1) != split:
-                    continue
-                try:
-                    run(cfg, i)
-                    if not torch.equal(output(i), ref):
-                        continue
-                    ms = gpu_time_ms(lambda: run(cfg, i))
-                except Exception:  # out of resources for this tile: not a candidate
-                    continue
-                if ms < best_ms:
-                    best, best_ms = dict(cfg), ms
-            if best is not None:
-                self.records[key][b] = asdict(TuneRecord(best, float(best_ms), joint.cublas_ms, False,
-                                                         family_of=dict(joint.config)))
-                log.info("autotune %s [%s]: %s of the group's family in %.4f ms", key, b, best, best_ms)
+        return rec.config
 
     @staticmethod
     def tune(candidates: Sequence[dict], bench: Callable[[dict], Any], baseline: Callable[[], Any] | None,

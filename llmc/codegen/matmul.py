@@ -284,19 +284,15 @@ def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, epil
         group = tuner.joint if bucket in tuner.joint else (bucket,)
         if spec.prologue:  # gate and up as the halves of one [m, 2K] output, as a fused gate/up writes them
             io = timing_io(group, 2 * K, N, x2.dtype, x2.device)
-            run = lambda cfg, xi, yi: _launch(spec, xi[:, :K], w, b, yi, cfg, xi[:, K:])
-            output = lambda i: io()[i][1]
+            bench = lambda cfg: [_launch(spec, xi[:, :K], w, b, yi, cfg, xi[:, K:]) for xi, yi in io()]
             baseline = lambda: [reference(silu_mul_product(xi[:, :K], xi[:, K:]), w, b, spec.epilogue)
                                 for xi, _ in io()]
         else:  # gated: the unfused baseline writes the [m, N] projection, then the product kernel its half
             io = timing_io(group, K, N, x2.dtype, x2.device)
-            run = lambda cfg, xi, yi: _launch(spec, xi, w, b, yi[:, :n_out], cfg)
-            output = lambda i: io()[i][1][:, :n_out]
+            bench = lambda cfg: [_launch(spec, xi, w, b, yi[:, :n_out], cfg) for xi, yi in io()]
             baseline = lambda: [reference(xi, w, b, spec.epilogue, gated=gated) for xi, _ in io()]
-        config = tuner.choose(spec.key(N, K), group, candidates(bucket, len(group) > 1),
-                              bench=lambda cfg: [run(cfg, xi, yi) for xi, yi in io()], baseline=baseline,
-                              margin=JOINT_MARGIN if len(group) > 1 else 0.97, at=bucket,
-                              one=(lambda cfg, i: [run(cfg, *io()[i])], output))
+        config = tuner.choose(spec.key(N, K), group, candidates(bucket, len(group) > 1), bench=bench,
+                              baseline=baseline, margin=JOINT_MARGIN if len(group) > 1 else 0.97)
     _launch(spec, x2, w, b, y2, config, u2)
     return y
 

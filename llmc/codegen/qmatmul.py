@@ -778,9 +778,8 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
             cands += gemv_candidates(N, kw)  # only where every M sharing the choice fits it
         if x2.device.type == "cuda" and len(group) == 1:
             cands += library_candidates(bucket, prepared, ydtype)
-        run = lambda cfg, xi, yi: _launch(spec, xi, prepared, b, yi, cfg)
-        config = tuner.choose(spec.key(N, K), group, cands, bench=lambda cfg: [run(cfg, xi, yi) for xi, yi in io()],
-                              at=bucket, one=(lambda cfg, i: [run(cfg, *io()[i])], lambda i: io()[i][1]))
+        config = tuner.choose(spec.key(N, K), group, cands,
+                              bench=lambda cfg: [_launch(spec, xi, prepared, b, yi, cfg) for xi, yi in io()])
     _launch(spec, x2, prepared, b, y.view(-1, N), config, x_scales.reshape(-1, 1) if x_scales is not None else None)
     return y
 

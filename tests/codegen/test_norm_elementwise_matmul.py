@@ -8,7 +8,6 @@ cast truncates, so the kernels round to nearest even in integer arithmetic first
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -486,7 +485,6 @@ def test_decode_buckets_share_one_choice_timed_on_their_sum(monkeypatch):
 
     def fake_launch(spec, x2, w, b, y2, cfg, u2=None):
         seen.append((x2.shape[0], cfg["A"]))
-        y2.fill_(cfg["A"])  # the configs' outputs differ: neither is of the other's family
         return cost[cfg["A"]].get(x2.shape[0], 9.0)
 
     monkeypatch.setattr(autotune, "can_time", lambda: True)
@@ -511,49 +509,6 @@ def test_decode_buckets_share_one_choice_timed_on_their_sum(monkeypatch):
     assert set(t2.records[key]) == {"32"}
     monkeypatch.undo()
     assert candidates("32")[0]["BLOCK_M"] == 16 and candidates("32", shared=False)[0]["BLOCK_M"] == 32
-
-
-def test_the_batch_1_bucket_takes_a_faster_config_of_its_joint_choices_bits(monkeypatch):
-    """After the joint choice (A=1, fastest summed over 1..64), bucket 1 takes the config fastest at one
-    row among those of the same K split whose outputs there are bitwise the choice's (A=2); a faster one
-    with other bits (A=3) or another K split (A=4) is not taken, and the other buckets keep the choice.
-    Faked: a config's "time" is its cost per bucket, its "bits" the value it writes."""
-    cost = {1: {1: 1.0, 64: 1.0}, 2: {1: 0.5, 64: 3.0}, 3: {1: 0.1, 64: 3.0}, 4: {1: 0.1, 64: 3.0}}
-    bits = {1: 7.0, 2: 7.0, 3: 8.0, 4: 7.0}
-    seen = []
-
-    def fake_launch(spec, x2, w, b, y2, cfg, u2=None):
-        seen.append((x2.shape[0], cfg["A"]))
-        y2.fill_(bits[cfg["A"]])
-        return cost[cfg["A"]].get(x2.shape[0], 1.0 if cfg["A"] == 1 else 3.0)
-
-    cands = [{"A": 1, "SPLIT_K": 1}, {"A": 2, "SPLIT_K": 1}, {"A": 3, "SPLIT_K": 1}, {"A": 4, "SPLIT_K": 2}]
-    monkeypatch.setattr(autotune, "can_time", lambda: True)
-    monkeypatch.setattr(autotune, "gpu_time_ms", lambda fn: sum(fn()))
-    monkeypatch.setattr(mm, "_launch", fake_launch)
-    monkeypatch.setattr(mm, "candidates", lambda bucket, shared=True: cands)
-    monkeypatch.setattr(mm, "reference", lambda *a, **k: 100.0)
-    t = Tuner(device="test-gpu")
-    w = rand(16, 32)
-    mm.matmul(rand(3, 32), w, tuner=t)
-    key = MatmulSpec("f32", False).key(16, 32)
-    assert {b: r["config"]["A"] for b, r in t.records[key].items()} == {b: 2 if b == "1" else 1
-                                                                        for b in autotune.JOINT_BUCKETS}
-    assert t.lookup(key, "1").family_of == cands[0] and t.lookup(key, "2").family_of is None
-    assert t.lookup(key, "1").triton_ms == 0.5
-    seen.clear()
-    mm.matmul(rand(1, 32), w, tuner=t)
-    mm.matmul(rand(5, 32), w, tuner=t)
-    assert seen == [(1, 2), (5, 1)]
-    assert Tuner.from_json(json.loads(json.dumps(t.to_json()))).lookup(key, "1").config["A"] == 2  # kept on disk
-    # a group that runs cuBLAS is not refined; nor is a bucket of its own
-    monkeypatch.setattr(mm, "reference", lambda *a, **k: 0.01)
-    t2 = Tuner(device="test-gpu")
-    mm.matmul(rand(3, 32), w, tuner=t2)
-    assert t2.lookup(key, "1").prefer_cublas and t2.lookup(key, "1").config["A"] == 1
-    t3 = Tuner(device="test-gpu", joint=())
-    mm.matmul(rand(1, 32), w, tuner=t3)
-    assert t3.lookup(key, "1").family_of is None
 
 
 def test_a_tie_goes_to_the_generated_kernel_for_a_joint_group_and_to_cublas_alone(monkeypatch):
