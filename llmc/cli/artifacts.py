@@ -140,7 +140,7 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
 @click.option("--ir", is_flag=True, help="Print the IR text.")
 @click.option("--kernels", "kernels", is_flag=True,
               help="List what each node runs on the kernel backends, with the kernel specs.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON, the quantization plan in it (null: none).")
 @click.option("--plan", "show_plan", is_flag=True,
               help="List the quantization plan per linear: format, bits per weight, measured errors, notes.")
 @options.plugin_option
@@ -166,7 +166,7 @@ def inspect(artifact, ir, kernels, as_json, show_plan, plugins):
         return
     s = art.summary()
     if as_json:
-        click.echo(json.dumps(s, indent=1))
+        click.echo(json.dumps({**s, "quant_plan": _quant_plan(art)}, indent=1))
         return
     click.echo(f"artifact   {s['path']}")
     click.echo(f"format     v{s['format_version']} (llmc {s['llmc_version']}, {s['created']})")

@@ -180,7 +180,9 @@ def test_cli_compile_quant_and_inspect_plan(llama_dir, tmp_path):
     r = CliRunner().invoke(main, ["inspect", str(out), "--plan"])
     assert r.exit_code == 0 and "w4a16-g32" in r.output and "model.layers.1.mlp.down_proj" in r.output
     r = CliRunner().invoke(main, ["inspect", str(out), "--json"])
-    assert json.loads(r.output)["op_counts"]["qlinear"] == 8
+    s = json.loads(r.output)
+    assert s["op_counts"]["qlinear"] == 8 and s["quant_plan"]["method"] == "rtn"
+    assert s["quant_plan"]["linears"]["model.layers.1.mlp.down_proj"]["format"]["group_size"] == 32
     r = CliRunner().invoke(main, ["compile", str(llama_dir), "-o", str(tmp_path / "d.llmc"), "--quant", "gptq",
                                   "--calib", str(tmp_path / "nope.txt")])
     assert r.exit_code != 0 and "no such file" in r.output and "Traceback" not in r.output
