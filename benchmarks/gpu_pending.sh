@@ -156,8 +156,10 @@ mixed_with() {  # the issue tool's mixed workload (step_trace.py) of shape $1 un
         --artifact "/tmp/art-$1.llmc" --out /tmp/st --no-cprofile 2>&1 | grep "^# $1," | sed "s/^/$2: /" | tee -a "$3"
 }
 
-widened_hf() {  # the widened target as a Hugging Face directory (what widen-check reads)
-    [ -f "$WIDE/w8b/widen_info.json" ] && return
+widened_hf() {  # the widened target as a Hugging Face directory (what widen-check reads); one built before the
+               # logit shift (scripts/widen_model.py, step 8) is built again, and its compiled artifact dropped
+    grep -qs '"logit_shift": {' "$WIDE/w8b/widen_info.json" && return
+    rm -rf "$WIDE/w8b.llmc"
     mkdir -p "$WIDE"
     python3 scripts/widen_model.py builtin:tiny-py "$WIDE/w8b" --hidden 4096 --layers 32 --heads 32 \
         --kv-heads 8 --intermediate 14336 --dtype bfloat16 >>"$OUT/widen.log" 2>&1
