@@ -73,6 +73,7 @@ def test_builtin_heldout_is_the_shipped_text(art):
     same = eval_json(art, "--text", heldout_text_path(), "--max-tokens", 40)
     assert got["dataset"] == "builtin:heldout" and got["tokens"] == 40
     assert got["perplexity"] == same["perplexity"] and 1 < got["perplexity"]
+    assert eval_json(art, "--max-tokens", 40) == got  # the default where no --text is given
 
 
 def test_windows_score_every_token_but_the_first_once():
@@ -92,8 +93,7 @@ def test_bad_input_is_one_line(art, text_file, tmp_path):
         (["--text", latin], ["not UTF-8", "0xe9"]),
         (["--text", short], ["the text has 1 token", "at least 2"]),
         (["--dataset", "wikitext"], ["unknown dataset 'wikitext'", "builtin:heldout"]),
-        (["--dataset", "builtin:heldout", "--text", text_file], ["exactly one of --text FILE or --dataset"]),
-        ([], ["exactly one of --text FILE or --dataset"]),
+        (["--dataset", "builtin:heldout", "--text", text_file], ["one of --text FILE or --dataset", "not both"]),
         (["--text", text_file, "--max-tokens", 0], ["--max-tokens must be >= 1, got 0"]),
         (["--text", text_file, "--window", 127], ["--window must be at most 126"]),
         (["--text", text_file, "--window", 0], ["--window must be >= 1"]),

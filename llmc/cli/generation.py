@@ -273,7 +273,7 @@ class _Printer:
               help="Score this UTF-8 text file.")
 @click.option("--dataset", default=None, metavar="NAME",
               help="Score a shipped text: builtin:heldout (Python standard-library source that the built-in models "
-                   "never saw in training).")
+                   "never saw in training). The default where --text is not given.")
 @click.option("--max-tokens", type=int, default=None, metavar="N",
               help="Score only the first N tokens after the text's first (which is only context). Default: all.")
 @click.option("--window", type=int, default=None, metavar="N",
@@ -290,7 +290,7 @@ def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend,
     the ones before it.
 
     \b
-    llmc eval tiny.llmc --dataset builtin:heldout --max-tokens 20000
+    llmc eval tiny.llmc --max-tokens 20000          # the shipped held-out text
     llmc eval tiny.llmc --text notes.txt --json
 
     The text's tokens are cut into windows that fit the model's context; neighbouring windows share
@@ -304,8 +304,10 @@ def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend,
                                             "--max-prefill-tokens": max_prefill_tokens,
                                             "--num-blocks": num_blocks, "--max-tokens": max_tokens,
                                             "--window": window})
-    if (text_file is None) == (dataset is None):
-        raise RequestError("give exactly one of --text FILE or --dataset builtin:heldout")
+    if text_file is not None and dataset is not None:
+        raise RequestError("give one of --text FILE or --dataset builtin:heldout, not both")
+    if text_file is None and dataset is None:
+        dataset = "builtin:heldout"
     text = read_text(text_file) if text_file is not None else dataset_text(dataset)
     if backend == "triton-interpret":
         options.use_triton_interpreter()
