@@ -168,3 +168,14 @@ def test_run_help_explains_the_new_options():
     assert code == 0
     for needle in ("--stream", "--plugin", "prompt_token_ids", "completions", "--- prompt N ---", "logprobs"):
         assert needle in out, needle
+
+
+def test_the_terminal_stats_line_tells_what_speculation_kept(art):
+    """After `llmc run` on a terminal: the engine's state in one line, with what speculation proposed and kept
+    when it ran (the engine's own stats keys)."""
+    from llmc import LLM
+    from llmc.cli.generation import _stats_line
+    st = LLM(art, backend="reference", num_blocks=64).stats()
+    assert _stats_line(st) == "[0/64 KV blocks in use, 0 prefix-cache hit tokens, 0 preemptions]"
+    st.update(spec_proposed_tokens=40, spec_accepted_tokens=30, spec_acceptance_rate=0.75, spec_steps=12)
+    assert _stats_line(st).endswith(", speculation: 30 of 40 proposed tokens accepted (75.0%) in 12 steps]")

@@ -175,10 +175,17 @@ def run(artifact, prompt, prompts_file, max_tokens, temperature, top_k, top_p, m
     else:
         out.whole(llm.generate(requests, params, progress=not as_json and sys.stderr.isatty()))
     if not as_json and sys.stderr.isatty():
-        st = llm.stats()
-        click.echo(f"[{st['blocks_used']}/{st['blocks_total']} KV blocks in use, "
-                   f"{st['prefix_cache_hit_tokens']} prefix-cache hit tokens, {st['num_preemptions']} preemptions]",
-                   err=True)
+        click.echo(_stats_line(llm.stats()), err=True)
+
+
+def _stats_line(st: dict) -> str:
+    """The engine's state after `llmc run`, for a terminal: KV blocks, prefix-cache hits, preemptions, and
+    what speculation proposed and kept."""
+    spec = (f", speculation: {st['spec_accepted_tokens']} of {st['spec_proposed_tokens']} proposed tokens "
+            f"accepted ({100 * st['spec_acceptance_rate']:.1f}%) in {st['spec_steps']} steps"
+            if st.get("spec_proposed_tokens") else "")
+    return (f"[{st['blocks_used']}/{st['blocks_total']} KV blocks in use, {st['prefix_cache_hit_tokens']} prefix-cache "
+            f"hit tokens, {st['num_preemptions']} preemptions{spec}]")
 
 
 def _top_json(top: list[dict]) -> list[dict]:
