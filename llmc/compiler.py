@@ -46,6 +46,21 @@ def is_onnx(model: Any) -> bool:
     return isinstance(model, (str, Path)) and Path(str(model)).suffix.lower() == ".onnx"
 
 
+def _check_tokenizer_fits(directory: Path, vocab: int) -> None:
+    """A tokenizer given for a model (--tokenizer) must not make ids past the model's vocabulary (the
+    embedding table would be indexed past its end at run time)."""
+    from llmc.tokenizer import load_tokenizer
+    try:
+        n = len(load_tokenizer(directory))
+    except Exception as e:  # a tokenizer that cannot load is the run's error to give, with its own message
+        log.debug("tokenizer %s not checked: %s", directory, e)
+        return
+    if n > vocab:
+        raise CompileError(f"the tokenizer in {directory} has {n} tokens and the model's vocabulary {vocab}: its "
+                           f"ids {vocab} to {n - 1} would index past the model's embedding table. Give the tokenizer "
+                           "the model was trained with (--tokenizer DIR)")
+
+
 def capture(model: Any, example_inputs: Sequence[torch.Tensor] | None = None, dtype: str = "float32",
             dynamic: dict | None = None, tokenizer: str | Path | None = None,
             status=None) -> tuple[Graph, str, list[Path]]:
@@ -57,6 +72,8 @@ def capture(model: Any, example_inputs: Sequence[torch.Tensor] | None = None, dt
         from llmc.frontend.onnx import capture_onnx
         path = Path(str(model)).expanduser()
         g, tok_files = capture_onnx(path, DTYPES[dtype], tokenizer)
+        if tokenizer is not None and any(f.name in TOKENIZER_CORE for f in tok_files):
+            _check_tokenizer_fits(tok_files[0].parent, int(g.outputs[0].type.shape[-1]))
         return g, str(path.resolve()), tok_files
     if tokenizer is not None:
         raise CompileError("--tokenizer is for ONNX models; a Hugging Face directory ships its own tokenizer files")

@@ -91,6 +91,9 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
                             "can be created") from None
     if check_ort and not is_onnx(model):
         raise LLMCError("--check-ort compares with onnxruntime and needs an ONNX model (MODEL.onnx)")
+    if check_ort:
+        from llmc.frontend.onnx_check import require_onnxruntime
+        require_onnxruntime()  # before the compile, not after it
     extra = [parse_pass_spec(s) for s in passes]
     if not quant:
         given = options.given_on_command_line("quant_lm_head", "quant_embeddings", *QUANT_OPTIONS)
@@ -131,8 +134,17 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
     if t:
         click.echo(f"compiled in {sum(t.values()):.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in t.items()))
     if check_ort:
-        from llmc.frontend.onnx_check import check_onnxruntime
-        click.echo(str(check_onnxruntime(model, art.graph)))
+        from llmc.frontend.onnx_check import check_onnxruntime, tolerance
+        rep = check_onnxruntime(model, art.graph)
+        click.echo(str(rep))
+        if quant:
+            click.echo("(quantized weights differ from the file's by design: compare perplexities with llmc eval)")
+        elif rep.max_rel_diff > tolerance(weights_dtype(s)):
+            raise LLMCError(f"{art.path} does not compute what {model} does: its logits differ from onnxruntime's by "
+                            f"{rep.max_rel_diff:.3g} of their scale, above the {tolerance(weights_dtype(s)):g} that "
+                            f"{weights_dtype(s)} rounding explains. Something in the graph mixes tokens in a way llmc does not see "
+                            "(outside attention), or a pass changed it: do not use this artifact; run the compile "
+                            "with --no-fuse to tell which, and report it with the model file")
 
 
 @main.command()
@@ -188,6 +200,14 @@ def inspect(artifact, ir, kernels, as_json, show_plan, plugins):
     for op, n in s["op_counts"].items():
         click.echo(f"  {op:18s} {n}")
     _echo_quant_plan(_quant_plan(art), show_plan)
+
+
+def weights_dtype(summary: dict) -> str:
+    """The float dtype that holds most of an artifact's parameter bytes (what it computes in: an ONNX file's
+    own, whatever --dtype said)."""
+    names = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+    sizes = {names[k]: n for k, n in summary["param_bytes_by_dtype"].items() if k in names}
+    return max(sizes, key=sizes.get) if sizes else "float32"
 
 
 def _quant_plan(art) -> dict | None:

@@ -322,7 +322,7 @@ def evaluate(artifact, text_file, dataset, max_tokens, window, as_json, backend,
     art = llmc.load(artifact, verify="background")  # checked while the engine loads the weights
     if art.tokenizer_dir is None:
         raise RequestError(f"{art.path} has no tokenizer (its model had no tokenizer files), so it cannot score "
-                           "text; compile the model from a directory with its tokenizer files")
+                           "text; compile the model from a directory with its tokenizer files (an ONNX file: with --tokenizer DIR)")
     longest = art.info.max_model_len - 2
     if window is not None and window > longest:
         raise RequestError(f"--window must be at most {longest} for this model, got {window}: its context is "

@@ -33,7 +33,7 @@ import torch
 
 from llmc.errors import CompileError, IRError
 from llmc.frontend.onnx_eval import BIG, CONST_EVAL, SYM_BINARY, onnx_dtype
-from llmc.frontend.onnx_ops import ONNX_OPS
+from llmc.frontend.onnx_ops import ONNX_OPS, USER_OPS
 from llmc.ir.graph import Graph, Value
 from llmc.ir.types import DTYPE_NAMES, SymDim, TensorType, dim_eval, dim_mul, make_dim, torch_dtype
 
@@ -138,6 +138,11 @@ class Importer:
             raise CompileError(f"the ONNX graph has no decoder shape: no input_ids[batch, sequence] integer input "
                                f"(its inputs: {', '.join(f'{i.name}{_shape_text(i)}' for i in inputs) or 'none'}). "
                                "Export the model with input_ids (and optionally attention_mask, position_ids).")
+        if _rank(ids) != 2:
+            what = "has no shape" if _rank(ids) is None else f"{_shape_text(ids)} has rank {_rank(ids)}"
+            raise CompileError(f"input {ids.name} {what}: llmc needs input_ids[batch, sequence]. Export the model "
+                               "with input_ids of that shape (dynamic_axes={'input_ids': {0: 'batch', 1: 'sequence'}} "
+                               "or dynamic_shapes)")
         b, s = _dims(ids)
         if not isinstance(s, str):
             raise CompileError(f"input {ids.name} has a fixed sequence length ({s}); export with a dynamic sequence "
@@ -210,7 +215,7 @@ class Importer:
     def run(self) -> None:
         for node in self.onnx_graph.node:
             self.node = node
-            if node.domain not in DOMAINS:
+            if node.domain not in DOMAINS and node.op_type not in USER_OPS:
                 raise self.unsupported(node)
             try:
                 ins = [self._value(n, node) if n else None for n in node.input]
@@ -373,11 +378,14 @@ class Importer:
     # -- helpers for the mapping rules ----------------------------------------------------------
     def unsupported(self, node, what: str | None = None) -> CompileError:
         where = f"ONNX node {node.name!r} ({node.domain + '.' if node.domain else ''}{node.op_type})"
+        if what is None and any(f.name == node.op_type and f.domain == node.domain for f in self.model.functions):
+            return CompileError(f"{where}: a function the model defines itself; llmc reads plain graphs: inline it "
+                                "first (onnx.inliner.inline_local_functions(model)) and compile the result")
         if what is None:
             return CompileError(f"{where}: llmc has no mapping for the op type {node.op_type}. Add a rule with "
-                                f"@onnx_op({node.op_type!r}) in llmc/frontend/onnx_ops.py (and a torch evaluator "
-                                "with @const_eval in onnx_eval.py if it appears in shape or mask arithmetic), or "
-                                "export without it.")
+                                f"@onnx_op({node.op_type!r}) in a file given with --plugin FILE.py (the built-in "
+                                "rules are in llmc/frontend/onnx_ops.py; a torch evaluator with @const_eval in "
+                                "onnx_eval.py if it appears in shape or mask arithmetic), or export without it.")
         return CompileError(f"{where}: {what} is not supported")
 
     def emit(self, op: str, inputs: list[Value], **attrs) -> Value:
@@ -733,8 +741,9 @@ def model_dir_files(onnx_path: Path, tokenizer: str | Path | None) -> tuple[Path
                     cfg = {**json.loads(p.read_text()), **cfg} if f == "config.json" else \
                         {**cfg, **{k: v for k, v in json.loads(p.read_text()).items()
                                    if k in ("eos_token_id", "bos_token_id") and k not in cfg}}
-                except json.JSONDecodeError:
-                    pass
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:  # it sets eos ids and the context
+                    raise CompileError(f"{p} is not valid JSON ({e}); fix or remove it (without it the eos "
+                                       "tokens and context length are not known)") from None
         if cfg:
             break
     return d, cfg

@@ -12,6 +12,7 @@ arithmetic, a torch evaluator with `@const_eval("OpType")` in onnx_eval.py).
 from __future__ import annotations
 
 import math
+import sys
 from typing import Callable
 
 import torch
@@ -21,13 +22,20 @@ from llmc.ir.graph import Value
 from llmc.ir.types import broadcast_shapes, dim_div, dim_mul, make_dim
 
 ONNX_OPS: dict[str, Callable] = {}
+# op types whose rule a user's file registered (a --plugin): taken in any domain, a custom one too, where
+# llmc's own rules are only for the default and com.microsoft domains
+USER_OPS: set[str] = set()
 
 
 def onnx_op(*names: str):
     """Register a mapping rule for ONNX op types (contrib ops by their bare name)."""
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+
     def deco(fn):
         for n in names:
             ONNX_OPS[n] = fn
+            if caller != "llmc" and not caller.startswith("llmc."):
+                USER_OPS.add(n)
         return fn
     return deco
 

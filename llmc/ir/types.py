@@ -71,10 +71,15 @@ def _canon(expr: str) -> str:
     return str(sympy.sympify(expr, locals=_SYMPY_LOCALS(expr)))
 
 
+# the functions a dim's expression may call (a symbolic dim divided: `floor(S/2)`); every other name is a dim
+_DIM_FUNCTIONS = {"floor": sympy.floor, "ceiling": sympy.ceiling, "Max": sympy.Max, "Min": sympy.Min, "Mod": sympy.Mod}
+
+
 def _SYMPY_LOCALS(expr: str) -> dict:
-    # single-letter names like S, N, E, I, O, Q are sympy objects; force every name to a Symbol
+    # single-letter names like S, N, E, I, O, Q are sympy objects; force every other name to a Symbol
     import re
-    return {n: sympy.Symbol(n, positive=True, integer=True) for n in re.findall(r"[A-Za-z_]\w*", expr)}
+    return {n: _DIM_FUNCTIONS.get(n) or sympy.Symbol(n, positive=True, integer=True)
+            for n in re.findall(r"[A-Za-z_]\w*", expr)}
 
 
 def make_dim(d: int | str | SymDim) -> Dim:

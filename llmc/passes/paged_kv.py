@@ -50,6 +50,15 @@ class PagedKV(Pass):
         attn = [n for n in g.nodes if n.op == "attention"]
         if not attn:
             raise CompileError("paged_kv found no attention op in the graph")
+        for i, n in enumerate(attn):
+            if not n.attrs["causal"]:
+                where = n.meta.get("source") or f"attention {i}"
+                raise CompileError(
+                    f"{where}: the attention is not causal (every token sees the whole sequence, later tokens too). "
+                    "Generation with a KV cache needs each token to attend only to the ones before it, so a model "
+                    "like this (an encoder, or an export that lost its causal mask) cannot run on the paged cache: "
+                    "export the model with its causal mask (is_causal=True); from Python, llmc.compile(..., "
+                    "paged_kv=False) compiles the graph as it is, without a KV cache")
         bdim, sdim = g.inputs[0].type.shape
         g.add_dim("T", 1, self.max_tokens)
         for d in ("N", "M", "L", "NB", "BS"):

@@ -112,3 +112,34 @@ def test_plain_module_with_sdpa_and_dynamic_dims():
         x = torch.randn(*shape)
         (out,) = run_graph(g, {"x": x})
         torch.testing.assert_close(out, m(x), rtol=1e-4, atol=1e-5)
+
+
+class TinyLM(torch.nn.Module):
+    """input_ids -> embedding -> one attention (causal or not) -> head: the least a paged-KV compile takes."""
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+        self.emb = torch.nn.Embedding(32, 16)
+        self.qkv = torch.nn.Linear(16, 48, bias=False)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+
+    def forward(self, input_ids, position_ids):
+        x = self.emb(input_ids)
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x).view(B, S, 2, 24).transpose(1, 2).split(8, dim=-1)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.head(o.transpose(1, 2).reshape(B, S, 16))
+
+
+def test_attention_that_is_not_causal_is_refused_on_the_paged_cache(tmp_path):
+    """A token of a bidirectional model depends on the tokens after it, which a KV cache cannot give: the
+    paged-KV compile says so (it ran with the mask dropped and generated other tokens), and nothing is
+    written; the causal twin compiles."""
+    ids, pos = torch.zeros(1, 5, dtype=torch.long), torch.arange(5)[None]
+    dyn = {"input_ids": {1: ("S", 1, 64)}, "position_ids": {1: ("S", 1, 64)}}
+    with pytest.raises(CompileError, match="the attention is not causal.*is_causal=True.*paged_kv=False"):
+        llmc.compile(TinyLM(False).eval(), tmp_path / "enc.llmc", example_inputs=(ids, pos), dynamic=dyn)
+    assert not (tmp_path / "enc.llmc").exists()
+    assert llmc.compile(TinyLM(True).eval(), tmp_path / "dec.llmc", example_inputs=(ids, pos),
+                        dynamic=dyn).graph.meta["paged"]

@@ -235,6 +235,24 @@ def test_cli_compile_with_check_ort(onnx_root, model_root, tmp_path):
     assert "warning" not in out  # the tokenizer was found
     code, out = cli("run", tmp_path / "q.llmc", "--prompt", "def add(a, b):", "--max-tokens", 4)
     assert code == 0, out
+    from tests.conftest import build_tokenizer
+    build_tokenizer(tmp_path / "big", 1000)  # more tokens than the model's 320
+    assert_clean_error(*cli("compile", path, "-o", tmp_path / "b.llmc", "--tokenizer", tmp_path / "big"),
+                       "tokens and the model's vocabulary 320", "--tokenizer DIR")
+    assert not (tmp_path / "b.llmc").exists()
+    # a norm over the sequence instead of the hidden dim mixes tokens outside attention: llmc computes something
+    # else, and the check says so with exit 1
+    import onnx
+    from onnx import helper
+    m = onnx.load(str(path))
+    norm = next(n for n in m.graph.node if n.op_type == "ReduceMean" and "layernorm" in n.name)
+    axes = next(a for a in norm.attribute if a.name == "axes")  # opset 17: an attribute
+    norm.attribute.remove(axes)
+    norm.attribute.append(helper.make_attribute("axes", [1]))
+    onnx.save(m, str(tmp_path / "seq.onnx"))
+    code, out = cli("compile", tmp_path / "seq.onnx", "-o", tmp_path / "s.llmc", "--check-ort")
+    assert code == 1 and "Traceback" not in out, out
+    assert out.strip().splitlines()[-1].startswith("error: ") and "does not compute what" in out, out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,6 +304,47 @@ def test_bad_files_are_clean_errors(onnx_root, model_root, tmp_path):
     fixed = helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 7])
     onnx.save(_graph([gather], [fixed], [logits], [emb]), str(tmp_path / "fixed.onnx"))
     assert_clean_error(*cli("compile", tmp_path / "fixed.onnx", "-o", o), "fixed sequence length", "dynamic")
+    for name, shape, needle in (("noshape", None, "input_ids has no shape"),
+                                ("rank1", ["batch"], "input_ids [batch] has rank 1")):
+        bad = helper.make_tensor_value_info("input_ids", TensorProto.INT64, shape)
+        onnx.save(_graph([gather], [bad], [logits], [emb]), str(tmp_path / f"{name}.onnx"))
+        assert_clean_error(*cli("compile", tmp_path / f"{name}.onnx", "-o", o), needle, "input_ids[batch, sequence]")
+    (tmp_path / "cfg").mkdir()
+    onnx.save(_graph([gather], [ids], [logits], [emb]), str(tmp_path / "cfg" / "model.onnx"))
+    (tmp_path / "cfg" / "config.json").write_text('{"max_position_embeddings": 64,\n')
+    assert_clean_error(*cli("compile", tmp_path / "cfg" / "model.onnx", "-o", o), "config.json is not valid JSON")
+    assert not o.exists()
+
+
+def test_a_symbolic_dim_divided_is_worked_out(onnx_root, model_root, tmp_path):
+    """logits reshaped to [B, (2 * S) / 2, -1] (an identity; onnxruntime runs it): the division of the
+    sequence dim is worked out symbolically (it was an internal error), and the artifact agrees with
+    onnxruntime."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from llmc.frontend.onnx_eval import SYM_BINARY
+    from llmc.ir.types import make_dim
+    assert str(SYM_BINARY["Div"](make_dim("S"), 2)) == "floor(S/2)"
+    assert SYM_BINARY["Div"](SYM_BINARY["Mul"](make_dim("S"), 2), 2) == make_dim("S")
+    path = onnx_root / "mistral-legacy" / "model.onnx"
+    if not path.exists():
+        export(make_model_dir(model_root, "mistral"), path.parent.mkdir() or path, **VARIANTS["mistral-legacy"][1])
+    m = onnx.load(str(path))
+    g = m.graph
+    for n in g.node:
+        n.output[:] = ["logits_raw" if o == "logits" else o for o in n.output]
+    g.initializer.extend(numpy_helper.from_array(np.array(v, dtype=np.int64), name)
+                         for name, v in (("k0", [0]), ("k1", [1]), ("two", [2]), ("m1", [-1])))
+    g.node.extend([helper.make_node("Shape", ["logits_raw"], ["shp"]),
+                   helper.make_node("Gather", ["shp", "k0"], ["b"], axis=0),
+                   helper.make_node("Gather", ["shp", "k1"], ["s"], axis=0),
+                   helper.make_node("Mul", ["s", "two"], ["s2"]), helper.make_node("Div", ["s2", "two"], ["s1"]),
+                   helper.make_node("Concat", ["b", "s1", "m1"], ["tgt"], axis=0),
+                   helper.make_node("Reshape", ["logits_raw", "tgt"], ["logits"])])
+    onnx.save(m, str(tmp_path / "div.onnx"))
+    art = llmc.compile(tmp_path / "div.onnx", tmp_path / "div.llmc")
+    assert check_onnxruntime(tmp_path / "div.onnx", art.graph, lengths=(5,)).max_abs_diff <= 1e-4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,3 +524,39 @@ def test_a_bf16_export_computes_what_its_hf_directory_does(model_root, tmp_path)
               .execute(StepBatch([StepInput(prompt, 0, [0, 1, 2], 20)])).logits for g in (hf, ox)]
     assert torch.equal(*logits)
 
+
+
+def test_a_custom_domain_op_takes_a_plugins_rule_and_local_functions_are_named(onnx_root, model_root, tmp_path):
+    """An op of a custom domain: without a rule the error says to register one with --plugin; with a rule
+    registered outside llmc (as a --plugin file does) it is taken, and the artifact computes what the
+    unchanged export does. A model's own local function: the error says to inline it."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from llmc.frontend.onnx_ops import ONNX_OPS, onnx_op
+    path = onnx_root / "mistral-legacy" / "model.onnx"
+    if not path.exists():
+        export(make_model_dir(model_root, "mistral"), path.parent.mkdir() or path, **VARIANTS["mistral-legacy"][1])
+    m = onnx.load(str(path))
+    node = next(n for n in m.graph.node if n.op_type == "Softmax")
+    node.op_type, node.domain = "TestOnlySoftmax", "custom.ops"
+    m.opset_import.append(helper.make_opsetid("custom.ops", 1))
+    onnx.save(m, str(tmp_path / "custom.onnx"))
+    with pytest.raises(CompileError, match=r"custom\.ops\.TestOnlySoftmax.*--plugin FILE\.py"):
+        llmc.compile(tmp_path / "custom.onnx", tmp_path / "c.llmc")
+    onnx_op("TestOnlySoftmax")(ONNX_OPS["Softmax"])  # what a plugin file does
+    art = llmc.compile(tmp_path / "custom.onnx", tmp_path / "c.llmc")
+    assert check_onnxruntime(path, art.graph, lengths=(5,)).max_abs_diff <= 1e-4
+
+    x = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    y = helper.make_tensor_value_info("logits", TensorProto.INT64, ["batch", "sequence", 1])
+    fn = helper.make_function("local.fns", "Twice", ["a"], ["b"], [helper.make_node("Add", ["a", "a"], ["b"])],
+                              [helper.make_opsetid("", 20)])
+    g = helper.make_graph([helper.make_node("Twice", ["input_ids"], ["t"], domain="local.fns"),
+                           helper.make_node("Unsqueeze", ["t", "ax"], ["logits"])], "g", [x], [y],
+                          [helper.make_tensor("ax", TensorProto.INT64, [1], [2])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("local.fns", 1)],
+                              functions=[fn])
+    onnx.save(model, str(tmp_path / "fn.onnx"))
+    with pytest.raises(CompileError, match="a function the model defines itself.*inline_local_functions"):
+        llmc.compile(tmp_path / "fn.onnx", tmp_path / "f.llmc")

@@ -59,7 +59,8 @@ def calibration_windows(ctx: PassContext, cfg: QuantConfig) -> list[list[int]]:
     tok_dir = ctx.state.get("tokenizer_dir")
     if tok_dir is None:
         raise CompileError("calibration needs the model's tokenizer: compile a Hugging Face directory (with its "
-                           "tokenizer files), or quantize with --quant rtn or fp8, which need no calibration")
+                           "tokenizer files) or give an ONNX file's with --tokenizer DIR, or quantize with --quant "
+                           "rtn or fp8, which need no calibration")
     from llmc.tokenizer import load_tokenizer
     tok = load_tokenizer(tok_dir)
     if hasattr(tok, "model_max_length"):  # the text is cut into windows here: no "longer than the maximum" warning
