@@ -41,7 +41,7 @@ import torch
 
 from llmc.errors import CompileError
 from llmc.ir.graph import Graph, Value
-from llmc.ir.quant import QuantFormat, QuantizedWeight, pack
+from llmc.ir.quant import MIN_GROUP, QuantFormat, QuantizedWeight, pack
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 SUPPORTED = ("GPTQ (bits 4 or 8, checkpoint_format gptq or gptq_v2) and AWQ (bits 4, version gemm, with zero "
@@ -85,9 +85,10 @@ def read_scheme(qc: dict) -> Scheme:
     else:
         raise CompileError(f"quantization method {repr(method) if method else '(none given)'} is not supported; "
                            f"llmc imports {SUPPORTED}")
-    if group_size != -1 and (group_size <= 0 or group_size % 2):
+    if group_size != -1 and (group_size <= 0 or group_size % MIN_GROUP):
         raise CompileError(f"{method.upper()} group_size {group_size} is not supported; llmc imports -1 (per "
-                           "channel) or a positive even group size")
+                           f"channel) or a positive multiple of {MIN_GROUP}, the fewest input columns its quantized "
+                           "kernels take per scale")
     return scheme
 
 

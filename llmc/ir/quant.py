@@ -35,6 +35,11 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT8_MAX = 127
 
 
+# the fewest input columns per scale a grouped format may have: the quantized kernels' shortest run of columns
+# per scale (a tensor-core dot's K, codegen/qmatmul.MIN_RUN)
+MIN_GROUP = 16
+
+
 @dataclass(frozen=True)
 class QuantFormat:
     """How one linear's weight is stored; `attrs()` are the qlinear node's attributes."""

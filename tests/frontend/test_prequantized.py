@@ -227,3 +227,15 @@ def test_classic_gptq_zero_point_256_is_refused():
     with pytest.raises(CompileError, match="zero point 256 does not fit"):
         gptq_linear(scheme, pack_rows(torch.zeros(8, 8, dtype=torch.long), 8), zeros, torch.ones(1, 8).half(),
                     None, name="lin")
+
+
+def test_a_group_smaller_than_the_kernels_take_is_refused(awq_dir, tmp_path):
+    """Groups of 8 input columns: the reference backend would run them, the kernels not (they take 16 columns per
+    scale at least), so the import refuses them up front."""
+    cfg = json.loads((awq_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 8}
+    bad = tmp_path / "bad"
+    shutil.copytree(awq_dir, bad)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CompileError, match="GPTQ group_size 8 is not supported.*multiple of 16"):
+        llmc.compile(bad, None)

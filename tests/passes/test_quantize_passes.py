@@ -160,7 +160,19 @@ def test_bad_quant_options_fail_before_writing(llama_dir, tmp_path):
         llmc.compile(llama_dir, out, quant={"method": "rtn", "wbits": 3})
     with pytest.raises(CompileError, match="--quant"):
         llmc.compile(llama_dir, out, quant="int3")
+    # the kernels take at least 16 input columns per scale (a group of 8 compiled, then failed on them)
+    with pytest.raises(CompileError, match="positive multiple of 16"):
+        llmc.compile(llama_dir, out, quant={"method": "rtn", "group_size": 8})
+    for bad, needle in (({"group_size": 64.0}, "group_size takes an int, not float"),
+                        ({"wbits": "4"}, "wbits takes an int, not str"),
+                        ({"bits_budget": "5"}, "bits_budget takes a number"),
+                        ({"skip": [3]}, "skip takes module names")):
+        with pytest.raises(TypeError, match=needle):
+            llmc.compile(llama_dir, out, quant={"method": "rtn", **bad})
     assert not out.exists()
+    from llmc.passes.quantize.config import QuantConfig
+    assert QuantConfig.coerce({"method": "rtn", "skip": "o_proj"}).skip == ("o_proj",)  # one name, not letters
+    assert QuantConfig(skip="o_proj").skip == ("o_proj",)
 
 
 def test_fp8_on_a_gpu_without_fp8_is_a_clear_error(llama_dir, tmp_path, monkeypatch):

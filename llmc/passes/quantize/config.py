@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmc.errors import CompileError
-from llmc.ir.quant import QuantFormat
+from llmc.ir.quant import MIN_GROUP, QuantFormat
 
 METHODS = ("rtn", "gptq", "awq", "smoothquant", "fp8", "mixed")
 CALIBRATED = ("gptq", "awq", "smoothquant", "mixed")
@@ -65,14 +65,16 @@ class QuantConfig:
     embeddings: str | None = None
 
     def __post_init__(self):
+        self._check_types()
         if self.embeddings not in (None, "int8"):
             raise CompileError(f"--quant-embeddings takes int8, not {self.embeddings!r}")
         if self.method not in METHODS:
             raise CompileError(f"--quant must be one of {', '.join(METHODS)}, not {self.method!r}")
         if self.wbits not in (4, 8):
             raise CompileError(f"--wbits must be 4 or 8, not {self.wbits}")
-        if self.group_size is not None and (self.group_size < 0 or self.group_size % 2):
-            raise CompileError(f"--group-size must be 0 (per channel) or a positive even number, not {self.group_size}")
+        if self.group_size is not None and (self.group_size < 0 or self.group_size % MIN_GROUP):
+            raise CompileError(f"--group-size must be 0 (per channel) or a positive multiple of {MIN_GROUP} (the "
+                               f"fewest input columns the quantized kernels take per scale), not {self.group_size}")
         if self.calib_samples < 1 or self.calib_len < 2:
             raise CompileError("--calib-samples must be >= 1 and the calibration length >= 2")
         if not 4 <= self.bits_budget <= 16:
@@ -83,6 +85,23 @@ class QuantConfig:
             raise CompileError(f"--calib {self.calib}: no such file; give a text file or builtin:heldout")
         if self.calib.startswith("builtin:") and self.calib != "builtin:heldout":
             raise CompileError(f"--calib {self.calib}: the built-in calibration text is builtin:heldout")
+
+    def _check_types(self) -> None:
+        """A TypeError naming an option given a value of the wrong type (a dict of options from Python); `skip`
+        given as one string is one module name (it was read letter by letter)."""
+        if isinstance(self.skip, str):
+            object.__setattr__(self, "skip", (self.skip,))  # frozen
+        wants = {"int": (int, "an int"), "float": ((int, float), "a number"), "bool": (bool, "a bool"),
+                 "str": (str, "a string")}
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), str(f.type).split(" | ")[0]
+            if value is None or kind not in wants:
+                continue
+            types, text = wants[kind]
+            if not isinstance(value, types) or (isinstance(value, bool) and kind != "bool"):
+                raise TypeError(f"quantization option {f.name} takes {text}, not {type(value).__name__} {value!r}")
+        if not all(isinstance(x, str) for x in self.skip):
+            raise TypeError(f"quantization option skip takes module names (strings), not {self.skip!r}")
 
     @classmethod
     def coerce(cls, value) -> "QuantConfig | None":
@@ -95,7 +114,8 @@ class QuantConfig:
             unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
             if unknown:
                 raise CompileError(f"unknown quantization options {sorted(unknown)}")
-            return cls(**{k: tuple(v) if k == "skip" else v for k, v in value.items()})
+            return cls(**{k: (v,) if k == "skip" and isinstance(v, str) else tuple(v) if k == "skip" else v
+                          for k, v in value.items()})
         raise CompileError(f"quant= takes a QuantConfig, a method name or a dict, not {type(value).__name__}")
 
     @property
