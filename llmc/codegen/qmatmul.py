@@ -176,9 +176,11 @@ def _check(fmt: QuantFormat, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if zeros is not None and (zeros.shape != scales.shape or zeros.dtype != torch.uint8):
         raise CompileError(f"qlinear: zero points should be u8 {list(scales.shape)}, like the scales, "
                            f"not {zeros.dtype} {list(zeros.shape)}")
-    if zeros is not None and zeros.numel() and int(zeros.max()) >= 1 << fmt.bits:
+    # 0..2^bits: classic GPTQ checkpoints store zero - 1, so a zero of 0 wraps and reads back as 16 (4-bit);
+    # code - zero stays exact in every path (fp32, and MAGIC + 16 in the PTX's bf16 / f16)
+    if zeros is not None and zeros.numel() and int(zeros.max()) > 1 << fmt.bits:
         raise CompileError(f"qlinear: a zero point of {int(zeros.max())} is outside the {fmt.bits}-bit codes' range "
-                           f"0..{(1 << fmt.bits) - 1}")
+                           f"0..{1 << fmt.bits}")
     if any(t.device != qweight.device for t in (scales, zeros) if t is not None):
         raise CompileError("qlinear: qweight, scales and zeros must be on one device")
     return k

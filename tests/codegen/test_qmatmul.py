@@ -534,18 +534,24 @@ def test_nibbles_ptx_gives_every_code_less_8(dtype):
 def test_nibbles_ptx_with_zero_points(dtype):
     """With zero points (AWQ checkpoints, asymmetric RTN) the PTX takes each plane's -(MAGIC + zero) as a
     pair in x's dtype and gives each nibble less its own zero, exactly, on all byte pairs and zero
-    points 0..15 (at random per element); a zero point past int4's range is refused at prepare."""
+    points 0..16 (at random per element; 16 is a classic GPTQ checkpoint's wrapped 0); a zero point past that
+    is refused at prepare."""
     import numpy as np
     x = np.arange(1 << 16, dtype=np.uint32)
-    zeros = np.random.default_rng(0).integers(0, 16, size=(2, 2, 1 << 16)).astype(np.uint32)  # [plane, element]
+    zeros = np.random.default_rng(0).integers(0, 17, size=(2, 2, 1 << 16)).astype(np.uint32)  # [plane, element]
     magic = qm.NIBBLE_CONSTANTS[dtype][4]
     bias = [_to_half(-(magic + zeros[p, 0].astype(np.float64)), dtype)
             | (_to_half(-(magic + zeros[p, 1].astype(np.float64)), dtype) << np.uint32(16)) for p in (0, 1)]
     planes = _run_nibbles_asm(qm._nibbles_asm(dtype, zero_points=True), x, *bias)
     _assert_planes(planes, x, dtype, lambda p, e: zeros[p, e])
     qw = quantized(FORMATS["int4-g64-zp"], 8, 128, gen("zp-range"))
-    with pytest.raises(CompileError, match="zero point of 16 is outside the 4-bit codes' range 0..15"):
-        prepare(qw.fmt, qw.qweight, qw.scales, torch.full_like(qw.zeros, 16))
+    with pytest.raises(CompileError, match="zero point of 17 is outside the 4-bit codes' range 0..16"):
+        prepare(qw.fmt, qw.qweight, qw.scales, torch.full_like(qw.zeros, 17))
+    zeros16 = torch.full_like(qw.zeros, 16)
+    zeros16[::2] = 3
+    x = rand(5, 128, g=gen("zp16"))
+    got = qlinear(x, prepare(qw.fmt, qw.qweight, qw.scales, zeros16))
+    close(got, reference(x, qw.fmt, qw.qweight, qw.scales, zeros16), x.dtype)
 
 
 def test_packed_nibbles_compile_for_hopper():
