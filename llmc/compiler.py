@@ -150,6 +150,10 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         bar.step("reading the ONNX graph" if is_onnx(model) else "capturing with torch.export"
                  if isinstance(model, torch.nn.Module) else "reading the model directory")
         graph, source, tok_files = capture(model, example_inputs, dtype, dynamic, tokenizer, status=bar.step)
+        if quant is not None and "qlinear" in graph.op_counts():
+            raise CompileError(f"{source} holds quantized weights already (the quantization_config of its "
+                               f"checkpoint): --quant {quant.method} would quantize only the layers it left dense. "
+                               "Compile it without --quant, or quantize its unquantized weights")
         plist = pipeline(list(passes or []), before=before, after=after, options={**options, "quant": quant})
         if tune and torch.cuda.is_available():
             triton_setup.start()  # Triton's once-per-process set-up, beside the passes (before the tuning's threads)

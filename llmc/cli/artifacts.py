@@ -220,7 +220,7 @@ def _quant_plan(art) -> dict | None:
     from llmc.passes.quantize.materialize import plan_from_graph
     applied = [p["name"].split("{")[0] for p in art.manifest.get("passes", [])]  # "name{option=value}"
     own = [n for n in applied if n not in PASSES or not PASSES[n].__module__.startswith("llmc.")]
-    plan = plan_from_graph(art.graph, ", ".join(own) or "a pass")
+    plan = plan_from_graph(art.graph, ", ".join(own) or "imported (the checkpoint's own quantization)")
     return plan and {**plan, "from_graph": True}
 
 
@@ -235,7 +235,7 @@ def _echo_quant_plan(plan: dict | None, per_linear: bool) -> None:
     click.echo(f"quantization  {plan['method']}: {plan['avg_bits']} bits per weight on average"
                + (f", calibrated on {plan['calibration']['tokens']} tokens of {plan['calibration']['source']}"
                   if plan.get("calibration") else "")
-               + (" (read from the graph: the pass recorded no plan)" if plan.get("from_graph") else ""))
+               + (" (read from the graph: no plan was recorded)" if plan.get("from_graph") else ""))
     tables = plan.get("embeddings", {})
     if not per_linear:
         for fmt in sorted(set(label.values())):

@@ -239,3 +239,24 @@ def test_a_group_smaller_than_the_kernels_take_is_refused(awq_dir, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CompileError, match="GPTQ group_size 8 is not supported.*multiple of 16"):
         llmc.compile(bad, None)
+
+
+def test_quantizing_a_quantized_checkpoint_again_is_refused(awq_dir, tmp_path):
+    """--quant on a checkpoint that is quantized already would quantize nothing it holds (it compiled, with a plan
+    of the dense LM head alone): refused, nothing written."""
+    with pytest.raises(CompileError, match="holds quantized weights already.*without --quant"):
+        llmc.compile(awq_dir, tmp_path / "q.llmc", quant="rtn")
+    assert not (tmp_path / "q.llmc").exists()
+
+
+def test_inspect_shows_an_imported_checkpoints_quantization(awq_dir, tmp_path):
+    """`llmc inspect --plan` on an imported checkpoint: its linears' formats read back from the graph, under
+    "imported", fused projections by their module, and no embedding table among the linears."""
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+    llmc.compile(awq_dir, tmp_path / "a.llmc")
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "a.llmc"), "--plan"])
+    assert r.exit_code == 0, r.output
+    assert "quantization  imported" in r.output and "w4a16-g32-zp" in r.output, r.output
+    assert "self_attn.fused " in r.output and "embed_tokens" not in r.output, r.output

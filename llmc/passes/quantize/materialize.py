@@ -60,8 +60,13 @@ def plan_entry(method: str, fmt: QuantFormat | None, w: torch.Tensor, note: str)
 
 
 def _module_name(param: str) -> str:
+    """A linear's name from its weight param's: `...q_proj.weight` -> `...q_proj`; a fused projection's
+    (`...self_attn.fused_qweight`) -> `...self_attn.fused`."""
     for suffix in (".qweight", ".codes", ".weight"):
         param = param.removesuffix(suffix)
+    for fused in ("fused_qweight", "fused_codes", "fused_weight"):
+        if param.endswith(fused):
+            return param.removesuffix(fused) + "fused"
     return param
 
 
@@ -73,6 +78,8 @@ def plan_from_graph(g: Graph, method: str) -> dict | None:
 
     linears, quantized = {}, False
     for n in g.nodes:
+        if "linear" not in n.op:  # linear, linear_act, linear_silu_mul, silu_mul_linear, qlinear, qlinear_codes
+            continue
         names = [o.rstrip("?*") for o in OPS[n.op].operands] if n.op in OPS else []
         operand = dict(zip(names, n.inputs))
         w = operand.get("qweight") or operand.get("weight")
