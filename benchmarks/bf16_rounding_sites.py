@@ -41,12 +41,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from llmc.models import builtin_dir, heldout_text_path
+    from llmc.models import builtin_dir
+    from widen_check import heldout_ids  # this script's own directory
     src = builtin_dir("tiny-py")
-    tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
-    ids = torch.tensor(tok.encode(heldout_text_path().read_text()[:400_000], add_special_tokens=False)[:a.tokens])
+    ids = heldout_ids(a.tokens)
 
     def load(dtype):
         return AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True).eval()

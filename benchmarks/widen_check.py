@@ -24,6 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the GPU for the record; the CPU to try it
 
 
+def heldout_ids(tokens: int | None = None) -> torch.Tensor:
+    """tiny-py's token ids of the held-out text's first 400,000 characters (what the widening checks score;
+    calibration reads the text's second half), the first `tokens` of them (None: all)."""
+    from transformers import AutoTokenizer
+
+    from llmc.models import builtin_dir, heldout_text_path
+    tok = AutoTokenizer.from_pretrained(builtin_dir("tiny-py"), local_files_only=True)
+    return torch.tensor(tok.encode(heldout_text_path().read_text()[:400_000], add_special_tokens=False)[:tokens])
+
+
 def load(path, dtype):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(DEVICE).eval()
@@ -96,11 +106,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
-    from transformers import AutoTokenizer
-    from llmc.models import builtin_dir, heldout_text_path
+    from llmc.models import builtin_dir
     src = builtin_dir("tiny-py")
-    tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
-    ids = torch.tensor(tok.encode(heldout_text_path().read_text()[:400_000], add_special_tokens=False)[:a.tokens])
+    ids = heldout_ids(a.tokens)
     base32 = load(src, torch.float32)
     res = {"tokens": len(ids)}
     step = len(ids) // (a.prompts + 1)

@@ -50,7 +50,7 @@ MODES = ("nearest", "feedback", "copies")
 VARIANTS = {"copies-plain": ("copies", False)}
 
 from tests.scripts import load_script  # noqa: E402  (after the repository is on sys.path)
-from widen_check import LogitErrors  # noqa: E402  (benchmarks/ is this script's own directory)
+from widen_check import LogitErrors, heldout_ids  # noqa: E402  (benchmarks/ is this script's own directory)
 
 wm = load_script("widen_model")
 
@@ -202,16 +202,13 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="the widenings to build and compare")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
-    from transformers import AutoTokenizer
-
-    from llmc.models import builtin_dir, heldout_text_path
+    from llmc.models import builtin_dir
     src = builtin_dir("tiny-py")
     dtype = getattr(torch, a.dtype)
     shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
                  head_dim=a.head_dim, intermediate=a.intermediate)
     dirs = {m: build(src, Path(a.work), shape, dtype, m) for m in a.modes.split(",")}
-    tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
-    ids = torch.tensor(tok.encode(heldout_text_path().read_text()[:400_000], add_special_tokens=False))
+    ids = heldout_ids()
     res = {"shape": shape, "dtype": a.dtype, "device": DEVICE, "tokens": min(a.tokens, len(ids))}
 
     layers = [int(k) for k in a.error_layers.split(",") if k]

@@ -38,6 +38,11 @@ MANIFEST = "manifest.json"
 TOKENIZER_CORE = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
+def has_tokenizer(files) -> bool:
+    """Whether a model's files (paths) include a tokenizer: one of `TOKENIZER_CORE`."""
+    return any(Path(f).name in TOKENIZER_CORE for f in files)
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the runtime needs to know of a compiled model, written by compile and read by run.

@@ -19,7 +19,7 @@ from llmc.errors import CompileError
 from llmc.ir.graph import Graph
 from llmc.ir.ops import FLOAT_LINEARS, linear_weight_inputs
 from llmc.passes.manager import Pass, PassContext, PassManager
-from llmc.artifact import MANIFEST, TOKENIZER_CORE, Artifact, ArtifactWriter
+from llmc.artifact import MANIFEST, Artifact, ArtifactWriter, has_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def capture(model: Any, example_inputs: Sequence[torch.Tensor] | None = None, dt
         from llmc.frontend.onnx import capture_onnx
         path = Path(str(model)).expanduser()
         g, tok_files = capture_onnx(path, DTYPES[dtype], tokenizer)
-        if tokenizer is not None and any(f.name in TOKENIZER_CORE for f in tok_files):
+        if tokenizer is not None and has_tokenizer(tok_files):
             _check_tokenizer_fits(tok_files[0].parent, int(g.outputs[0].type.shape[-1]))
         return g, str(path.resolve()), tok_files
     if tokenizer is not None:
@@ -160,7 +160,7 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         bar.phase("passes")
         bar.step(f"running {len(plist)} passes")
         ctx = PassContext(options=dict(options), state={"status": bar.step})
-        if any(f.name in TOKENIZER_CORE for f in tok_files):  # generation_config.json alone is no tokenizer
+        if has_tokenizer(tok_files):  # generation_config.json alone is no tokenizer
             ctx.state["tokenizer_dir"] = str(tok_files[0].parent)
         graph = PassManager(plist, verify=verify, dump_dir=dump_ir,
                             progress=lambda p: bar.step(f"pass {p.name}")).run(graph, ctx)

@@ -134,15 +134,16 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
     if t:
         click.echo(f"compiled in {sum(t.values()):.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in t.items()))
     if check_ort:
-        from llmc.frontend.onnx_check import check_onnxruntime, tolerance
+        from llmc.frontend.onnx_check import TOLERANCE, check_onnxruntime
         rep = check_onnxruntime(model, art.graph)
         click.echo(str(rep))
+        dtype = weights_dtype(s)
         if quant:
             click.echo("(quantized weights differ from the file's by design: compare perplexities with llmc eval)")
-        elif rep.max_rel_diff > tolerance(weights_dtype(s)):
+        elif rep.max_rel_diff > TOLERANCE[dtype]:
             raise LLMCError(f"{art.path} does not compute what {model} does: its logits differ from onnxruntime's by "
-                            f"{rep.max_rel_diff:.3g} of their scale, above the {tolerance(weights_dtype(s)):g} that "
-                            f"{weights_dtype(s)} rounding explains. Something in the graph mixes tokens in a way llmc does not see "
+                            f"{rep.max_rel_diff:.3g} of their scale, above the {TOLERANCE[dtype]:g} that "
+                            f"{dtype} rounding explains. Something in the graph mixes tokens in a way llmc does not see "
                             "(outside attention), or a pass changed it: do not use this artifact; run the compile "
                             "with --no-fuse to tell which, and report it with the model file")
 
@@ -203,11 +204,10 @@ def inspect(artifact, ir, kernels, as_json, show_plan, plugins):
 
 
 def weights_dtype(summary: dict) -> str:
-    """The float dtype that holds most of an artifact's parameter bytes (what it computes in: an ONNX file's
-    own, whatever --dtype said)."""
-    names = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
-    sizes = {names[k]: n for k, n in summary["param_bytes_by_dtype"].items() if k in names}
-    return max(sizes, key=sizes.get) if sizes else "float32"
+    """Of f32, f16 and bf16, the one that holds most of an artifact's parameter bytes (what it computes in: an
+    ONNX file's own, whatever --dtype said)."""
+    sizes = {k: n for k, n in summary["param_bytes_by_dtype"].items() if k in ("f32", "f16", "bf16")}
+    return max(sizes, key=sizes.get) if sizes else "f32"
 
 
 def _quant_plan(art) -> dict | None:

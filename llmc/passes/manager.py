@@ -177,18 +177,19 @@ def parse_pass_spec(spec: str) -> Pass:
         raise CompileError(f"cannot construct pass {cls.name!r} with {opts}: {e}") from None
 
 
+def fits_kind(value: Any, kind: type) -> bool:
+    """Whether an option's value is of `kind`, one of bool, int, float (an int too) and str; a bool is no
+    number."""
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
 def _fits_default(value: Any, default: Any) -> bool:
-    """Whether an option's value is of its default's kind (bool, int, float: an int too, str); options whose
-    default is none of these (None, a config object, no default) take anything."""
-    if isinstance(default, bool):
-        return isinstance(value, bool)
-    if isinstance(default, int):
-        return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(default, float):
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if isinstance(default, str):
-        return isinstance(value, str)
-    return True
+    """Whether an option's value is of its default's kind (`fits_kind`); options whose default is none of
+    bool, int, float and str (None, a config object, no default) take anything."""
+    kind = type(default)
+    return kind not in (bool, int, float, str) or fits_kind(value, kind)
 
 
 def _parse_opts(text: str, spec: str) -> dict[str, Any]:

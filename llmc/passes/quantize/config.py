@@ -88,17 +88,17 @@ class QuantConfig:
 
     def _check_types(self) -> None:
         """A TypeError naming an option given a value of the wrong type (a dict of options from Python); `skip`
-        given as one string is one module name (it was read letter by letter)."""
-        if isinstance(self.skip, str):
-            object.__setattr__(self, "skip", (self.skip,))  # frozen
-        wants = {"int": (int, "an int"), "float": ((int, float), "a number"), "bool": (bool, "a bool"),
-                 "str": (str, "a string")}
+        given as one string is one module name (it was read letter by letter), any other iterable a tuple."""
+        from llmc.passes.manager import fits_kind
+        if not isinstance(self.skip, tuple):
+            object.__setattr__(self, "skip", (self.skip,) if isinstance(self.skip, str) else tuple(self.skip))
+        kinds = {"int": (int, "an int"), "float": (float, "a number"), "bool": (bool, "a bool"), "str": (str, "a string")}
         for f in dataclasses.fields(self):
-            value, kind = getattr(self, f.name), str(f.type).split(" | ")[0]
-            if value is None or kind not in wants:
+            value, annotation = getattr(self, f.name), str(f.type).split(" | ")[0]
+            if value is None or annotation not in kinds:
                 continue
-            types, text = wants[kind]
-            if not isinstance(value, types) or (isinstance(value, bool) and kind != "bool"):
+            kind, text = kinds[annotation]
+            if not fits_kind(value, kind):
                 raise TypeError(f"quantization option {f.name} takes {text}, not {type(value).__name__} {value!r}")
         if not all(isinstance(x, str) for x in self.skip):
             raise TypeError(f"quantization option skip takes module names (strings), not {self.skip!r}")
@@ -114,8 +114,7 @@ class QuantConfig:
             unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
             if unknown:
                 raise CompileError(f"unknown quantization options {sorted(unknown)}")
-            return cls(**{k: (v,) if k == "skip" and isinstance(v, str) else tuple(v) if k == "skip" else v
-                          for k, v in value.items()})
+            return cls(**value)  # skip: a name or names, made a tuple by __post_init__
         raise CompileError(f"quant= takes a QuantConfig, a method name or a dict, not {type(value).__name__}")
 
     @property
