@@ -64,7 +64,8 @@ from llmc.errors import LLMCError
                    "together with --quant-lm-head: the dense head would still need the table).")
 @click.option("--draft", "draft_model", default=None, metavar="DRAFT",
               help="Also compile DRAFT (a local HF directory or builtin:NAME with MODEL's tokenizer) into the "
-                   "artifact, for speculative decoding: `llmc run OUT.llmc --spec draft` then needs no --draft.")
+                   "artifact, for speculative decoding: `llmc run OUT.llmc --spec draft` then needs no --draft. The "
+                   "draft stays in --dtype: --quant applies to MODEL only.")
 @click.option("--tokenizer", "tokenizer", default=None, type=click.Path(), metavar="DIR",
               help="For an ONNX model: the directory with its tokenizer files (and config.json); default: the "
                    ".onnx file's directory.")

@@ -58,7 +58,11 @@ def test_untied_table_becomes_int8_rows(llama_dir, tmp_path):
 
 def test_tied_table_needs_the_head_quantized_too(model_root, tmp_path):
     qwen = make_model_dir(model_root, "qwen2")  # tied embeddings
-    kept = llmc.compile(qwen, tmp_path / "kept.llmc", quant={"method": "rtn", "wbits": 8, "embeddings": "int8"})
+    # the head dense: no table could be quantized, so the option would do nothing: an error, nothing written
+    with pytest.raises(llmc.errors.CompileError, match="tied to the LM head.*--quant-lm-head"):
+        llmc.compile(qwen, tmp_path / "none.llmc", quant={"method": "rtn", "wbits": 8, "embeddings": "int8"})
+    assert not (tmp_path / "none.llmc").exists()
+    kept = llmc.compile(qwen, tmp_path / "kept.llmc", quant={"method": "rtn", "wbits": 8})
     ops = kept.summary()["op_counts"]
     assert ops.get("qembedding", 0) == 0 and ops["embedding"] == 1 and ops["linear"] == 1  # the dense tied head
     both = llmc.compile(qwen, tmp_path / "both.llmc", verify=True,
@@ -87,11 +91,12 @@ def test_cli_flags(llama_dir, tmp_path):
     assert res.exit_code == 0 and "model.embed_tokens" in res.output and "int8 rows" in res.output, res.output
 
 
-def test_a_tied_table_kept_is_said_at_the_command_line(model_root, tmp_path):
+def test_a_tied_table_that_cannot_be_quantized_is_an_error_at_the_command_line(model_root, tmp_path):
     qwen = make_model_dir(model_root, "qwen2")  # tied embeddings: without --quant-lm-head the table stays
     res = CliRunner().invoke(main, ["compile", str(qwen), "-o", str(tmp_path / "t.llmc"), "--quant", "rtn",
                                     "--quant-embeddings", "int8"])
-    assert res.exit_code == 0 and "note: quantize_embeddings:" in res.output, res.output
+    assert res.exit_code != 0 and "--quant-lm-head" in res.output and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "t.llmc").exists()
 
 
 def test_bad_embeddings_option(llama_dir, tmp_path):

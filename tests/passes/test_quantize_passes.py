@@ -208,3 +208,33 @@ def test_a_budget_below_int4_and_more_windows_than_the_text_are_noted(llama_dir,
     notes = "\n".join(art.compile_log.log)
     assert "below the cheapest plan's" in notes and "are used" in notes, notes
     assert art.graph.meta["quant_plan"]["avg_bits"] > 4.0
+
+
+def test_mixed_offers_int8_where_int4_cannot_take_a_layer(model_root, tmp_path):
+    """int4 needs an even number of input features: a down projection over 95 is planned at int8 (mixed then
+    weighs int8 against the model dtype for it), and a budget that int4 elsewhere cannot reach is said."""
+    from transformers import LlamaConfig
+
+    from tests.conftest import _common, save_random_model
+    odd = save_random_model(model_root / "llama-odd-mlp", LlamaConfig(**_common(intermediate_size=95,
+                                                                                tie_word_embeddings=False),
+                                                                       architectures=["LlamaForCausalLM"]))
+    art = llmc.compile(odd, tmp_path / "m.llmc", verify=True,
+                       quant={"method": "mixed", "bits_budget": 4.5, "calib_samples": 8, "calib_len": 64})
+    plan = art.graph.meta["quant_plan"]
+    down = plan["linears"]["model.layers.0.mlp.down_proj"]
+    assert down["format"]["bits"] == 8 and "int4" not in down["errors"], down  # no int4 candidate for it
+    assert plan["linears"]["model.layers.0.mlp.gate_proj"]["format"]["bits"] == 4
+    floor = plan["avg_bits"]
+    assert floor > 4.5 and "below the cheapest plan's" in "\n".join(art.compile_log.log)
+    roomy = llmc.compile(odd, tmp_path / "r.llmc", quant={"method": "mixed", "bits_budget": 12.0, "calib_samples": 8,
+                                                            "calib_len": 64})
+    assert floor < roomy.graph.meta["quant_plan"]["avg_bits"] <= 12.0
+
+
+def test_calibration_windows_fit_the_models_positions(llama_dir, tmp_path):
+    """The default 256-token windows on a model of 128 positions are cut to 128 (positions it never runs at
+    would skew the statistics), and said."""
+    art = llmc.compile(llama_dir, tmp_path / "g.llmc", quant={"method": "gptq", "calib_samples": 4})
+    assert art.graph.meta["quant_plan"]["calibration"]["tokens"] == 4 * 128
+    assert "longer than the model's 128 positions" in "\n".join(art.compile_log.log)

@@ -3,7 +3,8 @@
 Uniform methods give every linear the config's format, except the skipped ones (the LM head by
 default: its error lands straight on the logits) and layers the format cannot take (a group size
 that does not divide the input features falls back to per channel, said in the plan's note). `mixed`
-plans candidates here; mixed.py chooses among them once calibration has measured each linear.
+plans candidates here; mixed.py chooses among them once calibration has measured each linear (a layer int4
+cannot take is planned at int8, so that mixed still weighs int8 against the model dtype for it).
 The plan is JSON in `graph.meta["quant_plan"]`: saved in the artifact and shown by `llmc inspect`.
 """
 from __future__ import annotations
@@ -23,6 +24,9 @@ def is_lm_head(g, node) -> bool:
     vocab = g.meta.get("vocab_size")
     tied = any(n.op == "embedding" and n.inputs[0] is w for n in g.nodes)
     return tied or (vocab is not None and g.weights[w.name].shape[0] == vocab)
+
+
+MIXED_FALLBACK = QuantFormat("int", 8, 0)  # mixed's candidate for a layer int4 cannot take
 
 
 def fit_format(fmt: QuantFormat, k: int) -> tuple[QuantFormat | None, str]:
@@ -53,6 +57,8 @@ class AssignPrecision(Pass):
                 linears[name] = plan_entry(cfg.method, None, w, f"skipped ({skipped[0]})")
                 continue
             fmt, note = fit_format(cfg.format(), w.shape[1])
+            if fmt is None and cfg.method == "mixed":
+                fmt, note = MIXED_FALLBACK, note.replace("kept dense", "mixed weighs int8 and the model dtype")
             if note:
                 ctx.note(f"{self.name}: {name}: {note}")
             linears[name] = plan_entry(cfg.method, fmt, w, note)

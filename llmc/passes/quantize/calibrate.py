@@ -54,8 +54,9 @@ class InputStats:
         return 2 * self.gram()
 
 
-def calibration_windows(ctx: PassContext, cfg: QuantConfig) -> list[list[int]]:
-    """`calib_samples` windows of `calib_len` tokens, evenly spread over the calibration text."""
+def calibration_windows(ctx: PassContext, cfg: QuantConfig, context: int | None = None) -> list[list[int]]:
+    """`calib_samples` windows of `calib_len` tokens (at most `context`, the model's positions), evenly spread
+    over the calibration text."""
     tok_dir = ctx.state.get("tokenizer_dir")
     if tok_dir is None:
         raise CompileError("calibration needs the model's tokenizer: compile a Hugging Face directory (with its "
@@ -76,6 +77,10 @@ def calibration_windows(ctx: PassContext, cfg: QuantConfig) -> list[list[int]]:
             raise CompileError(f"--calib {cfg.calib}: cannot read it as UTF-8 text ({e})") from None
     ids = tok.encode(text, add_special_tokens=False)
     n, length = cfg.calib_samples, cfg.calib_len
+    if context is not None and length > context:  # positions the model never runs at would skew the statistics
+        ctx.note(f"calibrate: windows of {length} tokens are longer than the model's {context} positions; "
+                 f"windows of {context} are used")
+        length = context
     if len(ids) < length:
         raise CompileError(f"--calib {cfg.calib}: {len(ids)} tokens, fewer than one calibration window of {length}")
     if n > len(ids) // length:  # more windows than the text holds side by side: they would mostly repeat it
@@ -100,13 +105,14 @@ class Calibrate(Pass):
             return PassResult(g, False)
         from llmc.runtime.executor import ReferenceExecutor, StepInput
         from llmc.runtime.kv_cache import KVCache
-        windows = calibration_windows(ctx, cfg)
+        context = g.meta.get("max_position_embeddings")
+        windows = calibration_windows(ctx, cfg, int(context) if context else None)
         hessian = cfg.method in ("gptq", "mixed", "awq")
         stats = {n.inputs[0].name: InputStats(int(n.inputs[0].type.shape[-1]), hessian) for n, _ in items}
         readers = {id(n): n.inputs[0].name for n, _ in items}
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         block = 16
-        per_seq = -(-cfg.calib_len // block)
+        per_seq = -(-max(map(len, windows)) // block)
         ex = ReferenceExecutor(g, KVCache(g, device, block_size=block, num_blocks=per_seq * self.batch))
         seen: set[str] = set()
 

@@ -7,13 +7,15 @@ its largest entry.
 
 A table the LM head also reads (tied embeddings) with the head kept dense stays as it is: the
 dense head needs it, and a second, int8 copy would add bytes, not save them. Quantize the head too
-(`--quant-lm-head`) and the dense table goes.
+(`--quant-lm-head`) and the dense table goes. Where that leaves no table to quantize, the option would
+do nothing: the compile stops with an error that says so, before anything is written.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
+from llmc.errors import CompileError
 from llmc.ir.quant import quantize_rows_int8
 from llmc.passes.manager import Pass, PassContext, PassResult, register_pass
 from llmc.passes.quantize.config import QuantConfig
@@ -28,11 +30,12 @@ class QuantizeEmbeddings(Pass):
 
     def run(self, g, ctx: PassContext):
         users = g.users()
-        done = {}
+        done, kept = {}, []
         for n in [n for n in g.nodes if n.op == "embedding" and n.inputs[0].kind == "param"]:
             table = n.inputs[0]
             others = [u for u in users.get(table, []) if u is not n]
             if others:
+                kept.append(table.name)
                 ctx.note(f"{self.name}: {table.name} is also read by {others[0].op} {others[0].out.name} "
                          "(a dense tied LM head): kept; quantize the head too to drop the dense table")
                 continue
@@ -45,6 +48,10 @@ class QuantizeEmbeddings(Pass):
             g.replace_uses(n.out, qn.out)
             g.remove_nodes([n])
             done[base] = {"format": "int8 rows", "params": w.numel(), "bits": round(8 + 32 / w.shape[1], 4)}
+        if kept and not done:
+            raise CompileError(f"--quant-embeddings int8: the embedding table {kept[0]} is tied to the LM head, which "
+                               "stays dense, so no table can be quantized; add --quant-lm-head to quantize the head "
+                               "and the table, or leave --quant-embeddings out")
         g.remove_unused_params()
         if done and PLAN in g.meta:
             g.meta[PLAN]["embeddings"] = done

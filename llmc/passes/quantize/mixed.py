@@ -2,7 +2,8 @@
 
 Every group of linears that read one input (q/k/v, gate/up, o, down: a group shares a format, so
 that it still fuses into one GEMM) gets one of three candidates: int4 g128, int8 per channel (both
-by GPTQ) or the model dtype. Its sensitivity to each is measured on the calibration data as the
+by GPTQ) or the model dtype; int4 is no candidate for a group with a member it cannot take (an odd
+number of input features). Its sensitivity to each is measured on the calibration data as the
 output error the quantized weight causes, ``E = mean_t ||x_t (W - Q)^T||^2 = tr(D H D^T) / 2`` with
 ``H = 2 X^T X / tokens`` (GPTQ's Hessian). The choice minimises the summed error subject to the
 average bits per weight (scales included, over all planned linears) staying within the budget:
@@ -78,10 +79,12 @@ class MixedPrecision(QuantizePass):
                 if cand is None:
                     options.append((None, [None] * len(items), 0.0))
                     continue
+                fmts = [fit_format(cand, self.weight(g, n).shape[1])[0] for n, _ in items]
+                if None in fmts:  # a member cannot take it (int4 over an odd width): not a choice for the group
+                    continue
                 qws, err = [], 0.0
-                for n, _ in items:
+                for (n, _), fmt in zip(items, fmts):
                     w = self.weight(g, n)
-                    fmt, _ = fit_format(cand, w.shape[1])
                     qw = gptq_quantize(w, h, fmt, damp=self.config.damp, act_order=self.config.act_order,
                                        scale_dtype=scale_dtype(g, n), search=self.config.scale_search)
                     qws.append(qw)
@@ -99,7 +102,7 @@ class MixedPrecision(QuantizePass):
         budget = self.config.bits_budget
         if budget < floor:
             ctx.note(f"{self.name}: --bits-budget {budget:g} is below the cheapest plan's {floor:.3f} bits per weight "
-                     "(int4 g128 everywhere, its scales included); that plan is used")
+                     "(int4 wherever a layer takes it, int8 where not, scales included); that plan is used")
         elif budget >= top:
             ctx.note(f"{self.name}: --bits-budget {budget:g} affords the model dtype's {top:.3f} bits per weight: "
                      "every linear stays unquantized")
