@@ -18,6 +18,7 @@ from llmc.codegen.precompile import CompilePool, tune_processes
 from llmc.errors import CompileError
 from llmc.ir.graph import Graph
 from llmc.ir.ops import FLOAT_LINEARS, linear_weight_inputs
+from llmc.ir.types import torch_dtype
 from llmc.passes.manager import Pass, PassContext, PassManager
 from llmc.artifact import MANIFEST, Artifact, ArtifactWriter, has_tokenizer
 
@@ -61,22 +62,24 @@ def _check_tokenizer_fits(directory: Path, vocab: int) -> None:
                            "the model was trained with (--tokenizer DIR)")
 
 
-def capture(model: Any, example_inputs: Sequence[torch.Tensor] | None = None, dtype: str = "float32",
+def capture(model: Any, example_inputs: Sequence[torch.Tensor] | None = None, dtype: str | None = None,
             dynamic: dict | None = None, tokenizer: str | Path | None = None,
             status=None) -> tuple[Graph, str, list[Path]]:
     """Run the right frontend. Returns the graph, a source label and the tokenizer files to ship. `status`:
-    called with a line as each part of a Hugging Face capture starts."""
-    if dtype not in DTYPES:
+    called with a line as each part of a Hugging Face capture starts. `dtype` None: an ONNX file's own
+    precision, float32 for the rest."""
+    if dtype is not None and dtype not in DTYPES:
         raise CompileError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if is_onnx(model):
         from llmc.frontend.onnx import capture_onnx
         path = Path(str(model)).expanduser()
-        g, tok_files = capture_onnx(path, DTYPES[dtype], tokenizer)
+        g, tok_files = capture_onnx(path, DTYPES[dtype] if dtype else None, tokenizer)
         if tokenizer is not None and has_tokenizer(tok_files):
             _check_tokenizer_fits(tok_files[0].parent, int(g.outputs[0].type.shape[-1]))
         return g, str(path.resolve()), tok_files
     if tokenizer is not None:
         raise CompileError("--tokenizer is for ONNX models; a Hugging Face directory ships its own tokenizer files")
+    dtype = dtype or "float32"
     if isinstance(model, torch.nn.Module):
         if example_inputs is None:
             raise CompileError("compiling an nn.Module needs example_inputs (a tuple of tensors)")
@@ -91,7 +94,7 @@ def capture(model: Any, example_inputs: Sequence[torch.Tensor] | None = None, dt
     return g, source, [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
 
 
-def compile(model: Any, output: str | Path | None = None, *, example_inputs=None, dtype: str = "float32",
+def compile(model: Any, output: str | Path | None = None, *, example_inputs=None, dtype: str | None = None,
             passes: Sequence[Pass] | None = None, before: str | None = None, after: str | None = None,
             dynamic: dict | None = None, verify: bool = False, dump_ir: str | Path | None = None,
             progress: bool = False, tune: bool = True, batch_invariant: bool = True, tuning_cache: bool = True,
@@ -102,7 +105,8 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         model: a local Hugging Face directory, `builtin:NAME`, an ONNX file (`model.onnx`), or an
             `nn.Module` (with `example_inputs`).
         output: the artifact directory to write; a temporary directory when None.
-        dtype: float32, float16 or bfloat16.
+        dtype: float32, float16 or bfloat16; None: float32, or an ONNX file's own precision (an ONNX model
+            compiles only in the precision it was exported in).
         passes: extra passes, inserted `before`/`after` a named pass (default: at the end).
         dynamic: for an nn.Module: {input name: {dim index: (symbol, min, max)}}.
         verify: verify the graph after every pass (tests turn this on).
@@ -165,6 +169,8 @@ def compile(model: Any, output: str | Path | None = None, *, example_inputs=None
         graph = PassManager(plist, verify=verify, dump_dir=dump_ir,
                             progress=lambda p: bar.step(f"pass {p.name}")).run(graph, ctx)
         out = Path(output) if output is not None else Path(tempfile.mkdtemp(prefix="llmc-")) / "model.llmc"
+        if dtype is None:  # an ONNX file's own precision (capture_onnx records it), float32 for the rest
+            dtype = next(k for k, v in DTYPES.items() if v == torch_dtype(graph.meta.get("dtype", "f32")))
         opts = {"dtype": dtype, **{k: v for k, v in options.items() if isinstance(v, (str, int, float, bool))},
                 **({"quant": quant.method} if quant is not None else {})}
         bar.phase("tuning")
@@ -283,7 +289,6 @@ def _budget_linears(graph: Graph, tuner, device: str = "cuda"):
     import torch.nn.functional as F
 
     from llmc.codegen import qmatmul as qmm
-    from llmc.ir.types import torch_dtype
     vocab = int(graph.outputs[0].type.shape[-1])
     shapes: collections.Counter = collections.Counter()
     quantized: dict = {}
@@ -493,7 +498,6 @@ def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar, device: str = "cuda") 
     runs the same kernel under the same key as a qlinear of float x in its output dtype: it is timed as
     that."""
     from llmc.codegen import qmatmul as qmm
-    from llmc.ir.types import torch_dtype
     key, weights = _qlinear_tuning_key(graph, n)
     if key in seen:
         return

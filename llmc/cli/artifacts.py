@@ -14,8 +14,9 @@ from llmc.errors import LLMCError
 @main.command()
 @click.argument("model")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Artifact directory to write (NAME.llmc).")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
-              help="Precision of weights and activations.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="Precision of weights and activations. Default: float32; for an ONNX file, the precision it "
+                   "was exported in (the only one it compiles in).")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default="auto", show_default=True,
               help="KV cache storage: the model dtype, or int8/fp8: each entry relative to its block's first, with a scale per token and head.")
 @click.option("--pass", "passes", multiple=True, metavar="SPEC",

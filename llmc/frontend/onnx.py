@@ -147,6 +147,7 @@ class Importer:
         if not isinstance(s, str):
             raise CompileError(f"input {ids.name} has a fixed sequence length ({s}); export with a dynamic sequence "
                                "axis (dynamic_axes={'input_ids': {0: 'batch', 1: 'sequence'}} or dynamic_shapes)")
+        self._logits_output()
         if isinstance(b, str):
             self.batch_dim = self.g.add_dim("B", 1, MAX_BATCH)
         elif b != 1:
@@ -199,13 +200,22 @@ class Importer:
             self.values[t.name] = x = _to_torch(numpy_helper.to_array(t), t.data_type)
             self.init_names[id(x)] = t.name
 
-    def outputs(self) -> list[Value]:
+    def _logits_output(self):
+        """The declared logits output (named logits, else the first), checked before the walk: an export of the
+        last position's logits only ([batch, vocab], or a sequence axis of 1) fails on its slice otherwise."""
         outs = list(self.onnx_graph.output)
         logits = next((o for o in outs if o.name == "logits"), outs[0] if outs else None)
-        if logits is None or _rank(logits) not in (3, None):
+        one = logits is not None and _rank(logits) == 3 and _dims(logits)[1] == 1  # while input_ids' is symbolic
+        if logits is None or _rank(logits) not in (3, None) or one:
+            shape = f" {_shape_text(logits)}" if logits is not None and _rank(logits) is not None else ""
             raise CompileError("the ONNX graph has no decoder shape: its first output "
-                               f"{logits.name if logits else '(none)'} is not logits[batch, sequence, vocab]. "
-                               "Export the model's full-sequence logits.")
+                               f"{logits.name if logits else '(none)'}{shape} is not logits[batch, sequence, vocab] "
+                               "(an export of the last position's logits only?). Export the model's full-sequence "
+                               "logits.")
+        return logits
+
+    def outputs(self) -> list[Value]:
+        logits = self._logits_output()
         v = self.ir(self.values[logits.name], None)
         if v.type.rank != 3:
             raise CompileError(f"the ONNX output {logits.name} is {v.type}, not logits[batch, sequence, vocab]")
@@ -755,7 +765,8 @@ def capture_onnx(path: str | Path, dtype: torch.dtype | None = None,
 
     Args:
         path: the .onnx file (external data files beside it, as the exporter wrote them).
-        dtype: the precision to compile in; it must be the one the file was exported in (None: as exported).
+        dtype: the precision to compile in; it must be the one the file was exported in (None: as exported;
+            `graph.meta["dtype"]` records it).
         tokenizer: the directory with the tokenizer files; default: the .onnx file's directory. Its
             config.json (when present) gives eos/bos ids, the context length and a sliding window.
     Returns:
@@ -781,12 +792,13 @@ def capture_onnx(path: str | Path, dtype: torch.dtype | None = None,
     g.outputs = imp.outputs()
     dead_code(g)
     g.remove_unused_params()
-    floats = {v.type.dtype for v in g.params if v.type.is_float} | {g.outputs[0].type.dtype}
-    if dtype is not None and imp.ir_dtype(dtype) not in floats:
+    precision = export_precision(g)
+    if dtype is not None and imp.ir_dtype(dtype) != precision:
         names = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
-        raise CompileError(f"{path.name} holds {'/'.join(sorted(floats))} weights; llmc compiles an ONNX model in the "
-                           f"precision it was exported in: pass --dtype {names.get(min(floats), min(floats))}, or "
-                           f"export the model in {names.get(imp.ir_dtype(dtype))}")
+        raise CompileError(f"{path.name} was exported in {names.get(precision, precision)} (its weights); llmc "
+                           f"compiles an ONNX model in the precision it was exported in: pass --dtype "
+                           f"{names.get(precision, precision)} or leave --dtype out, or export the model in "
+                           f"{names.get(imp.ir_dtype(dtype))}")
     g = PassManager([LiftOnnxAttention()]).run(g)
     _check_lifted(g, path)
     attn = [n for n in g.nodes if n.op == "attention"]
@@ -802,9 +814,20 @@ def capture_onnx(path: str | Path, dtype: torch.dtype | None = None,
         "eos_token_id": cfg.get("eos_token_id"),
         "bos_token_id": cfg.get("bos_token_id"),
         "source_format": "onnx",
+        "dtype": precision,
     })
     tok_files = [tok_dir / f for f in TOKENIZER_FILES if (tok_dir / f).is_file()] if tok_dir else []
     return g, tok_files
+
+
+def export_precision(g: Graph) -> str:
+    """The IR dtype an export computes in: the float dtype of most of its weights' elements (an fp16 export
+    keeps a few fp32 constants, such as rotary frequencies), or its logits' where it holds no float weight."""
+    counts: dict[str, int] = {}
+    for v in g.params:
+        if v.type.is_float:
+            counts[v.type.dtype] = counts.get(v.type.dtype, 0) + g.weights[v.name].numel()
+    return max(counts, key=counts.get) if counts else g.outputs[0].type.dtype
 
 
 def _check_lifted(g: Graph, path: Path) -> None:

@@ -309,6 +309,14 @@ def test_bad_files_are_clean_errors(onnx_root, model_root, tmp_path):
         bad = helper.make_tensor_value_info("input_ids", TensorProto.INT64, shape)
         onnx.save(_graph([gather], [bad], [logits], [emb]), str(tmp_path / f"{name}.onnx"))
         assert_clean_error(*cli("compile", tmp_path / f"{name}.onnx", "-o", o), needle, "input_ids[batch, sequence]")
+    # the last position's logits only ([batch, vocab], or a sequence axis of 1): said before the walk, whose
+    # slice of the symbolic sequence would fail first with a message about the slice
+    for name, shape in (("last2", ["batch", 8]), ("last3", ["batch", 1, 8])):
+        out = helper.make_tensor_value_info("logits", TensorProto.FLOAT, shape)
+        onnx.save(_graph([helper.make_node("Slice", ["input_ids", "s", "e", "a"], ["logits"])], [ids], [out], [emb]),
+                  str(tmp_path / f"{name}.onnx"))
+        assert_clean_error(*cli("compile", tmp_path / f"{name}.onnx", "-o", o), "last position",
+                           "full-sequence logits")
     (tmp_path / "cfg").mkdir()
     onnx.save(_graph([gather], [ids], [logits], [emb]), str(tmp_path / "cfg" / "model.onnx"))
     (tmp_path / "cfg" / "config.json").write_text('{"max_position_embeddings": 64,\n')
@@ -560,3 +568,24 @@ def test_a_custom_domain_op_takes_a_plugins_rule_and_local_functions_are_named(o
     onnx.save(model, str(tmp_path / "fn.onnx"))
     with pytest.raises(CompileError, match="a function the model defines itself.*inline_local_functions"):
         llmc.compile(tmp_path / "fn.onnx", tmp_path / "f.llmc")
+
+
+def test_an_fp16_export_compiles_in_fp16_and_says_so(model_root, tmp_path):
+    """Without --dtype an ONNX file compiles in the precision it was exported in and the artifact records
+    that one (it said float32 while computing in fp16); another --dtype is an error naming the right one."""
+    from transformers import AutoModelForCausalLM
+    src = make_model_dir(model_root, "llama")
+    m = AutoModelForCausalLM.from_pretrained(str(src), attn_implementation="eager").to(torch.float16).eval()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        S = torch.export.Dim("sequence")
+        torch.onnx.export(Logits(m, ("input_ids", "position_ids")), (torch.randint(0, VOCAB, (1, 7)),
+                          torch.arange(7)[None]), str(tmp_path / "model.onnx"), dynamo=True, opset_version=20,
+                          external_data=True, input_names=["input_ids", "position_ids"], output_names=["logits"],
+                          dynamic_shapes=(({1: S}, {1: S}),))
+    art = llmc.compile(tmp_path / "model.onnx", tmp_path / "a.llmc", tokenizer=src)
+    assert llmc.load(art.path).manifest["options"]["dtype"] == "float16"
+    assert set(art.summary()["param_bytes_by_dtype"]) <= {"f16", "f32"}
+    with pytest.raises(llmc.errors.CompileError, match="exported in float16.*--dtype float16"):
+        llmc.compile(tmp_path / "model.onnx", tmp_path / "b.llmc", tokenizer=src, dtype="float32")
+    assert not (tmp_path / "b.llmc").exists()
