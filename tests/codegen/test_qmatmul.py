@@ -446,6 +446,114 @@ def test_an_artifact_tuned_before_the_1024_bucket_keeps_its_128_choice(monkeypat
     assert seen == [{"A": 7}, {"A": 7}]
 
 
+# ------------------------------------------------------------------------------------- SwiGLU epilogue
+
+SWIGLU_FORMATS = {"int4-g128": QuantFormat("int", 4, 128), "int4-g128-zp": QuantFormat("int", 4, 128, True),
+                  "int4-ch": QuantFormat("int", 4), "int8-ch": QuantFormat("int", 8)}
+
+
+def unfused_swiglu(x, qw, b, cfg):
+    """The unfused graph on the kernels: the gate/up qlinear (its rows in order) writes y in x's dtype, then the
+    elementwise silu_mul kernel reads its halves."""
+    from llmc.codegen.matmul import swiglu_of
+    return swiglu_of(qlinear(x, prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros), b, config=cfg))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(SWIGLU_FORMATS))
+def test_swiglu_epilogue_gives_the_unfused_kernels_bits(name, dtype):
+    """qlinear_silu_mul's kernel (W's gate and up rows interleaved at prepare, each tile's column pairs split in
+    the epilogue) gives the unfused qlinear kernel then the silu_mul kernel bit for bit at the same config
+    (every output's sums are the same dots), and the reference within the tolerance: M = 1, 5 (one 16-row
+    tile; one K split and two, both operand orders) and 70 (prefill tiles), with a bias; N = 2 x 80 rows, so
+    the last 64-row tile is ragged."""
+    N, K = 160, 256
+    g = gen("swiglu", name, str(dtype))
+    qw = quantized(SWIGLU_FORMATS[name], N, K, g)
+    b = rand(N, dtype=dtype, g=g)
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros, swiglu=True)
+    assert p.swiglu and torch.equal(p.dequantize(), qw.dequantize())
+    for M in (1, 5, 70):
+        x = rand(M, K, dtype=dtype, g=g)
+        ref = reference(x, qw.fmt, qw.qweight, qw.scales, qw.zeros, b, swiglu=True)
+        base = candidates(qm.m_bucket(M), N, p.padded_k, p.pack)[0]
+        cfgs = [dict(base, SPLIT_K=s, SWAP_AB=swap) for s in (1, 2) for swap in (False, True)] if M <= 64 else [base]
+        for cfg in cfgs:
+            y = qlinear(x, p, qm.swiglu_rows(b), config=cfg)
+            assert y.shape == (M, N // 2)
+            close(y, ref, dtype)
+            assert torch.equal(y, unfused_swiglu(x, qw, b, cfg)), (M, cfg)
+    assert int(tile_counters(x.device, 1).abs().sum()) == 0
+
+
+def test_swiglu_epilogue_with_a_zero_point_of_16_no_bias_and_out():
+    """Zero points up to 16 (classic GPTQ checkpoints), no bias, rows with a stride, into a given output."""
+    g = gen("swiglu-zp16")
+    qw = quantized(SWIGLU_FORMATS["int4-g128-zp"], 96, 256, g)
+    zeros = torch.full_like(qw.zeros, 16)
+    zeros[::3] = 5
+    qw = quant.QuantizedWeight(qw.fmt, qw.qweight, qw.scales, zeros)
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros, swiglu=True)
+    x = rand(5, 300, dtype=torch.bfloat16, g=g)[:, 20:276]
+    out = torch.empty(5, 48, dtype=torch.bfloat16, device=DEVICE)
+    cfg = candidates("8", 96, p.padded_k, p.pack)[0]
+    assert qlinear(x, p, out=out, config=cfg) is out
+    close(out, reference(x, qw.fmt, qw.qweight, qw.scales, qw.zeros, swiglu=True), torch.bfloat16)
+    assert torch.equal(out, unfused_swiglu(x, qw, None, cfg))
+
+
+@pytest.mark.parametrize("name", ["int4-g128-zp", "int8-ch"])
+def test_swiglu_library_path_at_large_m(name):
+    """Where the tuner hands a step to cuBLAS over the dequantized weight, the projection is computed whole (its
+    rows interleaved, as prepared) and stored in x's dtype, then the product of its halves: the unfused
+    library path's result within bf16's rounding, and the reference's within the library path's tolerance."""
+    N, K, M = 96, 256, 40
+    dtype = torch.bfloat16
+    g = gen("swiglu-lib", name)
+    qw = quantized(SWIGLU_FORMATS[name], N, K, g)
+    x, b = rand(M, K, dtype=dtype, g=g), rand(N, dtype=dtype, g=g)
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros, swiglu=True)
+    lib = {"LIBRARY": "dequant"}
+    y = qlinear(x, p, qm.swiglu_rows(b), config=lib)
+    ref = reference(x, qw.fmt, qw.qweight, qw.scales, qw.zeros, b, swiglu=True)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    whole = qlinear(x, prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros), b, config=lib)
+    gate, up = whole.float().chunk(2, dim=-1)
+    torch.testing.assert_close(y, (torch.nn.functional.silu(gate) * up).to(dtype), rtol=1e-2, atol=1e-2)
+    assert qm.library_candidates("1024+", p, dtype) == [{"LIBRARY": "dequant"}]
+
+
+def test_swiglu_weights_tune_under_their_own_key_without_the_gemv(monkeypatch):
+    """The fused kernel's tuning key is not the plain qlinear's; the FMA-pipe GEMV (no SwiGLU epilogue) is never
+    offered for it, and refused when asked; the formats and acts it cannot take are clear errors."""
+    offered = []
+
+    def fake_choose(self, key, buckets, cands, bench, baseline=None, margin=0.97):
+        offered.append((key, any(c.get("GEMV") for c in cands)))
+        return dict(cands[0])
+
+    monkeypatch.setattr(Tuner, "choose", fake_choose)
+    g = gen("swiglu-tune")
+    qw = quantized(SWIGLU_FORMATS["int4-g128"], 32, 256, g)
+    fused, plain = (prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros, swiglu=s) for s in (True, False))
+    x = rand(1, 256, dtype=torch.bfloat16, g=g)
+    for p in (fused, plain):
+        qlinear(x, p, tuner=Tuner(device="test-gpu", joint=autotune.DECODE_JOINT_BUCKETS))
+    assert offered == [("qlinear[w4a16-g128,bf16,bias=0,act=silu_mul]N32K256", False),
+                       ("qlinear[w4a16-g128,bf16,bias=0,act=none]N32K256", True)]
+    with pytest.raises(CompileError, match="GEMV kernel has no SwiGLU epilogue"):
+        qlinear(x, fused, config=gemv_cfg(True))
+    with pytest.raises(CompileError, match="SwiGLU epilogue takes a weight-only int weight"):
+        w8 = quantized(FORMATS["w8a8"], 32, 256, g)
+        prepare(w8.fmt, w8.qweight, w8.scales, None, swiglu=True)
+    with pytest.raises(CompileError, match="SwiGLU epilogue takes a weight-only int weight"):
+        prepare(qw.fmt, qw.qweight[:31], qw.scales[:31], None, swiglu=True)
+    with pytest.raises(CompileError, match="no other activation"):
+        QMatmulSpec("int", 4, 128, False, 64, "bf16", False, "silu", True)
+    src = render(QMatmulSpec.of(fused, torch.bfloat16, True, ""))
+    assert "silu(gate) * up of [gate | up] = x @ W.T + b" in src and "tl.split(tl.reshape(acc" in src
+
+
 # ------------------------------------------------------------------------- int4 codes unpacked by PTX
 
 def _from_half(bits, dtype: str):
