@@ -17,7 +17,7 @@ from llmc.codegen import triton_setup
 from llmc.codegen.precompile import CompilePool, tune_processes
 from llmc.errors import CompileError
 from llmc.ir.graph import Graph
-from llmc.ir.ops import FLOAT_LINEARS, QUANT_LINEARS, linear_weight_inputs
+from llmc.ir.ops import FLOAT_LINEARS, linear_weight_inputs
 from llmc.ir.types import torch_dtype
 from llmc.passes.manager import Pass, PassContext, PassManager
 from llmc.artifact import MANIFEST, Artifact, ArtifactWriter, has_tokenizer
@@ -297,18 +297,17 @@ def _budget_linears(graph: Graph, tuner, device: str = "cuda"):
             w = graph.weights[linear_weight_inputs(n)[0].name]
             if w.dtype in (torch.bfloat16, torch.float16) and int(w.shape[0]) != vocab:
                 shapes[(int(w.shape[0]), int(w.shape[1]), w.dtype)] += 1
-        elif n.op in QUANT_LINEARS:
+        elif n.op in ("qlinear", "qlinear_codes"):
             key, weights = _qlinear_tuning_key(graph, n)  # the same kernel and key as its tuning
             if key[1][0] != vocab:
                 shapes[key] += 1
                 quantized[key] = weights
     for shape, count in shapes.items():
         if shape in quantized:
-            fmt, _, act, _, dtype, swiglu = shape
-            p, b = _qlinear_on(fmt, quantized[shape], device, swiglu)
+            fmt, _, act, _, dtype = shape
+            p, b = _qlinear_on(fmt, quantized[shape], device)
             N, K = p.out_features, p.in_features
-            epilogue = "silu_mul" if swiglu else act or "none"
-            key = f"qgemm_ms:{fmt.label}:{N}x{K}:{dtype}:act={epilogue}:bias={int(b is not None)}"
+            key = f"qgemm_ms:{fmt.label}:{N}x{K}:{dtype}:act={act or 'none'}:bias={int(b is not None)}"
             yield key, count, K, torch_dtype(dtype), lambda x, p=p, b=b, act=act: qmm.qlinear(x, p, b, act,
                                                                                            tuner=tuner)
             del p, b  # before the next shape's
@@ -458,7 +457,7 @@ def _tune_linears(graph: Graph, tuner, bar, device: str = "cuda") -> None:
     # (weight on the device, bias, epilogue, whether the SwiGLU product is its prologue, or its epilogue)
     linears = []
     for n in graph.nodes:
-        if n.op in QUANT_LINEARS:
+        if n.op in ("qlinear", "qlinear_codes"):
             _tune_qlinear(graph, n, tuner, seen, bar, device)
         if n.op not in FLOAT_LINEARS:
             continue
@@ -497,41 +496,39 @@ def _tune_qlinear(graph: Graph, n, tuner, seen: set, bar, device: str = "cuda") 
     bf16 linear, which hands steps past 64 tokens to cuBLAS, every bucket runs a choice of its own.
     A `qlinear_codes` node (its activation codes made by the norm or SwiGLU before it, fuse_act_quant)
     runs the same kernel under the same key as a qlinear of float x in its output dtype: it is timed as
-    that. A `qlinear_silu_mul` node runs its own kernel (the SwiGLU epilogue), under a key of its own."""
+    that."""
     from llmc.codegen import qmatmul as qmm
     key, weights = _qlinear_tuning_key(graph, n)
     if key in seen:
         return
     seen.add(key)
-    fmt, shape, act, _, dtype, swiglu = key
-    bar.step(f"tuning {fmt.label} linear {list(shape)}" + (" (SwiGLU epilogue)" if swiglu else ""))
-    p, b = _qlinear_on(fmt, weights, device, swiglu)
+    fmt, shape, act, _, dtype = key
+    bar.step(f"tuning {fmt.label} linear {list(shape)}")
+    p, b = _qlinear_on(fmt, weights, device)
     for m in qmm.TUNED_ROWS:
         x = torch.randn(m, p.in_features, dtype=torch_dtype(dtype), device=device)
         qmm.qlinear(x, p, b, act, tuner=tuner)
 
 
 def _qlinear_tuning_key(graph: Graph, n) -> tuple[tuple, tuple]:
-    """A quantized linear's tuning identity (format, weight shape, act, has bias, x's dtype name, whether the
-    SwiGLU product is its epilogue: a `qlinear_codes` node counts as a qlinear of float x in its output dtype)
-    and its weight operands (qweight, scales, zeros or None, bias or None)."""
+    """A quantized linear's tuning identity (format, weight shape, act, has bias, x's dtype name: a
+    `qlinear_codes` node counts as a qlinear of float x in its output dtype) and its weight operands
+    (qweight, scales, zeros or None, bias or None)."""
     from llmc.ir.ops import qlinear_weight_inputs
     from llmc.ir.quant import QuantFormat
     weights = tuple(graph.weights[v.name] if v is not None else None for v in qlinear_weight_inputs(n))
     dtype = n.attrs["dtype"] if n.op == "qlinear_codes" else n.inputs[0].type.dtype
-    key = (QuantFormat.from_attrs(n.attrs), tuple(int(d) for d in weights[0].shape), n.attrs.get("act", ""),
-           weights[3] is not None, dtype, n.op == "qlinear_silu_mul")
+    key = (QuantFormat.from_attrs(n.attrs), tuple(int(d) for d in weights[0].shape), n.attrs["act"],
+           weights[3] is not None, dtype)
     return key, weights
 
 
-def _qlinear_on(fmt, weights: tuple, device: str, swiglu: bool = False):
-    """A quantized linear's weight prepared for its kernel on `device`, and its bias there (or None); `swiglu`:
-    for the SwiGLU epilogue (rows, and the bias's, interleaved)."""
+def _qlinear_on(fmt, weights: tuple, device: str):
+    """A quantized linear's weight prepared for its kernel on `device`, and its bias there (or None)."""
     from llmc.codegen import qmatmul as qmm
     qw, sc, zeros, bias = weights
-    p = qmm.prepare(fmt, qw.to(device), sc.to(device), zeros.to(device) if zeros is not None else None, swiglu)
-    bias = bias.to(device) if bias is not None else None
-    return p, qmm.swiglu_rows(bias) if swiglu and bias is not None else bias
+    p = qmm.prepare(fmt, qw.to(device), sc.to(device), zeros.to(device) if zeros is not None else None)
+    return p, bias.to(device) if bias is not None else None
 
 
 def _kernel_listing(graph: Graph, tuning: dict | None = None) -> tuple[list[dict], dict[str, str]]:

@@ -341,35 +341,6 @@ class Plan:
 
     _op_qlinear_codes = _op_qlinear
 
-    def _op_qlinear_silu_mul(self, n):
-        """A weight-only quantized gate/up projection with the SwiGLU product in its epilogue (fuse_linear_epilogue):
-        the weight is prepared once with its gate and up rows interleaved, and the bias likewise
-        (`qmatmul.prepare(swiglu=True)`), so each output tile of the kernel holds both halves of its columns and
-        writes silu(gate) * up; at a library GEMM's step sizes (tuning.json) the projection, then the product.
-        LLMC_SILU_EPILOGUE=0 (read when a plan is built) runs the plain qlinear kernel and the product kernel after
-        it: the unfused form, to compare with."""
-        from llmc.codegen import qmatmul as qmm
-        from llmc.codegen.matmul import swiglu_of
-        from llmc.ir.ops import qlinear_weight_inputs
-        from llmc.ir.quant import QuantFormat
-        fmt, tuner = QuantFormat.from_attrs(n.attrs), self.tuner
-        fused = os.environ.get("LLMC_SILU_EPILOGUE", "1") != "0"
-        qw, sc, zeros, bias = (v.name if v is not None else None for v in qlinear_weight_inputs(n))
-        kernel = "triton:qlinear" if fused else "triton:qlinear+triton:fused_elementwise"
-        label = f"{fmt.label}, silu_mul {'epilogue' if fused else 'kernel after'}"
-        if self.device.type == "meta":  # a listing only (`llmc inspect --kernels`)
-            return Step(n, lambda x, h: None, kernel, label)
-        prepared = qmm.prepare(fmt, self.params[qw], self.params[sc], self.params[zeros] if zeros else None,
-                               swiglu=fused)
-        b = self.params[bias] if bias else None
-        b = qmm.swiglu_rows(b) if fused and b is not None else b
-
-        def fn(x, h, out=None):
-            if fused:
-                return qmm.qlinear(x[0], prepared, b, tuner=tuner, out=out)
-            return swiglu_of(qmm.qlinear(x[0], prepared, b, tuner=tuner), out)
-        return Step(n, fn, kernel, label, into=lambda x, h, outs: fn(x, h, outs[0]))
-
     def _op_rms_norm(self, n):
         from llmc.codegen.norm import rms_norm
         eps, wfc = n.attrs["eps"], n.attrs["weight_first_cast"]

@@ -47,13 +47,6 @@ batch of decodes, up to 1023 rows) also times one tall swapped tile over every r
 have a 512+ and a 1024+ bucket of their own (`qlinear_bucket`).
 
 `prepare` converts a weight to the kernel's layout once, when a plan is built (`PreparedQWeight`).
-
-A weight-only (int) gate/up projection can take the SwiGLU product into its epilogue (`qlinear_silu_mul`,
-`swiglu=True`): `prepare` interleaves its rows (gate row j at 2j, up row j at 2j + 1), so every output
-tile holds the gate and up sums of BLOCK_N / 2 output columns side by side; the epilogue splits them,
-rounds each to x's dtype (as the unfused qlinear stores y) and writes silu(gate) * up as the elementwise
-kernel forms it, [M, N / 2]. The [M, N] projection is never written nor read back, and a layer launches
-one kernel fewer. Split-K sums the full-width partials first, as without it.
 """
 from __future__ import annotations
 
@@ -107,8 +100,6 @@ class PreparedQWeight:
     group, dotted against a contiguous slice of x with no interleaving shuffle (the canonical
     layout pairs columns 2j and 2j+1 in a byte). ``scales`` [N, G] and ``zeros`` [N, G] as given.
     w8a8 / fp8: ``qweight`` [N, K] as given, ``scales`` f32 [N].
-    ``swiglu``: a gate/up projection's weight for the SwiGLU epilogue, its rows (and those of its scales and
-    zeros, and of the bias it is called with: `swiglu_rows`) interleaved: gate row j at 2j, up row j at 2j + 1.
     """
 
     fmt: QuantFormat
@@ -117,7 +108,6 @@ class PreparedQWeight:
     zeros: torch.Tensor | None
     in_features: int
     run: int = 0  # int: columns per plane; 0 for w8a8 / fp8
-    swiglu: bool = False
 
     @property
     def out_features(self) -> int:
@@ -139,7 +129,7 @@ class PreparedQWeight:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros) if t is not None)
 
     def canonical(self) -> QuantizedWeight:
-        """The weight back in llmc/ir/quant.py's layout (a `swiglu` one's rows back in gate, then up order)."""
+        """The weight back in llmc/ir/quant.py's layout."""
         if self.fmt.kind != "int":
             return QuantizedWeight(self.fmt, self.qweight, self.scales.reshape(-1, 1), None)
         n, k, kw = self.out_features, self.in_features, self.padded_k
@@ -148,12 +138,10 @@ class PreparedQWeight:
             codes = torch.stack((p & 0xF, p >> 4), dim=2).reshape(n, kw)[:, :k]
         else:
             codes = self.qweight[:, :k]
-        rows = _halves if self.swiglu else (lambda t: t)
-        return QuantizedWeight(self.fmt, rows(quant.pack(self.fmt, codes)), rows(self.scales),
-                               rows(self.zeros) if self.zeros is not None else None)
+        return QuantizedWeight(self.fmt, quant.pack(self.fmt, codes), self.scales, self.zeros)
 
     def dequantize(self) -> torch.Tensor:
-        """The dense fp32 weight [N, K] in quant.py's row order (for checks; the kernels never materialize it)."""
+        """The dense fp32 weight [N, K] (for checks; the kernels never materialize it)."""
         return self.canonical().dequantize()
 
 
@@ -198,30 +186,14 @@ def _check(fmt: QuantFormat, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     return k
 
 
-def swiglu_rows(t: torch.Tensor) -> torch.Tensor:
-    """A gate/up projection's rows [gate; up] (dim 0, 2I rows) interleaved: gate row j at 2j, up row j at 2j + 1
-    (the order of a `swiglu` weight's rows, and of the bias its calls take)."""
-    n = t.shape[0]
-    return t.reshape(2, n // 2, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
-
-
-def _halves(t: torch.Tensor) -> torch.Tensor:
-    """The inverse of `swiglu_rows`: interleaved rows back to [gate; up]."""
-    n = t.shape[0]
-    return t.reshape(n // 2, 2, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
-
-
 def prepare(fmt: QuantFormat, qweight: torch.Tensor, scales: torch.Tensor,
-            zeros: torch.Tensor | None = None, swiglu: bool = False) -> PreparedQWeight:
+            zeros: torch.Tensor | None = None) -> PreparedQWeight:
     """Convert a quantized weight from quant.py's canonical layout to the kernels' (once, at load).
 
     Args:
         fmt: the weight's format.
         qweight, scales, zeros: the canonical tensors (see llmc/ir/quant.py), on the device the
             kernels will run on.
-        swiglu: the weight of a fused gate/up projection (gate rows, then as many up rows, a weight-only
-            int format) whose calls write the SwiGLU product (`qlinear_silu_mul`): its rows are interleaved
-            (`swiglu_rows`), and so must be the bias its calls take.
 
     Returns:
         The prepared weight (tensors on the same device). int4 is repacked into nibble planes and
@@ -234,12 +206,6 @@ def prepare(fmt: QuantFormat, qweight: torch.Tensor, scales: torch.Tensor,
         True
     """
     k = _check(fmt, qweight, scales, zeros)
-    if swiglu:
-        if fmt.kind != "int" or qweight.shape[0] % 2:
-            raise CompileError(f"qlinear: the SwiGLU epilogue takes a weight-only int weight of gate and up rows, "
-                               f"not {fmt.label} [{qweight.shape[0]} rows]")
-        qweight, scales = swiglu_rows(qweight), swiglu_rows(scales)
-        zeros = swiglu_rows(zeros) if zeros is not None else None
     if fmt.kind != "int":
         return PreparedQWeight(fmt, qweight.contiguous(), scales.float().reshape(-1).contiguous(), None, k)
     run = _run(fmt)
@@ -252,7 +218,7 @@ def prepare(fmt: QuantFormat, qweight: torch.Tensor, scales: torch.Tensor,
         t = codes.view(codes.shape[0], kw // pack, 2, run)
         codes = t[:, :, 0] | (t[:, :, 1] << 4)
     return PreparedQWeight(fmt, codes.reshape(qweight.shape[0], -1).contiguous(), scales.contiguous(),
-                           zeros.contiguous() if zeros is not None else None, k, run, swiglu)
+                           zeros.contiguous() if zeros is not None else None, k, run)
 
 
 # -- kernel specs ----------------------------------------------------------------------------------
@@ -314,19 +280,16 @@ def _act_lines(act: str, helpers: set[str]) -> list[str]:
     return [f"acc = {op_expr(op, ['acc'], attrs, helpers)}"]
 
 
-def _summary(act: str, has_bias: bool, swiglu: bool = False) -> str:
+def _summary(act: str, has_bias: bool) -> str:
     """The kernel's formula, for its docstring: act(x @ W.T + b)."""
     s = "x @ W.T" + (" + b" if has_bias else "")
-    if swiglu:
-        return f"silu(gate) * up of [gate | up] = {s}"
     return f"{act}({s})" if act else s
 
 
 @dataclass(frozen=True)
 class QMatmulSpec(KernelSpec):
     """y = act(x @ W.T + b) for W in format (kind, bits, group_size, has_zeros) and prepared with
-    `run` columns per plane; x, y of `dtype`. `swiglu`: y = silu(gate) * up of [gate | up] = x @ W.T + b,
-    W prepared with its gate and up rows interleaved (`prepare(swiglu=True)`; no act)."""
+    `run` columns per plane; x, y of `dtype`."""
 
     template = "qmatmul_linear.py.jinja"
     kind: str
@@ -337,37 +300,28 @@ class QMatmulSpec(KernelSpec):
     dtype: str
     has_bias: bool
     act: str = ""
-    swiglu: bool = False
 
     def __post_init__(self):
         if self.act not in ACTS:
             raise CompileError(f"qlinear: activation {self.act!r} cannot be fused; use one of "
                                f"{', '.join(map(repr, ACTS))}")
-        if self.swiglu and (self.act or self.kind != "int"):
-            raise CompileError(f"qlinear: the SwiGLU epilogue takes weight-only int weights and no other activation, "
-                               f"not {self.fmt.label} with act {self.act!r}")
 
     @classmethod
     def of(cls, p: PreparedQWeight, dtype: torch.dtype, has_bias: bool, act: str) -> "QMatmulSpec":
         f = p.fmt
-        return cls(f.kind, f.bits, f.group_size, f.has_zeros, p.run, dtype_name(dtype), has_bias, act, p.swiglu)
+        return cls(f.kind, f.bits, f.group_size, f.has_zeros, p.run, dtype_name(dtype), has_bias, act)
 
     @property
     def fmt(self) -> QuantFormat:
         return QuantFormat(self.kind, self.bits, self.group_size, self.has_zeros)
 
     def key(self, n: int, k: int) -> str:
-        """The autotune key: this kernel at a static weight shape [n, k] (apart from matmul's keys; swiglu: n
-        counts the gate and up rows, and the act is silu_mul)."""
-        act = "silu_mul" if self.swiglu else self.act or "none"
-        return f"qlinear[{self.fmt.label},{self.dtype},bias={int(self.has_bias)},act={act}]N{n}K{k}"
+        """The autotune key: this kernel at a static weight shape [n, k] (apart from matmul's keys)."""
+        return f"qlinear[{self.fmt.label},{self.dtype},bias={int(self.has_bias)},act={self.act or 'none'}]N{n}K{k}"
 
     def context(self) -> dict[str, Any]:
         helpers: set[str] = set()
         act_lines = _act_lines(self.act, helpers)
-        # the SwiGLU product: gate and up rounded as the unfused qlinear stores y, then the product as the
-        # unfused elementwise kernel forms it (fp32, rounded once by the store)
-        glu_expr = op_expr("silu_mul", ["g", "u"], {}, helpers) if self.swiglu else ""
         int_w, a8 = self.kind == "int", self.kind != "int"
         # the interpreter's tl.dot runs np.matmul on bf16's raw uint16 bits: feed it fp32 there
         # (int8 and fp8 dots it runs exactly: int32 sums, fp8 widened to fp16)
@@ -386,9 +340,8 @@ class QMatmulSpec(KernelSpec):
                "max_m_tiles": MAX_M_TILES, "act_lines": act_lines, "up": up, "dot_kwargs": dot_kwargs,
                "acc_type": "tl.int32" if self.kind == "w8a8" else "tl.float32", "packed_nibbles": self.packed_nibbles,
                "scale_in_epilogue": a8 or not self.group_size, "store_cast": cast_expr("acc", self.dtype),
-               "label": self.fmt.label, "summary": _summary(self.act, self.has_bias, self.swiglu),
-               "swiglu": self.swiglu, "glu_expr": glu_expr, "gate_round": cast_expr("g", self.dtype),
-               "up_round": cast_expr("u", self.dtype), "bytes_comment": self._bytes_comment(),
+               "label": self.fmt.label, "summary": _summary(self.act, self.has_bias),
+               "bytes_comment": self._bytes_comment(),
                "layout": "K-major codes" if a8 else f"{'nibble planes' if self.bits == 4 else 'bytes'} "
                                                     f"of {self.run} columns",
                "helpers": [HELPERS[h] for h in sorted(helpers)] + cast_helpers([self.dtype])}
@@ -463,12 +416,9 @@ class QMatmulSpec(KernelSpec):
 
     def _bytes_comment(self) -> list[str]:
         e = {"bf16": 2, "f16": 2, "f32": 4}[self.dtype]
-        y = (f"silu(gate) * up written once ({e / 2:g}MN; the [M, N] projection, unfused written and read "
-             f"back by the product kernel, {2 * e}MN more, never leaves registers)") if self.swiglu else \
-            f"y written once ({e}MN)"
         if self.kind == "int":
             text = (f"bytes: W's codes read once ({self.bits / 8:g}NK) with their scales, x ({e}MK, from L2 per N "
-                    f"tile), {y}; the dequantized W never leaves registers (a bf16 copy "
+                    f"tile), y written once ({e}MN); the dequantized W never leaves registers (a bf16 copy "
                     f"would write and read 4NK more)")
         else:
             text = (f"bytes: W read once (NK), x's 1-byte codes (MK, from L2 per N tile) and scales, y written "
@@ -657,8 +607,6 @@ def _launch_gemv(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: tor
                  y2: torch.Tensor, cfg: dict) -> None:
     """One `qgemv_int4` call on rows x2 [M <= GEMV_ROWS, K]."""
     M, N, K = x2.shape[0], p.out_features, p.in_features
-    if p.swiglu:  # not offered for it (`qlinear`): the FMA-pipe GEMV has no SwiGLU epilogue
-        raise CompileError("qlinear: the GEMV kernel has no SwiGLU epilogue; use the tensor-core kernel's configs")
     if M > GEMV_ROWS or not gemv_fits(p):
         raise CompileError(f"qlinear: the GEMV kernel takes int4 weights in whole pack tiles and up to {GEMV_ROWS} "
                            f"rows, not {p.fmt.label} at {M} rows")
@@ -683,24 +631,17 @@ def _launch_library(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: 
     """A qlinear call through a library GEMM (cuBLAS / CUTLASS through torch): "dequant" (int: W
     dequantized to x's dtype by a generated kernel, then x @ W.T), "scaled_mm" (fp8 codes of x and W
     with per-token and per-channel scales, bf16 out), "int_mm" (int8 dots into int32, then the
-    generated epilogue kernel). Bias and act follow in torch where the library does not take them; a
-    `swiglu` weight's product of the halves too, on the projection stored in x's dtype (as unfused)."""
+    generated epilogue kernel). Bias and act follow in torch where the library does not take them."""
     M, N = x2.shape[0], p.out_features
     if library == "dequant":
         w = dequantize_prepared(p, x2.dtype)
-        y = torch.empty(M, N, dtype=x2.dtype, device=x2.device) if p.swiglu else y2
         if b is not None:
-            torch.addmm(b.to(x2.dtype), x2, w.t(), out=y)
+            torch.addmm(b.to(x2.dtype), x2, w.t(), out=y2)
         else:
-            torch.mm(x2, w.t(), out=y)
+            torch.mm(x2, w.t(), out=y2)
         if spec.act:
             y2.copy_(LINEAR_ACTS[spec.act](y2))
-        if p.swiglu:  # the rows were interleaved: y's columns are (gate, up) pairs
-            g, u = y.view(M, N // 2, 2).float().unbind(-1)
-            y2.copy_(torch.nn.functional.silu(g) * u)
         return
-    if p.swiglu:
-        raise CompileError(f"qlinear: the SwiGLU epilogue takes weight-only int weights, not {p.fmt.label}")
     q, sx = quantize_act(x2, spec.kind) if x_scales is None else (x2, x_scales)
     q, sx = q.contiguous(), sx.float().contiguous()  # libraries take row-major x (codes from a norm may be views)
     if library == "scaled_mm":
@@ -756,7 +697,7 @@ def _launch(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Te
         return _launch_gemv(spec, x2, p, b, y2, cfg)
     if cfg.get("LIBRARY"):
         return _launch_library(spec, x2, p, b, y2, cfg["LIBRARY"], x_scales)
-    M, N, K = x2.shape[0], p.out_features, p.in_features  # N: W's rows (swiglu: y is N / 2 wide)
+    M, N, K = x2.shape[0], p.out_features, p.in_features
     sx: tuple = ()
     if spec.kind != "int":
         x2, s = quantize_act(x2, spec.kind) if x_scales is None else (x2, x_scales)
@@ -780,34 +721,28 @@ def _launch(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Te
 def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | None = None, act: str = "", *,
             tuner: Tuner | None = None, config: dict | None = None, out: torch.Tensor | None = None,
             x_scales: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """y = act(x @ W.T + bias) for a quantized W, with generated Triton kernels; for a weight prepared with
-    `swiglu`, y = silu(gate) * up of [gate | up] = x @ W.T + bias (`qlinear_silu_mul`).
+    """y = act(x @ W.T + bias) for a quantized W, with generated Triton kernels.
 
     Args:
         x: [..., K] activations, bf16, f16 or f32 (any row stride, unit column stride).
         prepared: the weight, from `prepare`.
-        bias: optional [N] bias (any float dtype); for a `swiglu` weight in its interleaved row order
-            (`swiglu_rows`).
-        act: "", "silu", "relu", "gelu" or "gelu_tanh", applied to the fp32 accumulator ("" for `swiglu`).
+        bias: optional [N] bias (any float dtype).
+        act: "", "silu", "relu", "gelu" or "gelu_tanh", applied to the fp32 accumulator.
         tuner: chooses (on a GPU: times once, records, then reuses) the config for this shape's M
             bucket; None: the bucket's default config, untimed.
         config: a fixed config instead (a dict as in `candidates`).
-        out: a contiguous [..., N] ([..., N / 2] for `swiglu`) tensor of x's dtype to write y into;
-            allocated when None.
+        out: a contiguous [..., N] tensor of x's dtype to write y into; allocated when None.
         x_scales: for w8a8 / fp8 weights, x's per-token scales [..., 1] when x holds its codes already
             (made by the norm before, `rms_norm_quant`); y is then of `dtype`.
 
     Returns:
-        y [..., N] of x's dtype (of `dtype` with codes; [..., N / 2] for `swiglu`).
+        y [..., N] of x's dtype (of `dtype` with codes).
 
     Example:
         >>> qw = quant.quantize_rtn(torch.randn(96, 256), QuantFormat("int", 4, 64))
         >>> y = qlinear(torch.randn(3, 256), prepare(qw.fmt, *qw.tensors()), act="silu")
-        >>> qlinear(torch.randn(3, 256), prepare(qw.fmt, *qw.tensors(), swiglu=True)).shape
-        torch.Size([3, 48])
     """
     K, N = x.shape[-1], prepared.out_features
-    n_out = N // 2 if prepared.swiglu else N
     if K != prepared.in_features:
         raise CompileError(f"qlinear: x has {K} input features but the weight ({prepared.fmt.label}, "
                            f"[{N}, {prepared.in_features}]) takes {prepared.in_features}")
@@ -828,7 +763,7 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
     x2 = x2.view(-1, K) if x2.dim() == 2 or x2.is_contiguous() else x2.reshape(-1, K)
     b = bias.contiguous() if bias is not None else None
     M = x2.shape[0]
-    y = out if out is not None else torch.empty(x.shape[:-1] + (n_out,), dtype=ydtype, device=x.device)
+    y = out if out is not None else torch.empty(x.shape[:-1] + (N,), dtype=ydtype, device=x.device)
     if M == 0 or N == 0:
         return y
     kw, pack = prepared.padded_k, prepared.pack
@@ -839,28 +774,20 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
         if bucket != m_bucket(M) and tuner.frozen and tuner.lookup(spec.key(N, K), bucket) is None:
             bucket = m_bucket(M)  # an artifact tuned before the 1024+ or 512+ bucket: its 128+ choice
         group = tuner.joint if bucket in tuner.joint else (bucket,)
-        io = timing_io(group, K, n_out, ydtype, x2.device)  # with codes too: the choice is the float x's
+        io = timing_io(group, K, N, ydtype, x2.device)  # with codes too: the choice is the float x's
         cands = candidates(bucket, N, kw, pack, len(group) > 1)
-        # the GEMV, only where every M sharing the choice fits it; never for swiglu (it has no SwiGLU epilogue)
-        if gemv_fits(prepared) and max(map(bucket_size, group)) <= GEMV_ROWS and not prepared.swiglu:
-            cands += gemv_candidates(N, kw)
+        if gemv_fits(prepared) and max(map(bucket_size, group)) <= GEMV_ROWS:
+            cands += gemv_candidates(N, kw)  # only where every M sharing the choice fits it
         if x2.device.type == "cuda" and len(group) == 1:
             cands += library_candidates(bucket, prepared, ydtype)
         config = tuner.choose(spec.key(N, K), group, cands,
                               bench=lambda cfg: [_launch(spec, xi, prepared, b, yi, cfg) for xi, yi in io()])
-    _launch(spec, x2, prepared, b, y.view(-1, n_out), config,
-            x_scales.reshape(-1, 1) if x_scales is not None else None)
+    _launch(spec, x2, prepared, b, y.view(-1, N), config, x_scales.reshape(-1, 1) if x_scales is not None else None)
     return y
 
 
 def reference(x: torch.Tensor, fmt: QuantFormat, qweight: torch.Tensor, scales: torch.Tensor,
-              zeros: torch.Tensor | None = None, bias: torch.Tensor | None = None, act: str = "",
-              swiglu: bool = False) -> torch.Tensor:
-    """The same computation by the qlinear op's reference (quant.qlinear_ref, then act on its result; with
-    `swiglu`, the `silu_mul` op's on its halves, as `qlinear_silu_mul`'s reference). Canonical tensors:
-    a swiglu weight's rows and bias in gate, then up order."""
+              zeros: torch.Tensor | None = None, bias: torch.Tensor | None = None, act: str = "") -> torch.Tensor:
+    """The same computation by the qlinear op's reference (quant.qlinear_ref, then act on its result)."""
     y = quant.qlinear_ref(x, fmt, qweight, scales, zeros, bias)
-    if swiglu:
-        half = y.shape[-1] // 2
-        return torch.nn.functional.silu(y[..., :half]) * y[..., half:]
     return LINEAR_ACTS[act](y) if act else y

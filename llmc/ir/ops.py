@@ -490,16 +490,12 @@ register_op("silu_mul_linear", "nn", ("gate", "up", "weight", "bias?"), _silu_mu
             traits=("no_fold",))
 
 
-def _swiglu_width(op: str, w: TensorType, y: TensorType) -> TensorType:
-    """The output of a gate/up projection with the SwiGLU product in its epilogue: y (the projection's type)
-    half as wide as w has rows (gate rows, then as many up rows)."""
-    if w.rank == 2 and isinstance(w.shape[0], int) and w.shape[0] % 2:
-        raise IRError(f"{op}: weight {w} has an odd number of rows (gate rows, then as many up rows)")
-    return y.with_shape(y.shape[:-1] + (w.shape[0] // 2,))
-
-
 def _linear_silu_mul_infer(ts, a):
-    return _swiglu_width("linear_silu_mul", ts[1], _linear_infer(ts, a))
+    w = ts[1]
+    if w.rank == 2 and isinstance(w.shape[0], int) and w.shape[0] % 2:
+        raise IRError(f"linear_silu_mul: weight {w} has an odd number of rows (gate rows, then as many up rows)")
+    y = _linear_infer(ts, a)
+    return y.with_shape(y.shape[:-1] + (w.shape[0] // 2,))
 
 
 def _linear_silu_mul_ref(x, a, env):
@@ -560,8 +556,6 @@ def _qlinear_operands(x: list, a: dict) -> tuple:
 
 # the ops that multiply float activations by a float weight matrix (`linear_weight_inputs` reads their weight)
 FLOAT_LINEARS = ("linear", "linear_act", "silu_mul_linear", "linear_silu_mul")
-# the ops over a quantized weight (`qlinear_weight_inputs` reads their weight operands)
-QUANT_LINEARS = ("qlinear", "qlinear_codes", "qlinear_silu_mul")
 
 
 def linear_weight_inputs(n) -> tuple:
@@ -572,9 +566,8 @@ def linear_weight_inputs(n) -> tuple:
 
 
 def qlinear_weight_inputs(n) -> tuple:
-    """(qweight, scales, zeros or None, bias or None): the weight operands (Values) of a `qlinear` or
-    `qlinear_silu_mul` node, or of a `qlinear_codes` node, whose first two inputs are the activation codes
-    and their scales."""
+    """(qweight, scales, zeros or None, bias or None): the weight operands (Values) of a `qlinear` node, or of
+    a `qlinear_codes` node, whose first two inputs are the activation codes and their scales."""
     return _qlinear_operands([None, *n.inputs[2 if n.op == "qlinear_codes" else 1:]], n.attrs)
 
 
@@ -603,28 +596,6 @@ register_op("qlinear", "nn", ("x", "qweight", "scales", "zeros?", "bias?"), _qli
             {"kind": REQUIRED, "bits": 8, "group_size": 0, "has_zeros": False, "in_features": REQUIRED, "act": ""},
             "act(x @ W.T + bias) for a quantized W (formats: llmc/ir/quant.py); zeros only when has_zeros",
             traits=("linear", "no_fold"))
-
-
-def _qlinear_silu_mul_infer(ts, a):
-    return _swiglu_width("qlinear_silu_mul", ts[1], _qlinear_infer(ts, a))
-
-
-def _qlinear_silu_mul_ref(x, a, env):
-    from llmc.ir.quant import QuantFormat, qlinear_ref
-    y = qlinear_ref(x[0], QuantFormat.from_attrs(a), *_qlinear_operands(x, a))
-    half = y.shape[-1] // 2
-    return get_op("silu_mul").ref([y[..., :half], y[..., half:]], {}, env)
-
-
-# not a "linear" by trait, as `linear_silu_mul`: its output is half the weight's rows wide; tensor parallelism
-# unfuses it first (llmc/ir/sharding.py)
-register_op("qlinear_silu_mul", "nn", ("x", "qweight", "scales", "zeros?", "bias?"), _qlinear_silu_mul_infer,
-            _qlinear_silu_mul_ref,
-            {"kind": REQUIRED, "bits": 8, "group_size": 0, "has_zeros": False, "in_features": REQUIRED},
-            "silu(gate) * up of y = x @ W.T + bias for a quantized W (a qlinear's operands and formats), gate and "
-            "up the first and second half of y's columns (W: the gate rows, then the up rows): a fused gate/up "
-            "projection with the SwiGLU product in its epilogue (gate and up rounded to x's dtype first, as the "
-            "unfused qlinear stores them)", traits=("no_fold",))
 
 
 def _act_codes_types(t: TensorType, kind: str) -> list[TensorType]:

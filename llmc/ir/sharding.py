@@ -183,13 +183,11 @@ def unfuse_silu_mul_linear(g: Graph) -> int:
 
 
 def unfuse_linear_silu_mul(g: Graph) -> int:
-    """Each `linear_silu_mul` and `qlinear_silu_mul` (fuse_linear_epilogue) back to the gate/up `linear` (or
-    `qlinear`), its two halves and `silu_mul`, in place (exact: the fused ops are defined as that composition);
-    returns how many were unfused."""
-    fused = [n for n in g.nodes if n.op in ("linear_silu_mul", "qlinear_silu_mul")]
+    """Each `linear_silu_mul` (fuse_linear_epilogue) back to the gate/up `linear`, its two halves and `silu_mul`,
+    in place (exact: the fused op is defined as that composition); returns how many were unfused."""
+    fused = [n for n in g.nodes if n.op == "linear_silu_mul"]
     for n in fused:
-        op, attrs = ("qlinear", {**n.attrs, "act": ""}) if n.op == "qlinear_silu_mul" else ("linear", {})
-        lin = g.make_node(op, list(n.inputs), attrs, meta=n.meta)
+        lin = g.make_node("linear", list(n.inputs), {}, meta=n.meta)
         g.insert_before(n, lin)
         y = lin.outputs[0]
         dim, width = y.type.rank - 1, int(y.type.shape[-1])

@@ -10,11 +10,6 @@ Two rules:
     read back and a layer launches one kernel fewer. Gate and up are rounded to x's dtype before the
     product, as the unfused projection stores them, so the result is the unfused one's. Where the tuner
     hands a step to cuBLAS, the lowering runs cuBLAS and the product kernel, as unfused.
-    A weight-only quantized projection (a `qlinear` of kind "int": W4A16, W8A16) becomes
-    `qlinear_silu_mul` the same way (its kernel takes the weight with gate and up rows interleaved, so one
-    accumulator tile holds both halves of its output columns: llmc/codegen/qmatmul.py). W8A8 and FP8
-    projections keep theirs: their down projection takes activation codes that the product's kernel makes
-    (fuse_act_quant).
 """
 from __future__ import annotations
 
@@ -56,16 +51,12 @@ def _half(node, lo: bool) -> bool:
 
 
 def _swiglu_rule(ctx) -> RewriteRule:
-    lin = (P.op("linear")(P.any("x"), P.param("w")) | P.op("linear")(P.any("x"), P.param("w"), P.param("b"))
-           | P.op("qlinear", kind="int", act="").any_args()).named("y")  # weight-only: codes of W, float x
+    lin = (P.op("linear")(P.any("x"), P.param("w")) | P.op("linear")(P.any("x"), P.param("w"), P.param("b"))).named("y")
     root = P.op("silu_mul")(P.op("slice")(lin).named("gate"), P.op("slice")(lin).named("up"))
 
     def rewrite(b, m):
         y, gate, up = m["y"], m.node("gate"), m.node("up")
         if y.type.dtype not in FLOAT_DTYPES or not (_half(gate, True) and _half(up, False)):
-            return None
-        quantized = y.producer.op == "qlinear"
-        if quantized and not all(v.kind == "param" for v in y.producer.inputs[1:]):
             return None
         readers = [n for n in b.graph.nodes if y in n.inputs]
         if set(readers) != {gate, up} or y in b.graph.outputs or not b.sole_reader(m["gate"]) \
@@ -78,9 +69,6 @@ def _swiglu_rule(ctx) -> RewriteRule:
             ctx.explain.append(f"fuse_linear_epilogue: declined %{y.name}: a {'/'.join(CODE_KINDS)} linear reads "
                                "the product")
             return None
-        if quantized:
-            attrs = {k: v for k, v in y.producer.attrs.items() if k != "act"}
-            return b.call("qlinear_silu_mul", *y.producer.inputs, **attrs)
         return b.call("linear_silu_mul", *y.producer.inputs)
 
     return RewriteRule("linear_silu_mul", root, rewrite)
@@ -90,7 +78,7 @@ def fuse_swiglu_epilogues(graph) -> int:
     """The SwiGLU rule alone, on `graph` in place: how many products moved into their projection's epilogue.
     A tensor-parallel shard runs it after the sharding, which unfolds them to split the MLP
     (llmc/ir/sharding.py): each rank's gate/up projection holds its rows of both halves, so its product
-    moves back into its epilogue (`linear_silu_mul`, or `qlinear_silu_mul` for a weight-only quantized one)."""
+    moves back into its epilogue."""
     return apply_rewrites(graph, [_swiglu_rule(PassContext())])["linear_silu_mul"]
 
 

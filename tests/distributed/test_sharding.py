@@ -118,35 +118,6 @@ def test_a_shards_swiglu_products_return_to_their_epilogues(artifacts, name, tp)
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
-@pytest.mark.parametrize("quant", [{"method": "rtn", "wbits": 4, "group_size": 16, "zeros": True},
-                                   {"method": "rtn", "wbits": 8}])
-def test_a_weight_only_quantized_swiglu_epilogue_unfolds_for_the_split_and_returns(llama_dir, tmp_path, quant):
-    """An int4 / int8 artifact's gate/up projections with the SwiGLU product in their epilogue (qlinear_silu_mul)
-    unfold exactly into qlinear, its halves and silu_mul before the sharding splits the MLP; each rank's
-    projection (its rows of both halves, still gate then up) takes the product back, and the ranks give the
-    unsharded logits."""
-    import llmc
-    from llmc.ir.sharding import unfuse_linear_silu_mul
-    from llmc.passes.fuse_linear_epilogue import fuse_swiglu_epilogues
-    g = llmc.compile(llama_dir, tmp_path / "q.llmc", quant=quant).graph
-    assert g.op_counts()["qlinear_silu_mul"] == 2 and "silu_mul" not in g.op_counts()
-    (want,) = Interpreter(g).run(step_inputs(g))
-    plain = g.clone()
-    assert unfuse_linear_silu_mul(plain) == 2 and plain.op_counts()["silu_mul"] == 2
-    assert "qlinear_silu_mul" not in plain.op_counts() and plain.op_counts()["qlinear"] == 2 * 4
-    assert torch.equal(Interpreter(plain).run(step_inputs(plain))[0], want)
-    ranks = [shard_graph(g.clone(), 2, r) for r in range(2)]
-    assert all("qlinear_silu_mul" not in r.op_counts() and r.op_counts()["silu_mul"] == 2 for r in ranks)
-    assert [fuse_swiglu_epilogues(r) for r in ranks] == [2, 2]
-    for r in ranks:
-        fused = [n for n in r.nodes if n.op == "qlinear_silu_mul"]
-        assert len(fused) == 2 and "silu_mul" not in r.op_counts()
-        whole = next(n for n in g.nodes if n.op == "qlinear_silu_mul").inputs[1].type.shape
-        assert all(n.inputs[1].type.shape == (whole[0] // 2, whole[1]) for n in fused)
-    for (got,) in run_ranks(ranks, step_inputs):
-        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
-
-
 @pytest.mark.parametrize("name", ["h6-kv3-tied", "qwen2"])
 def test_pipeline_stages_chain_to_the_whole_graph(artifacts, name):
     g = artifacts[name].graph

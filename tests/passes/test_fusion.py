@@ -173,66 +173,6 @@ def test_the_swiglu_epilogue_declines(old, new, why):
         assert any(why in r for r in ctx.explain)
 
 
-QGLU = """graph t(%x: bf16[T,64]) {
-  dims T[1..64]
-  param %qw: u8[12,32]
-  param %sc: bf16[12,1]
-  param %b: bf16[12]
-  %0: bf16[T,12] = qlinear(%x, %qw, %sc, %b) {kind="int", bits=4, group_size=0, has_zeros=false, in_features=64, act=""}
-  %1: bf16[T,6] = slice(%0) {dim=1, start=0, end=6, step=1}
-  %2: bf16[T,6] = slice(%0) {dim=-1, start=6, end=12, step=1}
-  %3: bf16[T,6] = silu_mul(%1, %2)
-  return %3
-}
-"""
-QGLU_AFTER = """graph t(%x: bf16[T,64]) {
-  dims T[1..64]
-  param %qw: u8[12,32]
-  param %sc: bf16[12,1]
-  param %b: bf16[12]
-  %4: bf16[T,6] = qlinear_silu_mul(%x, %qw, %sc, %b) {kind="int", bits=4, group_size=0, has_zeros=false, in_features=64}
-  return %4
-}
-"""
-
-
-def _quantized_glu(text: str, fmt):
-    """The graph of `text` with its qlinear's params made by RTN in `fmt` (a weight [12, 64]) and a bf16 bias."""
-    from llmc.ir.quant import quantize_rtn
-    g = parse_graph(text)
-    torch.manual_seed(0)
-    qw = quantize_rtn(torch.randn(12, 64) / 8, fmt, torch.bfloat16)
-    for name, t in (("qw", qw.qweight), ("sc", qw.scales), ("b", torch.randn(12).to(torch.bfloat16))):
-        g.weights[name] = t
-    return g
-
-
-def test_a_weight_only_quantized_swiglu_moves_into_its_projections_epilogue():
-    """silu_mul of the two halves of an int (weight-only) qlinear: `qlinear_silu_mul`, the same operands and
-    format, no act; the interpreter gives the unfused graph's bits (the op's reference is that composition)."""
-    from llmc.ir.quant import QuantFormat
-    g = _quantized_glu(QGLU, QuantFormat("int", 4))
-    x = {"x": torch.randn(5, 64).to(torch.bfloat16)}
-    ref = run_graph(g, x)
-    out = PassManager([FuseLinearEpilogue()], verify=True).run(g, PassContext())
-    assert str(out) == QGLU_AFTER
-    assert torch.equal(run_graph(out, x)[0], ref[0])
-
-
-@pytest.mark.parametrize("kind,act", [("w8a8", ""), ("fp8", ""), ("int", "silu")])
-def test_the_quantized_swiglu_epilogue_declines_codes_and_an_act(kind, act):
-    """W8A8 and FP8 projections keep the product out of their epilogue (their formats compute on activation
-    codes); a qlinear with an activation in its epilogue already is not a gate/up projection's SwiGLU."""
-    from llmc.ir.quant import QuantFormat
-    text = QGLU.replace('kind="int"', f'kind="{kind}"').replace('act=""', f'act="{act}"')
-    if kind != "int":
-        text = text.replace("bits=4", "bits=8").replace("u8[12,32]", "i8[12,64]" if kind == "w8a8" else
-                                                        "f8e4m3[12,64]").replace("bf16[12,1]", "f32[12,1]")
-    g = _quantized_glu(text, QuantFormat(kind, 4 if kind == "int" else 8))
-    out = PassManager([FuseLinearEpilogue()], verify=True).run(g, PassContext())
-    assert "qlinear_silu_mul" not in str(out) and "silu_mul(" in str(out)
-
-
 def test_a_view_between_two_elementwise_readers_of_one_value_does_not_split_their_region():
     """cos, its cast and its view, then sin of the same angles (an exporter's order): the view moves down to its
     reader, so one kernel makes both."""
