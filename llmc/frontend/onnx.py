@@ -524,7 +524,17 @@ class Importer:
             float(x.reshape(())) <= -1e4
 
     def is_mask_candidate(self, x) -> bool:
-        return isinstance(x, Lazy) and x.ir is None and x.make_ir is None and x.elems is None
+        """A compile-time value that can be an attention mask: its last axis is the sequence's (keys) at every probe
+        length. A learned position embedding looked up by position_ids ([.., S, hidden]: GPT-2's) is compile-time
+        too, but is emitted at run time with the real positions."""
+        if not (isinstance(x, Lazy) and x.ir is None and x.make_ir is None and x.elems is None):
+            return False
+        try:
+            return all(self.eval(x, self.probe_env(s)).shape[-1:] == (s,) for s in PROBES[:2])
+        except CompileError:
+            raise
+        except Exception:  # not evaluable here: left to the mask's own checks, which say what failed
+            return True
 
     def is_all_ones(self, x) -> bool:
         if isinstance(x, Value):

@@ -589,3 +589,36 @@ def test_an_fp16_export_compiles_in_fp16_and_says_so(model_root, tmp_path):
     with pytest.raises(llmc.errors.CompileError, match="exported in float16.*--dtype float16"):
         llmc.compile(tmp_path / "model.onnx", tmp_path / "b.llmc", tokenizer=src, dtype="float32")
     assert not (tmp_path / "b.llmc").exists()
+
+
+def test_a_learned_position_embedding_is_no_mask_and_a_bias_mask_is_refused(tmp_path):
+    """A table looked up by position_ids and added to the token embeddings (GPT-2's learned positions) is a
+    runtime operand, not an attention mask (it was refused as "a mask that adds biases"); a bias added to the
+    scores (ALiBi-like: relative positions) still is refused as one."""
+    import onnx
+    from onnx import TensorProto, helper
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    pos = helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "sequence"])
+    logits = helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", 8])
+    emb = helper.make_tensor("emb", TensorProto.FLOAT, [10, 8], np.ones(80, dtype=np.float32).tolist())
+    wpe = helper.make_tensor("wpe", TensorProto.FLOAT, [64, 8], np.ones(512, dtype=np.float32).tolist())
+    learned = [helper.make_node("Gather", ["emb", "input_ids"], ["x"]),
+               helper.make_node("Gather", ["wpe", "position_ids"], ["pe"]),
+               helper.make_node("Add", ["x", "pe"], ["logits"])]
+    onnx.save(_graph(learned, [ids, pos], [logits], [emb, wpe]), str(tmp_path / "learned.onnx"))
+    with pytest.raises(llmc.errors.CompileError) as e:
+        llmc.compile(tmp_path / "learned.onnx", tmp_path / "a.llmc")
+    assert "no attention" in str(e.value) and "biases" not in str(e.value), e.value
+    scores = helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", "sequence"])
+    one, two = (helper.make_tensor(n, TensorProto.INT64, [1], [v]) for n, v in (("one", 1), ("two", 2)))
+    alibi = [helper.make_node("Gather", ["emb", "input_ids"], ["x"]),
+             helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["x", "xt"], ["s"]),
+             helper.make_node("Unsqueeze", ["position_ids", "two"], ["pi"]),
+             helper.make_node("Unsqueeze", ["position_ids", "one"], ["pj"]),
+             helper.make_node("Sub", ["pj", "pi"], ["rel"]),
+             helper.make_node("Cast", ["rel"], ["bias"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["s", "bias"], ["logits"])]
+    onnx.save(_graph(alibi, [ids, pos], [scores], [emb, one, two]), str(tmp_path / "alibi.onnx"))
+    with pytest.raises(llmc.errors.CompileError, match="adds biases"):
+        llmc.compile(tmp_path / "alibi.onnx", tmp_path / "b.llmc")
