@@ -811,6 +811,7 @@ def capture_onnx(path: str | Path, dtype: torch.dtype | None = None,
                            f"{names.get(imp.ir_dtype(dtype))}")
     g = PassManager([LiftOnnxAttention()]).run(g)
     _check_lifted(g, path)
+    _check_tokens_apart(g, path, imp.seq_dim)
     attn = [n for n in g.nodes if n.op == "attention"]
     q, k = attn[0].inputs[0].type.shape, attn[0].inputs[1].type.shape
     g.meta.update({
@@ -838,6 +839,42 @@ def export_precision(g: Graph) -> str:
         if v.type.is_float:
             counts[v.type.dtype] = counts.get(v.type.dtype, 0) + g.weights[v.name].numel()
     return max(counts, key=counts.get) if counts else g.outputs[0].type.dtype
+
+
+def _mixing_axis(n, seq) -> int | None:
+    """The axis along which node `n` reads across the sequence (a reduction, softmax, matmul contraction, slice or
+    concat over the axis that is `seq`), or None."""
+    if not n.inputs or not hasattr(n.inputs[0], "type"):
+        return None
+    shape = n.inputs[0].type.shape
+    if n.op in ("mean", "sum", "amax", "softmax"):
+        axes = n.attrs["dims"] if "dims" in n.attrs else [n.attrs.get("dim", -1)]
+    elif n.op == "matmul":
+        axes = [-1]
+    elif n.op in ("slice", "concat"):
+        axes = [n.attrs.get("dim", 0)]
+    else:
+        return None
+    for a in axes:
+        a = int(a) % len(shape) if shape else 0
+        if shape and shape[a] == seq:
+            return a
+    return None
+
+
+def _check_tokens_apart(g: Graph, path: Path, seq) -> None:
+    """llmc runs each token's computation apart from the others' (only attention reads other tokens, through the
+    paged cache): an op outside attention that reads across the sequence axis (a norm over the sequence, a token
+    shift, a cumulative sum) would compute something else one token at a time, so it is refused here; onnxruntime
+    (--check-ort) would only catch it after the compile."""
+    for n in g.nodes:
+        axis = _mixing_axis(n, seq)
+        if axis is not None:
+            where = n.meta.get("source") or n.name
+            raise CompileError(f"{path.name}: {where} ({n.op} over axis {axis}, the sequence) mixes tokens outside "
+                               "attention; llmc computes each token apart from the others except in causal "
+                               "attention, so this graph would give other logits. Export a decoder whose only "
+                               "reading across positions is its attention")
 
 
 def _check_lifted(g: Graph, path: Path) -> None:
