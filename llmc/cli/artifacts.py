@@ -139,7 +139,7 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
         from llmc.frontend.onnx_check import TOLERANCE, check_onnxruntime
         rep = check_onnxruntime(model, art.graph)
         click.echo(str(rep))
-        dtype = weights_dtype(s)
+        dtype = art.graph.meta["dtype"]  # the file's own precision (frontend/onnx.py, export_precision)
         if quant:
             click.echo("(quantized weights differ from the file's by design: compare perplexities with llmc eval)")
         elif rep.max_rel_diff > TOLERANCE[dtype]:
@@ -203,13 +203,6 @@ def inspect(artifact, ir, kernels, as_json, show_plan, plugins):
     for op, n in s["op_counts"].items():
         click.echo(f"  {op:18s} {n}")
     _echo_quant_plan(_quant_plan(art), show_plan)
-
-
-def weights_dtype(summary: dict) -> str:
-    """Of f32, f16 and bf16, the one that holds most of an artifact's parameter bytes (what it computes in: an
-    ONNX file's own, whatever --dtype said)."""
-    sizes = {k: n for k, n in summary["param_bytes_by_dtype"].items() if k in ("f32", "f16", "bf16")}
-    return max(sizes, key=sizes.get) if sizes else "f32"
 
 
 def _quant_plan(art) -> dict | None:

@@ -844,9 +844,9 @@ def export_precision(g: Graph) -> str:
 def _mixing_axis(n, seq) -> int | None:
     """The axis along which node `n` reads across the sequence (a reduction, softmax, matmul contraction, slice or
     concat over the axis that is `seq`), or None."""
-    if not n.inputs or not hasattr(n.inputs[0], "type"):
+    shape = n.inputs[0].type.shape if n.inputs else ()
+    if not shape:
         return None
-    shape = n.inputs[0].type.shape
     if n.op in ("mean", "sum", "amax", "softmax"):
         axes = n.attrs["dims"] if "dims" in n.attrs else [n.attrs.get("dim", -1)]
     elif n.op == "matmul":
@@ -855,11 +855,7 @@ def _mixing_axis(n, seq) -> int | None:
         axes = [n.attrs.get("dim", 0)]
     else:
         return None
-    for a in axes:
-        a = int(a) % len(shape) if shape else 0
-        if shape and shape[a] == seq:
-            return a
-    return None
+    return next((a for a in (int(a) % len(shape) for a in axes) if shape[a] == seq), None)
 
 
 def _check_tokens_apart(g: Graph, path: Path, seq) -> None:
