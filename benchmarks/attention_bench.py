@@ -24,10 +24,11 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH: an older tree there is timed
 
-from llmc.codegen.attention import DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES, paged_attention  # noqa: E402
+from llmc.codegen.attention import (DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES,  # noqa: E402
+                                    QUANTIZED_DECODE_TILE_CANDIDATES, paged_attention)
 from llmc.codegen.autotune import gpu_time_ms  # noqa: E402
 from llmc.compiler import _attention_step  # noqa: E402
-from llmc.runtime.kv_cache import KV_LAYOUTS, empty_cache  # noqa: E402
+from llmc.runtime.kv_cache import KV_LAYOUTS  # noqa: E402
 
 SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}  # Hq, Hkv, D
 _ragged = random.Random(0)
@@ -115,6 +116,7 @@ def main() -> None:
                     help="the cache's element type (int8 / fp8: codes with per-block centres and per-token scales)")
     ap.add_argument("--layout", default="tokens", choices=KV_LAYOUTS,
                     help="the cache's memory order (llmc.runtime.kv_cache: LLMC_KV_LAYOUT)")
+    ap.add_argument("--block-size", type=int, default=16, help="keys per cache block (the engine's --block-size)")
     ap.add_argument("--partitions", default="", metavar="P,P",
                     help="also time the decode cases with these keys per split (each launch whose key tile divides "
                          "P; the runtime's is 256 up to 32 Ki keys: attention.decode_partition)")
@@ -124,18 +126,13 @@ def main() -> None:
     dtype, g = torch.bfloat16, torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth()
     rows = []
-    print(f"# {a.shape}: {Hq} q heads over {Hkv}, {D} wide, bf16, {a.kv_dtype} cache, layout {a.layout}; "
+    print(f"# {a.shape}: {Hq} q heads over {Hkv}, {D} wide, bf16, {a.kv_dtype} cache, layout {a.layout}, "
+          f"blocks of {a.block_size}; "
           f"{torch.cuda.get_device_name()}, copy {bw / 1e12:.2f} TB/s")
 
     def step(new, ctx):
-        q, kv, *rest = _attention_step(g, new, ctx, Hq, Hkv, D, dtype)
-        codes = {"bf16": kv.dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[a.kv_dtype]
-        laid = empty_cache(tuple(kv.shape), codes, kv.device, a.layout)
-        laid.copy_(kv.clamp(-100, 100) if a.kv_dtype == "int8" else kv)
-        scale = None  # [NB, Hkv, 2D + 2BS]: K and V centres, then K and V per-token scales (kv_cache.py)
-        if a.kv_dtype != "bf16":
-            scale = (torch.rand(kv.shape[1], Hkv, 2 * D + 2 * kv.shape[2], device="cuda", generator=g) * 0.01).to(dtype)
-        return (q, laid, scale, *rest)
+        codes = {"bf16": dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[a.kv_dtype]
+        return _attention_step(g, new, ctx, Hq, Hkv, D, dtype, bs=a.block_size, kv_dtype=codes, layout=a.layout)
     for name, ctx in ({} if a.prefill_only else DECODE_CASES).items():
         q, kv, scale, qsl, lens, tables, out = step([1] * len(ctx), ctx)
         # K and V codes, and per block and kv head its scale row (centres and per-token scales)
@@ -143,14 +140,15 @@ def main() -> None:
             (0 if scale is None else sum(-(-c // kv.shape[2]) for c in ctx) * Hkv * scale.shape[-1] * 2)
         # the decode graphs' splits follow the longest context the model allows (4,096 here); an eager step's
         # its own longest: both, for the default tiles
-        for cfg, longest in [(None, max(ctx)), *((c, 4096) for c in [None, *DECODE_TILE_CANDIDATES])]:
+        tiles = DECODE_TILE_CANDIDATES if a.kv_dtype == "bf16" else QUANTIZED_DECODE_TILE_CANDIDATES
+        for cfg, longest in [(None, max(ctx)), *((c, 4096) for c in [None, *tiles])]:
             us = timed(lambda: paged_attention(q, kv, qsl, lens, tables, D ** -0.5, max_seqlen_q=1, kv_scale=scale,
                                                max_seqlen_k=longest, out=out, decode_tiles=cfg))
             launch = (label(cfg) if cfg else "default") + ("" if longest == 4096 else f", splits for {longest}")
             rows.append(dict(kind="decode", case=name, launch=launch, us=us, of_bandwidth=kv_bytes / (us * 1e-6) / bw))
         # other partitions (a global constant: every batch would split a context the same way), graph splits
         for part in (int(x) for x in a.partitions.split(",") if x):
-            for cfg in (c for c in DECODE_TILE_CANDIDATES if part % c["BLOCK_N"] == 0):
+            for cfg in (c for c in tiles if part % c["BLOCK_N"] == 0):
                 us = timed(lambda: paged_attention(q, kv, qsl, lens, tables, D ** -0.5, max_seqlen_q=1, kv_scale=scale,
                                                    max_seqlen_k=4096, out=out, decode_tiles=cfg, partition_size=part))
                 rows.append(dict(kind="decode", case=name, launch=f"{label(cfg)}, partition {part}", us=us,
@@ -210,8 +208,9 @@ def main() -> None:
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         name = f"attention_bench_{a.shape}" + ("" if a.layout == "tokens" else f"_{a.layout}") + \
-            ("" if a.kv_dtype == "bf16" else f"_{a.kv_dtype}")
-        (a.out / f"{name}.json").write_text(json.dumps(dict(copy_bw=bw, layout=a.layout, kv_dtype=a.kv_dtype, rows=rows),
+            ("" if a.kv_dtype == "bf16" else f"_{a.kv_dtype}") + ("" if a.block_size == 16 else f"_bs{a.block_size}")
+        (a.out / f"{name}.json").write_text(json.dumps(dict(copy_bw=bw, layout=a.layout, kv_dtype=a.kv_dtype,
+                                                            block_size=a.block_size, rows=rows),
                                                         indent=1))
 
 

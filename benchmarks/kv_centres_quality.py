@@ -6,7 +6,10 @@ swapping the golden model's cache write.
 The decode kernel over a centre-free cache runs at 0.74-0.82x a bf16 cache's time where the centred one takes
 1.06-1.13x (benchmarks/fp8_decode_lab.py, RESULTS 2026-12-06, evening); this measures the other side.
 
-    python3 benchmarks/kv_centres_quality.py [--max-tokens 20000] [--out DIR]
+    python3 benchmarks/kv_centres_quality.py [--max-tokens 20000] [--block-size 16] [--centred-only] [--out DIR]
+
+`--block-size` sets the engine's cache blocks (a block's centre is its first entry, so longer blocks hold
+entries further from their centre); `--centred-only` skips the centre-free caches.
 """
 from __future__ import annotations
 
@@ -49,6 +52,8 @@ def main() -> None:
     global _ORIGINAL
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=20000)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--centred-only", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import llmc
@@ -59,11 +64,13 @@ def main() -> None:
     art = llmc.compile("builtin:tiny-py", Path(tempfile.mkdtemp()) / "bf16.llmc", dtype="bfloat16", tune=False)
     rows = []
     for kv, centres in ((None, True), ("int8", True), ("int8", False), ("fp8", True), ("fp8", False)):
+        if a.centred_only and not centres:
+            continue
         pa._write = _ORIGINAL if centres else _write_without_centres
-        r = perplexity(art, text, max_tokens=a.max_tokens, backend="reference",
+        r = perplexity(art, text, max_tokens=a.max_tokens, backend="reference", block_size=a.block_size,
                        **({"kv_cache_dtype": kv} if kv else {}))
-        rows.append({"cache": kv or "bf16", "centres": centres if kv else None, "perplexity": r.perplexity,
-                     "tokens": r.tokens})
+        rows.append({"cache": kv or "bf16", "centres": centres if kv else None, "block_size": a.block_size,
+                     "perplexity": r.perplexity, "tokens": r.tokens})
         print(json.dumps(rows[-1]), flush=True)
     pa._write = _ORIGINAL
     base = rows[0]["perplexity"]
@@ -72,7 +79,7 @@ def main() -> None:
         print(f"{r['cache']:6s} {str(r['centres']):8s} {r['perplexity']:10.4f} {100 * (r['perplexity'] / base - 1):+7.3f}%")
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        Path(a.out, "kv_centres_quality.json").write_text(json.dumps(rows, indent=1))
+        Path(a.out, f"kv_centres_quality_bs{a.block_size}.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

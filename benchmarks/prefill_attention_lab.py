@@ -172,7 +172,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, (new, ctx) in cases.items():
-        q, kv, qsl, lens, tables, out = _attention_step(g, new, ctx, Hq, Hkv, D, torch.bfloat16)
+        q, kv, _, qsl, lens, tables, out = _attention_step(g, new, ctx, Hq, Hkv, D, torch.bfloat16)
         flops = 4 * D * Hq * sum(sum(c - n + i + 1 for i in range(n)) for n, c in zip(new, ctx))
         for tiles in tiles_list:
             paged_attention(q, kv, qsl, lens, tables, D ** -0.5, max_seqlen_q=max(new), max_seqlen_k=max(ctx),

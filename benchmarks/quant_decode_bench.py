@@ -7,9 +7,9 @@ memory roofline at batch 1 (bytes of the weights each step reads / measured copy
 
     python3 benchmarks/quant_decode_bench.py [--shape 8b] [--quant rtn4,fp8,smoothquant] [--new 128] [--out DIR]
 
-A config name may end in `+kvint8` or `+kvfp8`: the same artifact's engines then run on a K/V cache of that
-type (`kv_cache_dtype`), so that e.g. `--quant fp8,fp8+kvfp8` measures FP8 weights with and without an FP8
-cache in one run (the artifact compiled once per weight format).
+A config name may end in `+kvint8` or `+kvfp8`: the weights are compiled for a K/V cache of that type
+(`kv_cache_dtype`, so that the compile tunes the attention over it), so that e.g. `--quant fp8,fp8+kvfp8`
+measures FP8 weights with and without an FP8 cache in one run. `--block-size` sets the engines' cache blocks.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def run_engines(a, art, row: dict, engine: dict, prompt, profile_root, name: str
     `engine` (e.g. a K/V cache type); printed and appended to the partial results as it is measured."""
     from llmc.runtime.llm import LLM
     if not a.no_decode:
-        llm = LLM(art, max_num_seqs=16, num_blocks=1024, **engine)
+        llm = LLM(art, max_num_seqs=16, num_blocks=1024 * 16 // a.block_size, **engine)
         row.update(b1_tok_s=decode_rate(llm, prompt, a.new, 1), b16_tok_s=decode_rate(llm, prompt, a.new, 16))
         del llm
     if a.mixed:
@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--mixed-budget", type=int, default=None, metavar="TOKENS",
                     help="the mixed workload's budget for steps that carry decodes (steps without: 2,048 tokens)")
     ap.add_argument("--no-decode", action="store_true", help="skip the batch-1 and batch-16 decode figures")
+    ap.add_argument("--block-size", type=int, default=16, help="keys per K/V cache block (the engines')")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     from quant_quality import weight_and_cache
@@ -104,16 +105,17 @@ def main() -> None:
     prompt = torch.randint(0, cfg["vocab_size"], (128,)).tolist()
     profile_root = os.environ.pop("LLMC_PROFILE_DIR", None)  # profiles the mixed runs only (see below)
     rows = []
-    compiled = {}  # weight format -> its artifact, compiled once for every cache type it is run with
+    compiled = {}  # (weight format, cache type) -> its artifact
     for i, (name, fmt, kv) in enumerate(configs):
-        compile_s = 0
-        if fmt not in compiled:
+        compile_s, key = 0, (fmt, kv)
+        if key not in compiled:
             t = time.time()
             quant = None if fmt == "bf16" else FORMATS[fmt]
             if quant == "w8a8":
                 quant = {"method": "smoothquant", "calib_samples": 1, "calib_len": 16}
             try:
-                compiled[fmt] = llmc.compile(work / "model", work / f"{fmt}.llmc", dtype="bfloat16", quant=quant,
+                compiled[key] = llmc.compile(work / "model", work / f"{name}.llmc", dtype="bfloat16", quant=quant,
+                                             kv_cache_dtype=kv or "auto",
                                              tune=not a.no_tune and not (fmt == "bf16" and a.bf16_no_tune),
                                              batch_invariant=not (a.no_batch_invariant and fmt != "bf16"))
             except Exception as e:  # a method that cannot run here is reported, the others go on
@@ -121,19 +123,18 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
                 continue
             compile_s = time.time() - t
-        art = compiled[fmt]
+        art = compiled[key]
         if compile_s and (art.path / "tuning.json").exists():  # the kernel choices, for reading beside the figures
             Path(a.out).mkdir(parents=True, exist_ok=True)
-            Path(a.out, f"{fmt}_tuning.json").write_text((art.path / "tuning.json").read_text())
+            Path(a.out, f"{name}_tuning.json").write_text((art.path / "tuning.json").read_text())
         weights = sum(p.stat().st_size for p in art.path.glob("*.safetensors"))
         embed = cfg["vocab_size"] * cfg["hidden_size"] * 2  # the input table is gathered, not read, per step
         row = {"config": name, "compile_s": round(compile_s), "weights_GiB": weights / 2**30,
                "roofline_b1_tok_s": bw / (weights - embed)}
-        rows.append(run_engines(a, art, row, {"kv_cache_dtype": kv} if kv else {}, prompt, profile_root, name))
-        if any(later == fmt for _, later, _ in configs[i + 1:]):
-            continue  # the artifact runs again on another cache type
-        del art, compiled[fmt]
-        for p in work.glob(f"{fmt}.llmc/*.safetensors"):  # the disk holds a few 8B artifacts at most
+        engine = {"block_size": a.block_size, **({"kv_cache_dtype": kv} if kv else {})}
+        rows.append(run_engines(a, art, row, engine, prompt, profile_root, name))
+        del art, compiled[key]
+        for p in work.glob(f"{name}.llmc/*.safetensors"):  # the disk holds a few 8B artifacts at most
             p.unlink()
         # nothing of this config's engines left on the device for the next compile, whose token budget times
         # GEMMs of up to 8,192 rows; and the engine's profiled window, if one is open, written now

@@ -385,16 +385,18 @@ DECODE_TUNING_CONTEXTS = ([512], [1024] * 64)
 
 
 def _tune_attention(graph: Graph, tuner, bar) -> None:
-    """Choose the attention launches of each attention shape of the graph (bf16/f16/f32 caches; quantized ones
-    keep the defaults). One choice serves every batch, so a sequence's sums do not depend on its batch.
+    """Choose the attention launches of each attention shape of the graph. One choice serves every batch, so a
+    sequence's sums do not depend on its batch.
 
-    - decode (key tile, pipeline depth, warps: attention.DECODE_TILE_CANDIDATES), timed on two steps summed
+    - decode (key tile, pipeline depth, warps: attention.DECODE_TILE_CANDIDATES; over an int8 / fp8 cache
+      QUANTIZED_DECODE_TILE_CANDIDATES, in blocks of the runtime's default size), timed on two steps summed
       (DECODE_TUNING_CONTEXTS): one sequence of 512 keys (batch-1 decode) and 64 of 1,024 (a large batch),
       with the splits the runtime's CUDA graphs use;
     - prefill (query and key tiles, depth, warps: attention.PREFILL_TILE_CANDIDATES), timed on a fresh
       2,048-token prompt plus four 512-token chunks over 1,024 keys (a mixed step's decodes run on the
-      decode kernel)."""
-    from llmc.codegen.attention import DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES, paged_attention
+      decode kernel; over a quantized cache the prefill keeps its default launch)."""
+    from llmc.codegen.attention import (DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES, QUANTIZED,
+                                        QUANTIZED_DECODE_TILE_CANDIDATES, paged_attention)
     from llmc.codegen.lower import _tname, attention_tiles_key_of, attention_types
     max_len = int(graph.meta.get("max_position_embeddings") or 4096)
     seen = set()
@@ -405,7 +407,8 @@ def _tune_attention(graph: Graph, tuner, bar) -> None:
         D, Hq, Hkv = int(q.shape[3]), int(q.shape[1]), int(cache.shape[3])
         qd, kd = _tname(q.dtype), _tname(cache.dtype)
         key = attention_tiles_key_of(n)
-        if key in seen or kd not in ("float16", "bfloat16", "float32") or qd != kd:
+        quantized = kd in QUANTIZED and qd in ("float16", "bfloat16")
+        if key in seen or not (quantized or kd in ("float16", "bfloat16", "float32") and qd == kd):
             continue
         seen.add(key)
         bar.step(f"tuning attention ({Hq} heads over {Hkv}, {D} wide)")
@@ -413,14 +416,17 @@ def _tune_attention(graph: Graph, tuner, bar) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
 
         def attend(steps, **kw):  # the step's lengths given: no host sync, so the tuner times a CUDA graph
-            for (qq, kv, qsl, lens, tables, out), (new, ctx) in steps:
-                paged_attention(qq, kv, qsl, lens, tables, D ** -0.5, True, window, None, out=out,
+            for (qq, kv, scale, qsl, lens, tables, out), (new, ctx) in steps:
+                paged_attention(qq, kv, qsl, lens, tables, D ** -0.5, True, window, scale, out=out,
                                 max_seqlen_q=max(new), max_seqlen_k=max(ctx), **kw)
         # contexts within the model's limit, which sizes the splits as under the runtime's graphs
-        decode = [(_attention_step(g, [1] * len(ctx), [min(c, max_len) for c in ctx], Hq, Hkv, D, dtype),
-                   ([1], [max_len])) for ctx in DECODE_TUNING_CONTEXTS]
-        tuner.choose(key, "decode", DECODE_TILE_CANDIDATES, lambda cfg: attend(decode, decode_tiles=cfg))
+        decode = [(_attention_step(g, [1] * len(ctx), [min(c, max_len) for c in ctx], Hq, Hkv, D, dtype,
+                                   kv_dtype=cache.dtype), ([1], [max_len])) for ctx in DECODE_TUNING_CONTEXTS]
+        tuner.choose(key, "decode", QUANTIZED_DECODE_TILE_CANDIDATES if quantized else DECODE_TILE_CANDIDATES,
+                     lambda cfg: attend(decode, decode_tiles=cfg))
         del decode
+        if quantized:
+            continue
         prefill = [(_attention_step(g, new, ctx, Hq, Hkv, D, dtype), (new, ctx))
                    for new, ctx in (([2048], [2048]), ([512] * 4, [1024] * 4))]
         tuner.choose(attention_tiles_key_of(n, "prefill"), "prefill", PREFILL_TILE_CANDIDATES,
@@ -428,19 +434,27 @@ def _tune_attention(graph: Graph, tuner, bar) -> None:
         del prefill
 
 
-def _attention_step(g, new: list[int], ctx: list[int], Hq: int, Hkv: int, D: int, dtype, bs: int = 16) -> tuple:
+def _attention_step(g, new: list[int], ctx: list[int], Hq: int, Hkv: int, D: int, dtype, bs: int = 16,
+                    kv_dtype=None, layout: str | None = None) -> tuple:
     """One attention step's inputs on the GPU: sequence i has `new[i]` new tokens at the end of `ctx[i]` keys
-    (q, kv_cache, query_start_loc, seq_lens, block_tables, out), its blocks scattered over a cache in the
-    memory order the runtime allocates (`kv_cache.kv_layout`)."""
+    (q, kv_cache, kv_scale, query_start_loc, seq_lens, block_tables, out), its blocks scattered over a cache in
+    the memory order `layout` (default: the one the runtime allocates, `kv_cache.kv_layout`). An int8 / fp8
+    `kv_dtype` gives random codes and a kv_scale of random centres and positive per-token scales (the speed does
+    not depend on their values); else the cache holds `dtype` and kv_scale is None."""
     from llmc.runtime.kv_cache import empty_cache, kv_layout
     per = max(-(-c // bs) for c in ctx)
     seqs, T = len(new), sum(new)
     shape = (2, seqs * per + 1, bs, Hkv, D)
-    kv = empty_cache(shape, dtype, "cuda", kv_layout())
-    kv.copy_(torch.randn(shape, device="cuda", generator=g))
+    kv_dtype = kv_dtype or dtype
+    kv = empty_cache(shape, kv_dtype, "cuda", kv_layout(layout))
+    codes = torch.randn(shape, device="cuda", generator=g)
+    kv.copy_(codes.mul(20).clamp(-127, 127).round() if kv_dtype == torch.int8 else codes)
+    scale = None  # [NB, Hkv, 2D + 2BS]: K and V centres, then K and V per-token scales (ir/paged_attention.py)
+    if kv_dtype != dtype:
+        scale = torch.rand(shape[1], Hkv, 2 * D + 2 * bs, device="cuda", generator=g).mul(0.01).to(dtype)
     tables = torch.randperm(seqs * per, device="cuda", generator=g).to(torch.int32).view(seqs, per)
     qsl = torch.tensor([0, *itertools.accumulate(new)], device="cuda", dtype=torch.int32)
-    return (torch.randn(T, Hq, D, device="cuda", generator=g).to(dtype), kv, qsl,
+    return (torch.randn(T, Hq, D, device="cuda", generator=g).to(dtype), kv, scale, qsl,
             torch.tensor(ctx, device="cuda", dtype=torch.int32), tables,
             torch.empty(T, Hq, D, device="cuda", dtype=dtype))
 

@@ -122,7 +122,7 @@ def packed_case(name, ctx, new, Hq, Hkv, D, BS, dtype, decode_rows, tokens, seqs
     return same
 
 
-def golden_case(name, ctx, new, Hq, Hkv, D, BS, dtype, kv_dtype, window=0, decode_rows=0):
+def golden_case(name, ctx, new, Hq, Hkv, D, BS, dtype, kv_dtype, window=0, decode_rows=0, decode_tiles=None):
     """Kernels vs paged_attention_ref, including the write (rope_kv_write) and int8 caches."""
     b = make_batch(ctx, new, Hq, Hkv, D, BS, dtype)
     T = b["q"].shape[0]
@@ -149,7 +149,8 @@ def golden_case(name, ctx, new, Hq, Hkv, D, BS, dtype, kv_dtype, window=0, decod
     cache, sc = cache0.clone(), scale_t.clone() if quant else None
     q_roped = rope_kv_write(b["q"], k, v, cos, sin, cache, slots, kv_scale=sc)
     out = paged_attention(q_roped, cache, b["qsl"], b["seq_lens"], b["bt"], D ** -0.5, window=window, kv_scale=sc,
-                          max_seqlen_q=max(new), max_seqlen_k=max(ctx), decode_rows=decode_rows)
+                          max_seqlen_q=max(new), max_seqlen_k=max(ctx), decode_rows=decode_rows,
+                          decode_tiles=decode_tiles)
     err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()  # relative to the largest
     cache_err = (cache.float() - ref_cache.float()).abs().max().item()
     # quantized: K/V are dequantized into q's dtype for the tensor-core dot, one more bf16 rounding
@@ -215,6 +216,12 @@ def main():
         for dtype in (torch.float16, torch.bfloat16):
             oks.append(golden_case(f"{str(kv_dtype)[6:]} decode, window 64", [300, 7, 1000], [1, 1, 1], 8, 2, 64, 16,
                                    dtype, kv_dtype, window=64))
+        # key tiles inside one block (the tile divides the block): the centres as rank-1 terms
+        for dtype in (torch.float16, torch.bfloat16):
+            for BS, n in ((16, 16), (64, 32)):
+                oks.append(golden_case(f"{str(kv_dtype)[6:]} decode, {n}-key tiles in {BS}", [300, 7, 1000], [1, 1, 1],
+                                       32, 8, 128, BS, dtype, kv_dtype, window=64 if BS == 16 else 0,
+                                       decode_tiles=dict(BLOCK_N=n, num_stages=3, num_warps=4)))
     # a mixed step's leading decodes on the decode kernel, the prompt rows on the prefill kernel
     for dtype, kv_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
                             (torch.bfloat16, torch.int8), (torch.bfloat16, torch.float8_e4m3fn)):

@@ -492,6 +492,8 @@ QUANTIZED_DECODE_CASES = {
     "bs2_n32": dict(BS=2, block_n=32),
     # a sliding window starting inside a block and a tile; several splits
     "window": dict(BS=4, block_n=16, window=11), "splits": dict(BS=4, block_n=16, partition=32),
+    # tiles inside one block (their centres as rank-1 terms): one tile a block, and two with a window and splits
+    "bs16_n16": dict(BS=16, block_n=16), "in_block_window_splits": dict(BS=32, block_n=16, window=21, partition=32),
 }
 
 
@@ -521,12 +523,18 @@ def test_decode_over_a_quantized_cache_in_bf16_and_fp32(case, kv_dtype, dtype, d
 @pytest.mark.parametrize("case", list(QUANTIZED_DECODE_CASES))
 def test_decode_with_the_codes_in_fp16_dots(case, kv_dtype, dtype, code_dots):
     """The default decode over a quantized cache: the codes enter fp16 dots as they are, scaled after them, q
-    and p x scale shifted by powers of two into fp16's range; in bf16 the tile's block centres are read once.
+    and p x scale shifted by powers of two into fp16's range; in bf16 the tile's block centres are read once,
+    and a tile inside one block (the key tile divides the block) adds its centres as rank-1 terms.
     Within one bf16 ulp of the outputs (2-4 here: 0.0156) where the dequantize-then-dot form is two ulps off,
     whatever the blocks, window or splits."""
     from llmc.codegen.attention import PagedAttentionSpec
     assert PagedAttentionSpec(head_dim=32, num_q_heads=4, num_kv_heads=2, block_size=4, dtype="bfloat16",
                               kv_dtype="int8", mode="decode").context()["code_dots"]
+    p = QUANTIZED_DECODE_CASES[case]
+    ctx = PagedAttentionSpec(head_dim=32, num_q_heads=4, num_kv_heads=2, block_size=p["BS"], dtype=dtype_name(dtype),
+                             kv_dtype=dtype_name(kv_dtype), mode="decode", block_n=p["block_n"]).context()
+    assert ctx["tile_in_block"] == (p["BS"] % p["block_n"] == 0)
+    assert not (ctx["tile_in_block"] and ctx["block_centres"])
     out, ref = run_decode_case(case, kv_dtype, dtype)
     if dtype == torch.bfloat16:  # one ulp of the largest outputs' binade
         top = float(ref.float().abs().max())
