@@ -65,10 +65,15 @@ sys.path.insert(0, {root!r})
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from llmc.codegen import kernels
 from llmc.codegen.kernels import load
 from llmc.codegen.attention import PagedAttentionSpec
-kv, (bn, warps, stages) = {kv!r}, {cfg}
-spec = PagedAttentionSpec(head_dim=128, num_q_heads=32, num_kv_heads=8, block_size=16, dtype="bfloat16", kv_dtype=kv,
+if {centre_free}:  # the centres' parts of the quantized caches' decode set to 0 (benchmarks/centre_free_decode.py)
+    sys.path.insert(0, {root!r} + "/benchmarks")
+    from centre_free_decode import render_without_centres
+    kernels.render = render_without_centres
+kv, (bn, warps, stages), bs = {kv!r}, {cfg}, {bs}
+spec = PagedAttentionSpec(head_dim=128, num_q_heads=32, num_kv_heads=8, block_size=bs, dtype="bfloat16", kv_dtype=kv,
                           mode="decode", split=True, block_n=bn)
 fn = load(spec).paged_attention_decode_kernel
 cache = {{"bfloat16": "*bf16", "int8": "*i8", "float8_e4m3fn": "*fp8e4nv"}}[kv]
@@ -127,20 +132,22 @@ def count(cfg: str, ptx: bool, bits: int, group: int, dtype: str, warps: int, ze
                          zp=zero_points, cfg=tuple(map(int, cfg.split(","))), warps=warps)
 
 
-def count_attention(cfg: str, kv_dtype: str, code_dots: bool = False, modifiers: bool = False
-                    ) -> collections.Counter:
+def count_attention(cfg: str, kv_dtype: str, code_dots: bool = False, modifiers: bool = False,
+                    block_size: int = 16, centre_free: bool = False) -> collections.Counter:
     return compiled_loop(_COMPILE_ATTENTION, {"LLMC_KV_CODE_DOTS": "1" if code_dots else "0"}, modifiers,
-                         kv=kv_dtype, cfg=tuple(map(int, cfg.split(","))))
+                         kv=kv_dtype, cfg=tuple(map(int, cfg.split(","))), bs=block_size, centre_free=centre_free)
 
 
-def attention_main(configs: list[str], json_out: str | None, code_dots: bool = False) -> None:
+def attention_main(configs: list[str], json_out: str | None, code_dots: bool = False, block_size: int = 16,
+                   centre_free: bool = False) -> None:
     kinds = ("bfloat16", "int8", "float8_e4m3fn")
-    print("decode attention, 8B shape, bf16 q: main-loop instructions per thread (per key)"
-          + (", quantized caches' codes in fp16 dots (LLMC_KV_CODE_DOTS=1)" if code_dots else ""))
+    print(f"decode attention, 8B shape, bf16 q, blocks of {block_size}: main-loop instructions per thread (per key)"
+          + (", quantized caches' codes in fp16 dots (LLMC_KV_CODE_DOTS=1)" if code_dots else "")
+          + (", their centres' parts set to 0" if centre_free else ""))
     print(f"{'BLOCK_N,warps,stages':22s}" + "".join(f"{k:>16s}" for k in kinds) + "  top opcodes (fp8)")
     rows = []
     for cfg in configs:
-        counts = {k: count_attention(cfg, k, code_dots) for k in kinds}
+        counts = {k: count_attention(cfg, k, code_dots, block_size=block_size, centre_free=centre_free) for k in kinds}
         bn = int(cfg.split(",")[0])
         rows.append({"config": cfg, **{k: dict(c) for k, c in counts.items()}})
         cells = "".join(f"{sum(c.values()):8d} ({sum(c.values()) / bn:4.1f})" for c in counts.values())
@@ -159,10 +166,13 @@ def main() -> None:
     ap.add_argument("--configs", nargs="*")
     ap.add_argument("--attention", action="store_true", help="the decode attention kernel per cache type")
     ap.add_argument("--code-dots", action="store_true", help="with --attention: quantized caches' codes in fp16 dots")
+    ap.add_argument("--block-size", type=int, default=16, help="with --attention: the cache's keys per block")
+    ap.add_argument("--centre-free", action="store_true",
+                    help="with --attention: the quantized caches' centre parts set to 0 (what a centre-free cache costs)")
     ap.add_argument("--json", help="also write the counts here")
     a = ap.parse_args()
     if a.attention:
-        return attention_main(a.configs or ATTENTION_CONFIGS, a.json, a.code_dots)
+        return attention_main(a.configs or ATTENTION_CONFIGS, a.json, a.code_dots, a.block_size, a.centre_free)
     a.configs = a.configs or DEFAULT_CONFIGS
     rows = []
     print(f"int4 g{a.group}{' with zero points' if a.zero_points else ''} {a.dtype}, {a.warps} warps: main-loop "
