@@ -158,6 +158,7 @@ def main():
     ap.add_argument("--code-prompts", action="store_true", help="the int8 test's 8 prompts instead of held-out files")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 cache (it needs compute capability 8.9+)")
     ap.add_argument("--skip-shipped", action="store_true", help="skip the int8 / bf16 / fp16 runs")
+    ap.add_argument("--block-size", type=int, default=16, help="keys per cache block (a block's centre is its first)")
     ap.add_argument("--out", default=None, help="write kv_cache_agreement.json here")
     a = ap.parse_args()
     import torch
@@ -168,7 +169,8 @@ def main():
     prompts = CODE_PROMPTS if a.code_prompts else heldout_prompts(a.prompts)
     art = llmc.compile("builtin:tiny-py", Path(tempfile.mkdtemp()) / "tiny-py.llmc", dtype=a.dtype)
     params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
-    blocks = (a.tokens + 64) // 16 * len(prompts) + 64
+    per = -(-(a.tokens + 64) // a.block_size)  # blocks a sequence (prompts of up to 64 tokens)
+    blocks = per * len(prompts) + 1024 // a.block_size
 
     from llmc.ir import paged_attention as pa
 
@@ -188,15 +190,17 @@ def main():
         t = time.time()
         kw = {"kv_cache_dtype": kv_dtype} if kv_dtype else {}
         with emulating(granularity):
-            outs = LLM(artifact, num_blocks=blocks, max_num_seqs=16, backend=a.backend, **kw).generate(prompts, params)
+            outs = LLM(artifact, num_blocks=blocks, block_size=a.block_size, max_num_seqs=16, backend=a.backend,
+                       **kw).generate(prompts, params)
         print(f"  generated in {time.time() - t:.0f}s", flush=True)
         return [o.token_ids for o in outs]
 
     def forced(artifact, kv_dtype=None, granularity=None):
         """Log-probabilities at every position of the unquantized cache's sequences, one token a step."""
-        tok, per, out = art.tokenizer(), (a.tokens + 64) // 16, []
+        tok, out = art.tokenizer(), []
         with emulating(granularity):
-            r = make_executor(artifact.graph, a.backend, num_blocks=blocks, kv_cache_dtype=kv_dtype or "auto")
+            r = make_executor(artifact.graph, a.backend, num_blocks=blocks, block_size=a.block_size,
+                              kv_cache_dtype=kv_dtype or "auto")
             for i, (p, gen) in enumerate(zip(prompts, ref)):
                 ids = tok.encode(p, add_special_tokens=False)
                 seq, bt = ids + gen, list(range(per * i, per * i + per))
@@ -244,7 +248,7 @@ def main():
         print(f"{name:56s} {r['free_running']:12.4f} {r['prompts_identical']:>10d} / {len(prompts):<5d} "
               f"{r['mean_first_divergence']:13.1f} {tf}")
     if a.out:
-        Path(a.out, "kv_cache_agreement.json").write_text(json.dumps(
+        Path(a.out, f"kv_cache_agreement_bs{a.block_size}.json").write_text(json.dumps(
             {"prompts": len(prompts), "tokens": a.tokens, "rows": rows}, indent=1))
 
 

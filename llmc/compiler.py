@@ -384,7 +384,7 @@ def _tune_kernels(graph: Graph, tuner, bar) -> None:
 DECODE_TUNING_CONTEXTS = ([512], [1024] * 64)
 
 
-def _tune_attention(graph: Graph, tuner, bar) -> None:
+def _tune_attention(graph: Graph, tuner, bar, device: str = "cuda") -> None:
     """Choose the attention launches of each attention shape of the graph. One choice serves every batch, so a
     sequence's sums do not depend on its batch.
 
@@ -395,7 +395,7 @@ def _tune_attention(graph: Graph, tuner, bar) -> None:
     - prefill (query and key tiles, depth, warps: attention.PREFILL_TILE_CANDIDATES), timed on a fresh
       2,048-token prompt plus four 512-token chunks over 1,024 keys (a mixed step's decodes run on the
       decode kernel; over a quantized cache the prefill keeps its default launch)."""
-    from llmc.codegen.attention import (DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES, QUANTIZED,
+    from llmc.codegen.attention import (DECODE_TILE_CANDIDATES, DTYPES, PREFILL_TILE_CANDIDATES, QUANTIZED,
                                         QUANTIZED_DECODE_TILE_CANDIDATES, paged_attention)
     from llmc.codegen.lower import _tname, attention_tiles_key_of, attention_types
     max_len = int(graph.meta.get("max_position_embeddings") or 4096)
@@ -413,7 +413,7 @@ def _tune_attention(graph: Graph, tuner, bar) -> None:
         seen.add(key)
         bar.step(f"tuning attention ({Hq} heads over {Hkv}, {D} wide)")
         dtype, window = getattr(torch, qd), int(n.attrs["window"])
-        g = torch.Generator(device="cuda").manual_seed(0)
+        g = torch.Generator(device=device).manual_seed(0)
 
         def attend(steps, **kw):  # the step's lengths given: no host sync, so the tuner times a CUDA graph
             for (qq, kv, scale, qsl, lens, tables, out), (new, ctx) in steps:
@@ -421,13 +421,14 @@ def _tune_attention(graph: Graph, tuner, bar) -> None:
                                 max_seqlen_q=max(new), max_seqlen_k=max(ctx), **kw)
         # contexts within the model's limit, which sizes the splits as under the runtime's graphs
         decode = [(_attention_step(g, [1] * len(ctx), [min(c, max_len) for c in ctx], Hq, Hkv, D, dtype,
-                                   kv_dtype=cache.dtype), ([1], [max_len])) for ctx in DECODE_TUNING_CONTEXTS]
+                                   kv_dtype=DTYPES[kd], device=device), ([1], [max_len]))
+                  for ctx in DECODE_TUNING_CONTEXTS]
         tuner.choose(key, "decode", QUANTIZED_DECODE_TILE_CANDIDATES if quantized else DECODE_TILE_CANDIDATES,
                      lambda cfg: attend(decode, decode_tiles=cfg))
         del decode
         if quantized:
             continue
-        prefill = [(_attention_step(g, new, ctx, Hq, Hkv, D, dtype), (new, ctx))
+        prefill = [(_attention_step(g, new, ctx, Hq, Hkv, D, dtype, device=device), (new, ctx))
                    for new, ctx in (([2048], [2048]), ([512] * 4, [1024] * 4))]
         tuner.choose(attention_tiles_key_of(n, "prefill"), "prefill", PREFILL_TILE_CANDIDATES,
                      lambda cfg: attend(prefill, prefill_tiles=cfg))
@@ -435,10 +436,10 @@ def _tune_attention(graph: Graph, tuner, bar) -> None:
 
 
 def _attention_step(g, new: list[int], ctx: list[int], Hq: int, Hkv: int, D: int, dtype, bs: int = 16,
-                    kv_dtype=None, layout: str | None = None) -> tuple:
-    """One attention step's inputs on the GPU: sequence i has `new[i]` new tokens at the end of `ctx[i]` keys
-    (q, kv_cache, kv_scale, query_start_loc, seq_lens, block_tables, out), its blocks scattered over a cache in
-    the memory order `layout` (default: the one the runtime allocates, `kv_cache.kv_layout`). An int8 / fp8
+                    kv_dtype=None, layout: str | None = None, device: str = "cuda") -> tuple:
+    """One attention step's inputs on `device` (`g`'s): sequence i has `new[i]` new tokens at the end of
+    `ctx[i]` keys (q, kv_cache, kv_scale, query_start_loc, seq_lens, block_tables, out), its blocks scattered
+    over a cache in the memory order `layout` (default: the one the runtime allocates, `kv_cache.kv_layout`). An int8 / fp8
     `kv_dtype` gives random codes and a kv_scale of random centres and positive per-token scales (the speed does
     not depend on their values); else the cache holds `dtype` and kv_scale is None."""
     from llmc.runtime.kv_cache import empty_cache, kv_layout
@@ -446,17 +447,17 @@ def _attention_step(g, new: list[int], ctx: list[int], Hq: int, Hkv: int, D: int
     seqs, T = len(new), sum(new)
     shape = (2, seqs * per + 1, bs, Hkv, D)
     kv_dtype = kv_dtype or dtype
-    kv = empty_cache(shape, kv_dtype, "cuda", kv_layout(layout))
-    codes = torch.randn(shape, device="cuda", generator=g)
+    kv = empty_cache(shape, kv_dtype, device, kv_layout(layout))
+    codes = torch.randn(shape, device=device, generator=g)
     kv.copy_(codes.mul(20).clamp(-127, 127).round() if kv_dtype == torch.int8 else codes)
     scale = None  # [NB, Hkv, 2D + 2BS]: K and V centres, then K and V per-token scales (ir/paged_attention.py)
     if kv_dtype != dtype:
-        scale = torch.rand(shape[1], Hkv, 2 * D + 2 * bs, device="cuda", generator=g).mul(0.01).to(dtype)
-    tables = torch.randperm(seqs * per, device="cuda", generator=g).to(torch.int32).view(seqs, per)
-    qsl = torch.tensor([0, *itertools.accumulate(new)], device="cuda", dtype=torch.int32)
-    return (torch.randn(T, Hq, D, device="cuda", generator=g).to(dtype), kv, scale, qsl,
-            torch.tensor(ctx, device="cuda", dtype=torch.int32), tables,
-            torch.empty(T, Hq, D, device="cuda", dtype=dtype))
+        scale = torch.rand(shape[1], Hkv, 2 * D + 2 * bs, device=device, generator=g).mul(0.01).to(dtype)
+    tables = torch.randperm(seqs * per, device=device, generator=g).to(torch.int32).view(seqs, per)
+    qsl = torch.tensor([0, *itertools.accumulate(new)], device=device, dtype=torch.int32)
+    return (torch.randn(T, Hq, D, device=device, generator=g).to(dtype), kv, scale, qsl,
+            torch.tensor(ctx, device=device, dtype=torch.int32), tables,
+            torch.empty(T, Hq, D, device=device, dtype=dtype))
 
 
 def _tune_linears(graph: Graph, tuner, bar, device: str = "cuda") -> None:
