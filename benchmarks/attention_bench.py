@@ -24,8 +24,7 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH: an older tree there is timed
 
-from llmc.codegen.attention import (DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES,  # noqa: E402
-                                    QUANTIZED_DECODE_TILE_CANDIDATES, paged_attention)
+from llmc.codegen.attention import DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES, paged_attention  # noqa: E402
 from llmc.codegen.autotune import gpu_time_ms  # noqa: E402
 from llmc.compiler import _attention_step  # noqa: E402
 from llmc.runtime.kv_cache import KV_LAYOUTS  # noqa: E402
@@ -140,15 +139,14 @@ def main() -> None:
             (0 if scale is None else sum(-(-c // kv.shape[2]) for c in ctx) * Hkv * scale.shape[-1] * 2)
         # the decode graphs' splits follow the longest context the model allows (4,096 here); an eager step's
         # its own longest: both, for the default tiles
-        tiles = DECODE_TILE_CANDIDATES if a.kv_dtype == "bf16" else QUANTIZED_DECODE_TILE_CANDIDATES
-        for cfg, longest in [(None, max(ctx)), *((c, 4096) for c in [None, *tiles])]:
+        for cfg, longest in [(None, max(ctx)), *((c, 4096) for c in [None, *DECODE_TILE_CANDIDATES])]:
             us = timed(lambda: paged_attention(q, kv, qsl, lens, tables, D ** -0.5, max_seqlen_q=1, kv_scale=scale,
                                                max_seqlen_k=longest, out=out, decode_tiles=cfg))
             launch = (label(cfg) if cfg else "default") + ("" if longest == 4096 else f", splits for {longest}")
             rows.append(dict(kind="decode", case=name, launch=launch, us=us, of_bandwidth=kv_bytes / (us * 1e-6) / bw))
         # other partitions (a global constant: every batch would split a context the same way), graph splits
         for part in (int(x) for x in a.partitions.split(",") if x):
-            for cfg in (c for c in tiles if part % c["BLOCK_N"] == 0):
+            for cfg in (c for c in DECODE_TILE_CANDIDATES if part % c["BLOCK_N"] == 0):
                 us = timed(lambda: paged_attention(q, kv, qsl, lens, tables, D ** -0.5, max_seqlen_q=1, kv_scale=scale,
                                                    max_seqlen_k=4096, out=out, decode_tiles=cfg, partition_size=part))
                 rows.append(dict(kind="decode", case=name, launch=f"{label(cfg)}, partition {part}", us=us,

@@ -388,15 +388,15 @@ def _tune_attention(graph: Graph, tuner, bar, device: str = "cuda") -> None:
     """Choose the attention launches of each attention shape of the graph. One choice serves every batch, so a
     sequence's sums do not depend on its batch.
 
-    - decode (key tile, pipeline depth, warps: attention.DECODE_TILE_CANDIDATES; over an int8 / fp8 cache
-      QUANTIZED_DECODE_TILE_CANDIDATES, in blocks of the runtime's default size), timed on two steps summed
+    - decode (key tile, pipeline depth, warps: attention.DECODE_TILE_CANDIDATES; over an int8 / fp8 cache too,
+      in blocks of the runtime's default size), timed on two steps summed
       (DECODE_TUNING_CONTEXTS): one sequence of 512 keys (batch-1 decode) and 64 of 1,024 (a large batch),
       with the splits the runtime's CUDA graphs use;
     - prefill (query and key tiles, depth, warps: attention.PREFILL_TILE_CANDIDATES), timed on a fresh
       2,048-token prompt plus four 512-token chunks over 1,024 keys (a mixed step's decodes run on the
       decode kernel; over a quantized cache the prefill keeps its default launch)."""
     from llmc.codegen.attention import (DECODE_TILE_CANDIDATES, DTYPES, PREFILL_TILE_CANDIDATES, QUANTIZED,
-                                        QUANTIZED_DECODE_TILE_CANDIDATES, paged_attention)
+                                        paged_attention)
     from llmc.codegen.lower import _tname, attention_tiles_key_of, attention_types
     max_len = int(graph.meta.get("max_position_embeddings") or 4096)
     seen = set()
@@ -423,8 +423,7 @@ def _tune_attention(graph: Graph, tuner, bar, device: str = "cuda") -> None:
         decode = [(_attention_step(g, [1] * len(ctx), [min(c, max_len) for c in ctx], Hq, Hkv, D, dtype,
                                    kv_dtype=DTYPES[kd], device=device), ([1], [max_len]))
                   for ctx in DECODE_TUNING_CONTEXTS]
-        tuner.choose(key, "decode", QUANTIZED_DECODE_TILE_CANDIDATES if quantized else DECODE_TILE_CANDIDATES,
-                     lambda cfg: attend(decode, decode_tiles=cfg))
+        tuner.choose(key, "decode", DECODE_TILE_CANDIDATES, lambda cfg: attend(decode, decode_tiles=cfg))
         del decode
         if quantized:
             continue
@@ -439,9 +438,9 @@ def _attention_step(g, new: list[int], ctx: list[int], Hq: int, Hkv: int, D: int
                     kv_dtype=None, layout: str | None = None, device: str = "cuda") -> tuple:
     """One attention step's inputs on `device` (`g`'s): sequence i has `new[i]` new tokens at the end of
     `ctx[i]` keys (q, kv_cache, kv_scale, query_start_loc, seq_lens, block_tables, out), its blocks scattered
-    over a cache in the memory order `layout` (default: the one the runtime allocates, `kv_cache.kv_layout`). An int8 / fp8
-    `kv_dtype` gives random codes and a kv_scale of random centres and positive per-token scales (the speed does
-    not depend on their values); else the cache holds `dtype` and kv_scale is None."""
+    over a cache in the memory order `layout` (default: the one the runtime allocates, `kv_cache.kv_layout`). An
+    int8 / fp8 `kv_dtype` gives random codes and a kv_scale of random centres and positive per-token scales (the
+    speed does not depend on their values); else the cache holds `dtype` and kv_scale is None."""
     from llmc.runtime.kv_cache import empty_cache, kv_layout
     per = max(-(-c // bs) for c in ctx)
     seqs, T = len(new), sum(new)

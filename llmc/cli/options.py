@@ -86,7 +86,8 @@ def engine_options(seqs_help: str = "Sequences batched per step.", speculative: 
                           "(short steps between their tokens), prompts alone still run in large chunks. "
                           "Default: --max-num-batched-tokens."),
         click.option("--block-size", default=ENGINE_DEFAULTS.block_size, show_default=True,
-                     help="KV cache slots per block (a power of two on the kernel backends)."),
+                     help="KV cache slots per block (a power of two on the kernel backends). With an int8 / fp8 "
+                          "cache, 64 makes decode about as fast as over a bf16 cache (16: about 1.1x slower)."),
         click.option("--num-blocks", default=None, type=int, help="KV cache blocks (default: sized from memory)."),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8"]), default=None,
                      help="Override the artifact's KV cache dtype."),

@@ -189,7 +189,10 @@ class PagedAttentionSpec(KernelSpec):
         block_n = self.block_n or (64 if bd <= 64 else 32)
         group_p2 = next_pow2(self.group)
         if self.mode == "decode":  # one query token: the rows are only the group's heads
-            return max(16, group_p2), block_n
+            # a bf16 model over an int8 / fp8 cache: 64-key tiles (8B shape on an H100, benchmarks/attention_bench.py,
+            # 2026-12-06: 4-8% faster than 32 over the tuning's steps with blocks of 16 and of 64)
+            wide = self.kv_dtype in QUANTIZED and self.dtype == "bfloat16"
+            return max(16, group_p2), self.block_n or (64 if wide else block_n)
         return max(self.block_m or 64, group_p2), block_n
 
     def context(self) -> dict[str, Any]:
@@ -202,11 +205,11 @@ class PagedAttentionSpec(KernelSpec):
                    # are (exact in fp16), each key's scale multiplies its score after the dot and each value's
                    # scale its probability before it; on the GPU the codes arrive as 16-bit pairs unpacked by PTX
                    # (heads of a multiple of 16 wide), and in a bf16 model each key tile's block centres are
-                   # read once (a row per block)
+                   # read once (a row per block, at most 16 a tile)
                    code_dots=code_dots,
                    code_words=code_dots and not interpreting() and self.head_dim % 16 == 0,
-                   # (at most 16 a tile); where the key tile divides the block, each tile lies in one block, and
-                   # its centres enter as rank-1 terms (no per-key centre and no spreading dots)
+                   # where the key tile divides the block, each tile lies in one block, and its centres enter as
+                   # rank-1 terms (no per-key centre and no spreading dots)
                    tile_in_block=code_dots and self.block_size % block_n == 0,
                    block_centres=(code_dots and KV_CENTRE_DOTS and self.dtype == "bfloat16"
                                   and self.block_size % block_n != 0 and block_n // self.block_size <= 16),
@@ -236,10 +239,6 @@ class PagedAttentionSpec(KernelSpec):
 DECODE_TILE_CANDIDATES = [dict(BLOCK_N=n, num_stages=st, num_warps=w)
                           for n, st, w in ((32, 2, 4), (32, 3, 4), (64, 2, 4), (64, 3, 4), (64, 3, 8), (128, 2, 8),
                                            (128, 3, 8))]
-# over an int8 / fp8 cache also 16-key tiles: they lie inside one block of the default 16 keys, so each tile's
-# block centres enter as rank-1 terms (PagedAttentionSpec.context: tile_in_block)
-QUANTIZED_DECODE_TILE_CANDIDATES = DECODE_TILE_CANDIDATES + [dict(BLOCK_N=16, num_stages=st, num_warps=4)
-                                                             for st in (2, 3, 4)]
 
 
 # prefill kernel launches the compile times per attention shape (the first: the default): query tiles of

@@ -582,20 +582,20 @@ def test_optional_tuning_that_fails_leaves_the_defaults_and_the_compile_goes_on(
 
 def test_the_compile_tunes_decode_over_a_quantized_cache(llama_dir, tmp_path, monkeypatch):
     """A bf16 model compiled for an int8 / fp8 cache times its decode launches over a cache of that type (codes
-    and a scale row: the launch the runtime makes), among QUANTIZED_DECODE_TILE_CANDIDATES; its prefill keeps
+    and a scale row: the launch the runtime makes), among DECODE_TILE_CANDIDATES; its prefill keeps
     the default launch. Run here on the CPU, interpreted, with a recording tuner and short contexts."""
     import llmc
     import llmc.compiler as compiler
-    from llmc.codegen.attention import QUANTIZED_DECODE_TILE_CANDIDATES
+    from llmc.codegen.attention import DECODE_TILE_CANDIDATES
 
     class Recording:
         def __init__(self):
             self.calls = []
 
         def choose(self, key, bucket, candidates, bench):
-            bench(dict(candidates[-1]))  # a 16-key tile over blocks of 16: the centres as rank-1 terms
+            bench(dict(candidates[0]))
             self.calls.append((key, bucket, candidates))
-            return dict(candidates[-1])
+            return dict(candidates[0])
     monkeypatch.setattr(compiler, "DECODE_TUNING_CONTEXTS", ([20], [37, 5]))
     for kv, name in (("int8", "int8"), ("fp8", "float8_e4m3fn")):
         art = llmc.compile(llama_dir, tmp_path / f"{kv}.llmc", dtype="bfloat16", kv_cache_dtype=kv, tune=False)
@@ -603,7 +603,7 @@ def test_the_compile_tunes_decode_over_a_quantized_cache(llama_dir, tmp_path, mo
         compiler._tune_attention(art.graph, tuner, SimpleBar(), device="cpu")
         assert [(key.split(":")[0], key.split(":")[-1], bucket) for key, bucket, _ in tuner.calls] == \
             [("paged_attention_decode", name, "decode")]
-        assert tuner.calls[0][2] == QUANTIZED_DECODE_TILE_CANDIDATES
+        assert tuner.calls[0][2] == DECODE_TILE_CANDIDATES
 
 
 def test_decode_graphs_per_context_bucket_give_the_eager_runs_tokens(tiny_py_artifact, cpu_step_graphs,
