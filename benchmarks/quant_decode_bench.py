@@ -105,26 +105,22 @@ def main() -> None:
     prompt = torch.randint(0, cfg["vocab_size"], (128,)).tolist()
     profile_root = os.environ.pop("LLMC_PROFILE_DIR", None)  # profiles the mixed runs only (see below)
     rows = []
-    compiled = {}  # (weight format, cache type) -> its artifact
-    for i, (name, fmt, kv) in enumerate(configs):
-        compile_s, key = 0, (fmt, kv)
-        if key not in compiled:
-            t = time.time()
-            quant = None if fmt == "bf16" else FORMATS[fmt]
-            if quant == "w8a8":
-                quant = {"method": "smoothquant", "calib_samples": 1, "calib_len": 16}
-            try:
-                compiled[key] = llmc.compile(work / "model", work / f"{name}.llmc", dtype="bfloat16", quant=quant,
-                                             kv_cache_dtype=kv or "auto",
-                                             tune=not a.no_tune and not (fmt == "bf16" and a.bf16_no_tune),
-                                             batch_invariant=not (a.no_batch_invariant and fmt != "bf16"))
-            except Exception as e:  # a method that cannot run here is reported, the others go on
-                rows.append({"config": name, "error": f"{type(e).__name__}: {e}"[:300]})
-                print(json.dumps(rows[-1]), flush=True)
-                continue
-            compile_s = time.time() - t
-        art = compiled[key]
-        if compile_s and (art.path / "tuning.json").exists():  # the kernel choices, for reading beside the figures
+    for name, fmt, kv in configs:  # each compiled for its cache type, so that its attention is tuned for it
+        t = time.time()
+        quant = None if fmt == "bf16" else FORMATS[fmt]
+        if quant == "w8a8":
+            quant = {"method": "smoothquant", "calib_samples": 1, "calib_len": 16}
+        try:
+            art = llmc.compile(work / "model", work / f"{name}.llmc", dtype="bfloat16", quant=quant,
+                               kv_cache_dtype=kv or "auto",
+                               tune=not a.no_tune and not (fmt == "bf16" and a.bf16_no_tune),
+                               batch_invariant=not (a.no_batch_invariant and fmt != "bf16"))
+        except Exception as e:  # a method that cannot run here is reported, the others go on
+            rows.append({"config": name, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
+        compile_s = time.time() - t
+        if (art.path / "tuning.json").exists():  # the kernel choices, for reading beside the figures
             Path(a.out).mkdir(parents=True, exist_ok=True)
             Path(a.out, f"{name}_tuning.json").write_text((art.path / "tuning.json").read_text())
         weights = sum(p.stat().st_size for p in art.path.glob("*.safetensors"))
@@ -133,7 +129,7 @@ def main() -> None:
                "roofline_b1_tok_s": bw / (weights - embed)}
         engine = {"block_size": a.block_size, **({"kv_cache_dtype": kv} if kv else {})}
         rows.append(run_engines(a, art, row, engine, prompt, profile_root, name))
-        del art, compiled[key]
+        del art
         for p in work.glob(f"{name}.llmc/*.safetensors"):  # the disk holds a few 8B artifacts at most
             p.unlink()
         # nothing of this config's engines left on the device for the next compile, whose token budget times

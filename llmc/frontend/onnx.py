@@ -861,7 +861,7 @@ def _mixing_axis(n, seq) -> int | None:
 def _check_tokens_apart(g: Graph, path: Path, seq) -> None:
     """llmc runs each token's computation apart from the others' (only attention reads other tokens, through the
     paged cache): an op outside attention that reads across the sequence axis (a norm over the sequence, a token
-    shift, a cumulative sum) would compute something else one token at a time, so it is refused here; onnxruntime
+    shift) would compute something else one token at a time, so it is refused here; onnxruntime
     (--check-ort) would only catch it after the compile."""
     for n in g.nodes:
         axis = _mixing_axis(n, seq)
