@@ -36,8 +36,10 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 QUANTIZED = ("int8", "float8_e4m3fn")
 # decode over a quantized cache in a 16-bit model with the codes in fp16 dots (PagedAttentionSpec.context), and
 # each key tile's block centres read once; read when this module is imported: LLMC_KV_CODE_DOTS=0 gives the
-# dequantize-then-dot form, LLMC_KV_CENTRE_DOTS=0 a centre read per key
+# dequantize-then-dot form, LLMC_KV_CENTRE_DOTS=0 a centre read per key, LLMC_KV_CODE_WORDS=0 the codes loaded as
+# they are and widened by Triton's casts
 KV_CODE_DOTS = os.environ.get("LLMC_KV_CODE_DOTS", "1") != "0"
+KV_CODE_WORDS = os.environ.get("LLMC_KV_CODE_WORDS", "1") != "0"
 KV_CENTRE_DOTS = os.environ.get("LLMC_KV_CENTRE_DOTS", "1") != "0"
 
 
@@ -207,7 +209,9 @@ class PagedAttentionSpec(KernelSpec):
                    # (heads of a multiple of 16 wide), and in a bf16 model each key tile's block centres are
                    # read once (a row per block, at most 16 a tile)
                    code_dots=code_dots,
-                   code_words=code_dots and not interpreting() and self.head_dim % 16 == 0,
+                   # (else the codes' cast to fp16, straight on the GPU; the interpreter's goes through fp32)
+                   widen_codes=".to(tl.float32)" if interpreting() else "",
+                   code_words=code_dots and KV_CODE_WORDS and not interpreting() and self.head_dim % 16 == 0,
                    # where the key tile divides the block, each tile lies in one block, and its centres enter as
                    # rank-1 terms (no per-key centre and no spreading dots)
                    tile_in_block=code_dots and self.block_size % block_n == 0,
@@ -265,7 +269,12 @@ def attention_tiles_key(head_dim: int, num_q_heads: int, num_kv_heads: int, dtyp
         (":window" if window else "")
 
 
-def decode_partition(max_seqlen_k: int, block_n: int, min_partition: int = 256, max_splits: int = 128) -> int:
+# keys per split of split-K decode, at least (decode_partition); read when this module is imported
+DECODE_MIN_PARTITION = int(os.environ.get("LLMC_DECODE_PARTITION", "256"))
+
+
+def decode_partition(max_seqlen_k: int, block_n: int, min_partition: int | None = None, max_splits: int = 128
+                     ) -> int:
     """Keys per split of split-K decode: `min_partition` keys, more only past `max_splits` splits.
 
     The partition does not depend on how many sequences share the step, so neither does a
@@ -275,7 +284,7 @@ def decode_partition(max_seqlen_k: int, block_n: int, min_partition: int = 256, 
     the splits its own length needs: a short context is one program per kv head with no partials.
     A multiple of `block_n`.
     """
-    per = max(min_partition, cdiv(max(max_seqlen_k, 1), max_splits))
+    per = max(min_partition or DECODE_MIN_PARTITION, cdiv(max(max_seqlen_k, 1), max_splits))
     return cdiv(per, block_n) * block_n
 
 

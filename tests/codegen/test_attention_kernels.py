@@ -157,6 +157,21 @@ def test_bf16_attention_renders_plain_dots_when_compiled(monkeypatch, mode):
     assert widened not in src and "tl.dot(q, k)" in src and "tl.dot(p.to(v.dtype), v)" in src
 
 
+def test_quantized_decode_renders_the_codes_widening_when_compiled(monkeypatch):
+    """Compiled (the GPU), an 8-bit cache's codes come as 16-bit pairs unpacked by PTX; without those
+    (LLMC_KV_CODE_WORDS=0, or heads not a multiple of 16 wide) Triton's cast widens them to fp16 straight; only
+    the interpreter's cast goes through fp32."""
+    import llmc.codegen.attention as attention
+    from llmc.codegen.kernels import render
+    spec = PagedAttentionSpec(64, 4, 2, 16, "bfloat16", "float8_e4m3fn", mode="decode")
+    assert "k.to(tl.float32).to(tl.float16)" in render(spec) and "_code_words(" not in render(spec)
+    monkeypatch.setattr(attention, "interpreting", lambda: False)
+    assert "_code_words(" in render(spec)
+    monkeypatch.setattr(attention, "KV_CODE_WORDS", False)
+    src = render(spec)
+    assert "_code_words(" not in src and "k.to(tl.float16)" in src and "tl.float32).to(tl.float16)" not in src
+
+
 # --------------------------------------------------------------------------------------------- rope + write
 
 def rope_case(dtype, cache_dtype, seed):
@@ -407,6 +422,14 @@ def test_decode_partition_does_not_depend_on_the_batch():
     assert decode_partition(10, 16) == 256  # a short one uses only the first: one program per kv head
     assert decode_partition(1 << 20, 64) == (1 << 20) // 128  # past 128 splits the partitions grow
     assert decode_partition(100, 48) % 48 == 0
+
+
+def test_decode_partition_follows_its_setting(monkeypatch):
+    """LLMC_DECODE_PARTITION (read at import: DECODE_MIN_PARTITION) sets the fewest keys a split holds."""
+    import llmc.codegen.attention as attention
+    monkeypatch.setattr(attention, "DECODE_MIN_PARTITION", 1024)
+    assert decode_partition(4096, 64) == 1024 and decode_partition(4096, 64, min_partition=256) == 256
+    assert decode_partition(1 << 20, 64) == (1 << 20) // 128
 
 
 @pytest.mark.parametrize("tiles", [None, DECODE_TILE_CANDIDATES[-1]], ids=["fixed-tiles", "tuned-launch"])
