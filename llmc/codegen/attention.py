@@ -27,6 +27,7 @@ import torch
 
 from llmc.codegen.elementwise import compiled, interpreting
 from llmc.codegen.kernels import KernelSpec, tile_counters
+from llmc.errors import LLMCError
 from llmc.intmath import cdiv, next_pow2
 from llmc.ir.paged_attention import QMAX, scale_width, tiny
 
@@ -269,8 +270,16 @@ def attention_tiles_key(head_dim: int, num_q_heads: int, num_kv_heads: int, dtyp
         (":window" if window else "")
 
 
-# keys per split of split-K decode, at least (decode_partition); read when this module is imported
-DECODE_MIN_PARTITION = int(os.environ.get("LLMC_DECODE_PARTITION", "256"))
+# keys per split of split-K decode, at least (decode_partition); read when this module is imported, checked where used
+DECODE_MIN_PARTITION = os.environ.get("LLMC_DECODE_PARTITION", "256")
+
+
+@functools.lru_cache(maxsize=None)
+def _keys(setting: str) -> int:
+    n = int(setting) if setting.strip().isdigit() else 0
+    if n < 1:
+        raise LLMCError(f"LLMC_DECODE_PARTITION must be a positive whole number of keys per split, not {setting!r}")
+    return n
 
 
 def decode_partition(max_seqlen_k: int, block_n: int, min_partition: int | None = None, max_splits: int = 128
@@ -284,7 +293,7 @@ def decode_partition(max_seqlen_k: int, block_n: int, min_partition: int | None 
     the splits its own length needs: a short context is one program per kv head with no partials.
     A multiple of `block_n`.
     """
-    per = max(min_partition or DECODE_MIN_PARTITION, cdiv(max(max_seqlen_k, 1), max_splits))
+    per = max(min_partition or _keys(DECODE_MIN_PARTITION), cdiv(max(max_seqlen_k, 1), max_splits))
     return cdiv(per, block_n) * block_n
 
 

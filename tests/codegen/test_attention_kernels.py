@@ -52,6 +52,7 @@ from llmc.codegen.attention import (DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDA
                                     RopeKVWriteSpec, decode_partition, dtype_name, paged_attention,
                                     rope_kv_write)
 from llmc.codegen.kernels import load  # noqa: E402
+from llmc.errors import LLMCError  # noqa: E402
 from llmc.ir.ops import _rope_ref  # noqa: E402
 from llmc.ir.paged_attention import QMAX, _read, _to_q, _write, paged_attention_ref, scale_width  # noqa: E402
 
@@ -427,9 +428,13 @@ def test_decode_partition_does_not_depend_on_the_batch():
 def test_decode_partition_follows_its_setting(monkeypatch):
     """LLMC_DECODE_PARTITION (read at import: DECODE_MIN_PARTITION) sets the fewest keys a split holds."""
     import llmc.codegen.attention as attention
-    monkeypatch.setattr(attention, "DECODE_MIN_PARTITION", 1024)
+    monkeypatch.setattr(attention, "DECODE_MIN_PARTITION", "1024")
     assert decode_partition(4096, 64) == 1024 and decode_partition(4096, 64, min_partition=256) == 256
     assert decode_partition(1 << 20, 64) == (1 << 20) // 128
+    for bad in ("0", "-256", "1k", ""):
+        monkeypatch.setattr(attention, "DECODE_MIN_PARTITION", bad)
+        with pytest.raises(LLMCError, match="LLMC_DECODE_PARTITION must be a positive whole number"):
+            decode_partition(4096, 64)
 
 
 @pytest.mark.parametrize("tiles", [None, DECODE_TILE_CANDIDATES[-1]], ids=["fixed-tiles", "tuned-launch"])
