@@ -1,9 +1,10 @@
 """Quantized decode on one GPU at a model shape (default Llama-3-8B, random bf16 weights): the same
 random model compiled unquantized and with each `--quant` method, side by side in one run.
 
-For each: weights file size, batch-1 engine decode tok/s (greedy, `--new` tokens after a 128-token
-prompt, prefill excluded) and batch-16 decode tok/s, the ratio to bf16, and the share of the
-memory roofline at batch 1 (bytes of the weights each step reads / measured copy bandwidth).
+For each: weights file size, batch-1 engine decode tok/s (greedy, `--new` tokens after a fresh
+128-token prompt, prefill included) and batch-16 decode tok/s, the ratio to bf16, and the share of the
+memory roofline at batch 1 (bytes of the weights each step reads / measured copy bandwidth); beside
+them the prompts' prefill time and the time a decode step takes after it (`*_prefill_ms`, `*_step_ms`).
 
     python3 benchmarks/quant_decode_bench.py [--shape 8b] [--quant rtn4,fp8,smoothquant] [--new 128] [--out DIR]
 
@@ -35,20 +36,32 @@ FORMATS = {"rtn4": {"method": "rtn", "wbits": 4}, "rtn8": {"method": "rtn", "wbi
            "rtn4-small": {"method": "rtn", "wbits": 4, "skip": [], "embeddings": "int8"}}
 
 
-def decode_rate(llm, prompt, new: int, batch: int) -> float:
+def decode_rate(llm, prompt, new: int, batch: int, profile: tuple[str, str] | None = None) -> dict:
     """Generated tokens per second, end to end: a fresh 128-token prompt per sequence (its prefill
-    included, as in tools/llmc_bench.py's decode figure) and `new` greedy tokens."""
+    included, as in tools/llmc_bench.py's decode figure) and `new` greedy tokens. Beside it, where the
+    time goes: the prompts' prefill alone (`max_tokens=1` on prompts as fresh) and what is left a step."""
     from decode_bench import sync
     from llmc.runtime.engine import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    fresh = lambda off: [[(t + off + i) % 1000 for t in prompt] for i in range(batch)]  # noqa: E731
+
+    def timed(prompts, p) -> float:
+        sync()
+        t = time.perf_counter()
+        llm.generate(prompts, p)
+        sync()
+        return time.perf_counter() - t
     # warm-up (kernels, graphs) on prompts as distinct as the timed ones, so that it also runs every
     # prefill and mixed step shape the timed run will (prompts sharing a prefix would prefill it once)
-    llm.generate([[(t + 500 + i) % 1000 for t in prompt] for i in range(batch)], params)
-    sync()
-    t = time.perf_counter()
-    llm.generate([[(t + 1 + i) % 1000 for t in prompt] for i in range(batch)], params)  # no cache hit
-    sync()
-    return batch * new / (time.perf_counter() - t)
+    llm.generate(fresh(500), params)
+    total = timed(fresh(1), params)  # no cache hit
+    prefill = timed(fresh(700), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    if profile:  # one more run as the timed one, under the profiler (which slows it: not timed)
+        from llmc.runtime.profiling import StepProfiler
+        out, name = profile
+        StepProfiler.around(f"{name}-b{batch}", out, lambda: llm.generate(fresh(300), params), new)
+    return {"tok_s": batch * new / total, "prefill_ms": prefill * 1e3,
+            "step_ms": (total - prefill) * 1e3 / max(new - 1, 1)}
 
 
 def run_engines(a, art, row: dict, engine: dict, prompt, profile_root, name: str) -> dict:
@@ -57,7 +70,9 @@ def run_engines(a, art, row: dict, engine: dict, prompt, profile_root, name: str
     from llmc.runtime.llm import LLM
     if not a.no_decode:
         llm = LLM(art, max_num_seqs=16, num_blocks=1024 * 16 // a.block_size, **engine)
-        row.update(b1_tok_s=decode_rate(llm, prompt, a.new, 1), b16_tok_s=decode_rate(llm, prompt, a.new, 16))
+        for batch in (1, 16):  # b1_tok_s, b1_prefill_ms, b1_step_ms, then batch 16's
+            rate = decode_rate(llm, prompt, a.new, batch, (a.out, name) if a.profile_decode else None)
+            row.update({f"b{batch}_{k}": v for k, v in rate.items()})
         del llm
     if a.mixed:
         from llmc.bench import bench
@@ -91,9 +106,14 @@ def main() -> None:
     ap.add_argument("--mixed-budget", type=int, default=None, metavar="TOKENS",
                     help="the mixed workload's budget for steps that carry decodes (steps without: 2,048 tokens)")
     ap.add_argument("--no-decode", action="store_true", help="skip the batch-1 and batch-16 decode figures")
+    ap.add_argument("--profile-decode", action="store_true",
+                    help="after each timed decode run, one more under the profiler: OUT/profile-CONFIG-bN.txt (wall "
+                         "and GPU busy a step, top kernels)")
     ap.add_argument("--block-size", type=int, default=16, help="keys per K/V cache block (the engines')")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
+    if a.profile_decode and not torch.cuda.is_available():
+        ap.error("--profile-decode profiles CUDA kernels: it needs a GPU")
     from quant_quality import weight_and_cache
     configs = weight_and_cache(["bf16"] + a.quant.split(","), {"bf16": None, **FORMATS})
     import llmc
@@ -163,6 +183,12 @@ def main() -> None:
                if "b1_tok_s" in r else f"{'-':>9s} {'':5s} {'':6s} {'-':>10s} {'':5s}")
         mix = f"{r['mixed_out_tok_s']:11.1f} {r['mixed_x']:5.2f}" if "mixed_out_tok_s" in r else f"{'-':>11s}"
         print(f"{r['config']:12s} {r['weights_GiB']:6.2f} {r['weights_x']:5.2f} {dec} {mix}")
+    split = [r for r in rows if "b1_step_ms" in r]
+    if split:
+        print(f"{'config':12s} {'b1 prefill ms':>13s} {'b1 step ms':>10s} {'b16 prefill ms':>14s} {'b16 step ms':>11s}")
+        for r in split:
+            print(f"{r['config']:12s} {r['b1_prefill_ms']:13.2f} {r['b1_step_ms']:10.3f} {r['b16_prefill_ms']:14.2f} "
+                  f"{r['b16_step_ms']:11.3f}")
 
 
 if __name__ == "__main__":

@@ -18,11 +18,23 @@ from pathlib import Path
 class StepProfiler:
     """`tick()` once per step, before it runs."""
 
-    def __init__(self, name: str):
-        self.dir = os.environ.get("LLMC_PROFILE_DIR")
+    def __init__(self, name: str, out: str | None = None):
+        self.dir = out or os.environ.get("LLMC_PROFILE_DIR")
         first, _, last = os.environ.get("LLMC_PROFILE_STEPS", "50:250").partition(":")
         self.first, self.last = int(first), int(last)
         self.name, self.steps, self.prof, self.t0 = name, 0, None, 0.0
+
+    @classmethod
+    def around(cls, name: str, out: str, fn, steps: int) -> None:
+        """Profile one call `fn()` that runs `steps` steps as a window of its own, written to
+        out/profile-<name>.txt like an engine's window (for benchmarks that time a run first and
+        then look inside an identical one)."""
+        prof = cls(name, out)
+        prof.first, prof.last = 0, steps + 1
+        prof.tick()
+        fn()
+        prof.steps = steps
+        prof.finish()
 
     @classmethod
     def from_env(cls, name: str) -> "StepProfiler | None":
