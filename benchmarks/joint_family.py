@@ -9,11 +9,11 @@ its joint choice's family and stay batch-invariant. Per shape and kind, this pri
 
 - the families: the candidates (bucket "1") grouped by the bits of Y = f(X) for a random X of 64 rows, each
   config's own invariance checked too (row 0 of Y against f(X[:1]));
-- per candidate, microseconds at 1 and 64 rows (the weight streamed from HBM: CUDA-graph replays over copies
+- per candidate, microseconds at 1 and 64 rows (`--rows`) (the weight streamed from HBM: CUDA-graph replays over copies
   that overflow L2), and the joint choice as the tuner makes it (least summed time over the two sizes);
-- the 1-row time of the joint choice against the fastest member of its family.
+- at each row count, the joint choice's time against the fastest member of its family.
 
-    python3 benchmarks/joint_family.py [--shapes qkv,o_proj,gate_up,down] [--kinds bf16,int4] [--out DIR]
+    python3 benchmarks/joint_family.py [--shapes qkv,o_proj,gate_up,down] [--kinds bf16,int4] [--rows 1,64] [--out DIR]
 """
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ from llmc.ir.quant import QuantFormat, quantize_rtn  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 L2_BYTES = 60 << 20
-MS = (1, 64)
 
 
 def digest(t: torch.Tensor) -> str:
@@ -45,8 +44,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="qkv,o_proj,gate_up,down")
     ap.add_argument("--kinds", default="bf16,int4")
+    ap.add_argument("--rows", default="1,64", help="the row counts each config is timed at (the first is the bucket "
+                                                    "a family member could serve; the joint choice sums them all)")
     ap.add_argument("--out")
     a = ap.parse_args()
+    MS = tuple(int(m) for m in a.rows.split(","))
     torch.manual_seed(0)
     rows = []
     for shape in a.shapes.split(","):
@@ -91,17 +93,20 @@ def main() -> None:
                                 "us": times})
             joint = min(results, key=lambda r: sum(r["us"].values()))
             family = [r for r in results if r["bits"] == joint["bits"]]
-            best1 = min(family, key=lambda r: r["us"][1])
+            best = {m: min(family, key=lambda r: r["us"][m]) for m in MS}  # per row count, of the joint's family
             print(f"\n# {shape} {kind} ({n} x {k}), weight {nbytes / 1e6:.1f} MB")
-            print(f"{'bits':10s} {'inv':3s} {'us@1':>7s} {'us@64':>7s}  config")
-            for r in sorted(results, key=lambda r: (r["bits"], r["us"][1])):
-                mark = " <- joint" if r is joint else (" <- best@1 of its family" if r is best1 else "")
-                print(f"{r['bits']:10s} {'yes' if r['invariant'] else 'NO':3s} {r['us'][1]:7.1f} {r['us'][64]:7.1f}  "
-                      f"{json.dumps(r['config'])}{mark}")
-            print(f"joint choice at 1 row {joint['us'][1]:.1f} us; fastest of its family {best1['us'][1]:.1f} us "
-                  f"({joint['us'][1] / best1['us'][1]:.2f}x; {len(family)} of {len(results)} configs share its bits)")
-            rows.append({"shape": shape, "kind": kind, "n": n, "k": k, "results": results,
-                         "joint": joint["config"], "best1_in_family": best1["config"]})
+            print(f"{'bits':10s} {'inv':3s} " + " ".join(f"{'us@' + str(m):>7s}" for m in MS) + "  config")
+            for r in sorted(results, key=lambda r: (r["bits"], r["us"][MS[0]])):
+                mark = " <- joint" if r is joint else ""
+                mark += "".join(f" <- best@{m} of its family" for m in MS if r is best[m] and r is not joint)
+                print(f"{r['bits']:10s} {'yes' if r['invariant'] else 'NO':3s} "
+                      + " ".join(f"{r['us'][m]:7.1f}" for m in MS) + f"  {json.dumps(r['config'])}{mark}")
+            for m in MS:
+                print(f"joint choice at {m} rows {joint['us'][m]:.1f} us; fastest of its family {best[m]['us'][m]:.1f} "
+                      f"us ({joint['us'][m] / best[m]['us'][m]:.2f}x; {len(family)} of {len(results)} configs share "
+                      "its bits)")
+            rows.append({"shape": shape, "kind": kind, "n": n, "k": k, "results": results, "joint": joint["config"],
+                         **{f"best{m}_in_family": best[m]["config"] for m in MS}})
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "joint_family.json").write_text(json.dumps(rows, indent=1))
