@@ -41,3 +41,14 @@ def test_a_run_shorter_than_the_window_writes_the_steps_it_had(monkeypatch, tmp_
 def test_nothing_is_profiled_without_the_variable(monkeypatch):
     monkeypatch.delenv("LLMC_PROFILE_DIR", raising=False)
     assert StepProfiler.from_env("engine") is None
+
+
+def test_one_call_profiled_as_a_window_of_its_own(monkeypatch, tmp_path):
+    """`around`: a benchmark's one call, whatever the variables say, written to the directory it names with
+    the steps it says the call ran."""
+    _profiler(monkeypatch, tmp_path / "elsewhere", "50:250")
+    calls = []
+    StepProfiler.around("run-b16", str(tmp_path), lambda: calls.append(torch.ones(8).sum()), 128)
+    assert len(calls) == 1
+    assert (tmp_path / "profile-run-b16.txt").read_text().startswith("# run-b16: steps 0..127, wall ")
+    assert not (tmp_path / "elsewhere").exists()
