@@ -6,8 +6,8 @@ error against the reference relative to the reference's largest value:
         [--variants default,fold] [--out DIR]
 
 A variant changes the bucket's default config: "default" (as an untuned GPU runs it), "split2" /
-"split0.5" (the K split doubled / halved), "bk512" (BLOCK_K 512), "w8" (8 warps), "stN" (N pipeline
-stages). Run from a copy of an older tree, the same command measures that tree's kernels.
+"split0.5" (the K split doubled / halved), "bk512" (BLOCK_K 512), "bn32" (BLOCK_N 32), "swap" / "noswap"
+(SWAP_AB), "w8" (8 warps), "stN" (N pipeline stages); "a+b" applies a, then b. Run from a copy of an older tree, the same command measures that tree's kernels.
 """
 from __future__ import annotations
 
@@ -33,12 +33,20 @@ L2_BYTES = 60 << 20
 
 def variant(cfg: dict, name: str) -> dict:
     cfg = dict(cfg)
+    if "+" in name:  # changes applied in turn: "bn128+split2"
+        for part in name.split("+"):
+            cfg = variant(cfg, part)
+        return cfg
     if name == "default":
         return cfg
     if name.startswith("split"):
         cfg["SPLIT_K"] = max(1, int(cfg["SPLIT_K"] * float(name[5:])))
     elif name.startswith("bk"):
         cfg["BLOCK_K"] = int(name[2:])
+    elif name.startswith("bn"):
+        cfg["BLOCK_N"] = int(name[2:])
+    elif name in ("swap", "noswap"):
+        cfg["SWAP_AB"] = name == "swap"
     elif name.startswith("w"):
         cfg["num_warps"] = int(name[1:])
     elif name.startswith("st"):
