@@ -118,6 +118,13 @@ cases = attn + [
             "stride_x": "i32", "stride_r": "i32", "stride_h": "i32", "stride_out": "i32", "eps": "fp32"},
      {"BLOCK": 256}),
 ]
+from llmc.codegen.qmatmul import QMatmulSpec
+QSIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32",
+        "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32",
+        "K": "i32", "KW": "i32"}
+QCONSTS = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "M_TILES": 1, "SWAP_AB": True, "EVEN_K": True}
+QSPEC = QMatmulSpec("int", 4, 128, False, 64, "bf16", False, "")  # int4 g128, its codes unpacked by PTX
+cases.append((load(QSPEC, pdl=True).qmatmul_kernel.fn, QSIG, QCONSTS))
 for fn, sig, consts in cases:
     sig = {**sig, **{k: "constexpr" for k in consts}}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
@@ -151,7 +158,7 @@ print("ok")
                                                                           "real launches")
 def test_compiled_for_hopper_the_wait_precedes_every_memory_access():
     """Kernels compiled here for sm_90 (the matmul, also with the SwiGLU epilogue, the norm, prefill attention
-    over bf16 and int8 caches and on its packed grid): each compiles, and its one wait comes before any memory
+    over bf16 and int8 caches and on its packed grid, the int4 qlinear): each compiles, and its one wait comes before any memory
     access."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
