@@ -6,8 +6,9 @@ error against the reference relative to the reference's largest value:
         [--variants default,fold] [--out DIR]
 
 A variant changes the bucket's default config: "default" (as an untuned GPU runs it), "split2" /
-"split0.5" (the K split doubled / halved), "bk512" (BLOCK_K 512), "bn32" (BLOCK_N 32), "swap" / "noswap"
-(SWAP_AB), "w8" (8 warps), "stN" (N pipeline stages); "a+b" applies a, then b. Run from a copy of an older tree, the same command measures that tree's kernels.
+"split0.5" (the K split doubled / halved), "bk512" (BLOCK_K 512), "bn32" (BLOCK_N 32), "swap" /
+"noswap" (SWAP_AB), "w8" (8 warps), "stN" (N pipeline stages); "a+b" applies a, then b. Run from a
+copy of an older tree, the same command measures that tree's kernels.
 """
 from __future__ import annotations
 

@@ -158,8 +158,8 @@ print("ok")
                                                                           "real launches")
 def test_compiled_for_hopper_the_wait_precedes_every_memory_access():
     """Kernels compiled here for sm_90 (the matmul, also with the SwiGLU epilogue, the norm, prefill attention
-    over bf16 and int8 caches and on its packed grid, the int4 qlinear): each compiles, and its one wait comes before any memory
-    access."""
+    over bf16 and int8 caches and on its packed grid, the int4 qlinear): each compiles, and its one wait comes
+    before any memory access."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-3000:]
