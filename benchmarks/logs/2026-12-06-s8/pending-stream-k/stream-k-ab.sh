@@ -16,7 +16,7 @@ TRITON_INTERPRET=0 timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests
     -k "stream_k or qlinear_formats" > $OUT/pytest.log 2>&1
 echo "pytest rc $? at $(( $(date +%s) - t0 )) s: $(tail -1 $OUT/pytest.log)"
 timeout 150 python3 benchmarks/qlinear_probe.py --shapes gate_up,down,qkv,o_proj --ms 1,16,64 --formats int4-g128 \
-    --variants default,split2,stream3,stream4,stream5,stream4+st4 --out $OUT/probe > $OUT/probe.log 2>&1
+    --variants default,split2,stream3,stream4,stream5,stream4+st4,stream1+bn128+w8+st4 --out $OUT/probe > $OUT/probe.log 2>&1
 echo "probe rc $? at $(( $(date +%s) - t0 )) s"; awk '{print $1, $2, $4, $5, $6}' $OUT/probe.log
 rm -rf /tmp/tmp*
 timeout 150 python3 benchmarks/quant_decode_bench.py --shape 8b --quant rtn4-small --new 128 --bf16-no-tune \
