@@ -119,12 +119,17 @@ cases = attn + [
      {"BLOCK": 256}),
 ]
 from llmc.codegen.qmatmul import QMatmulSpec
-QSIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32",
-        "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32",
-        "K": "i32", "KW": "i32"}
 QCONSTS = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "M_TILES": 1, "SWAP_AB": True, "EVEN_K": True}
 QSPEC = QMatmulSpec("int", 4, 128, False, 64, "bf16", False, "")  # int4 g128, its codes unpacked by PTX
-cases.append((load(QSPEC, pdl=True).qmatmul_kernel.fn, QSIG, QCONSTS))
+
+
+def qsig(fn):  # the int4 qlinear's arguments, as the attention cases': pointers typed, every other one i32
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32"}
+    return {n: ptrs.get(n, "i32") for n in fn.arg_names if n not in QCONSTS}
+
+
+qfn = load(QSPEC, pdl=True).qmatmul_kernel.fn
+cases.append((qfn, qsig(qfn), QCONSTS))
 for fn, sig, consts in cases:
     sig = {**sig, **{k: "constexpr" for k in consts}}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
