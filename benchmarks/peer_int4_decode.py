@@ -14,25 +14,27 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-SHAPES = {  # Llama-3-8B's shape (random weights: speed only), and a tiny one for a CPU check
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, head_dim=128),
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False, head_dim=64),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_bench import SHAPES as BENCH_SHAPES  # noqa: E402
+
+# llmc's benchmark shapes (random weights: speed only), and a tiny one for a CPU check
+SHAPES = {**BENCH_SHAPES, "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+                                       tie_word_embeddings=False, head_dim=64, max_position_embeddings=4096)}
 
 
 class Int4Linear(nn.Module):
     """y = x W.T with W in int4 groups along K, each with a bf16 scale and zero (min-max, asymmetric, as
     gpt-fast quantizes): W = (q - 8) * scale + zero, q in 0..15, in tinygemm's packed layout."""
 
-    def __init__(self, lin: nn.Linear, group: int = 128, inner_k_tiles: int = 8):
+    def __init__(self, lin: nn.Linear, group: int = 128, inner_k_tiles: int = 8, keep_reference: bool = False):
         super().__init__()
         w = lin.weight.detach().float()
         n, k = w.shape
@@ -51,7 +53,9 @@ class Int4Linear(nn.Module):
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(packed, inner_k_tiles))
         else:
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, inner_k_tiles))
-        self.reference = ((q.reshape(n, k // group, group) - 8) * scale + zero).reshape(n, k)  # for check()
+        # the dequantized weight in fp32, for check(): kept only where asked, as it is 8x the codes' bytes
+        self.reference = (((q.reshape(n, k // group, group) - 8) * scale + zero).reshape(n, k)
+                          if keep_reference else None)
 
     def forward(self, x):
         x2 = x.reshape(-1, x.shape[-1])
@@ -71,9 +75,10 @@ def quantize(model: nn.Module, group: int) -> tuple[int, float]:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.in_features % group == 0:
-                q = Int4Linear(child, group)
-                worst = max(worst, q.check()) if count < 8 else worst  # a few layers are enough
-                del q.reference
+                q = Int4Linear(child, group, keep_reference=count < 8)  # a few layers are enough to check
+                if q.reference is not None:
+                    worst = max(worst, q.check())
+                    q.reference = None
                 setattr(parent, name, q)
                 count += 1
     return count, worst
@@ -123,7 +128,7 @@ def main() -> None:
     a = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
     cuda = torch.cuda.is_available()
-    cfg = LlamaConfig(**SHAPES[a.shape], max_position_embeddings=4096)
+    cfg = LlamaConfig(**SHAPES[a.shape])
 
     def build() -> nn.Module:  # the same random weights each time
         torch.manual_seed(0)
