@@ -140,6 +140,12 @@ for fn, sig, consts in cases:
     wait = [i for i, l in enumerate(lines) if "griddepcontrol.wait" in l]
     mem = [i for i, l in enumerate(lines) if re.search(r"\b(ld\.global|st\.global|cp\.async|atom\.|red\.)", l)]
     assert len(wait) == 1 and mem and wait[0] < min(mem), (fn.__name__, wait, mem[:3])
+    # a split-K tile's count: released after its partials (acq_rel), reset by the last split without a fence
+    # (the next launch sees the 0 once this one has finished)
+    exch = [l for l in lines if re.search(r"\batom\..*\bexch\b", l)]
+    if consts.get("SPLIT_K", 1) > 1:
+        assert len(exch) == 1 and ".relaxed" in exch[0], (fn.__name__, exch)
+        assert sum("acq_rel" in l for l in lines if "atom." in l) == 1, fn.__name__
 
 # LLMC_PDL_PREFETCH: the weight lines sent for into L2 before the wait, still no other access before it
 import llmc.codegen.matmul as matmul
@@ -164,7 +170,7 @@ print("ok")
 def test_compiled_for_hopper_the_wait_precedes_every_memory_access():
     """Kernels compiled here for sm_90 (the matmul, also with the SwiGLU epilogue, the norm, prefill attention
     over bf16 and int8 caches and on its packed grid, the int4 qlinear): each compiles, and its one wait comes
-    before any memory access."""
+    before any memory access. The split-K ones reset a tile's count without a fence."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-3000:]
