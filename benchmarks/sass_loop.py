@@ -49,7 +49,7 @@ sig = {{"x_ptr": t, "w_ptr": "*u8", "s_ptr": t, **({{"z_ptr": "*u8"}} if zp else
        **({{"stride_zn": "i32"}} if zp else {{}}), "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32", "KW": "i32"}}
 bm, bn, bk, sk, mt, swap = {cfg}
 consts = {{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "M_TILES": mt, "SWAP_AB": bool(swap),
-          "EVEN_K": True}}
+          "EVEN_K": True, "TMA": False, "w_desc": None}}
 # what a launch specializes: pointers and every integer but M divisible by 16 (8B shapes are)
 attrs = {{(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in sig if k != "M"}}
 sig.update({{k: "constexpr" for k in consts}})

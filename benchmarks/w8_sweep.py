@@ -3,10 +3,12 @@ tuner's own candidate list and of a wider grid, the library GEMM, and bf16 cuBLA
 timed on activation codes made beforehand (as the norm or SwiGLU before a linear makes them), streaming
 the weight from HBM (quant_bench.py's CUDA-graph replay over weight copies that overflow L2).
 
-    PYTHONPATH=. python3 benchmarks/w8_sweep.py --out DIR [--kind fp8] [--ms 64,128] [--shapes down,o_proj]
+    PYTHONPATH=. python3 benchmarks/w8_sweep.py --out DIR [--kind fp8] [--ms 64,128] [--shapes down,o_proj] [--tma]
 
 Prints, per shape and M: bf16 cuBLAS, the library GEMM, and the three fastest configs of the tuner's list
 ("list") and of the grid outside it ("grid"), with the weight bytes a second as a share of 4.8 TB/s.
+`--tma` adds each of those configs with its tiles loaded through TMA descriptors ("tma-list", "tma-grid"),
+and a grid of deeper TMA pipelines ("tma-deep").
 """
 from __future__ import annotations
 
@@ -35,6 +37,13 @@ def grid(m: int, listed: list[dict]) -> list[dict]:
     return [c for c in out if tuple(sorted(c.items())) not in seen]
 
 
+def tma_grid(m: int) -> list[dict]:
+    """TMA configs with deeper pipelines than the pointer grid's (a bulk copy holds no registers)."""
+    rows = (16,) if m <= 64 else (64, 128)
+    return [dict(qm._cfg(bm, bn, bk, split, True, 4, stages), TMA=True)
+            for bm, bn, bk, split, stages in itertools.product(rows, (64, 128), (128,), (2, 4, 8), (4, 6))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -42,6 +51,8 @@ def main() -> None:
     ap.add_argument("--ms", default="64,128")
     ap.add_argument("--shapes", default="qkv,o_proj,gate_up,down")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--tma", action="store_true", help="also every config through TMA descriptors, and deeper ones")
+    ap.add_argument("--no-grid", action="store_true", help="the tuner's list only, no pointer grid outside it")
     a = ap.parse_args()
     fmt = QuantFormat(a.kind, 8)
     rows: list[dict] = []
@@ -59,7 +70,10 @@ def main() -> None:
             ref = qm.reference(x, fmt, qw.qweight, qw.scales)
             bucket = qm.qlinear_bucket(m)
             listed = qm.candidates(bucket, n, p.padded_k, p.pack, m <= 64)
-            cands = [("list", c) for c in listed] + [("grid", c) for c in grid(m, listed)]
+            cands = [("list", c) for c in listed] + [("grid", c) for c in ([] if a.no_grid else grid(m, listed))]
+            if a.tma:
+                cands += [(f"tma-{kind}", dict(c, TMA=True)) for kind, c in cands if c["BLOCK_K"] <= 256]
+                cands += [("tma-deep", c) for c in tma_grid(m)]
             # up to 64 rows the tuner offers no library GEMM (batch invariance); timed there all the same, as at 128+
             cands += [("library", c) for c in qm.library_candidates(bucket if m > 64 else "128+", p, torch.bfloat16)]
             y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -82,7 +96,8 @@ def main() -> None:
             for r in res:
                 r.update(shape=shape, M=m, hbm_pct=100 * r["nbytes"] / (r["us"] * 1e-6) / HBM_BYTES_PER_S)
             rows += res
-            for kind, top in (("bf16", 1), ("quantize", 1), ("library", 1), ("list", 3), ("grid", 3)):
+            for kind, top in (("bf16", 1), ("quantize", 1), ("library", 1), ("list", 3), ("grid", 3), ("tma-list", 3),
+                              ("tma-grid", 3), ("tma-deep", 3)):
                 for r in sorted((r for r in res if r["kind"] == kind), key=lambda r: r["us"])[:top]:
                     print(f"{shape:8s} M={m:<4d} {kind:8s} {r['us']:7.1f} us {r['hbm_pct']:5.1f}% err {r['err']:.1e} "
                           f"{r['cfg']}", flush=True)

@@ -601,6 +601,23 @@ def candidates(bucket: str, n: int, kw: int, pack: int = 0, shared: bool = True)
     return [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]  # without repeats, in order
 
 
+def tma_offered() -> bool:
+    """Whether a qlinear's tuning also times its configs with tiles loaded through TMA descriptors
+    (`tma_candidates`): `LLMC_QLINEAR_TMA=1` (read at each tuning)."""
+    return os.environ.get("LLMC_QLINEAR_TMA", "0") == "1"
+
+
+def tma_candidates(configs: list[dict]) -> list[dict]:
+    """The TMA twins of generated-kernel configs (boxes of at most 256 per side), and of the split tall
+    tiles (the 128+ bucket's) with deeper pipelines: a bulk copy in flight holds no registers."""
+    out = [dict(c, TMA=True) for c in configs
+           if not c.get("LIBRARY") and not c.get("GEMV") and max(c["BLOCK_N"], c["BLOCK_K"]) <= 256]
+    out += [dict(c, TMA=True, num_stages=c["num_stages"] + 2) for c in configs
+            if not c.get("LIBRARY") and not c.get("GEMV") and c["SPLIT_K"] > 1 and c["BLOCK_M"] > 16
+            and c["BLOCK_K"] <= 128]
+    return [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]
+
+
 # -- launching -------------------------------------------------------------------------------------
 
 def _launch_gemv(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Tensor | None,
@@ -710,12 +727,34 @@ def _launch(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Te
     counts = tile_counters(x2.device, grid[0] * grid[1]) if split_k > 1 else ws
     zeros = (p.zeros,) if p.zeros is not None else ()
     bias = (b,) if b is not None else ()
+    # int: W's codes come in boxes of one pack tile's bytes (`run`); 8-bit: x's codes and W in BLOCK_K columns
+    a8, box = spec.kind != "int", (cfg["BLOCK_K"] if spec.kind != "int" else p.run)
+    tma = (bool(cfg.get("TMA")) and max(cfg["BLOCK_M"], cfg["BLOCK_N"], box) <= 256
+           and tma_fits(*((x2,) if a8 else ()), p.qweight))
+    descs = {"w_desc": _descriptor(p.qweight, cfg["BLOCK_N"], box) if tma else None, "TMA": tma}
+    if a8:
+        descs["x_desc"] = _descriptor(x2, cfg["BLOCK_M"], cfg["BLOCK_K"]) if tma else None
     compiled(spec).qmatmul_kernel[grid](
         x2, p.qweight, p.scales, *zeros, *sx, *bias, y2, ws, counts,
-        x2.stride(0), p.qweight.stride(0), p.scales.stride(0), *(z.stride(0) for z in zeros), y2.stride(0),
-        M, N, K, p.padded_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        stride_xm=x2.stride(0), stride_wn=p.qweight.stride(0), stride_sn=p.scales.stride(0),
+        **({"stride_zn": p.zeros.stride(0)} if p.zeros is not None else {}), stride_ym=y2.stride(0),
+        M=M, N=N, K=K, KW=p.padded_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         SPLIT_K=split_k, M_TILES=mt, SWAP_AB=cfg["SWAP_AB"], EVEN_K=p.padded_k % (cfg["BLOCK_K"] * split_k) == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **descs)
+
+
+def tma_fits(*ts: torch.Tensor) -> bool:
+    """Whether 2-D tensors of 1-byte codes can be read through TMA descriptors (`TMA` configs): 16-byte
+    aligned starts and row strides, unit column strides. Where they cannot, a TMA config runs with pointer
+    loads (the same sums: only how the tiles reach shared memory differs)."""
+    return all(t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               for t in ts)
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int):
+    """A host-side TMA descriptor of t [R, C] in [rows, cols] boxes (zeros read past its edges)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, cols])
 
 
 def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | None = None, act: str = "", *,
@@ -776,6 +815,8 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
         group = tuner.joint if bucket in tuner.joint else (bucket,)
         io = timing_io(group, K, N, ydtype, x2.device)  # with codes too: the choice is the float x's
         cands = candidates(bucket, N, kw, pack, len(group) > 1)
+        if tma_offered():
+            cands += tma_candidates(cands)
         if gemv_fits(prepared) and max(map(bucket_size, group)) <= GEMV_ROWS:
             cands += gemv_candidates(N, kw)  # only where every M sharing the choice fits it
         if x2.device.type == "cuda" and len(group) == 1:

@@ -119,7 +119,8 @@ cases = attn + [
      {"BLOCK": 256}),
 ]
 from llmc.codegen.qmatmul import QMatmulSpec
-QCONSTS = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "M_TILES": 1, "SWAP_AB": True, "EVEN_K": True}
+QCONSTS = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "M_TILES": 1, "SWAP_AB": True, "EVEN_K": True,
+           "TMA": False}
 QSPEC = QMatmulSpec("int", 4, 128, False, 64, "bf16", False, "")  # int4 g128, its codes unpacked by PTX
 
 
@@ -130,6 +131,13 @@ def qsig(fn):  # the int4 qlinear's arguments, as the attention cases': pointers
 
 qfn = load(QSPEC, pdl=True).qmatmul_kernel.fn
 cases.append((qfn, qsig(qfn), QCONSTS))
+# the fp8 qlinear on a tall split tile with x's and W's tiles through TMA descriptors (bulk tensor copies)
+F8CONSTS = {**QCONSTS, "BLOCK_M": 128, "BLOCK_K": 128, "TMA": True}
+f8fn = load(QMatmulSpec("fp8", 8, 0, False, 0, "bf16", False, ""), pdl=True).qmatmul_kernel.fn
+f8ptrs = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "sx_ptr": "*fp32", "y_ptr": "*bf16",
+          "ws_ptr": "*fp32", "count_ptr": "*i32", "x_desc": "tensordesc<fp8e4nv[128, 128]>",
+          "w_desc": "tensordesc<fp8e4nv[64, 128]>"}
+cases.append((f8fn, {n: f8ptrs.get(n, "i32") for n in f8fn.arg_names if n not in F8CONSTS}, F8CONSTS))
 for fn, sig, consts in cases:
     sig = {**sig, **{k: "constexpr" for k in consts}}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
@@ -146,6 +154,7 @@ for fn, sig, consts in cases:
     if consts.get("SPLIT_K", 1) > 1:
         assert len(exch) == 1 and ".relaxed" in exch[0], (fn.__name__, exch)
         assert sum("acq_rel" in l for l in lines if "atom." in l) == 1, fn.__name__
+    assert any("cp.async.bulk.tensor" in l for l in lines) == bool(consts.get("TMA")), fn.__name__
 
 # LLMC_PDL_PREFETCH: the weight lines sent for into L2 before the wait, still no other access before it
 import llmc.codegen.matmul as matmul
@@ -169,8 +178,9 @@ print("ok")
                                                                           "real launches")
 def test_compiled_for_hopper_the_wait_precedes_every_memory_access():
     """Kernels compiled here for sm_90 (the matmul, also with the SwiGLU epilogue, the norm, prefill attention
-    over bf16 and int8 caches and on its packed grid, the int4 qlinear): each compiles, and its one wait comes
-    before any memory access. The split-K ones reset a tile's count without a fence."""
+    over bf16 and int8 caches and on its packed grid, the int4 qlinear, the fp8 one with TMA tiles): each
+    compiles, and its one wait comes before any memory access, bulk tensor copies included. The split-K ones
+    reset a tile's count without a fence."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-3000:]

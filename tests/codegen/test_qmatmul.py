@@ -160,6 +160,49 @@ def test_tall_split_tiles_of_the_128_bucket(name):
     assert int(tile_counters(x.device, 4).abs().sum()) == 0
 
 
+@pytest.mark.parametrize("name", ["w8a8", "fp8", "int4-g64", "int4-g64-zp", "int8-ch"])
+def test_tma_configs_equal_pointer_loads(name):
+    """A config with its tiles loaded through TMA descriptors gives bitwise the pointer loads' result: at 1
+    row (a 16-row box, 15 rows of it past M), 17 (two row tiles in a program) and 140 (tall tiles), with K
+    splits and N, K past the boxes' edges (96 x 320: zeros read there; int weights in boxes of one pack
+    tile's bytes). 8-bit codes in a buffer whose rows are not 16-byte aligned run with pointer loads."""
+    g = gen("tma", name)
+    qw = quantized(FORMATS[name], 96, 320, g)
+    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    b = rand(96, g=g)
+    bk = max(128, p.pack)
+    for m, cfg in ((1, qm._cfg(16, 64, bk, 2, True, 4, 3)), (17, qm._cfg(16, 64, bk, 1, False, 4, 3)),
+                   (140, qm._cfg(128, 64, bk, 2, True, 4, 4))):
+        x = rand(m, 320, g=g)
+        y = run_and_check(qw, x, b, "silu", config=cfg)
+        assert torch.equal(run_and_check(qw, x, b, "silu", config=dict(cfg, TMA=True)), y)
+    assert int(tile_counters(x.device, 8).abs().sum()) == 0
+    if qw.fmt.kind == "int":
+        return
+    codes, scales = quantize_act(x, name)
+    odd = torch.empty(m, 321, dtype=codes.dtype, device=codes.device)[:, :320]  # rows 321 bytes apart
+    odd.copy_(codes)
+    assert qm.tma_fits(codes) and not qm.tma_fits(odd)
+    cfg = dict(qm._cfg(128, 64, 128, 2, True, 4, 4), TMA=True)
+    assert torch.equal(qlinear(odd, p, b, "silu", config=cfg, x_scales=scales, dtype=x.dtype),
+                       qlinear(codes, p, b, "silu", config=cfg, x_scales=scales, dtype=x.dtype))
+
+
+def test_tma_candidates_are_offered_on_request(monkeypatch):
+    """`LLMC_QLINEAR_TMA=1` offers each generated-kernel config's TMA twin (boxes of at most 256 a side) and
+    deeper pipelines of the split tall tiles; unset, none. Library and GEMV configs have none."""
+    monkeypatch.delenv("LLMC_QLINEAR_TMA", raising=False)
+    assert not qm.tma_offered()
+    monkeypatch.setenv("LLMC_QLINEAR_TMA", "1")
+    assert qm.tma_offered()
+    base = candidates("128+", 4096, 14336)
+    twins = qm.tma_candidates(base + [{"LIBRARY": "scaled_mm"}] + qm.gemv_candidates(4096, 4096))
+    assert twins and all(c["TMA"] and max(c["BLOCK_N"], c["BLOCK_K"]) <= 256 for c in twins)
+    assert {tuple(sorted((k, v) for k, v in c.items() if k != "TMA")) for c in twins if c["num_stages"] <= 4} \
+        <= {tuple(sorted(c.items())) for c in base}
+    assert any(c["num_stages"] == 6 and c["SPLIT_K"] > 1 for c in twins)
+
+
 def test_row_tiles_of_one_program_equal_tiles_alone():
     """Up to 64 rows a program dots each weight tile it dequantizes with every 16-row tile: each tile
     comes out bitwise as it does launched alone (see the matmul test for why only tile by tile here)."""
