@@ -5,7 +5,7 @@ and the instructions of its main loop (the longest span a backward branch closes
 opcode. Where a kernel is limited by issuing instructions, not by HBM (int4 decode, RESULTS.md),
 the instructions a loop iteration issues per weight bound its speed:
 
-    python3 benchmarks/sass_loop.py [--format int4-g128] [--configs 16,64,256,4,1,1 ...] [--json OUT]
+    python3 benchmarks/sass_loop.py [--format int4-g128] [--configs 16,64,256,4,1,1 ...] [--tma] [--json OUT]
     python3 benchmarks/sass_loop.py --attention [--code-dots] [--configs 64,4,3 128,8,2 ...]
 
 A config is BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,M_TILES,SWAP_AB. Each runs twice, with the int4 codes
@@ -49,9 +49,13 @@ sig = {{"x_ptr": t, "w_ptr": "*u8", "s_ptr": t, **({{"z_ptr": "*u8"}} if zp else
        **({{"stride_zn": "i32"}} if zp else {{}}), "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32", "KW": "i32"}}
 bm, bn, bk, sk, mt, swap = {cfg}
 consts = {{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "M_TILES": mt, "SWAP_AB": bool(swap),
-          "EVEN_K": True, "TMA": False, "w_desc": None}}
+          "EVEN_K": True, "TMA": {tma}}}
+if {tma}:  # W's codes through a TMA descriptor, in boxes of one pack tile's bytes
+    sig["w_desc"] = f"tensordesc<u8[{{bn}}, 64]>"
+else:
+    consts["w_desc"] = None
 # what a launch specializes: pointers and every integer but M divisible by 16 (8B shapes are)
-attrs = {{(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in sig if k != "M"}}
+attrs = {{(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in sig if k not in ("M", "w_desc")}}
 sig.update({{k: "constexpr" for k in consts}})
 src = ASTSource(fn, sig, constexprs={{(fn.arg_names.index(k),): v for k, v in consts.items()}}, attrs=attrs)
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": {warps}, "num_stages": 3}})
@@ -126,10 +130,10 @@ def compiled_loop(template: str, env: dict, modifiers: bool = False, **fields) -
         return loop_opcodes(sass.stdout, modifiers)
 
 
-def count(cfg: str, ptx: bool, bits: int, group: int, dtype: str, warps: int, zero_points: bool = False
-          ) -> collections.Counter:
+def count(cfg: str, ptx: bool, bits: int, group: int, dtype: str, warps: int, zero_points: bool = False,
+          tma: bool = False) -> collections.Counter:
     return compiled_loop(_COMPILE, {"LLMC_INT4_PTX": "1" if ptx else "0"}, bits=bits, group=group, dtype=dtype,
-                         zp=zero_points, cfg=tuple(map(int, cfg.split(","))), warps=warps)
+                         zp=zero_points, cfg=tuple(map(int, cfg.split(","))), warps=warps, tma=tma)
 
 
 def count_attention(cfg: str, kv_dtype: str, code_dots: bool = False, modifiers: bool = False,
@@ -169,18 +173,19 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16, help="with --attention: the cache's keys per block")
     ap.add_argument("--centre-free", action="store_true",
                     help="with --attention: the quantized caches' centre parts set to 0 (what a centre-free cache costs)")
+    ap.add_argument("--tma", action="store_true", help="the int4 codes through a TMA descriptor (`TMA` configs)")
     ap.add_argument("--json", help="also write the counts here")
     a = ap.parse_args()
     if a.attention:
         return attention_main(a.configs or ATTENTION_CONFIGS, a.json, a.code_dots, a.block_size, a.centre_free)
     a.configs = a.configs or DEFAULT_CONFIGS
     rows = []
-    print(f"int4 g{a.group}{' with zero points' if a.zero_points else ''} {a.dtype}, {a.warps} warps: main-loop "
-          "instructions per thread and per code")
+    print(f"int4 g{a.group}{' with zero points' if a.zero_points else ''} {a.dtype}, {a.warps} warps"
+          f"{', codes through TMA' if a.tma else ''}: main-loop instructions per thread and per code")
     print(f"{'BLOCK_M,N,K,SPLIT_K,M_TILES,SWAP':34s} {'fp32 unpack':>12s} {'PTX unpack':>11s} {'ratio':>6s}  "
           "top opcodes (PTX)")
     for cfg in a.configs:
-        base, ptx = (count(cfg, p, 4, a.group, a.dtype, a.warps, a.zero_points) for p in (False, True))
+        base, ptx = (count(cfg, p, 4, a.group, a.dtype, a.warps, a.zero_points, a.tma) for p in (False, True))
         bm, bn, bk = map(int, cfg.split(",")[:3])
         codes = bn * bk / (32 * a.warps)  # codes a thread unpacks per iteration (one row tile's worth)
         n0, n1 = sum(base.values()), sum(ptx.values())
