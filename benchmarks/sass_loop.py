@@ -7,6 +7,7 @@ the instructions a loop iteration issues per weight bound its speed:
 
     python3 benchmarks/sass_loop.py [--format int4-g128] [--configs 16,64,256,4,1,1 ...] [--tma] [--json OUT]
     python3 benchmarks/sass_loop.py --attention [--code-dots] [--configs 64,4,3 128,8,2 ...]
+    python3 benchmarks/sass_loop.py --fp8 [--configs 128,64,128,4,1,3 ...]
 
 A config is BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,M_TILES,SWAP_AB. Each runs twice, with the int4 codes
 unpacked by inline PTX (the default) and by fp32 arithmetic (LLMC_INT4_PTX=0), each in a fresh
@@ -63,6 +64,33 @@ open({out!r}, "wb").write(k.asm["cubin"])
 '''
 
 
+_COMPILE_FP8 = r'''
+import sys
+sys.path.insert(0, {root!r})
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from llmc.codegen.kernels import load
+from llmc.codegen.qmatmul import QMatmulSpec
+fn = load(QMatmulSpec("fp8", 8, 0, False, 0, "bf16", False, "")).qmatmul_kernel
+bm, bn, bk, sk, swap, stages = {cfg}
+consts = {{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "M_TILES": 1, "SWAP_AB": bool(swap),
+          "EVEN_K": True, "TMA": {tma}}}
+sig = {{"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "sx_ptr": "*fp32", "y_ptr": "*bf16",
+       "ws_ptr": "*fp32", "count_ptr": "*i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
+       "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32", "KW": "i32"}}
+attrs = {{(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in sig if k != "M"}}
+if {tma}:  # x's codes and W's through TMA descriptors
+    sig.update(x_desc=f"tensordesc<fp8e4nv[{{bm}}, {{bk}}]>", w_desc=f"tensordesc<fp8e4nv[{{bn}}, {{bk}}]>")
+else:
+    consts.update(x_desc=None, w_desc=None)
+sig.update({{k: "constexpr" for k in consts}})
+src = ASTSource(fn, sig, constexprs={{(fn.arg_names.index(k),): v for k, v in consts.items()}}, attrs=attrs)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4, "num_stages": stages}})
+open({out!r}, "wb").write(k.asm["cubin"])
+'''
+
+
 _COMPILE_ATTENTION = r'''
 import sys
 sys.path.insert(0, {root!r})
@@ -101,8 +129,10 @@ def cuobjdump() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def loop_opcodes(sass: str, modifiers: bool = False) -> collections.Counter:
-    """Opcodes (predicates stripped, and modifiers unless `modifiers`) of the longest loop in a SASS listing."""
+def loop_opcodes(sass: str, modifiers: bool = False, mma: bool = False) -> collections.Counter:
+    """Opcodes (predicates stripped, and modifiers unless `modifiers`) of the longest loop in a SASS listing;
+    with `mma`, of the shortest loop that issues a Hopper MMA (a pipelined TMA loop sits inside longer spans
+    that other backward branches close)."""
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
@@ -112,12 +142,18 @@ def loop_opcodes(sass: str, modifiers: bool = False) -> collections.Counter:
              if (m := re.search(r"BRA (0x[0-9a-f]+)", text)) and int(m.group(1), 16) < addr]
     if not loops:
         raise RuntimeError("no loop found in the kernel")
-    start, end = max(loops, key=lambda span: span[1] - span[0])
-    ops = (re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for addr, text in ins if start <= addr <= end)
-    return collections.Counter(op if modifiers else op.split(".")[0] for op in ops)
+    def ops(span):
+        body = (re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for addr, text in ins if span[0] <= addr <= span[1])
+        return collections.Counter(op if modifiers else op.split(".")[0] for op in body)
+    if mma:
+        with_mma = [span for span in loops if any(op.split(".")[0].endswith("GMMA") for op in ops(span))]
+        if not with_mma:
+            raise RuntimeError("no loop of the kernel issues an MMA")
+        return ops(min(with_mma, key=lambda span: span[1] - span[0]))
+    return ops(max(loops, key=lambda span: span[1] - span[0]))
 
 
-def compiled_loop(template: str, env: dict, modifiers: bool = False, **fields) -> collections.Counter:
+def compiled_loop(template: str, env: dict, modifiers: bool = False, mma: bool = False, **fields) -> collections.Counter:
     """Compile `template` (a _COMPILE* text) filled with `fields` in a fresh process, with `env` on top of this
     one's; the opcodes of its main loop (with their modifiers if `modifiers`)."""
     with tempfile.TemporaryDirectory() as d:
@@ -127,7 +163,7 @@ def compiled_loop(template: str, env: dict, modifiers: bool = False, **fields) -
         code = template.format(root=str(ROOT), out=str(cubin), **fields)
         subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
         sass = subprocess.run([str(cuobjdump()), "-sass", str(cubin)], check=True, capture_output=True, text=True)
-        return loop_opcodes(sass.stdout, modifiers)
+        return loop_opcodes(sass.stdout, modifiers, mma)
 
 
 def count(cfg: str, ptx: bool, bits: int, group: int, dtype: str, warps: int, zero_points: bool = False,
@@ -161,6 +197,23 @@ def attention_main(configs: list[str], json_out: str | None, code_dots: bool = F
         Path(json_out).write_text(json.dumps(rows, indent=1))
 
 
+def fp8_main(configs: list[str], json_out: str | None) -> None:
+    """The fp8 qlinear's MMA loop with pointer loads and with TMA tiles; a config is BLOCK_M,N,K,SPLIT_K,SWAP,stages."""
+    print("fp8 W8A8, bf16 out, 4 warps: MMA-loop instructions per thread and per weight of the tile, pointer loads / TMA")
+    rows = []
+    for cfg in configs:
+        c = tuple(map(int, cfg.split(",")))
+        ptr, tma = (compiled_loop(_COMPILE_FP8, {}, mma=True, cfg=c, tma=t) for t in (False, True))
+        per = c[1] * c[2] / 128  # weights of a BLOCK_N x BLOCK_K tile per thread
+        n0, n1 = sum(ptr.values()), sum(tma.values())
+        rows.append({"config": cfg, "pointer": dict(ptr), "tma": dict(tma)})
+        print(f"{cfg:24s} {n0:5d} ({n0 / per:5.2f}) {n1:5d} ({n1 / per:5.2f}) {n1 / n0:5.2f}  pointer: "
+              + ", ".join(f"{k} {v}" for k, v in ptr.most_common(4)) + "; TMA: "
+              + ", ".join(f"{k} {v}" for k, v in tma.most_common(4)))
+    if json_out:
+        Path(json_out).write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--group", type=int, default=128)
@@ -174,8 +227,12 @@ def main() -> None:
     ap.add_argument("--centre-free", action="store_true",
                     help="with --attention: the quantized caches' centre parts set to 0 (what a centre-free cache costs)")
     ap.add_argument("--tma", action="store_true", help="the int4 codes through a TMA descriptor (`TMA` configs)")
+    ap.add_argument("--fp8", action="store_true", help="the fp8 qlinear's MMA loop, pointer loads against TMA tiles "
+                                                        "(configs BLOCK_M,N,K,SPLIT_K,SWAP,stages)")
     ap.add_argument("--json", help="also write the counts here")
     a = ap.parse_args()
+    if a.fp8:
+        return fp8_main(a.configs or ["128,64,128,4,1,3", "64,128,128,4,1,4", "16,64,256,4,1,3"], a.json)
     if a.attention:
         return attention_main(a.configs or ATTENTION_CONFIGS, a.json, a.code_dots, a.block_size, a.centre_free)
     a.configs = a.configs or DEFAULT_CONFIGS
