@@ -609,3 +609,17 @@ def test_packed_nibbles_compile_for_hopper():
     assert fp32["FADD"] and fp32["F2FP"] and not fp32["HFMA2"]
     zp = sass_loop.count("16,64,256,4,1,1", True, 4, 128, "bf16", 4, zero_points=True)
     assert (zp["HFMA2"] or zp["HADD2"]) and not zp["FADD"] and not zp["F2FP"]
+
+
+def test_tma_tiles_compile_for_hopper():
+    """With `TMA` the fp8 kernel's MMA loop compiled for sm_90 loads its tiles by TMA (UTMALDG), none through
+    per-thread copies (LDGSTS), and issues fewer instructions than with pointer loads; the int4 loop loads its
+    codes by TMA too."""
+    from tests.codegen.conftest import sass_loop as load_sass_loop
+    sass_loop = load_sass_loop()
+    ptr, tma = (sass_loop.compiled_loop(sass_loop._COMPILE_FP8, {}, mma=True, cfg=(128, 64, 128, 4, 1, 3), tma=t)
+                for t in (False, True))
+    assert ptr["LDGSTS"] and not ptr["UTMALDG"] and tma["UTMALDG"] and not tma["LDGSTS"]
+    assert sum(tma.values()) < sum(ptr.values())
+    int4 = sass_loop.count("16,64,256,4,1,1", True, 4, 128, "bf16", 4, tma=True)
+    assert int4["UTMALDG"]
