@@ -601,6 +601,9 @@ def candidates(bucket: str, n: int, kw: int, pack: int = 0, shared: bool = True)
     return [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]  # without repeats, in order
 
 
+TMA_MAX_BOX = 256  # the most elements a TMA box spans along any of its dimensions
+
+
 def tma_offered() -> bool:
     """Whether a qlinear's tuning also times its configs with tiles loaded through TMA descriptors
     (`tma_candidates`): `LLMC_QLINEAR_TMA=1` (read at each tuning)."""
@@ -608,13 +611,12 @@ def tma_offered() -> bool:
 
 
 def tma_candidates(configs: list[dict]) -> list[dict]:
-    """The TMA twins of generated-kernel configs (boxes of at most 256 per side), and of the split tall
-    tiles (the 128+ bucket's) with deeper pipelines: a bulk copy in flight holds no registers."""
-    out = [dict(c, TMA=True) for c in configs
-           if not c.get("LIBRARY") and not c.get("GEMV") and max(c["BLOCK_N"], c["BLOCK_K"]) <= 256]
-    out += [dict(c, TMA=True, num_stages=c["num_stages"] + 2) for c in configs
-            if not c.get("LIBRARY") and not c.get("GEMV") and c["SPLIT_K"] > 1 and c["BLOCK_M"] > 16
-            and c["BLOCK_K"] <= 128]
+    """The TMA twins of generated-kernel configs (boxes of at most `TMA_MAX_BOX` per side), and of the split
+    tall tiles (the 128+ bucket's) with deeper pipelines: a bulk copy in flight holds no registers."""
+    generated = [c for c in configs if not c.get("LIBRARY") and not c.get("GEMV")]
+    out = [dict(c, TMA=True) for c in generated if max(c["BLOCK_N"], c["BLOCK_K"]) <= TMA_MAX_BOX]
+    out += [dict(c, TMA=True, num_stages=c["num_stages"] + 2) for c in generated
+            if c["SPLIT_K"] > 1 and c["BLOCK_M"] > 16 and c["BLOCK_K"] <= 128]
     return [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]
 
 
@@ -728,8 +730,9 @@ def _launch(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Te
     zeros = (p.zeros,) if p.zeros is not None else ()
     bias = (b,) if b is not None else ()
     # int: W's codes come in boxes of one pack tile's bytes (`run`); 8-bit: x's codes and W in BLOCK_K columns
-    a8, box = spec.kind != "int", (cfg["BLOCK_K"] if spec.kind != "int" else p.run)
-    tma = (bool(cfg.get("TMA")) and max(cfg["BLOCK_M"], cfg["BLOCK_N"], box) <= 256
+    a8 = spec.kind != "int"
+    box = cfg["BLOCK_K"] if a8 else p.run
+    tma = (bool(cfg.get("TMA")) and max(cfg["BLOCK_M"], cfg["BLOCK_N"], box) <= TMA_MAX_BOX
            and tma_fits(*((x2,) if a8 else ()), p.qweight))
     descs = {"w_desc": _descriptor(p.qweight, cfg["BLOCK_N"], box) if tma else None, "TMA": tma}
     if a8:
