@@ -7,7 +7,7 @@ the instructions a loop iteration issues per weight bound its speed:
 
     python3 benchmarks/sass_loop.py [--format int4-g128] [--configs 16,64,256,4,1,1 ...] [--tma] [--json OUT]
     python3 benchmarks/sass_loop.py --attention [--code-dots] [--configs 64,4,3 128,8,2 ...]
-    python3 benchmarks/sass_loop.py --fp8 [--configs 128,64,128,4,1,3 ...]
+    python3 benchmarks/sass_loop.py --fp8 [--promote 32|64|128|256] [--configs 128,64,128,4,1,3 ...]
 
 A config is BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,M_TILES,SWAP_AB. Each runs twice, with the int4 codes
 unpacked by inline PTX (the default) and by fp32 arithmetic (LLMC_INT4_PTX=0), each in a fresh
@@ -197,16 +197,19 @@ def attention_main(configs: list[str], json_out: str | None, code_dots: bool = F
         Path(json_out).write_text(json.dumps(rows, indent=1))
 
 
-def fp8_main(configs: list[str], json_out: str | None) -> None:
-    """The fp8 qlinear's MMA loop with pointer loads and with TMA tiles; a config is BLOCK_M,N,K,SPLIT_K,SWAP,stages."""
-    print("fp8 W8A8, bf16 out, 4 warps: MMA-loop instructions per thread and per weight of the tile, pointer loads / TMA")
+def fp8_main(configs: list[str], json_out: str | None, promote: int = 32) -> None:
+    """The fp8 qlinear's MMA loop with pointer loads and with TMA tiles; a config is BLOCK_M,N,K,SPLIT_K,SWAP,stages.
+    `promote`: of K summed in the MMA's precision before each move into the fp32 accumulator (LLMC_FP8_PROMOTE)."""
+    print("fp8 W8A8, bf16 out, 4 warps: MMA-loop instructions per thread and per weight of the tile, pointer loads / TMA"
+          f"; sums promoted every {promote} of K")
     rows = []
+    env = {"LLMC_FP8_PROMOTE": str(promote)}
     for cfg in configs:
         c = tuple(map(int, cfg.split(",")))
-        ptr, tma = (compiled_loop(_COMPILE_FP8, {}, mma=True, cfg=c, tma=t) for t in (False, True))
+        ptr, tma = (compiled_loop(_COMPILE_FP8, env, mma=True, cfg=c, tma=t) for t in (False, True))
         per = c[1] * c[2] / 128  # weights of a BLOCK_N x BLOCK_K tile per thread
         n0, n1 = sum(ptr.values()), sum(tma.values())
-        rows.append({"config": cfg, "pointer": dict(ptr), "tma": dict(tma)})
+        rows.append({"config": cfg, "promote": promote, "pointer": dict(ptr), "tma": dict(tma)})
         print(f"{cfg:24s} {n0:5d} ({n0 / per:5.2f}) {n1:5d} ({n1 / per:5.2f}) {n1 / n0:5.2f}  pointer: "
               + ", ".join(f"{k} {v}" for k, v in ptr.most_common(4)) + "; TMA: "
               + ", ".join(f"{k} {v}" for k, v in tma.most_common(4)))
@@ -229,10 +232,13 @@ def main() -> None:
     ap.add_argument("--tma", action="store_true", help="the int4 codes through a TMA descriptor (`TMA` configs)")
     ap.add_argument("--fp8", action="store_true", help="the fp8 qlinear's MMA loop, pointer loads against TMA tiles "
                                                         "(configs BLOCK_M,N,K,SPLIT_K,SWAP,stages)")
+    ap.add_argument("--promote", type=int, default=32, choices=[32, 64, 128, 256],
+                    help="with --fp8: of K summed in the MMA's precision before each promotion (LLMC_FP8_PROMOTE)")
     ap.add_argument("--json", help="also write the counts here")
     a = ap.parse_args()
     if a.fp8:
-        return fp8_main(a.configs or ["128,64,128,4,1,3", "64,128,128,4,1,4", "16,64,256,4,1,3"], a.json)
+        return fp8_main(a.configs or ["128,64,128,4,1,3", "64,128,128,4,1,4", "16,64,256,4,1,3"], a.json,
+                        a.promote)
     if a.attention:
         return attention_main(a.configs or ATTENTION_CONFIGS, a.json, a.code_dots, a.block_size, a.centre_free)
     a.configs = a.configs or DEFAULT_CONFIGS

@@ -4,11 +4,14 @@ timed on activation codes made beforehand (as the norm or SwiGLU before a linear
 the weight from HBM (quant_bench.py's CUDA-graph replay over weight copies that overflow L2).
 
     PYTHONPATH=. python3 benchmarks/w8_sweep.py --out DIR [--kind fp8] [--ms 64,128] [--shapes down,o_proj] [--tma]
+        [--promote 32,128]
 
 Prints, per shape and M: bf16 cuBLAS, the library GEMM, and the three fastest configs of the tuner's list
 ("list") and of the grid outside it ("grid"), with the weight bytes a second as a share of 4.8 TB/s.
 `--tma` adds each of those configs with its tiles loaded through TMA descriptors ("tma-list", "tma-grid"),
-and a grid of deeper TMA pipelines ("tma-deep").
+and a grid of deeper TMA pipelines ("tma-deep"). `--promote 32,128` (fp8) times every generated config once per
+interval of K at which the MMA's sums move into the fp32 accumulator (LLMC_FP8_PROMOTE), labelled "@32", "@128";
+the error column (against the fp32 reference on the same codes) tells what the fewer promotions cost.
 """
 from __future__ import annotations
 
@@ -16,12 +19,14 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 from pathlib import Path
 
 import torch
 
 from llmc.codegen import qmatmul as qm
 from llmc.codegen.act_quant import quantize_act
+from llmc.codegen import elementwise
 from llmc.codegen.autotune import m_bucket
 from llmc.ir.quant import QuantFormat, quantize_rtn
 
@@ -53,7 +58,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--tma", action="store_true", help="also every config through TMA descriptors, and deeper ones")
     ap.add_argument("--no-grid", action="store_true", help="the tuner's list only, no pointer grid outside it")
+    ap.add_argument("--promote", default=None,
+                    help="fp8: comma-separated intervals of K between promotions of the MMA's sums (32,64,128,256); "
+                         "each generated config is timed at each")
     a = ap.parse_args()
+    promotes = a.promote.split(",") if a.promote else [None]
     fmt = QuantFormat(a.kind, 8)
     rows: list[dict] = []
     for shape in a.shapes.split(","):
@@ -83,21 +92,29 @@ def main() -> None:
             res.append({"kind": "quantize", "us": graph_time_us([lambda xi=xi: quantize_act(xi, a.kind) for xi in xs],
                                                                 a.reps),
                         "nbytes": x.numel() * 3, "cfg": "quantize_act", "err": 0.0})
-            for kind, cfg in cands:
-                try:
-                    qm.qlinear(codes, p, config=cfg, out=y, x_scales=scales, dtype=torch.bfloat16)
-                    err = rel_err(y, ref)
-                    us = graph_time_us([lambda c=c: qm.qlinear(codes, c, config=cfg, out=y, x_scales=scales,
-                                                               dtype=torch.bfloat16) for c in copies], a.reps)
-                except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is reported
-                    print(f"{shape} M={m} {cfg} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
-                    continue
-                res.append({"kind": kind, "us": us, "nbytes": p.nbytes, "cfg": cfg, "err": err})
+            for promote in promotes:
+                if promote is not None:  # read when a kernel renders: render afresh for this interval
+                    os.environ["LLMC_FP8_PROMOTE"] = promote
+                    elementwise._module.cache_clear()
+                for kind, cfg in cands:
+                    if promote is not None and kind != "library":
+                        kind = f"{kind}@{promote}"
+                    elif promote not in (None, promotes[0]):
+                        continue  # the library GEMM once
+                    try:
+                        qm.qlinear(codes, p, config=cfg, out=y, x_scales=scales, dtype=torch.bfloat16)
+                        err = rel_err(y, ref)
+                        us = graph_time_us([lambda c=c: qm.qlinear(codes, c, config=cfg, out=y, x_scales=scales,
+                                                                   dtype=torch.bfloat16) for c in copies], a.reps)
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is reported
+                        print(f"{shape} M={m} {cfg} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                        continue
+                    res.append({"kind": kind, "us": us, "nbytes": p.nbytes, "cfg": cfg, "err": err})
             for r in res:
                 r.update(shape=shape, M=m, hbm_pct=100 * r["nbytes"] / (r["us"] * 1e-6) / HBM_BYTES_PER_S)
             rows += res
-            for kind, top in (("bf16", 1), ("quantize", 1), ("library", 1), ("list", 3), ("grid", 3), ("tma-list", 3),
-                              ("tma-grid", 3), ("tma-deep", 3)):
+            for kind in dict.fromkeys(r["kind"] for r in res):  # in the order first timed
+                top = 1 if kind in ("bf16", "quantize", "library") else 3
                 for r in sorted((r for r in res if r["kind"] == kind), key=lambda r: r["us"])[:top]:
                     print(f"{shape:8s} M={m:<4d} {kind:8s} {r['us']:7.1f} us {r['hbm_pct']:5.1f}% err {r['err']:.1e} "
                           f"{r['cfg']}", flush=True)

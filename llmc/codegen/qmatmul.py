@@ -329,9 +329,10 @@ class QMatmulSpec(KernelSpec):
         if int_w and self.dtype == "f32":
             dot_kwargs = ', input_precision="ieee"'  # tf32 would round x to 10 bits, past the 1e-4 tolerance
         elif self.kind == "fp8":
-            # Hopper's fp8 MMA sums in reduced precision: move its sum into the fp32 accumulator
-            # after every instruction (32 of K), as the reference sums in fp32
-            dot_kwargs = ", max_num_imprecise_acc=32"
+            # Hopper's fp8 MMA sums in reduced precision: move its sum into the fp32 accumulator every
+            # `fp8_promote()` of K (at most once a tile), as the reference sums in fp32
+            p = fp8_promote()
+            dot_kwargs = f", max_num_imprecise_acc=({p} if a.shape[1] >= {p} else a.shape[1])"
         elif self.kind == "w8a8":
             dot_kwargs = ", out_dtype=tl.int32"  # triton 3.6 checks the accumulator against it (default fp32)
         else:
@@ -602,6 +603,16 @@ def candidates(bucket: str, n: int, kw: int, pack: int = 0, shared: bool = True)
 
 
 TMA_MAX_BOX = 256  # the most elements a TMA box spans along any of its dimensions
+
+
+def fp8_promote() -> int:
+    """How many of K an fp8 MMA sums in its reduced precision before the sum moves into the fp32
+    accumulator: 32 (every instruction, the default) or 64, 128, 256 through `LLMC_FP8_PROMOTE`
+    (read when a kernel is rendered). Fewer promotions are fewer FADDs a tile (benchmarks/sass_loop.py --fp8)."""
+    v = os.environ.get("LLMC_FP8_PROMOTE", "32")
+    if v not in ("32", "64", "128", "256"):
+        raise CompileError(f"LLMC_FP8_PROMOTE={v!r}: give 32, 64, 128 or 256 (of K summed before each promotion)")
+    return int(v)
 
 
 def tma_offered() -> bool:

@@ -623,3 +623,17 @@ def test_tma_tiles_compile_for_hopper():
     assert sum(tma.values()) < sum(ptr.values())
     int4 = sass_loop.count("16,64,256,4,1,1", True, 4, 128, "bf16", 4, tma=True)
     assert int4["UTMALDG"]
+
+
+def test_fp8_promotion_interval_sets_the_mma_loop_fadds(monkeypatch):
+    """`LLMC_FP8_PROMOTE` sets how many of K an fp8 MMA sums before its sum moves into the fp32 accumulator:
+    every 128 instead of every 32 compiles to a quarter of the MMA loop's FADDs on sm_90 (BLOCK_K 128); a
+    value that is not 32, 64, 128 or 256 is refused with what to give."""
+    from tests.codegen.conftest import sass_loop as load_sass_loop
+    sass_loop = load_sass_loop()
+    every = {p: sass_loop.compiled_loop(sass_loop._COMPILE_FP8, {"LLMC_FP8_PROMOTE": str(p)}, mma=True,
+                                        cfg=(128, 64, 128, 4, 1, 3), tma=False) for p in (32, 128)}
+    assert every[128]["FADD"] * 4 == every[32]["FADD"] > 0
+    monkeypatch.setenv("LLMC_FP8_PROMOTE", "48")
+    with pytest.raises(CompileError, match="32, 64, 128 or 256"):
+        qm.fp8_promote()
