@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--tma", action="store_true", help="also every config through TMA descriptors, and deeper ones")
     ap.add_argument("--no-grid", action="store_true", help="the tuner's list only, no pointer grid outside it")
+    ap.add_argument("--no-deep", action="store_true", help="with --tma: no grid of deeper TMA pipelines")
     ap.add_argument("--promote", default=None,
                     help="fp8: comma-separated intervals of K between promotions of the MMA's sums (32,64,128,256); "
                          "each generated config is timed at each")
@@ -82,7 +83,7 @@ def main() -> None:
             cands = [("list", c) for c in listed] + [("grid", c) for c in ([] if a.no_grid else grid(m, listed))]
             if a.tma:
                 cands += [(f"tma-{kind}", dict(c, TMA=True)) for kind, c in cands if c["BLOCK_K"] <= 256]
-                cands += [("tma-deep", c) for c in tma_grid(m)]
+                cands += [] if a.no_deep else [("tma-deep", c) for c in tma_grid(m)]
             # up to 64 rows the tuner offers no library GEMM (batch invariance); timed there all the same, as at 128+
             cands += [("library", c) for c in qm.library_candidates(bucket if m > 64 else "128+", p, torch.bfloat16)]
             y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
