@@ -8,6 +8,7 @@ the instructions a loop iteration issues per weight bound its speed:
     python3 benchmarks/sass_loop.py [--format int4-g128] [--configs 16,64,256,4,1,1 ...] [--tma] [--json OUT]
     python3 benchmarks/sass_loop.py --attention [--code-dots] [--configs 64,4,3 128,8,2 ...]
     python3 benchmarks/sass_loop.py --fp8 [--promote 32|64|128|256] [--configs 128,64,128,4,1,3 ...]
+    python3 benchmarks/sass_loop.py --w8a8 [--configs 128,64,128,4,1,3 ...]
 
 A config is BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,M_TILES,SWAP_AB. Each runs twice, with the int4 codes
 unpacked by inline PTX (the default) and by fp32 arithmetic (LLMC_INT4_PTX=0), each in a fresh
@@ -72,16 +73,18 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from llmc.codegen.kernels import load
 from llmc.codegen.qmatmul import QMatmulSpec
-fn = load(QMatmulSpec("fp8", 8, 0, False, 0, "bf16", False, "")).qmatmul_kernel
+kind = {kind!r}
+fn = load(QMatmulSpec(kind, 8, 0, False, 0, "bf16", False, "")).qmatmul_kernel
+code = "fp8e4nv" if kind == "fp8" else "i8"
 bm, bn, bk, sk, swap, stages = {cfg}
 consts = {{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "M_TILES": 1, "SWAP_AB": bool(swap),
           "EVEN_K": True, "TMA": {tma}}}
-sig = {{"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "sx_ptr": "*fp32", "y_ptr": "*bf16",
-       "ws_ptr": "*fp32", "count_ptr": "*i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
-       "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32", "KW": "i32"}}
+sig = {{"x_ptr": "*" + code, "w_ptr": "*" + code, "s_ptr": "*fp32", "sx_ptr": "*fp32", "y_ptr": "*bf16",
+       "ws_ptr": "*fp32" if kind == "fp8" else "*i32", "count_ptr": "*i32", "stride_xm": "i32", "stride_wn": "i32",
+       "stride_sn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32", "KW": "i32"}}
 attrs = {{(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in sig if k != "M"}}
 if {tma}:  # x's codes and W's through TMA descriptors
-    sig.update(x_desc=f"tensordesc<fp8e4nv[{{bm}}, {{bk}}]>", w_desc=f"tensordesc<fp8e4nv[{{bn}}, {{bk}}]>")
+    sig.update(x_desc=f"tensordesc<{{code}}[{{bm}}, {{bk}}]>", w_desc=f"tensordesc<{{code}}[{{bn}}, {{bk}}]>")
 else:
     consts.update(x_desc=None, w_desc=None)
 sig.update({{k: "constexpr" for k in consts}})
@@ -197,19 +200,20 @@ def attention_main(configs: list[str], json_out: str | None, code_dots: bool = F
         Path(json_out).write_text(json.dumps(rows, indent=1))
 
 
-def fp8_main(configs: list[str], json_out: str | None, promote: int = 32) -> None:
-    """The fp8 qlinear's MMA loop with pointer loads and with TMA tiles; a config is BLOCK_M,N,K,SPLIT_K,SWAP,stages.
-    `promote`: of K summed in the MMA's precision before each move into the fp32 accumulator (LLMC_FP8_PROMOTE)."""
-    print("fp8 W8A8, bf16 out, 4 warps: MMA-loop instructions per thread and per weight of the tile, pointer loads / TMA"
-          f"; sums promoted every {promote} of K")
+def fp8_main(configs: list[str], json_out: str | None, promote: int = 32, kind: str = "fp8") -> None:
+    """The fp8 (or int8, `kind` "w8a8") qlinear's MMA loop with pointer loads and with TMA tiles; a config is
+    BLOCK_M,N,K,SPLIT_K,SWAP,stages. `promote`: of K summed in the fp8 MMA's precision before each move into the
+    fp32 accumulator (LLMC_FP8_PROMOTE; int8 sums in int32, exact)."""
+    print(f"{'fp8' if kind == 'fp8' else 'int8'} W8A8, bf16 out, 4 warps: MMA-loop instructions per thread and per "
+          "weight of the tile, pointer loads / TMA" + (f"; sums promoted every {promote} of K" if kind == "fp8" else ""))
     rows = []
     env = {"LLMC_FP8_PROMOTE": str(promote)}
     for cfg in configs:
         c = tuple(map(int, cfg.split(",")))
-        ptr, tma = (compiled_loop(_COMPILE_FP8, env, mma=True, cfg=c, tma=t) for t in (False, True))
+        ptr, tma = (compiled_loop(_COMPILE_FP8, env, mma=True, cfg=c, tma=t, kind=kind) for t in (False, True))
         per = c[1] * c[2] / 128  # weights of a BLOCK_N x BLOCK_K tile per thread
         n0, n1 = sum(ptr.values()), sum(tma.values())
-        rows.append({"config": cfg, "promote": promote, "pointer": dict(ptr), "tma": dict(tma)})
+        rows.append({"config": cfg, "kind": kind, "promote": promote, "pointer": dict(ptr), "tma": dict(tma)})
         print(f"{cfg:24s} {n0:5d} ({n0 / per:5.2f}) {n1:5d} ({n1 / per:5.2f}) {n1 / n0:5.2f}  pointer: "
               + ", ".join(f"{k} {v}" for k, v in ptr.most_common(4)) + "; TMA: "
               + ", ".join(f"{k} {v}" for k, v in tma.most_common(4)))
@@ -232,13 +236,14 @@ def main() -> None:
     ap.add_argument("--tma", action="store_true", help="the int4 codes through a TMA descriptor (`TMA` configs)")
     ap.add_argument("--fp8", action="store_true", help="the fp8 qlinear's MMA loop, pointer loads against TMA tiles "
                                                         "(configs BLOCK_M,N,K,SPLIT_K,SWAP,stages)")
+    ap.add_argument("--w8a8", action="store_true", help="the int8 W8A8 qlinear's MMA loop, as --fp8 counts fp8's")
     ap.add_argument("--promote", type=int, default=32, choices=[32, 64, 128, 256],
                     help="with --fp8: of K summed in the MMA's precision before each promotion (LLMC_FP8_PROMOTE)")
     ap.add_argument("--json", help="also write the counts here")
     a = ap.parse_args()
-    if a.fp8:
+    if a.fp8 or a.w8a8:
         return fp8_main(a.configs or ["128,64,128,4,1,3", "64,128,128,4,1,4", "16,64,256,4,1,3"], a.json,
-                        a.promote)
+                        a.promote, "w8a8" if a.w8a8 else "fp8")
     if a.attention:
         return attention_main(a.configs or ATTENTION_CONFIGS, a.json, a.code_dots, a.block_size, a.centre_free)
     a.configs = a.configs or DEFAULT_CONFIGS

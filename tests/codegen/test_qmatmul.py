@@ -617,8 +617,8 @@ def test_tma_tiles_compile_for_hopper():
     codes by TMA too."""
     from tests.codegen.conftest import sass_loop as load_sass_loop
     sass_loop = load_sass_loop()
-    ptr, tma = (sass_loop.compiled_loop(sass_loop._COMPILE_FP8, {}, mma=True, cfg=(128, 64, 128, 4, 1, 3), tma=t)
-                for t in (False, True))
+    ptr, tma = (sass_loop.compiled_loop(sass_loop._COMPILE_FP8, {}, mma=True, cfg=(128, 64, 128, 4, 1, 3), tma=t,
+                                        kind="fp8") for t in (False, True))
     assert ptr["LDGSTS"] and not ptr["UTMALDG"] and tma["UTMALDG"] and not tma["LDGSTS"]
     assert sum(tma.values()) < sum(ptr.values())
     int4 = sass_loop.count("16,64,256,4,1,1", True, 4, 128, "bf16", 4, tma=True)
@@ -632,7 +632,7 @@ def test_fp8_promotion_interval_sets_the_mma_loop_fadds(monkeypatch):
     from tests.codegen.conftest import sass_loop as load_sass_loop
     sass_loop = load_sass_loop()
     every = {p: sass_loop.compiled_loop(sass_loop._COMPILE_FP8, {"LLMC_FP8_PROMOTE": str(p)}, mma=True,
-                                        cfg=(128, 64, 128, 4, 1, 3), tma=False) for p in (32, 128)}
+                                        cfg=(128, 64, 128, 4, 1, 3), tma=False, kind="fp8") for p in (32, 128)}
     assert every[128]["FADD"] * 4 == every[32]["FADD"] > 0
     monkeypatch.setenv("LLMC_FP8_PROMOTE", "48")
     with pytest.raises(CompileError, match="32, 64, 128 or 256"):
