@@ -607,9 +607,11 @@ TMA_MAX_BOX = 256  # the most elements a TMA box spans along any of its dimensio
 
 def fp8_promote() -> int:
     """How many of K an fp8 MMA sums in its reduced precision before the sum moves into the fp32
-    accumulator: 32 (every instruction, the default) or 64, 128, 256 through `LLMC_FP8_PROMOTE`
-    (read when a kernel is rendered). Fewer promotions are fewer FADDs a tile (benchmarks/sass_loop.py --fp8)."""
-    v = os.environ.get("LLMC_FP8_PROMOTE", "32")
+    accumulator: 128 by default (a quarter of the FADDs of every 32, one per instruction: 3-15% faster
+    GEMMs of the 8B shape at 128 rows on an H100, with the same largest error against the fp32 reference;
+    benchmarks/RESULTS.md 2026-12-07), or 32, 64, 256 through `LLMC_FP8_PROMOTE` (read when a kernel
+    is rendered)."""
+    v = os.environ.get("LLMC_FP8_PROMOTE", "128")
     if v not in ("32", "64", "128", "256"):
         raise CompileError(f"LLMC_FP8_PROMOTE={v!r}: give 32, 64, 128 or 256 (of K summed before each promotion)")
     return int(v)
