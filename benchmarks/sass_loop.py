@@ -200,7 +200,7 @@ def attention_main(configs: list[str], json_out: str | None, code_dots: bool = F
         Path(json_out).write_text(json.dumps(rows, indent=1))
 
 
-def fp8_main(configs: list[str], json_out: str | None, promote: int = 32, kind: str = "fp8") -> None:
+def fp8_main(configs: list[str], json_out: str | None, promote: int = 128, kind: str = "fp8") -> None:
     """The fp8 (or int8, `kind` "w8a8") qlinear's MMA loop with pointer loads and with TMA tiles; a config is
     BLOCK_M,N,K,SPLIT_K,SWAP,stages. `promote`: of K summed in the fp8 MMA's precision before each move into the
     fp32 accumulator (LLMC_FP8_PROMOTE; int8 sums in int32, exact)."""
@@ -237,8 +237,9 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="the fp8 qlinear's MMA loop, pointer loads against TMA tiles "
                                                         "(configs BLOCK_M,N,K,SPLIT_K,SWAP,stages)")
     ap.add_argument("--w8a8", action="store_true", help="the int8 W8A8 qlinear's MMA loop, as --fp8 counts fp8's")
-    ap.add_argument("--promote", type=int, default=32, choices=[32, 64, 128, 256],
-                    help="with --fp8: of K summed in the MMA's precision before each promotion (LLMC_FP8_PROMOTE)")
+    ap.add_argument("--promote", type=int, default=128, choices=[32, 64, 128, 256],
+                    help="with --fp8: of K summed in the MMA's precision before each promotion (LLMC_FP8_PROMOTE; "
+                         "default 128, as a compile's)")
     ap.add_argument("--json", help="also write the counts here")
     a = ap.parse_args()
     if a.fp8 or a.w8a8:

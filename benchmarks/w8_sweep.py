@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from llmc.codegen import elementwise
 from llmc.codegen import qmatmul as qm
 from llmc.codegen.act_quant import quantize_act
-from llmc.codegen import elementwise
 from llmc.codegen.autotune import m_bucket
 from llmc.ir.quant import QuantFormat, quantize_rtn
 
