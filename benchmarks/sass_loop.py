@@ -65,7 +65,7 @@ open({out!r}, "wb").write(k.asm["cubin"])
 '''
 
 
-_COMPILE_FP8 = r'''
+_COMPILE_W8 = r'''
 import sys
 sys.path.insert(0, {root!r})
 import triton
@@ -200,7 +200,7 @@ def attention_main(configs: list[str], json_out: str | None, code_dots: bool = F
         Path(json_out).write_text(json.dumps(rows, indent=1))
 
 
-def fp8_main(configs: list[str], json_out: str | None, promote: int = 128, kind: str = "fp8") -> None:
+def w8_main(configs: list[str], json_out: str | None, promote: int = 128, kind: str = "fp8") -> None:
     """The fp8 (or int8, `kind` "w8a8") qlinear's MMA loop with pointer loads and with TMA tiles; a config is
     BLOCK_M,N,K,SPLIT_K,SWAP,stages. `promote`: of K summed in the fp8 MMA's precision before each move into the
     fp32 accumulator (LLMC_FP8_PROMOTE; int8 sums in int32, exact)."""
@@ -210,7 +210,7 @@ def fp8_main(configs: list[str], json_out: str | None, promote: int = 128, kind:
     env = {"LLMC_FP8_PROMOTE": str(promote)}
     for cfg in configs:
         c = tuple(map(int, cfg.split(",")))
-        ptr, tma = (compiled_loop(_COMPILE_FP8, env, mma=True, cfg=c, tma=t, kind=kind) for t in (False, True))
+        ptr, tma = (compiled_loop(_COMPILE_W8, env, mma=True, cfg=c, tma=t, kind=kind) for t in (False, True))
         per = c[1] * c[2] / 128  # weights of a BLOCK_N x BLOCK_K tile per thread
         n0, n1 = sum(ptr.values()), sum(tma.values())
         rows.append({"config": cfg, "kind": kind, "promote": promote, "pointer": dict(ptr), "tma": dict(tma)})
@@ -243,7 +243,7 @@ def main() -> None:
     ap.add_argument("--json", help="also write the counts here")
     a = ap.parse_args()
     if a.fp8 or a.w8a8:
-        return fp8_main(a.configs or ["128,64,128,4,1,3", "64,128,128,4,1,4", "16,64,256,4,1,3"], a.json,
+        return w8_main(a.configs or ["128,64,128,4,1,3", "64,128,128,4,1,4", "16,64,256,4,1,3"], a.json,
                         a.promote, "w8a8" if a.w8a8 else "fp8")
     if a.attention:
         return attention_main(a.configs or ATTENTION_CONFIGS, a.json, a.code_dots, a.block_size, a.centre_free)

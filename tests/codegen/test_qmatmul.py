@@ -617,7 +617,7 @@ def test_tma_tiles_compile_for_hopper():
     codes by TMA too."""
     from tests.codegen.conftest import sass_loop as load_sass_loop
     sass_loop = load_sass_loop()
-    ptr, tma = (sass_loop.compiled_loop(sass_loop._COMPILE_FP8, {}, mma=True, cfg=(128, 64, 128, 4, 1, 3), tma=t,
+    ptr, tma = (sass_loop.compiled_loop(sass_loop._COMPILE_W8, {}, mma=True, cfg=(128, 64, 128, 4, 1, 3), tma=t,
                                         kind="fp8") for t in (False, True))
     assert ptr["LDGSTS"] and not ptr["UTMALDG"] and tma["UTMALDG"] and not tma["LDGSTS"]
     assert sum(tma.values()) < sum(ptr.values())
@@ -631,7 +631,7 @@ def test_fp8_promotion_interval_sets_the_mma_loop_fadds(monkeypatch):
     value that is not 32, 64, 128 or 256 is refused with what to give."""
     from tests.codegen.conftest import sass_loop as load_sass_loop
     sass_loop = load_sass_loop()
-    every = {p: sass_loop.compiled_loop(sass_loop._COMPILE_FP8, {"LLMC_FP8_PROMOTE": str(p)}, mma=True,
+    every = {p: sass_loop.compiled_loop(sass_loop._COMPILE_W8, {"LLMC_FP8_PROMOTE": str(p)}, mma=True,
                                         cfg=(128, 64, 128, 4, 1, 3), tma=False, kind="fp8") for p in (32, 128)}
     assert every[128]["FADD"] * 4 == every[32]["FADD"] > 0
     monkeypatch.setenv("LLMC_FP8_PROMOTE", "48")
