@@ -42,9 +42,6 @@ QUANTIZED = ("int8", "float8_e4m3fn")
 KV_CODE_DOTS = os.environ.get("LLMC_KV_CODE_DOTS", "1") != "0"
 KV_CODE_WORDS = os.environ.get("LLMC_KV_CODE_WORDS", "1") != "0"
 KV_CENTRE_DOTS = os.environ.get("LLMC_KV_CENTRE_DOTS", "1") != "0"
-# the code-dots decode reads each key tile's codes, scales and block number one tile ahead, in registers
-# (LLMC_KV_PREFETCH=1; read when this module is imported)
-KV_PREFETCH = os.environ.get("LLMC_KV_PREFETCH", "0") == "1"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -212,7 +209,7 @@ class PagedAttentionSpec(KernelSpec):
                    # scale its probability before it; on the GPU the codes arrive as 16-bit pairs unpacked by PTX
                    # (heads of a multiple of 16 wide), and in a bf16 model each key tile's block centres are
                    # read once (a row per block, at most 16 a tile)
-                   code_dots=code_dots, prefetch=code_dots and KV_PREFETCH,
+                   code_dots=code_dots,
                    # (else the codes' cast to fp16, straight on the GPU; the interpreter's goes through fp32)
                    widen_codes=".to(tl.float32)" if interpreting() else "",
                    code_words=code_dots and KV_CODE_WORDS and not interpreting() and self.head_dim % 16 == 0,

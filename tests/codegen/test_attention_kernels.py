@@ -570,27 +570,6 @@ def test_decode_with_the_codes_in_fp16_dots(case, kv_dtype, dtype, code_dots):
         torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=dtype_name)
-@pytest.mark.parametrize("case", list(QUANTIZED_DECODE_CASES))
-def test_decode_reading_a_tile_ahead_gives_the_same_bits(case, kv_dtype, code_dots, monkeypatch):
-    """LLMC_KV_PREFETCH=1: the code-dots decode reads each key tile's codes, scales, centres and block number
-    while the tile before it computes. The same sums in the same order: the same bits, whatever the blocks, the
-    window (a first tile past it) or the splits (a next tile past the partition's end, past the block table)."""
-    import llmc.codegen.attention as attention
-    from llmc.codegen import elementwise
-    from llmc.codegen.kernels import render
-    p = QUANTIZED_DECODE_CASES[case]
-    spec = PagedAttentionSpec(head_dim=32, num_q_heads=4, num_kv_heads=2, block_size=p["BS"], dtype="bfloat16",
-                              kv_dtype=dtype_name(kv_dtype), mode="decode", block_n=p["block_n"])
-    runs = []
-    for on in (False, True):
-        monkeypatch.setattr(attention, "KV_PREFETCH", on)
-        elementwise._module.cache_clear()
-        assert ("_nx = " in render(spec)) == on
-        runs.append(run_decode_case(case, kv_dtype, torch.bfloat16))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-
-
 @pytest.mark.parametrize("q_scale", [3e4, 1e-30], ids=["q-past-fp16", "q-tiny"])
 def test_code_dots_keep_q_and_the_value_scales_in_fp16s_range(q_scale, code_dots):
     """q far past fp16's largest value or near its smallest, and value scales past 65504 / 2^14: the power-of-two
