@@ -213,7 +213,8 @@ def w8_main(configs: list[str], json_out: str | None, promote: int = 128, kind: 
         ptr, tma = (compiled_loop(_COMPILE_W8, env, mma=True, cfg=c, tma=t, kind=kind) for t in (False, True))
         per = c[1] * c[2] / 128  # weights of a BLOCK_N x BLOCK_K tile per thread
         n0, n1 = sum(ptr.values()), sum(tma.values())
-        rows.append({"config": cfg, "kind": kind, "promote": promote, "pointer": dict(ptr), "tma": dict(tma)})
+        rows.append({"config": cfg, "kind": kind, "promote": promote if kind == "fp8" else None,  # int8: exact int32
+                     "pointer": dict(ptr), "tma": dict(tma)})
         print(f"{cfg:24s} {n0:5d} ({n0 / per:5.2f}) {n1:5d} ({n1 / per:5.2f}) {n1 / n0:5.2f}  pointer: "
               + ", ".join(f"{k} {v}" for k, v in ptr.most_common(4)) + "; TMA: "
               + ", ".join(f"{k} {v}" for k, v in tma.most_common(4)))
