@@ -19,9 +19,15 @@ up to 12 significant bits), as in the dequantize-then-cuBLAS path the larger buc
 
 Every row: one call streamed from HBM (copies of the weight that overflow L2, CUDA-graph replays), the largest
 error against the fp32 reference relative to its largest value. "shipped" rows run llmc's qlinear over its
-candidate configs for the bucket, "fold" rows its FOLD twins (`qmatmul.fold_candidates`: this formulation, built
-into the template), each the best of its kind; with --lab, "lab" rows this file's kernel in both forms (fold 0:
-the shipped formulation, fold 1: the scale in the unpack) over a small sweep.
+candidate configs for the bucket, each the best of its kind; with --lab, "lab" rows this file's kernel in both
+forms (fold 0: the shipped formulation, fold 1: the scale in the unpack) over a small sweep.
+
+The template once took this as FOLD configs (the scale in the unpack by one more packed multiply per pair, each
+weight rounded once, no rank-1 term; each plane and pack tile its own accumulator). With it Triton 3.6 kept the
+wgmmas in flight (--ttgir: waits with 7 or 15 pending instead of 0), yet every linear ran 1.2-1.3x slower on an
+H100 and the tuned 8B decode did not gain (benchmarks/RESULTS.md, 2026-12-07, FOLD): the loop is bound by the
+instructions it issues, not by the waits. `git apply benchmarks/logs/2026-12-07-s14/fold.patch` on 23fc90a brings
+it back; this file then also times "fold" rows (the template's FOLD twins of the candidates).
 """
 from __future__ import annotations
 
@@ -179,7 +185,9 @@ def ttgir(spec: str) -> None:
                "count_ptr": "*i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32",
                "M": "i32", "N": "i32", "K": "i32", "KW": "i32"}
         consts = {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 128 * packs, "SPLIT_K": split, "M_TILES": 1,
-                  "SWAP_AB": True, "EVEN_K": True, "TMA": False, "w_desc": None, "FOLD": bool(fold)}
+                  "SWAP_AB": True, "EVEN_K": True, "TMA": False, "w_desc": None}
+        if "FOLD" in fn.arg_names:  # a tree with fold.patch applied
+            consts["FOLD"] = bool(fold)
     else:
         fn = lab_kernel
         sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
@@ -227,7 +235,9 @@ def main() -> None:
             counts = [torch.zeros(n, device="cuda", dtype=torch.int32) for _ in copies]
             best = {}
             shipped = qm.candidates(m_bucket(m), n, p0.padded_k, p0.pack)
-            runs = [("shipped", c) for c in shipped] + [("fold", c) for c in qm.fold_candidates(shipped)]
+            runs = [("shipped", c) for c in shipped]
+            if hasattr(qm, "fold_candidates"):  # a tree with fold.patch applied (see the docstring)
+                runs += [("fold", c) for c in qm.fold_candidates(shipped)]
             runs += [(f"lab{c['FOLD']}", c) for c in lab_configs(n, k)] if a.lab else []
             for kind, cfg in runs:
                 try:

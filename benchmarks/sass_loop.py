@@ -5,7 +5,7 @@ and the instructions of its main loop (the longest span a backward branch closes
 opcode. Where a kernel is limited by issuing instructions, not by HBM (int4 decode, RESULTS.md),
 the instructions a loop iteration issues per weight bound its speed:
 
-    python3 benchmarks/sass_loop.py [--format int4-g128] [--configs 16,64,256,4,1,1 ...] [--tma] [--fold] [--json OUT]
+    python3 benchmarks/sass_loop.py [--format int4-g128] [--configs 16,64,256,4,1,1 ...] [--tma] [--json OUT]
     python3 benchmarks/sass_loop.py --attention [--code-dots] [--configs 64,4,3 128,8,2 ...]
     python3 benchmarks/sass_loop.py --fp8 [--promote 32|64|128|256] [--configs 128,64,128,4,1,3 ...]
     python3 benchmarks/sass_loop.py --w8a8 [--configs 128,64,128,4,1,3 ...]
@@ -52,8 +52,6 @@ sig = {{"x_ptr": t, "w_ptr": "*u8", "s_ptr": t, **({{"z_ptr": "*u8"}} if zp else
 bm, bn, bk, sk, mt, swap = {cfg}
 consts = {{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "M_TILES": mt, "SWAP_AB": bool(swap),
           "EVEN_K": True, "TMA": {tma}}}
-if "FOLD" in fn.arg_names:  # int4 in groups of whole pack tiles: the kernel takes FOLD configs too
-    consts["FOLD"] = {fold}
 if {tma}:  # W's codes through a TMA descriptor, in boxes of one pack tile's bytes
     sig["w_desc"] = f"tensordesc<u8[{{bn}}, 64]>"
 else:
@@ -172,10 +170,9 @@ def compiled_loop(template: str, env: dict, modifiers: bool = False, mma: bool =
 
 
 def count(cfg: str, ptx: bool, bits: int, group: int, dtype: str, warps: int, zero_points: bool = False,
-          tma: bool = False, fold: bool = False) -> collections.Counter:
+          tma: bool = False) -> collections.Counter:
     return compiled_loop(_COMPILE, {"LLMC_INT4_PTX": "1" if ptx else "0"}, bits=bits, group=group, dtype=dtype,
-                         zp=zero_points, cfg=tuple(map(int, cfg.split(","))), warps=warps, tma=tma,
-                         fold=fold)
+                         zp=zero_points, cfg=tuple(map(int, cfg.split(","))), warps=warps, tma=tma)
 
 
 def count_attention(cfg: str, kv_dtype: str, code_dots: bool = False, modifiers: bool = False,
@@ -238,7 +235,6 @@ def main() -> None:
     ap.add_argument("--centre-free", action="store_true",
                     help="with --attention: the quantized caches' centre parts set to 0 (what a centre-free cache costs)")
     ap.add_argument("--tma", action="store_true", help="the int4 codes through a TMA descriptor (`TMA` configs)")
-    ap.add_argument("--fold", action="store_true", help="int4 FOLD configs (the scale in the unpack, a dot per plane)")
     ap.add_argument("--fp8", action="store_true", help="the fp8 qlinear's MMA loop, pointer loads against TMA tiles "
                                                         "(configs BLOCK_M,N,K,SPLIT_K,SWAP,stages)")
     ap.add_argument("--w8a8", action="store_true", help="the int8 W8A8 qlinear's MMA loop, as --fp8 counts fp8's")
@@ -255,12 +251,11 @@ def main() -> None:
     a.configs = a.configs or DEFAULT_CONFIGS
     rows = []
     print(f"int4 g{a.group}{' with zero points' if a.zero_points else ''} {a.dtype}, {a.warps} warps"
-          f"{', codes through TMA' if a.tma else ''}{', FOLD' if a.fold else ''}: main-loop instructions per thread and "
-          "per code")
+          f"{', codes through TMA' if a.tma else ''}: main-loop instructions per thread and per code")
     print(f"{'BLOCK_M,N,K,SPLIT_K,M_TILES,SWAP':34s} {'fp32 unpack':>12s} {'PTX unpack':>11s} {'ratio':>6s}  "
           "top opcodes (PTX)")
     for cfg in a.configs:
-        base, ptx = (count(cfg, p, 4, a.group, a.dtype, a.warps, a.zero_points, a.tma, a.fold) for p in (False, True))
+        base, ptx = (count(cfg, p, 4, a.group, a.dtype, a.warps, a.zero_points, a.tma) for p in (False, True))
         bm, bn, bk = map(int, cfg.split(",")[:3])
         codes = bn * bk / (32 * a.warps)  # codes a thread unpacks per iteration (one row tile's worth)
         n0, n1 = sum(base.values()), sum(ptx.values())

@@ -24,13 +24,6 @@ that dequantizes each weight tile in registers.
   instructions on Hopper (`benchmarks/sass_loop.py`), where int4 decode is bound by issuing them.
   `SWAP_AB` configs compute (W x.T), making the weight tile the MMA's tall operand: Hopper's wgmma
   takes it from registers, where it was dequantized.
-  FOLD configs (int4 whose scale groups hold whole pack tiles, x in bf16 / f16: the shipped g128) multiply
-  each dequantized pair by its group's scale in the unpack (`NIBBLES_SCALED_ASM`, one more packed
-  instruction per pair), rounding each weight once to x's dtype as `dequantize_prepared` does, and dot each
-  plane of each pack tile into an accumulator of its own. With the scale applied to a group's partial
-  instead, every dot's result is used in the loop and Triton waits for each wgmma right after issuing it;
-  here a dot's result feeds only its own next dot, so the wgmmas stay in flight across pack tiles. The
-  tuner times them beside the plain configs at 1-64 tokens (`fold_candidates`) under `LLMC_INT4_FOLD=1`.
 - int4 at 1 to 4 tokens can also stream through `qgemv_int4.py.jinja` (`QGemvSpec`), on the FMA pipes:
   each int32 word of codes yields its 8 codes with one shift and 8 LOP3s (the and-or into 2^23's
   exponent), one subtraction or FMA each, and one FMA per row of x. It is offered to the tuner only
@@ -82,7 +75,6 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # power of two that divides the group size so that a plane never straddles two scales
 MAX_RUN = 64
 MIN_RUN = 16  # the shortest K a tensor-core dot takes
-MAX_FOLD_PACKS = 2  # a FOLD config's pack tiles per loop step (BLOCK_K): two accumulators each, per row tile
 # programs a decode launch aims at (the splits of the default config): ~4 per SM of an H200
 TARGET_PROGRAMS = 512
 GEMV_ROWS = 4  # the most rows of x `qgemv_int4` takes (past it the FMA pipes, not HBM, set the pace)
@@ -263,14 +255,6 @@ lop3.b32 h, h, 0x000F000F, MAGIC, 0xea;
 fma.rn.TYPE $0, t, one, LOW_BIAS;
 fma.rn.TYPE $1, h, one, HIGH_BIAS;
 }"""
-# FOLD configs (`QMatmulSpec.foldable`): the same exact code - zero pairs, then each times the group's scale pair
-# (s, s) in x's dtype, rounded once: the dequantized weight in x's dtype, as `dequantize_prepared` rounds it.
-# The scale is the operand after the addends (`SCALE`: $3, or $5 with zero points).
-NIBBLES_SCALED_ASM = NIBBLES_ASM.replace("fma.rn.TYPE $0, t, one, LOW_BIAS;\nfma.rn.TYPE $1, h, one, HIGH_BIAS;", """\
-fma.rn.TYPE t, t, one, LOW_BIAS;
-fma.rn.TYPE h, h, one, HIGH_BIAS;
-mul.rn.TYPE $0, t, SCALE;
-mul.rn.TYPE $1, h, SCALE;""")
 # With zero points the addends are operands instead of `bias`: each element's -(MAGIC + zero) in x's
 # dtype (an integer of at most 9 significant bits: exact for the 0..15 of int4), $3 for the low plane
 # and $4 for the high one (`bias` is then unused, and ptxas drops it).
@@ -278,16 +262,14 @@ mul.rn.TYPE $1, h, SCALE;""")
 NIBBLE_CONSTANTS = {"bf16": (0x4300, 0x3F80, 0xC308, "bf16x2", 128), "f16": (0x6400, 0x3C00, 0xE408, "f16x2", 1024)}
 
 
-def _nibbles_asm(dtype: str, zero_points: bool = False, scaled: bool = False) -> str:
-    """The PTX of `_nibbles` (`_nibbles_zp` with `zero_points`; with `scaled`, `_nibbles_scaled` of FOLD configs) for
-    x's dtype; "" where none applies."""
+def _nibbles_asm(dtype: str, zero_points: bool = False) -> str:
+    """The PTX of `_nibbles` (`_nibbles_zp` with `zero_points`) for x's dtype; "" where none applies."""
     if dtype not in NIBBLE_CONSTANTS:
         return ""
     magic, one, bias, ptx_type, _ = NIBBLE_CONSTANTS[dtype]
     twice = lambda v: f"0x{v:04X}{v:04X}"  # noqa: E731
     low, high = ("$3", "$4") if zero_points else ("bias", "bias")
-    asm = NIBBLES_SCALED_ASM.replace("SCALE", "$5" if zero_points else "$3") if scaled else NIBBLES_ASM
-    return (asm.replace("LOW_BIAS", low).replace("HIGH_BIAS", high).replace("MAGIC", twice(magic))
+    return (NIBBLES_ASM.replace("LOW_BIAS", low).replace("HIGH_BIAS", high).replace("MAGIC", twice(magic))
             .replace("ONE", twice(one)).replace("BIAS", twice(bias)).replace("TYPE", ptx_type))
 
 
@@ -358,7 +340,6 @@ class QMatmulSpec(KernelSpec):
         ctx = {"int_weights": int_w, "a8": a8, "has_bias": self.has_bias, "has_zeros": self.has_zeros,
                "max_m_tiles": MAX_M_TILES, "act_lines": act_lines, "up": up, "dot_kwargs": dot_kwargs,
                "acc_type": "tl.int32" if self.kind == "w8a8" else "tl.float32", "packed_nibbles": self.packed_nibbles,
-               "fold": False,
                "scale_in_epilogue": a8 or not self.group_size, "store_cast": cast_expr("acc", self.dtype),
                "label": self.fmt.label, "summary": _summary(self.act, self.has_bias),
                "bytes_comment": self._bytes_comment(),
@@ -421,47 +402,10 @@ class QMatmulSpec(KernelSpec):
                             f"w{offsets.index(o)}, {acc_in}, SWAP_AB)")
             if grouped:
                 rows.append(f"acc@ += p * s{u}")
-        ctx = {"run": run, "pack": run * len(offsets), "byte_offset": "k0 // 2" if four else "k0",
-               "prologue": prologue, "tile_lines": tile, "row_tile_lines": rows,
-               "nibbles_asm": _nibbles_asm(self.dtype, self.has_zeros), "dtype": self.dtype,
-               "dot_type": dot_type, "fold": self.foldable, "max_fold_packs": MAX_FOLD_PACKS}
-        if self.foldable:
-            ctx.update(self._fold_context(dot_type, cast))
-        return ctx
-
-    def _fold_context(self, dot_type: str, cast: str) -> dict[str, Any]:
-        """FOLD configs' lines: per pack tile (the group's scale, the planes (code - zero) x scale in x's dtype), per
-        row tile ("@") and pack tile ("%") of the loop step (each plane's dot into its own accumulator)."""
-        run, zp = self.run, self.has_zeros
-        tile = [f"g = tl.minimum(k0, K - 1) // {self.group_size}  # past K (padding, x = 0): the last group",
-                "sv = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0)  # the scales, in x's dtype"]
-        if zp:
-            tile.append("zq = tl.load(z_ptr + rn * stride_zn + g, mask=n_ok, other=0).to(tl.float32)[:, None]")
-        if self.packed_nibbles:
-            magic = float(NIBBLE_CONSTANTS[self.dtype][4])
-            biases = (f"tl.broadcast_to((-({magic} + zq)).to({dot_type}), (BLOCK_N, {run}))", ) * 2 if zp else ()
-            tile += [f"sb = tl.broadcast_to(sv[:, None], (BLOCK_N, {run}))",
-                     f"w0, w1 = _nibbles_scaled(codes, {', '.join(biases + ('sb',))})  # columns k0 + rr; "
-                     f"k0 + {run} + rr"]
-        else:
-            # the same from fp32 arithmetic (the interpreter, LLMC_INT4_PTX=0): code - zero exact, times s rounded once
-            z = "zq" if zp else "8.0"
-            tile += [f"hq = _dequant(codes >> 4, 8388608.0)  # the high plane's codes",
-                     "sf = sv.to(tl.float32)[:, None]",
-                     f"w0 = ((tl.fma(hq, -16.0, _dequant(codes, 8388608.0)) - {z}) * sf){cast}  # the low: the byte "
-                     "less 16 x its high nibble",
-                     f"w1 = ((hq - {z}) * sf){cast}"]
-        rows = [f"f@_%0 = _dot(_x_tile(x_ptr, stride_xm, rm@, k0 + rr, M, K), w0, f@_%0, SWAP_AB)",
-                f"f@_%1 = _dot(_x_tile(x_ptr, stride_xm, rm@, k0 + {run} + rr, M, K), w1, f@_%1, SWAP_AB)"]
-        return {"fold_tile_lines": tile, "fold_row_lines": rows,
-                "nibbles_scaled_asm": _nibbles_asm(self.dtype, zp, scaled=True)}
-
-    @property
-    def foldable(self) -> bool:
-        """Whether the kernel takes FOLD configs (`fold_candidates`): int4 with x in bf16 / f16 and scale groups of
-        whole pack tiles (the shipped g128), where a pack tile's two planes share one scale."""
-        return (self.kind == "int" and self.bits == 4 and self.dtype in ("bf16", "f16") and bool(self.group_size)
-                and self.group_size % (2 * self.run) == 0)
+        return {"run": run, "pack": run * len(offsets), "byte_offset": "k0 // 2" if four else "k0",
+                "prologue": prologue, "tile_lines": tile, "row_tile_lines": rows,
+                "nibbles_asm": _nibbles_asm(self.dtype, self.has_zeros), "dtype": self.dtype,
+                "dot_type": dot_type}
 
     @property
     def packed_nibbles(self) -> bool:
@@ -673,12 +617,6 @@ def fp8_promote() -> int:
     return int(v)
 
 
-def fold_offered() -> bool:
-    """Whether an int4 qlinear's tuning also times FOLD configs (`fold_candidates`): `LLMC_INT4_FOLD=1` (read at
-    each tuning; off by default until measured on the GPU)."""
-    return os.environ.get("LLMC_INT4_FOLD", "0") == "1"
-
-
 def tma_offered() -> bool:
     """Whether a qlinear's tuning also times its configs with tiles loaded through TMA descriptors
     (`tma_candidates`): `LLMC_QLINEAR_TMA=1` (read at each tuning)."""
@@ -810,8 +748,6 @@ def _launch(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Te
     tma = (bool(cfg.get("TMA")) and max(cfg["BLOCK_M"], cfg["BLOCK_N"], box) <= TMA_MAX_BOX
            and tma_fits(*((x2,) if a8 else ()), p.qweight))
     descs = {"w_desc": _descriptor(p.qweight, cfg["BLOCK_N"], box) if tma else None, "TMA": tma}
-    if spec.foldable:  # a FOLD config runs folded where the weight's scales are x's dtype (else as without)
-        descs["FOLD"] = bool(cfg.get("FOLD")) and fold_fits(p, x2.dtype)
     if a8:
         descs["x_desc"] = _descriptor(x2, cfg["BLOCK_M"], cfg["BLOCK_K"]) if tma else None
     compiled(spec).qmatmul_kernel[grid](
@@ -821,18 +757,6 @@ def _launch(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Te
         M=M, N=N, K=K, KW=p.padded_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         SPLIT_K=split_k, M_TILES=mt, SWAP_AB=cfg["SWAP_AB"], EVEN_K=p.padded_k % (cfg["BLOCK_K"] * split_k) == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **descs)
-
-
-def fold_fits(p: PreparedQWeight, dtype: torch.dtype) -> bool:
-    """Whether a FOLD config folds this weight's scales into its unpack for x of `dtype`: scales stored in x's
-    dtype (the unpack's FMA takes them as they are, not rounded)."""
-    return p.scales.dtype == dtype
-
-
-def fold_candidates(configs: list[dict]) -> list[dict]:
-    """The FOLD twins of the decode tiles (16-row tiles of at most `MAX_FOLD_PACKS` pack tiles a step)."""
-    return [dict(c, FOLD=True) for c in configs if not c.get("LIBRARY") and not c.get("GEMV") and c["BLOCK_M"] == 16
-            and c["BLOCK_K"] <= MAX_FOLD_PACKS * 2 * MAX_RUN]
 
 
 def tma_fits(*ts: torch.Tensor) -> bool:
@@ -909,8 +833,6 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
         cands = candidates(bucket, N, kw, pack, len(group) > 1)
         if tma_offered():
             cands += tma_candidates(cands)
-        if spec.foldable and fold_fits(prepared, x2.dtype) and fold_offered():
-            cands += fold_candidates(cands)
         if gemv_fits(prepared) and max(map(bucket_size, group)) <= GEMV_ROWS:
             cands += gemv_candidates(N, kw)  # only where every M sharing the choice fits it
         if x2.device.type == "cuda" and len(group) == 1:

@@ -120,7 +120,7 @@ cases = attn + [
 ]
 from llmc.codegen.qmatmul import QMatmulSpec
 QCONSTS = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "M_TILES": 1, "SWAP_AB": True, "EVEN_K": True,
-           "TMA": False, "FOLD": False}
+           "TMA": False}
 QSPEC = QMatmulSpec("int", 4, 128, False, 64, "bf16", False, "")  # int4 g128, its codes unpacked by PTX
 
 
@@ -131,9 +131,8 @@ def qsig(fn):  # the int4 qlinear's arguments, as the attention cases': pointers
 
 qfn = load(QSPEC, pdl=True).qmatmul_kernel.fn
 cases.append((qfn, qsig(qfn), QCONSTS))
-cases.append((qfn, qsig(qfn), {**QCONSTS, "FOLD": True}))  # its FOLD configs: the scale in the unpack
 # the fp8 qlinear on a tall split tile with x's and W's tiles through TMA descriptors (bulk tensor copies)
-F8CONSTS = {k: v for k, v in {**QCONSTS, "BLOCK_M": 128, "BLOCK_K": 128, "TMA": True}.items() if k != "FOLD"}
+F8CONSTS = {**QCONSTS, "BLOCK_M": 128, "BLOCK_K": 128, "TMA": True}
 f8fn = load(QMatmulSpec("fp8", 8, 0, False, 0, "bf16", False, ""), pdl=True).qmatmul_kernel.fn
 f8ptrs = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "sx_ptr": "*fp32", "y_ptr": "*bf16",
           "ws_ptr": "*fp32", "count_ptr": "*i32", "x_desc": "tensordesc<fp8e4nv[128, 128]>",

@@ -120,45 +120,6 @@ def test_group_of_two_scales_per_pack_tile_and_f16():
         run_and_check(qw, rand(M, 256, dtype=torch.float16, g=g), rand(96, dtype=torch.float16, g=g), "relu")
 
 
-@pytest.mark.parametrize("zp", [False, True])
-def test_fold_configs_give_the_reference(zp):
-    """FOLD configs (int4 in groups of whole pack tiles: each plane's dot into an accumulator of its own, the
-    scale in the unpack, the zero point as a term of its own) give the reference at 1 to 4 row tiles, with and
-    without a K split, both operand orders and one or two pack tiles a step; the tile counters end at 0. A weight
-    whose scales are not x's dtype runs the config unfolded: the unfolded config's very bits."""
-    g = gen("fold", zp)
-    fmt = QuantFormat("int", 4, 128, zp)
-    qw = quantized(fmt, 96, 512, g)
-    p = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
-    assert QMatmulSpec.of(p, torch.bfloat16, False, "").foldable
-    assert not QMatmulSpec.of(p, torch.float32, False, "").foldable
-    q64 = quantized(FORMATS["int4-g64"], 8, 128, g)  # two scales a pack tile
-    assert not QMatmulSpec.of(prepare(q64.fmt, q64.qweight, q64.scales, q64.zeros), torch.bfloat16, False, "").foldable
-    for m in (1, 17, 40):
-        x = rand(m, 512, dtype=torch.bfloat16, g=g)
-        for split, swap, bk in ((1, True, 256), (2, False, 256), (4, True, 128)):
-            cfg = dict(candidates("1", 96, p.padded_k, p.pack)[0], SPLIT_K=split, SWAP_AB=swap, BLOCK_K=bk, FOLD=True)
-            run_and_check(qw, x, config=cfg)
-    assert int(tile_counters(x.device, 2).abs().sum()) == 0
-    f16 = prepare(qw.fmt, qw.qweight, qw.scales.half(), qw.zeros)
-    cfg = candidates("1", 96, p.padded_k, p.pack)[0]
-    assert torch.equal(qlinear(x, f16, config=dict(cfg, FOLD=True)), qlinear(x, f16, config=cfg))
-
-
-def test_fold_candidates_are_the_decode_tiles_twins(monkeypatch):
-    """The tuning of an int4 g128 qlinear at 1-64 tokens also times each 16-row tile of at most two pack tiles a
-    step with FOLD (under LLMC_INT4_FOLD=1); larger buckets and weights it does not fold get none."""
-    cands = candidates("1", 4096, 4096, 128)
-    folds = qm.fold_candidates(cands)
-    assert folds and all(c["FOLD"] and c["BLOCK_M"] == 16 and c["BLOCK_K"] <= 256 for c in folds)
-    assert len(folds) == sum(c["BLOCK_K"] <= 256 for c in cands)
-    assert not qm.fold_candidates([c for c in candidates("128+", 4096, 4096, 128) if c["BLOCK_M"] > 16])
-    monkeypatch.delenv("LLMC_INT4_FOLD", raising=False)
-    assert not qm.fold_offered()
-    monkeypatch.setenv("LLMC_INT4_FOLD", "1")
-    assert qm.fold_offered()
-
-
 @pytest.mark.parametrize("name", ["int4-g64-zp", "int8-ch", "w8a8", "fp8"])
 def test_split_k_and_swapped_operands(name):
     """Every split count and both operand orders give the reference; splits leave the tile counters
@@ -586,25 +547,9 @@ def _run_nibbles_asm(asm: str, x16, *more) -> list:
                 assert np.array_equal(_from_half(_to_half(r, kind), kind), r), "a result the type cannot hold exactly"
                 lanes.append(_to_half(r, kind) << np.uint32(shift))
             regs[d] = lanes[0] | lanes[1]
-        elif op.startswith("mul.rn."):  # rounded to nearest even, once: the exact product fits a float32
-            kind = op.rsplit(".", 1)[1].removesuffix("x2")
-            a, b = (val(t) for t in src)
-            regs[d] = sum(_round_half(_from_half((a >> s) & 0xFFFF, kind) * _from_half((b >> s) & 0xFFFF, kind), kind)
-                          << np.uint32(s) for s in (0, 16)).astype(np.uint32)
         else:
             raise AssertionError(f"an instruction the emulator lacks: {line}")
     return [regs["$0"], regs["$1"]]
-
-
-def _round_half(v, dtype: str):
-    """float64 values exact in float32, rounded to nearest even in bf16 / f16, as 16-bit patterns (in uint32s)."""
-    import numpy as np
-    f = v.astype(np.float32)
-    assert np.array_equal(f.astype(np.float64), v)
-    if dtype == "f16":
-        return f.astype(np.float16).view(np.uint16).astype(np.uint32)
-    bits = f.view(np.uint32).astype(np.uint64)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint32)
 
 
 def _assert_planes(planes, x, dtype: str, zero) -> None:
@@ -626,30 +571,6 @@ def test_nibbles_ptx_gives_every_code_less_8(dtype):
     import numpy as np
     x = np.arange(1 << 16, dtype=np.uint32)
     _assert_planes(_run_nibbles_asm(qm._nibbles_asm(dtype), x), x, dtype, lambda p, e: 8)
-
-
-@pytest.mark.parametrize("dtype", ["bf16", "f16"])
-@pytest.mark.parametrize("zero_points", [False, True])
-def test_scaled_nibbles_ptx_round_each_weight_once(dtype, zero_points):
-    """FOLD configs' PTX (`NIBBLES_SCALED_ASM`) on all 65,536 byte pairs: each plane's pair holds (nibble - zero) x s
-    rounded once to x's dtype (the weight `dequantize_prepared` gives), for random scales and zero points 0..16."""
-    import numpy as np
-    x = np.arange(1 << 16, dtype=np.uint32)
-    rng = np.random.default_rng(1)
-    s = rng.uniform(1e-3, 0.05, size=(2, 1 << 16)).astype(np.float32).astype(np.float64)  # [element, pair]
-    s_bits = [_round_half(s[e], dtype) for e in (0, 1)]  # each element its own scale
-    scale = s_bits[0] | (s_bits[1] << np.uint32(16))
-    zeros = rng.integers(0, 17, size=(2, 2, 1 << 16)).astype(np.uint32) if zero_points else None
-    magic = qm.NIBBLE_CONSTANTS[dtype][4]
-    more = [_to_half(-(magic + zeros[p, 0].astype(np.float64)), dtype)
-            | (_to_half(-(magic + zeros[p, 1].astype(np.float64)), dtype) << np.uint32(16)) for p in (0, 1)] \
-        if zero_points else []
-    planes = _run_nibbles_asm(qm._nibbles_asm(dtype, zero_points, scaled=True), x, *more, scale)
-    for p, (plane, shift) in enumerate(zip(planes, (0, 4))):
-        for e in (0, 1):
-            q = ((x >> (8 * e + shift)) & 0xF).astype(np.float64) - (zeros[p, e] if zero_points else 8)
-            want = _round_half(q * _from_half(s_bits[e], dtype), dtype)
-            assert np.array_equal((plane >> np.uint32(16 * e)) & 0xFFFF, want), (dtype, p, e)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
