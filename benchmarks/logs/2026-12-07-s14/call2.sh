@@ -10,6 +10,7 @@ probe() { timeout 70 python3 benchmarks/qlinear_probe.py --shapes gate_up,down,q
     --out $OUT/$1 2>&1 | grep -v -i warn > $OUT/$1.log; el "$1 rc $?"; cat $OUT/$1.log; }
 probe tree1
 git apply -R $P && probe masked; git apply $P
-probe tree2
+[ "${TREE2:-1}" = 0 ] || probe tree2
+[ "${E2E:-1}" = 0 ] && exit 0  # E2E=0: the probes only
 LLMC_CACHE_DIR=/tmp/llmc_even timeout ${E2E_TIMEOUT:-120} python3 benchmarks/quant_decode_bench.py --shape 8b --quant rtn4 \
     --new 128 --bf16-no-tune --out $OUT/e2e > $OUT/e2e.log 2>&1; el "e2e rc $?"; grep -A3 "^config" $OUT/e2e.log | head -4
