@@ -185,7 +185,7 @@ def ttgir(spec: str) -> None:
                "count_ptr": "*i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32",
                "M": "i32", "N": "i32", "K": "i32", "KW": "i32"}
         consts = {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 128 * packs, "SPLIT_K": split, "M_TILES": 1,
-                  "SWAP_AB": True, "EVEN_K": True, "EVEN_N": True, "TMA": False, "w_desc": None}
+                  "SWAP_AB": True, "EVEN_K": True, "TMA": False, "w_desc": None}
         if "FOLD" in fn.arg_names:  # a tree with fold.patch applied
             consts["FOLD"] = bool(fold)
     else:

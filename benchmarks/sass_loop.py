@@ -51,7 +51,7 @@ sig = {{"x_ptr": t, "w_ptr": "*u8", "s_ptr": t, **({{"z_ptr": "*u8"}} if zp else
        **({{"stride_zn": "i32"}} if zp else {{}}), "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32", "KW": "i32"}}
 bm, bn, bk, sk, mt, swap = {cfg}
 consts = {{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "M_TILES": mt, "SWAP_AB": bool(swap),
-          "EVEN_K": True, "EVEN_N": True, "TMA": {tma}}}
+          "EVEN_K": True, "TMA": {tma}}}
 if {tma}:  # W's codes through a TMA descriptor, in boxes of one pack tile's bytes
     sig["w_desc"] = f"tensordesc<u8[{{bn}}, 64]>"
 else:
@@ -78,7 +78,7 @@ fn = load(QMatmulSpec(kind, 8, 0, False, 0, "bf16", False, "")).qmatmul_kernel
 code = "fp8e4nv" if kind == "fp8" else "i8"
 bm, bn, bk, sk, swap, stages = {cfg}
 consts = {{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "M_TILES": 1, "SWAP_AB": bool(swap),
-          "EVEN_K": True, "EVEN_N": True, "TMA": {tma}}}
+          "EVEN_K": True, "TMA": {tma}}}
 sig = {{"x_ptr": "*" + code, "w_ptr": "*" + code, "s_ptr": "*fp32", "sx_ptr": "*fp32", "y_ptr": "*bf16",
        "ws_ptr": "*fp32" if kind == "fp8" else "*i32", "count_ptr": "*i32", "stride_xm": "i32", "stride_wn": "i32",
        "stride_sn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32", "K": "i32", "KW": "i32"}}

@@ -361,14 +361,14 @@ class QMatmulSpec(KernelSpec):
         zero = {o: float(1 << (self.bits - 1)) for o in offsets}  # a plane's zero point: constant or [BLOCK_N, 1]
         prologue, tile = [], []
         if self.has_zeros and not grouped:
-            prologue.append("z = _per_n_load(z_ptr + rn * stride_zn, n_ok, EVEN_N).to(tl.float32)[:, None]")
+            prologue.append("z = tl.load(z_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32)[:, None]")
             zero = {o: "z" for o in offsets}
         for u, unit in enumerate(units if grouped else []):
             tile += [f"g = tl.minimum(k0 + {unit[0]}, K - 1) // {self.group_size}  # past K (padding, x = 0): the last",
-                     f"s{u} = _per_n(_per_n_load(s_ptr + rn * stride_sn + g, n_ok, EVEN_N).to(tl.float32), "
+                     f"s{u} = _per_n(tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32), "
                      f"SWAP_AB)"]
             if self.has_zeros:
-                tile.append(f"z{u} = _per_n_load(z_ptr + rn * stride_zn + g, n_ok, EVEN_N).to(tl.float32)[:, None]")
+                tile.append(f"z{u} = tl.load(z_ptr + rn * stride_zn + g, mask=n_ok, other=0).to(tl.float32)[:, None]")
                 zero.update({o: f"z{u}" for o in unit})
         # the dot's operand: code - zero, a small integer, exact in x's dtype (fp32 where the
         # interpreter dots bf16 as fp32)
@@ -398,7 +398,7 @@ class QMatmulSpec(KernelSpec):
             into = "p" if grouped else "acc@"
             for j, o in enumerate(unit):
                 acc_in = "_zeros(BLOCK_M, BLOCK_N, SWAP_AB)" if grouped and not j else into
-                rows.append(f"{into} = _dot(_x_tile(x_ptr, stride_xm, rm@, k0 + {o} + rr, M, K, EVEN_K), "
+                rows.append(f"{into} = _dot(_x_tile(x_ptr, stride_xm, rm@, k0 + {o} + rr, M, K), "
                             f"w{offsets.index(o)}, {acc_in}, SWAP_AB)")
             if grouped:
                 rows.append(f"acc@ += p * s{u}")
@@ -755,8 +755,7 @@ def _launch(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Te
         stride_xm=x2.stride(0), stride_wn=p.qweight.stride(0), stride_sn=p.scales.stride(0),
         **({"stride_zn": p.zeros.stride(0)} if p.zeros is not None else {}), stride_ym=y2.stride(0),
         M=M, N=N, K=K, KW=p.padded_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        SPLIT_K=split_k, M_TILES=mt, SWAP_AB=cfg["SWAP_AB"],
-        EVEN_K=p.padded_k % (cfg["BLOCK_K"] * split_k) == 0 and K == p.padded_k, EVEN_N=N % cfg["BLOCK_N"] == 0,
+        SPLIT_K=split_k, M_TILES=mt, SWAP_AB=cfg["SWAP_AB"], EVEN_K=p.padded_k % (cfg["BLOCK_K"] * split_k) == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **descs)
 
 

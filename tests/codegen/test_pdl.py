@@ -119,7 +119,7 @@ cases = attn + [
      {"BLOCK": 256}),
 ]
 from llmc.codegen.qmatmul import QMatmulSpec
-QCONSTS = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "M_TILES": 1, "SWAP_AB": True, "EVEN_K": True, "EVEN_N": True,
+QCONSTS = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "M_TILES": 1, "SWAP_AB": True, "EVEN_K": True,
            "TMA": False}
 QSPEC = QMatmulSpec("int", 4, 128, False, 64, "bf16", False, "")  # int4 g128, its codes unpacked by PTX
 

@@ -120,24 +120,6 @@ def test_group_of_two_scales_per_pack_tile_and_f16():
         run_and_check(qw, rand(M, 256, dtype=torch.float16, g=g), rand(96, dtype=torch.float16, g=g), "relu")
 
 
-@pytest.mark.parametrize("name", ["int4-g64-zp", "int4-g64", "w8a8", "fp8"])
-def test_whole_tiles_load_without_masks_the_same_bits(name):
-    """A weight of whole BLOCK_N tiles and unpadded K loads its tiles, scales and x without masks (EVEN_N, EVEN_K):
-    its outputs are bitwise the leading columns of the same weight with rows added past a whole tile (masked
-    loads), and with K padded past whole pack tiles the result is still the reference's."""
-    g = gen("even", name)
-    qw = quantized(FORMATS[name], 160, 256, g)
-    full = prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
-    part = prepare(qw.fmt, qw.qweight[:128].contiguous(), qw.scales[:128].contiguous(),
-                   qw.zeros[:128].contiguous() if qw.zeros is not None else None)
-    x = rand(3, 256, g=g)
-    cfg = dict(candidates("1", 128, full.padded_k, full.pack)[0], BLOCK_N=64, BLOCK_K=max(64, full.pack), SPLIT_K=2)
-    assert torch.equal(qlinear(x, part, config=cfg), qlinear(x, full, config=cfg)[:, :128])
-    if qw.fmt.kind == "int":  # 200 columns: K padded to whole pack tiles, so x's columns are masked again
-        run_and_check(quantized(FORMATS[name], 128, 200 if qw.fmt.group_size == 0 else 192, g),
-                      rand(3, 200 if qw.fmt.group_size == 0 else 192, g=g), config=cfg)
-
-
 @pytest.mark.parametrize("name", ["int4-g64-zp", "int8-ch", "w8a8", "fp8"])
 def test_split_k_and_swapped_operands(name):
     """Every split count and both operand orders give the reference; splits leave the tile counters
@@ -624,7 +606,6 @@ def test_packed_nibbles_compile_for_hopper():
     sass_loop = load_sass_loop()
     ptx, fp32 = (sass_loop.count("16,64,256,4,1,1", p, 4, 128, "bf16", 4) for p in (True, False))
     assert ptx["HFMA2"] and not ptx["FADD"] and not ptx["F2FP"]
-    assert ptx["ISETP"] + ptx["SEL"] <= 4  # whole tiles (EVEN_N, EVEN_K): no mask computed per tile
     assert fp32["FADD"] and fp32["F2FP"] and not fp32["HFMA2"]
     zp = sass_loop.count("16,64,256,4,1,1", True, 4, 128, "bf16", 4, zero_points=True)
     assert (zp["HFMA2"] or zp["HADD2"]) and not zp["FADD"] and not zp["F2FP"]
