@@ -42,8 +42,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-L2_BYTES = 60 << 20
+from qlinear_probe import SHAPES, streamed_copies  # noqa: E402 - beside this file
 
 # two planes from two bytes: (MAGIC + q) in a bf16 pair each (as llmc.codegen.qmatmul.NIBBLES_ASM), then one
 # packed FMA each with $3 = (s, s) and $4 = (-MAGIC s, -MAGIC s): q * s, rounded once
@@ -157,17 +156,9 @@ def lab(x, w, s, y, ws, count, cfg):
 
 
 def lab_configs(n: int, k: int) -> list[dict]:
-    out = []
-    for fold in (0, 1):
-        for bn in (64,):
-            for packs in (1, 2):  # fold 1 takes at most 2
-                for split in (1, 2, 4, 8):
-                    if k % (split * 128 * packs):
-                        continue
-                    for stages in (3,):
-                        out.append(dict(FOLD=fold, BLOCK_N=bn, PACKS=packs, SPLIT_K=split, num_warps=4,
-                                        num_stages=stages))
-    return out
+    # 64-row tiles on 4 warps, 3 stages; one or two pack tiles a step (fold 1 has accumulators for two)
+    return [dict(FOLD=fold, BLOCK_N=64, PACKS=packs, SPLIT_K=split, num_warps=4, num_stages=3)
+            for fold in (0, 1) for packs in (1, 2) for split in (1, 2, 4, 8) if k % (split * 128 * packs) == 0]
 
 
 def ttgir(spec: str) -> None:
@@ -208,7 +199,8 @@ def main() -> None:
     ap.add_argument("--ms", default="1,16")
     ap.add_argument("--out")
     ap.add_argument("--lab", action="store_true", help="also this file's standalone kernel in both forms")
-    ap.add_argument("--ttgir", help="fold,BLOCK_N,PACKS,SPLIT_K,warps,stages: compile only, print the loop's dots")
+    ap.add_argument("--ttgir", help="[product,]fold,BLOCK_N,PACKS,SPLIT_K,warps,stages: compile only (sm_90), print "
+                                    "the loop's dots and waits (product: llmc's qlinear kernel)")
     a = ap.parse_args()
     if a.ttgir:
         return ttgir(a.ttgir)
@@ -223,10 +215,8 @@ def main() -> None:
         n, k = SHAPES[shape]
         w = torch.randn(n, k, device="cuda") / k ** 0.5
         qw = quantize_rtn(w, fmt, torch.bfloat16)
-        p0 = qm.prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
-        nbytes = p0.nbytes
-        copies = [p0] + [qm.prepare(qw.fmt, qw.qweight.clone(), qw.scales.clone(), None)
-                         for _ in range(max(0, -(-2 * L2_BYTES // nbytes) - 1))]
+        copies = streamed_copies(qw)
+        p0, nbytes = copies[0], copies[0].nbytes
         for m in map(int, a.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = qm.reference(x.float(), qw.fmt, qw.qweight, qw.scales, qw.zeros)

@@ -32,6 +32,15 @@ FORMATS = {"int4-g128": QuantFormat("int", 4, 128), "int4": QuantFormat("int", 4
 L2_BYTES = 60 << 20
 
 
+def streamed_copies(qw) -> list:
+    """`qw` prepared, then prepared again from clones until the copies hold twice L2's bytes: a call on each in
+    turn streams its weight from HBM."""
+    p0 = qm.prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
+    return [p0] + [qm.prepare(qw.fmt, qw.qweight.clone(), qw.scales.clone(),
+                              qw.zeros.clone() if qw.zeros is not None else None)
+                   for _ in range(max(0, -(-2 * L2_BYTES // p0.nbytes) - 1))]
+
+
 def variant(cfg: dict, name: str) -> dict:
     cfg = dict(cfg)
     if "+" in name:  # changes applied in turn: "bn128+split2"
@@ -74,11 +83,8 @@ def main() -> None:
         for fname in a.formats.split(","):
             fmt = FORMATS[fname]
             qw = quantize_rtn(w, fmt, torch.bfloat16)
-            p0 = qm.prepare(qw.fmt, qw.qweight, qw.scales, qw.zeros)
-            nbytes = sum(t.numel() * t.element_size() for t in (p0.qweight, p0.scales, p0.zeros) if t is not None)
-            copies = [p0] + [qm.prepare(qw.fmt, qw.qweight.clone(), qw.scales.clone(),
-                                        qw.zeros.clone() if qw.zeros is not None else None)
-                             for _ in range(max(0, -(-2 * L2_BYTES // nbytes) - 1))]
+            copies = streamed_copies(qw)
+            p0, nbytes = copies[0], copies[0].nbytes
             for m in map(int, a.ms.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = qm.reference(x.float(), qw.fmt, qw.qweight, qw.scales, qw.zeros).to(torch.bfloat16).float()
