@@ -382,6 +382,12 @@ def _tune_kernels(graph: Graph, tuner, bar) -> None:
 # lose 1.5-4 us of 8-10 at batch 1; a tuning that timed that step in place of 64 x 1,024 chose 32-key tiles, and the
 # 8B batch-1 decode measured 207 tok/s with them (221 on the machine before), so batch 1 keeps its weight here
 DECODE_TUNING_CONTEXTS = ([512], [1024] * 64)
+# among decode launches timed within this fraction of the fastest on those steps, the one of fewest warps is
+# chosen: on an H100 (benchmarks/decode_launch_lab.py, 2026-12-07) 64-key tiles on 4 warps came within 0.1-0.6%
+# of 128-key tiles on 8 warps there, and the 8B int4 decode ran batch 16 1.085x faster with them and batch 1
+# within 0.5%; with PDL off the two ran batch 16 alike, so the gain is in how the attention overlaps the launch of
+# the kernel after it, which a timing of the attention alone cannot see
+DECODE_LIGHTER_WITHIN = 0.02
 
 
 def _tune_attention(graph: Graph, tuner, bar, device: str = "cuda") -> None:
@@ -391,12 +397,12 @@ def _tune_attention(graph: Graph, tuner, bar, device: str = "cuda") -> None:
     - decode (key tile, pipeline depth, warps: attention.DECODE_TILE_CANDIDATES; over an int8 / fp8 cache too,
       in blocks of the runtime's default size), timed on two steps summed
       (DECODE_TUNING_CONTEXTS): one sequence of 512 keys (batch-1 decode) and 64 of 1,024 (a large batch),
-      with the splits the runtime's CUDA graphs use;
+      with the splits the runtime's CUDA graphs use; of the launches within DECODE_LIGHTER_WITHIN of the
+      fastest, the one of fewest warps;
     - prefill (query and key tiles, depth, warps: attention.PREFILL_TILE_CANDIDATES), timed on a fresh
       2,048-token prompt plus four 512-token chunks over 1,024 keys (a mixed step's decodes run on the
       decode kernel; over a quantized cache the prefill keeps its default launch)."""
-    from llmc.codegen.attention import (DECODE_TILE_CANDIDATES, DTYPES, PREFILL_TILE_CANDIDATES, QUANTIZED,
-                                        paged_attention)
+    from llmc.codegen.attention import DECODE_TILE_CANDIDATES, DTYPES, PREFILL_TILE_CANDIDATES, QUANTIZED
     from llmc.codegen.lower import _tname, attention_tiles_key_of, attention_types
     max_len = int(graph.meta.get("max_position_embeddings") or 4096)
     seen = set()
@@ -414,24 +420,35 @@ def _tune_attention(graph: Graph, tuner, bar, device: str = "cuda") -> None:
         bar.step(f"tuning attention ({Hq} heads over {Hkv}, {D} wide)")
         dtype, window = getattr(torch, qd), int(n.attrs["window"])
         g = torch.Generator(device=device).manual_seed(0)
-
-        def attend(steps, **kw):  # the step's lengths given: no host sync, so the tuner times a CUDA graph
-            for (qq, kv, scale, qsl, lens, tables, out), (new, ctx) in steps:
-                paged_attention(qq, kv, qsl, lens, tables, D ** -0.5, True, window, scale, out=out,
-                                max_seqlen_q=max(new), max_seqlen_k=max(ctx), **kw)
-        # contexts within the model's limit, which sizes the splits as under the runtime's graphs
-        decode = [(_attention_step(g, [1] * len(ctx), [min(c, max_len) for c in ctx], Hq, Hkv, D, dtype,
-                                   kv_dtype=DTYPES[kd], device=device), ([1], [max_len]))
-                  for ctx in DECODE_TUNING_CONTEXTS]
-        tuner.choose(key, "decode", DECODE_TILE_CANDIDATES, lambda cfg: attend(decode, decode_tiles=cfg))
+        decode = _decode_steps(g, DECODE_TUNING_CONTEXTS, Hq, Hkv, D, dtype, DTYPES[kd], max_len, device)
+        tuner.choose(key, "decode", DECODE_TILE_CANDIDATES, lambda cfg: _attend(decode, D, window, decode_tiles=cfg),
+                     lighter=lambda cfg: cfg["num_warps"], within=DECODE_LIGHTER_WITHIN)
         del decode
         if quantized:
             continue
         prefill = [(_attention_step(g, new, ctx, Hq, Hkv, D, dtype, device=device), (new, ctx))
                    for new, ctx in (([2048], [2048]), ([512] * 4, [1024] * 4))]
         tuner.choose(attention_tiles_key_of(n, "prefill"), "prefill", PREFILL_TILE_CANDIDATES,
-                     lambda cfg: attend(prefill, prefill_tiles=cfg))
+                     lambda cfg: _attend(prefill, D, window, prefill_tiles=cfg))
         del prefill
+
+
+def _attend(steps, D: int, window: int, **kw) -> None:
+    """Run paged attention over each of `steps` (`_attention_step`'s inputs, then the step's (new, ctx) lengths):
+    the lengths given, so no host sync, and a tuner times the steps as a CUDA graph."""
+    from llmc.codegen.attention import paged_attention
+    for (qq, kv, scale, qsl, lens, tables, out), (new, ctx) in steps:
+        paged_attention(qq, kv, qsl, lens, tables, D ** -0.5, True, window, scale, out=out,
+                        max_seqlen_q=max(new), max_seqlen_k=max(ctx), **kw)
+
+
+def _decode_steps(g, contexts, Hq: int, Hkv: int, D: int, dtype, kv_dtype, max_len: int,
+                  device: str = "cuda") -> list:
+    """Decode steps for `_attend`, one per list of `contexts` (a sequence's keys each, one new token each),
+    within the model's limit `max_len`, which sizes the splits as under the runtime's graphs."""
+    return [(_attention_step(g, [1] * len(ctx), [min(c, max_len) for c in ctx], Hq, Hkv, D, dtype,
+                             kv_dtype=kv_dtype, device=device), ([1], [max_len]))
+            for ctx in contexts]
 
 
 def _attention_step(g, new: list[int], ctx: list[int], Hq: int, Hkv: int, D: int, dtype, bs: int = 16,

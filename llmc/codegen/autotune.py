@@ -274,7 +274,8 @@ class Tuner:
 
     def choose(self, key: str, buckets: str | Sequence[str], candidates: Sequence[dict],
                bench: Callable[[dict], Any], baseline: Callable[[], Any] | None = None,
-               margin: float = 0.97) -> dict:
+               margin: float = 0.97, lighter: Callable[[dict], Any] | None = None,
+               within: float = 0.0) -> dict:
         """The config for `key` at `buckets`: recorded, else timed now (GPU), else the first candidate.
 
         Args:
@@ -285,6 +286,10 @@ class Tuner:
             bench: runs the kernel once with a config (timed as a CUDA graph; a config that fails is skipped).
             baseline: runs the cuBLAS/torch equivalent once; its time is recorded beside the best.
             margin: cuBLAS is preferred unless Triton is faster than `margin` times its time.
+            lighter: a config's weight on the GPU beside the kernels around it (say, its warps): among the
+                configs within `within` (a fraction) of the fastest time, the one of least weight is chosen,
+                for what a timing of the kernel alone cannot see (how much of the GPU it holds while the
+                next kernel's programs are placed beside it).
 
         Returns:
             The chosen config.
@@ -299,7 +304,7 @@ class Tuner:
             return rec.config
         if self.frozen:
             return dict(candidates[0])
-        rec = self.tune(candidates, bench, baseline, margin)
+        rec = self.tune(candidates, bench, baseline, margin, lighter, within)
         self.used.add(key)
         for b in buckets:
             self.records.setdefault(key, {})[b] = asdict(rec)
@@ -309,18 +314,22 @@ class Tuner:
 
     @staticmethod
     def tune(candidates: Sequence[dict], bench: Callable[[dict], Any], baseline: Callable[[], Any] | None,
-             margin: float = 0.97) -> TuneRecord:
-        best, best_ms, failed = None, float("inf"), None
+             margin: float = 0.97, lighter: Callable[[dict], Any] | None = None,
+             within: float = 0.0) -> TuneRecord:
+        timed, failed = [], None
         warm_up(candidates, bench)
         for cfg in candidates:
             try:
-                ms = gpu_time_ms(lambda: bench(cfg))
+                timed.append((gpu_time_ms(lambda: bench(cfg)), dict(cfg)))
             except Exception as e:  # out of shared memory or registers for this tile: not a candidate
                 log.debug("autotune: config %s failed: %s", cfg, e)
                 failed = e
-                continue
-            if ms < best_ms:
-                best, best_ms = dict(cfg), ms
+        best, best_ms = None, float("inf")
+        if timed:
+            best_ms, best = min(timed, key=lambda t: t[0])  # the first of equal times
+            if lighter is not None:
+                near = [t for t in timed if t[0] <= best_ms * (1 + within)]
+                best_ms, best = min(near, key=lambda t: (lighter(t[1]), t[0]))
         if best is None:  # the last failure says why (device memory held elsewhere, a kernel that cannot build)
             raise RuntimeError(f"autotune: every candidate failed ({list(candidates)}); the last with "
                                f"{type(failed).__name__}: {str(failed)[:300]}")

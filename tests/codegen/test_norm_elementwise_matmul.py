@@ -454,7 +454,7 @@ def test_tuner_records_persist_and_are_reused(tmp_path, monkeypatch):
     """Timing is faked (no GPU here): the record is made once, saved, loaded, and never retuned."""
     tuned = []
 
-    def fake_tune(cands, bench, baseline, margin=0.97):
+    def fake_tune(cands, bench, baseline, margin=0.97, lighter=None, within=0.0):
         tuned.append(len(cands))
         return autotune.TuneRecord(dict(cands[1]), triton_ms=0.010, cublas_ms=0.008, prefer_cublas=True)
 
@@ -538,7 +538,7 @@ def test_tuning_cache_is_reused_across_compiles_per_device(tmp_path, monkeypatch
     keys it used; another GPU or another joint grouping has a cache file of its own. Timing is faked."""
     tuned = []
 
-    def fake_tune(cands, bench, baseline, margin=0.97):
+    def fake_tune(cands, bench, baseline, margin=0.97, lighter=None, within=0.0):
         tuned.append(len(cands))
         return autotune.TuneRecord(dict(cands[-1]), triton_ms=0.010, cublas_ms=None, prefer_cublas=False)
 
@@ -691,6 +691,25 @@ def test_a_tuning_whose_every_candidate_fails_says_why(monkeypatch):
     with pytest.raises(RuntimeError, match=r"every candidate failed .*the last with MemoryError: CUDA out of "
                                            r"memory \(config 2\)"):
         Tuner.tune([{"A": 1}, {"A": 2}], bench, None)
+
+
+def test_a_lighter_config_within_the_tolerance_wins(monkeypatch):
+    """With `lighter`, the lightest config timed within `within` of the fastest is chosen (the fastest of equal
+    weight), with its own time; one further off, or none given, leaves the fastest."""
+    times = {(64, 4): 1.007, (128, 8): 1.0, (32, 4): 1.015, (64, 8): 1.005, (16, 2): None}
+
+    def bench(cfg):
+        if times[cfg["N"], cfg["W"]] is None:
+            raise RuntimeError("out of shared memory")  # a lighter config that fails is no candidate
+        return times[cfg["N"], cfg["W"]]
+    monkeypatch.setattr(autotune, "gpu_time_ms", lambda fn: fn())
+    monkeypatch.setenv("LLMC_TUNE_THREADS", "0")
+    cands = [{"N": n, "W": w} for n, w in times]
+    warps = lambda cfg: cfg["W"]  # noqa: E731
+    rec = Tuner.tune(cands, bench, None, lighter=warps, within=0.02)
+    assert rec.config == {"N": 64, "W": 4} and rec.triton_ms == 1.007
+    assert Tuner.tune(cands, bench, None, lighter=warps, within=0.004).config == {"N": 128, "W": 8}
+    assert Tuner.tune(cands, bench, None).config == {"N": 128, "W": 8}
 
 
 def test_a_source_loaded_by_threads_at_once_is_one_module():

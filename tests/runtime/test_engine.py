@@ -592,9 +592,10 @@ def test_the_compile_tunes_decode_over_a_quantized_cache(llama_dir, tmp_path, mo
         def __init__(self):
             self.calls = []
 
-        def choose(self, key, bucket, candidates, bench):
+        def choose(self, key, bucket, candidates, bench, lighter=None, within=0.0):
             bench(dict(candidates[0]))
             self.calls.append((key, bucket, candidates))
+            self.lighter, self.within = lighter, within
             return dict(candidates[0])
     monkeypatch.setattr(compiler, "DECODE_TUNING_CONTEXTS", ([20], [37, 5]))
     for kv, name in (("int8", "int8"), ("fp8", "float8_e4m3fn")):
@@ -604,6 +605,8 @@ def test_the_compile_tunes_decode_over_a_quantized_cache(llama_dir, tmp_path, mo
         assert [(key.split(":")[0], key.split(":")[-1], bucket) for key, bucket, _ in tuner.calls] == \
             [("paged_attention_decode", name, "decode")]
         assert tuner.calls[0][2] == DECODE_TILE_CANDIDATES
+        # of launches timed alike, the one of fewest warps (compiler.DECODE_LIGHTER_WITHIN)
+        assert tuner.lighter(DECODE_TILE_CANDIDATES[-1]) == 8 and tuner.within == compiler.DECODE_LIGHTER_WITHIN > 0
 
 
 def test_decode_graphs_per_context_bucket_give_the_eager_runs_tokens(tiny_py_artifact, cpu_step_graphs,
