@@ -290,6 +290,7 @@ class Tuner:
                 configs within `within` (a fraction) of the fastest time, the one of least weight is chosen,
                 for what a timing of the kernel alone cannot see (how much of the GPU it holds while the
                 next kernel's programs are placed beside it).
+            within: the tolerance `lighter` looks within (0.02: configs up to 2% slower than the fastest).
 
         Returns:
             The chosen config.
