@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llmc.codegen import qmatmul as qm  # noqa: E402
 from llmc.codegen.attention import DECODE_TILE_CANDIDATES  # noqa: E402
 from llmc.codegen.autotune import gpu_time_ms  # noqa: E402
-from llmc.compiler import DECODE_TUNING_CONTEXTS, _attend, _decode_steps  # noqa: E402
+from llmc.compiler import DECODE_LIGHTER_WITHIN, DECODE_TUNING_CONTEXTS, _attend, _decode_steps  # noqa: E402
 from llmc.ir.quant import QuantFormat, quantize_rtn  # noqa: E402
 from qlinear_probe import L2_BYTES, streamed_copies  # noqa: E402
 
@@ -84,6 +84,13 @@ def main() -> None:
     for r in rows:
         if r["launch"] == "-":
             print(f"{r['case']}: {r['us']:.1f} us")
+    objective = {r["launch"]: r["us"] for r in rows if r["case"] == "objective"}
+    fastest = min(objective, key=objective.get)
+    warps = {f"{c['BLOCK_N']}/{c['num_stages']}/{c['num_warps']}": c["num_warps"] for c in DECODE_TILE_CANDIDATES}
+    near = [k for k in objective if objective[k] <= objective[fastest] * (1 + DECODE_LIGHTER_WITHIN)]
+    pick = min(near, key=lambda k: (warps[k], objective[k]))
+    print(f"fastest on the objective: {fastest}; the tuning's pick (fewest warps within "
+          f"{DECODE_LIGHTER_WITHIN:.0%}): {pick}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / f"decode_launch_lab{'' if pdl else '_nopdl'}.json").write_text(json.dumps(
