@@ -75,11 +75,24 @@ def pdl_enabled(interpret: bool | None = None) -> bool:
     return not interpret and _hopper_or_newer() and os.environ.get("LLMC_PDL", "1") != "0"
 
 
+def pdl_late(spec: KernelSpec) -> bool:
+    """Whether `spec`'s kernels, launched with PDL, let the next kernel's programs be placed only once their main
+    loop is done (`_pdl_trigger.jinja`) rather than right after their wait: `LLMC_PDL_LATE`, a comma-separated
+    list of template names (`qmatmul_linear`, `paged_attention_decode`, `matmul`) or `all`; none by default.
+    Placed early, the next kernel's programs hold registers, shared memory and warp slots beside this one's
+    (RESULTS 2026-12-07, decode launch: with 8-warp decode attention programs PDL cost the 8B int4 decode 3% at
+    batch 16), an experiment's switch, read when a kernel is rendered."""
+    names = os.environ.get("LLMC_PDL_LATE", "")
+    return names == "all" or spec.template.removesuffix(".py.jinja") in names.split(",")
+
+
 def render(spec: KernelSpec, pdl: bool | None = None) -> str:
-    """The source of `spec`; `pdl` (default `pdl_enabled()`) is the templates' `pdl` variable."""
+    """The source of `spec`; `pdl` (default `pdl_enabled()`) is the templates' `pdl` variable, and `pdl_late`
+    (`pdl_late(spec)`) theirs."""
     d = str(Path(spec.template_dir).resolve()) if spec.template_dir else None
     pdl = pdl_enabled() if pdl is None else pdl
-    return _env(d).get_template(spec.template).render(**{"pdl": pdl, **spec.context()})
+    return _env(d).get_template(spec.template).render(**{"pdl": pdl, "pdl_late": pdl and pdl_late(spec),
+                                                         **spec.context()})
 
 
 class PDLKernel:

@@ -39,6 +39,32 @@ def test_render_takes_the_switch():
     assert not pdl_enabled()
 
 
+def test_late_trigger_by_environment(monkeypatch):
+    """LLMC_PDL_LATE moves the named templates' trigger (the next kernel may place its programs) from right
+    after the wait to after the main loop; the others, and every default render, keep it right after the wait."""
+    from llmc.codegen.attention import PagedAttentionSpec
+    from llmc.codegen.matmul import MatmulSpec
+    from llmc.codegen.qmatmul import QMatmulSpec
+    loops = {QMatmulSpec("int", 4, 128, False, 64, "bf16", False, ""): "for k in range(0, k_per_split",
+             MatmulSpec("bf16", False, ()): "for k in range(0, k_per_split",
+             PagedAttentionSpec(head_dim=128, num_q_heads=32, num_kv_heads=8, block_size=16, dtype="bfloat16",
+                                kv_dtype="bfloat16", mode="decode", split=True, block_n=64): "for start in range("}
+    early = {spec: render(spec, pdl=True) for spec in loops}
+    for spec, src in early.items():
+        assert src.index("gdc_launch_dependents()") < src.index(loops[spec]), spec.template
+    monkeypatch.setenv("LLMC_PDL_LATE", "qmatmul_linear,paged_attention_decode")
+    for spec, loop in loops.items():
+        src = render(spec, pdl=True)
+        late = spec.template != "matmul.py.jinja"
+        assert src.count("gdc_wait()") == 1 and src.count("gdc_launch_dependents()") == 1
+        assert (src.rindex(loop) < src.index("gdc_launch_dependents()")) == late, spec.template
+        assert (src == early[spec]) == (not late)
+        assert "gdc" not in render(spec, pdl=False)
+    monkeypatch.setenv("LLMC_PDL_LATE", "all")
+    norm = render(RmsNormSpec(64, "bf16", True), pdl=True)  # no late include: the next kernel starts at its exit
+    assert norm.count("gdc_wait()") == 1 and "gdc_launch_dependents" not in norm
+
+
 def test_off_by_environment(monkeypatch):
     import llmc.codegen.elementwise as ew
     import llmc.codegen.kernels as k
@@ -155,6 +181,19 @@ for fn, sig, consts in cases:
         assert len(exch) == 1 and ".relaxed" in exch[0], (fn.__name__, exch)
         assert sum("acq_rel" in l for l in lines if "atom." in l) == 1, fn.__name__
     assert any("cp.async.bulk.tensor" in l for l in lines) == bool(consts.get("TMA")), fn.__name__
+
+# LLMC_PDL_LATE: the int4 qlinear lets the next kernel's programs be placed after its main loop's last MMA
+import os
+os.environ["LLMC_PDL_LATE"] = "qmatmul_linear"
+late = load(QSPEC, pdl=True).qmatmul_kernel.fn
+del os.environ["LLMC_PDL_LATE"]
+sig = {**qsig(late), **{k: "constexpr" for k in QCONSTS}}
+src = ASTSource(late, sig, constexprs={(late.arg_names.index(k),): v for k, v in QCONSTS.items()})
+lines = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 3, "launch_pdl": True}).asm["ptx"].splitlines()
+trigger = [i for i, l in enumerate(lines) if "griddepcontrol.launch_dependents" in l]
+mma = [i for i, l in enumerate(lines) if "wgmma.mma_async" in l]
+assert len(trigger) == 1 and mma and trigger[0] > max(mma), (trigger, mma[-3:])
 
 # LLMC_PDL_PREFETCH: the weight lines sent for into L2 before the wait, still no other access before it
 import llmc.codegen.matmul as matmul
