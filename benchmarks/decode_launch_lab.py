@@ -27,12 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llmc.codegen import qmatmul as qm  # noqa: E402
 from llmc.codegen.attention import DECODE_TILE_CANDIDATES  # noqa: E402
-from llmc.codegen.autotune import gpu_time_ms  # noqa: E402
-from llmc.compiler import DECODE_LIGHTER_WITHIN, DECODE_TUNING_CONTEXTS, _attend, _decode_steps  # noqa: E402
+from llmc.codegen.autotune import choose_timed, gpu_time_ms  # noqa: E402
+from llmc.compiler import (DECODE_LIGHTER_WITHIN, DECODE_TUNING_CONTEXTS, _attend, _decode_steps,  # noqa: E402
+                           decode_launch_weight)
 from llmc.ir.quant import QuantFormat, quantize_rtn  # noqa: E402
 from qlinear_probe import L2_BYTES, streamed_copies  # noqa: E402
 
 HQ, HKV, D, MAX_LEN, HIDDEN = 32, 8, 128, 4096, 4096
+
+
+def label(cfg: dict) -> str:
+    """A decode launch as keys per tile / pipeline stages / warps."""
+    return f"{cfg['BLOCK_N']}/{cfg['num_stages']}/{cfg['num_warps']}"
 
 
 def main() -> None:
@@ -49,7 +55,7 @@ def main() -> None:
     x16 = out16.view(16, HQ * D)
     w = torch.randn(HIDDEN, HQ * D, device="cuda", generator=g).div(64)
     int4 = streamed_copies(quantize_rtn(w, QuantFormat("int", 4, 128), torch.bfloat16))
-    bf16 = [w.to(torch.bfloat16)] + [w.to(torch.bfloat16) for _ in range(2 * L2_BYTES // (w.numel() * 2))]
+    bf16 = [w.to(torch.bfloat16) for _ in range(1 + 2 * L2_BYTES // (w.numel() * 2))]
     turn = itertools.count()
 
     def int4_linear():
@@ -61,36 +67,33 @@ def main() -> None:
     rows = []
     for lin_name, lin in (("int4", int4_linear), ("bf16", bf16_linear)):
         rows.append({"launch": "-", "case": f"{lin_name} o_proj alone", "us": 1e3 * gpu_time_ms(lin)})
+    timed = []  # (objective, launch)
     for cfg in DECODE_TILE_CANDIDATES:
-        label = f"{cfg['BLOCK_N']}/{cfg['num_stages']}/{cfg['num_warps']}"
         t = {}
         for name, st in steps.items():
             t[name] = 1e3 * gpu_time_ms(lambda st=st: _attend(st, D, 0, decode_tiles=cfg))
         t["objective"] = t["tune 512"] + t["tune 64x1024"]
+        timed.append((t["objective"], cfg))
         for lin_name, lin in (("int4", int4_linear), ("bf16", bf16_linear)):
             def pair(lin=lin):
                 _attend(steps["b16"], D, 0, decode_tiles=cfg)
                 lin()
             t[f"b16 +{lin_name} o_proj"] = 1e3 * gpu_time_ms(pair)
-        rows += [{"launch": label, "case": k, "us": v} for k, v in t.items()]
-        print(label, " ".join(f"{k}={v:.1f}" for k, v in t.items()), flush=True)
+        rows += [{"launch": label(cfg), "case": k, "us": v} for k, v in t.items()]
+        print(label(cfg), " ".join(f"{k}={v:.1f}" for k, v in t.items()), flush=True)
     pdl = os.environ.get("LLMC_PDL", "1") != "0"
     print(f"\n# {torch.cuda.get_device_name(0)}, PDL {'on' if pdl else 'off'}; us per call (CUDA-graph replays)")
     cases = list(dict.fromkeys(r["case"] for r in rows if r["launch"] != "-"))
     print(f"{'launch':10s} " + " ".join(f"{c:>16s}" for c in cases))
-    for label in dict.fromkeys(r["launch"] for r in rows if r["launch"] != "-"):
-        by = {r["case"]: r["us"] for r in rows if r["launch"] == label}
-        print(f"{label:10s} " + " ".join(f"{by[c]:16.1f}" for c in cases))
+    for cfg in DECODE_TILE_CANDIDATES:
+        by = {r["case"]: r["us"] for r in rows if r["launch"] == label(cfg)}
+        print(f"{label(cfg):10s} " + " ".join(f"{by[c]:16.1f}" for c in cases))
     for r in rows:
         if r["launch"] == "-":
             print(f"{r['case']}: {r['us']:.1f} us")
-    objective = {r["launch"]: r["us"] for r in rows if r["case"] == "objective"}
-    fastest = min(objective, key=objective.get)
-    warps = {f"{c['BLOCK_N']}/{c['num_stages']}/{c['num_warps']}": c["num_warps"] for c in DECODE_TILE_CANDIDATES}
-    near = [k for k in objective if objective[k] <= objective[fastest] * (1 + DECODE_LIGHTER_WITHIN)]
-    pick = min(near, key=lambda k: (warps[k], objective[k]))
-    print(f"fastest on the objective: {fastest}; the tuning's pick (fewest warps within "
-          f"{DECODE_LIGHTER_WITHIN:.0%}): {pick}")
+    fastest, pick = choose_timed(timed)[1], choose_timed(timed, decode_launch_weight, DECODE_LIGHTER_WITHIN)[1]
+    print(f"fastest on the objective: {label(fastest)}; the tuning's pick (the lightest within "
+          f"{DECODE_LIGHTER_WITHIN:.0%}): {label(pick)}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / f"decode_launch_lab{'' if pdl else '_nopdl'}.json").write_text(json.dumps(

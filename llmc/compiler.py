@@ -390,6 +390,11 @@ DECODE_TUNING_CONTEXTS = ([512], [1024] * 64)
 DECODE_LIGHTER_WITHIN = 0.02
 
 
+def decode_launch_weight(cfg: dict) -> int:
+    """A decode attention launch's weight for the tuning's choice among launches timed alike: its warps."""
+    return cfg["num_warps"]
+
+
 def _tune_attention(graph: Graph, tuner, bar, device: str = "cuda") -> None:
     """Choose the attention launches of each attention shape of the graph. One choice serves every batch, so a
     sequence's sums do not depend on its batch.
@@ -422,7 +427,7 @@ def _tune_attention(graph: Graph, tuner, bar, device: str = "cuda") -> None:
         g = torch.Generator(device=device).manual_seed(0)
         decode = _decode_steps(g, DECODE_TUNING_CONTEXTS, Hq, Hkv, D, dtype, DTYPES[kd], max_len, device)
         tuner.choose(key, "decode", DECODE_TILE_CANDIDATES, lambda cfg: _attend(decode, D, window, decode_tiles=cfg),
-                     lighter=lambda cfg: cfg["num_warps"], within=DECODE_LIGHTER_WITHIN)
+                     lighter=decode_launch_weight, within=DECODE_LIGHTER_WITHIN)
         del decode
         if quantized:
             continue

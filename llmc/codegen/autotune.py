@@ -187,6 +187,16 @@ def tune_threads() -> int:
     return int(v) if v.strip().isdigit() else min(16, os.cpu_count() or 1)
 
 
+def choose_timed(timed: Sequence[tuple[float, dict]], lighter: Callable[[dict], Any] | None = None,
+                 within: float = 0.0) -> tuple[float, dict]:
+    """The (time, config) chosen of `timed` (non-empty): the fastest, the first of equal times; with `lighter`,
+    the config of least weight among those within `within` of the fastest time (the fastest of equal weight)."""
+    best = min(timed, key=lambda t: t[0])
+    if lighter is None:
+        return best
+    return min((t for t in timed if t[0] <= best[0] * (1 + within)), key=lambda t: (lighter(t[1]), t[0]))
+
+
 def warm_up(candidates: Sequence[dict], bench: Callable[[dict], Any]) -> None:
     """Run each candidate once, on threads, so that their kernels compile in parallel before any is timed
     (`run_on_threads`). A candidate that fails here is left for the timing to skip, as it skips any config
@@ -325,15 +335,10 @@ class Tuner:
             except Exception as e:  # out of shared memory or registers for this tile: not a candidate
                 log.debug("autotune: config %s failed: %s", cfg, e)
                 failed = e
-        best, best_ms = None, float("inf")
-        if timed:
-            best_ms, best = min(timed, key=lambda t: t[0])  # the first of equal times
-            if lighter is not None:
-                near = [t for t in timed if t[0] <= best_ms * (1 + within)]
-                best_ms, best = min(near, key=lambda t: (lighter(t[1]), t[0]))
-        if best is None:  # the last failure says why (device memory held elsewhere, a kernel that cannot build)
+        if not timed:  # the last failure says why (device memory held elsewhere, a kernel that cannot build)
             raise RuntimeError(f"autotune: every candidate failed ({list(candidates)}); the last with "
                                f"{type(failed).__name__}: {str(failed)[:300]}")
+        best_ms, best = choose_timed(timed, lighter, within)
         cublas_ms = gpu_time_ms(baseline) if baseline is not None else None
         prefer = cublas_ms is not None and best_ms > margin * cublas_ms
         return TuneRecord(best, float(best_ms), None if cublas_ms is None else float(cublas_ms), prefer)
