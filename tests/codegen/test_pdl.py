@@ -65,6 +65,27 @@ def test_late_trigger_by_environment(monkeypatch):
     assert norm.count("gdc_wait()") == 1 and "gdc_launch_dependents" not in norm
 
 
+def test_late_trigger_names_are_checked(monkeypatch):
+    """LLMC_PDL_LATE takes exactly the templates that include the later trigger; a name without one (misspelt,
+    or a template that has none) is a one-line error naming it rather than a switch that silently does nothing."""
+    from llmc.codegen import kernels
+    from llmc.codegen.matmul import MatmulSpec
+    from llmc.errors import LLMCError
+    templates = Path(kernels.__file__).parent / "templates"
+    with_trigger = {t.name.removesuffix(".py.jinja") for t in templates.glob("*.py.jinja")
+                    if "_pdl_trigger.jinja" in t.read_text()}
+    assert with_trigger == set(kernels.PDL_LATE_TEMPLATES)
+    spec = MatmulSpec("bf16", False, ())
+    for setting in ("qmatmul_linaer", "matmul,rms_norm"):
+        monkeypatch.setenv("LLMC_PDL_LATE", setting)
+        with pytest.raises(LLMCError, match="LLMC_PDL_LATE names 'qmatmul_linaer'|LLMC_PDL_LATE names 'rms_norm'"):
+            render(spec, pdl=True)
+    monkeypatch.setenv("LLMC_PDL_LATE", " matmul , ")
+    assert kernels.pdl_late(spec)
+    monkeypatch.setenv("LLMC_PDL_LATE", "")
+    assert not kernels.pdl_late(spec)
+
+
 def test_off_by_environment(monkeypatch):
     import llmc.codegen.elementwise as ew
     import llmc.codegen.kernels as k
