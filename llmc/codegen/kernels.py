@@ -83,16 +83,16 @@ PDL_LATE_TEMPLATES = ("qmatmul_linear", "paged_attention_decode", "matmul")
 def pdl_late(spec: KernelSpec) -> bool:
     """Whether `spec`'s kernels, launched with PDL, let the next kernel's programs be placed only once their main
     loop is done (`_pdl_trigger.jinja`) rather than right after their wait: `LLMC_PDL_LATE`, a comma-separated
-    list of template names (`qmatmul_linear`, `paged_attention_decode`, `matmul`) or `all`; none by default.
+    list of template names (`qmatmul_linear`, `paged_attention_decode`, `matmul`) or `all` (those three); none by
+    default. Every other kernel lets the next one place its programs right after its wait, as by default.
     Placed early, the next kernel's programs hold registers, shared memory and warp slots beside this one's
     (RESULTS 2026-12-07, decode launch: with 8-warp decode attention programs PDL cost the 8B int4 decode 3% at
-    batch 16), an experiment's switch, read when a kernel is rendered. Measured on with every such template (RESULTS
-    2026-12-07, PDL arms): no gain (batch 16 within 0.3% of PDL's early placement, batch 1 below it), so it stays off.
-    A name that has no later trigger is an error, not a switch that silently does nothing."""
+    batch 16; beside 4-warp ones it gains), an experiment's switch, read when a kernel is rendered. A name that has
+    no later trigger is an error, not a switch that silently does nothing."""
     setting = os.environ.get("LLMC_PDL_LATE", "").strip()
-    if setting in ("", "all"):
-        return setting == "all"
-    names = [n.strip() for n in setting.split(",") if n.strip()]
+    if not setting:
+        return False
+    names = PDL_LATE_TEMPLATES if setting == "all" else [n.strip() for n in setting.split(",") if n.strip()]
     unknown = [n for n in names if n not in PDL_LATE_TEMPLATES]
     if unknown:
         raise LLMCError(f"LLMC_PDL_LATE names {', '.join(map(repr, unknown))}: give a comma-separated list of "

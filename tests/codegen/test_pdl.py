@@ -60,9 +60,14 @@ def test_late_trigger_by_environment(monkeypatch):
         assert (src.rindex(loop) < src.index("gdc_launch_dependents()")) == late, spec.template
         assert (src == early[spec]) == (not late)
         assert "gdc" not in render(spec, pdl=False)
-    monkeypatch.setenv("LLMC_PDL_LATE", "all")
-    norm = render(RmsNormSpec(64, "bf16", True), pdl=True)  # no late include: the next kernel starts at its exit
-    assert norm.count("gdc_wait()") == 1 and "gdc_launch_dependents" not in norm
+    monkeypatch.setenv("LLMC_PDL_LATE", "all")  # the three templates with a later trigger; the others as by default
+    for spec, loop in loops.items():
+        assert render(spec, pdl=True).rindex(loop) < render(spec, pdl=True).index("gdc_launch_dependents()")
+    norm = RmsNormSpec(64, "bf16", True)
+    src = render(norm, pdl=True)
+    assert src.count("gdc_wait()") == 1 and src.index("gdc_wait()") < src.index("gdc_launch_dependents()")
+    monkeypatch.delenv("LLMC_PDL_LATE")
+    assert render(norm, pdl=True) == src
 
 
 def test_late_trigger_names_are_checked(monkeypatch):
