@@ -4,14 +4,15 @@
 # 1 and 64 rows against the default, then the 8B int4 decode with the tree's candidates and with two such tiles
 # added to DECODE_TILES (each arm its own fresh tuning cache; the tuner takes them only where they time faster).
 # Usage, from the repository root on the GPU: bash benchmarks/logs/2026-12-07-s16/call2-bn128/call2.sh OUT
+# (ARMS="bn128" for one arm, NO_PROBE=1 without the per-linear timings)
 OUT=$1; mkdir -p $OUT
 python3 -c "import llmc" 2>/dev/null || pip install -q --no-deps -e . >/dev/null 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee $OUT/gpu.txt
 t0=$(date +%s)
-timeout 110 python3 benchmarks/qlinear_probe.py --shapes gate_up,down,qkv,o_proj --ms 1,64 --formats int4-g128 \
-    --variants default,bn128+split2,bn128+split2+st4 --out $OUT/probe > $OUT/probe.log 2>&1
+[ -n "$NO_PROBE" ] || timeout ${PROBE_TIMEOUT:-110} python3 benchmarks/qlinear_probe.py --shapes gate_up,down,qkv,o_proj --ms 1,64 --formats int4-g128 \
+    --variants default,split2,bn128+split2,bn128+split2+st4 --out $OUT/probe > $OUT/probe.log 2>&1
 echo "probe rc $? at $(( $(date +%s) - t0 )) s"; grep -v -i warn $OUT/probe.log | head -30
-for arm in tree bn128; do
+for arm in ${ARMS:-tree bn128}; do
   export LLMC_CACHE_DIR=/tmp/llmc_cache_$arm; rm -rf $LLMC_CACHE_DIR /tmp/tmp*
   if [ $arm = bn128 ]; then
     python3 - <<'PY'
