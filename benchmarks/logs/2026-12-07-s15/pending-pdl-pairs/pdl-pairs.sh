@@ -6,6 +6,8 @@
 # "all" keeps PDL on everywhere, "none" turns it off everywhere (LLMC_PDL=0); "late-NAME[+NAME]" keeps PDL on
 # everywhere but lets the next kernel start only after the named templates' main loops (LLMC_PDL_LATE; "late-all":
 # every template that has the later trigger: qmatmul_linear, paged_attention_decode, matmul).
+# SHARED_CACHE=1: every arm compiles with one tuning cache, so that all run the first arm's tile choices and differ
+# in the PDL switch alone (by default each arm tunes afresh, and the tuner's own spread joins the switch's effect).
 # Usage, from the repository root on the GPU (95-130 s an arm, PDL off compiling its kernels afresh; three arms a call):
 #   ARMS="all paged_attention_decode qmatmul_linear" bash benchmarks/logs/2026-12-07-s15/pending-pdl-pairs/pdl-pairs.sh OUT
 #   ARMS="rms_norm elementwise rope_kv_write" bash benchmarks/logs/2026-12-07-s15/pending-pdl-pairs/pdl-pairs.sh OUT
@@ -16,7 +18,11 @@ nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee $OUT/gpu.txt
 t0=$(date +%s)
 ARGS="--shape ${SHAPE:-8b} --quant rtn4 --new 128 --bf16-no-tune"
 for arm in ${ARMS:-all none late-all paged_attention_decode qmatmul_linear rms_norm elementwise rope_kv_write}; do
-  export LLMC_CACHE_DIR=/tmp/llmc_cache_pdl_$arm; rm -rf $LLMC_CACHE_DIR /tmp/tmp*
+  if [ -n "$SHARED_CACHE" ]; then  # one tuning cache: the first arm tunes, the others take its choices
+    export LLMC_CACHE_DIR=/tmp/llmc_cache_pdl_shared; rm -rf /tmp/tmp*
+  else
+    export LLMC_CACHE_DIR=/tmp/llmc_cache_pdl_$arm; rm -rf $LLMC_CACHE_DIR /tmp/tmp*
+  fi
   case $arm in
     all) cmd="python3 benchmarks/quant_decode_bench.py $ARGS" ;;
     none) cmd="env LLMC_PDL=0 python3 benchmarks/quant_decode_bench.py $ARGS" ;;
