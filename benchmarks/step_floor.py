@@ -19,6 +19,12 @@ Chains timed (each with PDL off and on):
 Before the chains, each distinct size is timed alone over copies that overflow L2, and its best config
 (elements a program a loop, warps, programs a multiprocessor) is the one its chain kernels use.
 
+Then ``int4``, ``int4-big5`` and ``empty`` run once more as one persistent kernel each (`persistent_kernel`): the
+chain's kernels become phases of one launch, separated by a grid barrier (each GEMV's outputs are every next
+GEMV's inputs), with 0, 1 or 2 blocks a program of the next phase read before the barrier (a persistent decode
+kernel may stream its next weights while their activations are still being made). ``empty`` then gives the
+barriers' own cost. These say whether a step of one persistent kernel could reach what 293 launches cannot.
+
     python3 benchmarks/step_floor.py --out OUT               # on a GPU, about a minute
     python3 benchmarks/step_floor.py --list                  # the step's kernels and bytes (no GPU)
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import sys
@@ -60,6 +67,56 @@ def stream_kernel(x_ptr, out_ptr, n_words, BLOCK: tl.constexpr, PDL: tl.constexp
         offs = start + tl.arange(0, BLOCK)
         acc += tl.load(x_ptr + offs, mask=offs < n_words, other=0)
     tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def persistent_kernel(x_ptr, offs_ptr, bar_ptr, out_ptr, n_phases, limit, BLOCK: tl.constexpr, AHEAD: tl.constexpr):
+    """One kernel for a whole chain: phase p sums the words [offs[p], offs[p + 1]) grid-stride over all programs,
+    and a grid barrier (an arrival counter, bar[0]) separates the phases, as the all-to-all dependency of one
+    GEMV's outputs on the one before it would. With AHEAD = 1 or 2 each program loads its first blocks of the next
+    phase before it waits at the barrier: a persistent decode kernel may stream a layer's next weights while the
+    activations they multiply are still being made. A program that has polled `limit` times stops waiting and
+    counts it (out[n + pid]), so programs that are not all resident at once cannot hang the GPU; the last program
+    to leave resets the counters (bar[1] counts leavers), so a CUDA graph can replay the kernel as it is.
+    Needs every program resident at once to measure anything (a grid no larger than the GPU holds)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    step = nprog * BLOCK
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    lo = tl.load(offs_ptr)
+    hi = tl.load(offs_ptr + 1)
+    skip = 0  # blocks of this phase already read ahead
+    waited_out = 0
+    for ph in range(n_phases):
+        for start in range(lo + pid * BLOCK + skip * step, hi, step):
+            o = start + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + o, mask=o < hi, other=0)
+        nhi = tl.load(offs_ptr + ph + 2, mask=ph + 1 < n_phases, other=hi)
+        o1 = hi + pid * BLOCK + tl.arange(0, BLOCK)
+        if AHEAD > 0:
+            ahead1 = tl.load(x_ptr + o1, mask=o1 < nhi, other=0)
+        if AHEAD > 1:
+            ahead2 = tl.load(x_ptr + o1 + step, mask=o1 + step < nhi, other=0)
+        tl.atomic_add(bar_ptr, 1, sem="release")
+        target = (ph + 1) * nprog
+        seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
+        tries = 0
+        while (seen < target) & (tries < limit):
+            seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
+            tries += 1
+        waited_out += (seen < target).to(tl.int32)
+        if AHEAD > 0:
+            acc += ahead1
+        if AHEAD > 1:
+            acc += ahead2
+        lo = hi
+        hi = nhi
+        skip = AHEAD
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+    tl.store(out_ptr + nprog + pid, waited_out)
+    if tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel") == nprog - 1:  # the last to leave: every other has left
+        tl.atomic_xchg(bar_ptr, 0)
+        tl.atomic_xchg(bar_ptr + 1, 0)
 
 
 def step_kernels(shape: dict, fmt: QuantFormat | None, context: int, batch: int = 1) -> list[tuple[str, int]]:
@@ -150,6 +207,38 @@ def time_chain(kernels, configs, pdl: bool, sms: int, reps: int) -> float:
     return ms
 
 
+PERSISTENT_CONFIGS = [(2048, 8, 1), (4096, 8, 1), (2048, 4, 2), (1024, 4, 4)]  # block, warps, programs/SM
+PERSISTENT_CHAINS = ("int4", "int4-big5", "empty")
+
+
+def time_persistent(kernels, sms: int, reps: int, limit: int = 20_000) -> list[dict]:
+    """The chain as one persistent kernel (`persistent_kernel`), each config of PERSISTENT_CONFIGS with 0, 1 and 2
+    blocks read ahead across each barrier. A config whose first run had a barrier wait run out of polls (its
+    programs were not all resident at once) is reported and not timed."""
+    sizes = [words(b) for _, b in kernels]
+    x = torch.ones(max(sum(sizes), 1), dtype=torch.int32, device="cuda")
+    offs = torch.tensor([0] + list(itertools.accumulate(sizes)), dtype=torch.int64, device="cuda")
+    bar = torch.zeros(2, dtype=torch.int32, device="cuda")
+    rows = []
+    for block, warps, per_sm in PERSISTENT_CONFIGS:
+        programs = per_sm * sms
+        out = torch.zeros(2 * programs, dtype=torch.int32, device="cuda")
+        for ahead in (0, 1, 2):
+            def call(ahead=ahead):
+                persistent_kernel[(programs,)](x, offs, bar, out, len(sizes), limit, BLOCK=block, AHEAD=ahead,
+                                               num_warps=warps)
+            call()
+            torch.cuda.synchronize()
+            row = {"config": [block, warps, per_sm], "ahead": ahead, "waits_out": int(out[programs:].sum()),
+                   "sum_ok": int(out[:programs].sum()) == sum(sizes)}  # x is ones; a program's sum fits int32
+            if not row["waits_out"]:
+                row["ms"] = graph_ms([call], reps)
+            rows.append(row)
+    del x
+    torch.cuda.empty_cache()
+    return rows
+
+
 def summed(device: str = "cuda", programs: int = 3, block: int = 1024) -> tuple[int, int]:
     """The kernel's partial sums over a known buffer, added up, and the buffer's sum: equal when it reads
     every word once."""
@@ -157,6 +246,20 @@ def summed(device: str = "cuda", programs: int = 3, block: int = 1024) -> tuple[
     out = torch.zeros(programs, dtype=torch.int32, device=device)
     stream_kernel[(programs,)](x, out, x.numel(), BLOCK=block, PDL=False)
     return int(out.sum()), int(x.sum())
+
+
+def persistent_summed(sizes: list[int], device: str = "cuda", programs: int = 3, block: int = 1024, ahead: int = 0,
+                      limit: int = 1 << 20) -> tuple[int, int, int]:
+    """The persistent kernel's partial sums over phases of `sizes` words, added up, the buffer's sum (equal when it
+    reads every word once), and how many barrier waits ran out of polls; twice in a row, so that the counters'
+    reset is checked too (the second run's figures are returned)."""
+    x = torch.arange(sum(sizes), dtype=torch.int32, device=device) % 97
+    offs = torch.tensor([0] + list(itertools.accumulate(sizes)), dtype=torch.int64, device=device)
+    bar = torch.zeros(2, dtype=torch.int32, device=device)
+    for _ in range(2):
+        out = torch.zeros(2 * programs, dtype=torch.int32, device=device)
+        persistent_kernel[(programs,)](x, offs, bar, out, len(sizes), limit, BLOCK=block, AHEAD=ahead)
+    return int(out[:programs].sum()), int(x.sum()), int(out[programs:].sum())
 
 
 def check_sum() -> None:
@@ -199,6 +302,15 @@ def main():
             entry["chains"][name] = {"kernels": len(kernels), "bytes": nbytes, "ms": ms,
                                      "tb_s": nbytes / (ms * 1e-3) / 1e12}
         result["pdl"]["on" if pdl else "off"] = entry
+    result["persistent"] = {}
+    for name in PERSISTENT_CHAINS:
+        kernels = all_chains[name]
+        rows = time_persistent(kernels, sms, args.reps)
+        nbytes = sum(b for _, b in kernels)
+        for row in rows:
+            if "ms" in row:
+                row["tb_s"] = nbytes / (row["ms"] * 1e-3) / 1e12
+        result["persistent"][name] = {"phases": len(kernels), "bytes": nbytes, "runs": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_floor.json").write_text(json.dumps(result, indent=1))
@@ -213,6 +325,14 @@ def main():
     for pdl, entry in result["pdl"].items():
         for name, c in entry["chains"].items():
             print(f"| {name} | {pdl} | {c['kernels']} | {c['bytes'] / 1e9:.3f} | {c['ms']:.3f} | {c['tb_s']:.2f} |")
+    print(f"\n# {props.name}: each chain as one persistent kernel, a grid barrier between phases")
+    print("| chain | phases | GB | block, warps, programs/SM | blocks read ahead | ms a step | TB/s | sums |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, c in result["persistent"].items():
+        for r in c["runs"]:
+            ms = f"{r['ms']:.3f} | {r['tb_s']:.2f}" if "ms" in r else f"not timed: {r['waits_out']} waits ran out | -"
+            print(f"| {name} | {c['phases']} | {c['bytes'] / 1e9:.3f} | {r['config']} | {r['ahead']} | {ms} | "
+                  f"{'ok' if r['sum_ok'] else 'WRONG'} |")
 
 
 if __name__ == "__main__":

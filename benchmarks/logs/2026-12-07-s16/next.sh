@@ -5,10 +5,14 @@
 # - any other (an H100): the later PDL trigger on its three templates only (`LLMC_PDL_LATE=all`, which until this
 #   tree also took the early trigger off every other kernel), beside PDL as shipped, on one machine, both arms on
 #   the first arm's tile choices (one tuning cache).
+# First, on either: benchmarks/step_floor.py, whose chains now also run as one persistent kernel with grid barriers
+# (about a minute): could a step of one kernel reach what one of 293 launches cannot?
 # Usage, from the repository root on the GPU: bash benchmarks/logs/2026-12-07-s16/next.sh OUT
 OUT=$1; mkdir -p $OUT
 python3 -c "import llmc" 2>/dev/null || pip install -q --no-deps -e . >/dev/null 2>&1
 n=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$n" | tee $OUT/gpu.txt
+timeout 150 python3 benchmarks/step_floor.py --out $OUT/floor > $OUT/floor.log 2>&1
+echo "step_floor rc $?"; grep -A40 "one persistent kernel" $OUT/floor.log | head -40
 case "$n" in
   *H200*) bash benchmarks/logs/2026-12-07-s15/pending-next.sh $OUT ;;
   *) ARMS="${ARMS:-all late-all}" ARM_TIMEOUT=${ARM_TIMEOUT:-240} SHARED_CACHE=1 \
