@@ -70,7 +70,8 @@ def stream_kernel(x_ptr, out_ptr, n_words, BLOCK: tl.constexpr, PDL: tl.constexp
 
 
 @triton.jit
-def persistent_kernel(x_ptr, offs_ptr, bar_ptr, out_ptr, n_phases, limit, BLOCK: tl.constexpr, AHEAD: tl.constexpr):
+def persistent_kernel(x_ptr, offs_ptr, bar_ptr, out_ptr, n_phases, limit, BLOCK: tl.constexpr, AHEAD: tl.constexpr,
+                      LOAD_POLL: tl.constexpr = False):
     """One kernel for a whole chain: phase p sums the words [offs[p], offs[p + 1]) grid-stride over all programs,
     and a grid barrier (an arrival counter, bar[0]) separates the phases, as the all-to-all dependency of one
     GEMV's outputs on the one before it would. With AHEAD = 1 or 2 each program loads its first blocks of the next
@@ -78,6 +79,9 @@ def persistent_kernel(x_ptr, offs_ptr, bar_ptr, out_ptr, n_phases, limit, BLOCK:
     activations they multiply are still being made. A program that has polled `limit` times stops waiting and
     counts it (out[n + pid]), so programs that are not all resident at once cannot hang the GPU; the last program
     to leave resets the counters (bar[1] counts leavers), so a CUDA graph can replay the kernel as it is.
+    LOAD_POLL: poll the counter with plain (volatile) loads rather than atomics, which every program's polls would
+    otherwise queue on at one address (what a kernel that hands data across the barrier would follow with an
+    acquire fence; here no phase reads what another wrote, so the timing needs none).
     Needs every program resident at once to measure anything (a grid no larger than the GPU holds)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -102,7 +106,10 @@ def persistent_kernel(x_ptr, offs_ptr, bar_ptr, out_ptr, n_phases, limit, BLOCK:
         seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
         tries = 0
         while (seen < target) & (tries < limit):
-            seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
+            if LOAD_POLL:
+                seen = tl.load(bar_ptr, volatile=True)
+            else:
+                seen = tl.atomic_add(bar_ptr, 0, sem="acquire")
             tries += 1
         waited_out += (seen < target).to(tl.int32)
         if AHEAD > 0:
@@ -213,8 +220,8 @@ PERSISTENT_CHAINS = ("int4", "int4-big5", "empty")
 
 def time_persistent(kernels, sms: int, reps: int, limit: int = 20_000) -> list[dict]:
     """The chain as one persistent kernel (`persistent_kernel`), each config of PERSISTENT_CONFIGS with 0, 1 and 2
-    blocks read ahead across each barrier. A config whose first run had a barrier wait run out of polls (its
-    programs were not all resident at once) is reported and not timed."""
+    blocks read ahead across each barrier, polling it with atomics and with plain loads. A run whose first launch
+    had a barrier wait run out of polls (its programs were not all resident at once) is reported and not timed."""
     sizes = [words(b) for _, b in kernels]
     x = torch.ones(max(sum(sizes), 1), dtype=torch.int32, device="cuda")
     offs = torch.tensor([0] + list(itertools.accumulate(sizes)), dtype=torch.int64, device="cuda")
@@ -223,13 +230,14 @@ def time_persistent(kernels, sms: int, reps: int, limit: int = 20_000) -> list[d
     for block, warps, per_sm in PERSISTENT_CONFIGS:
         programs = per_sm * sms
         out = torch.zeros(2 * programs, dtype=torch.int32, device="cuda")
-        for ahead in (0, 1, 2):
-            def call(ahead=ahead):
+        for ahead, load_poll in itertools.product((0, 1, 2), (False, True)):
+            def call(ahead=ahead, load_poll=load_poll):
                 persistent_kernel[(programs,)](x, offs, bar, out, len(sizes), limit, BLOCK=block, AHEAD=ahead,
-                                               num_warps=warps)
+                                               LOAD_POLL=load_poll, num_warps=warps)
             call()
             torch.cuda.synchronize()
-            row = {"config": [block, warps, per_sm], "ahead": ahead, "waits_out": int(out[programs:].sum()),
+            row = {"config": [block, warps, per_sm], "ahead": ahead, "poll": "load" if load_poll else "atomic",
+                   "waits_out": int(out[programs:].sum()),
                    "sum_ok": int(out[:programs].sum()) == sum(sizes)}  # x is ones; a program's sum fits int32
             if not row["waits_out"]:
                 row["ms"] = graph_ms([call], reps)
@@ -249,7 +257,7 @@ def summed(device: str = "cuda", programs: int = 3, block: int = 1024) -> tuple[
 
 
 def persistent_summed(sizes: list[int], device: str = "cuda", programs: int = 3, block: int = 1024, ahead: int = 0,
-                      limit: int = 1 << 20) -> tuple[int, int, int]:
+                      limit: int = 1 << 20, load_poll: bool = False) -> tuple[int, int, int]:
     """The persistent kernel's partial sums over phases of `sizes` words, added up, the buffer's sum (equal when it
     reads every word once), and how many barrier waits ran out of polls; twice in a row, so that the counters'
     reset is checked too (the second run's figures are returned)."""
@@ -258,7 +266,8 @@ def persistent_summed(sizes: list[int], device: str = "cuda", programs: int = 3,
     bar = torch.zeros(2, dtype=torch.int32, device=device)
     for _ in range(2):
         out = torch.zeros(2 * programs, dtype=torch.int32, device=device)
-        persistent_kernel[(programs,)](x, offs, bar, out, len(sizes), limit, BLOCK=block, AHEAD=ahead)
+        persistent_kernel[(programs,)](x, offs, bar, out, len(sizes), limit, BLOCK=block, AHEAD=ahead,
+                                       LOAD_POLL=load_poll)
     return int(out[:programs].sum()), int(x.sum()), int(out[programs:].sum())
 
 
@@ -326,12 +335,12 @@ def main():
         for name, c in entry["chains"].items():
             print(f"| {name} | {pdl} | {c['kernels']} | {c['bytes'] / 1e9:.3f} | {c['ms']:.3f} | {c['tb_s']:.2f} |")
     print(f"\n# {props.name}: each chain as one persistent kernel, a grid barrier between phases")
-    print("| chain | phases | GB | block, warps, programs/SM | blocks read ahead | ms a step | TB/s | sums |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| chain | phases | GB | block, warps, programs/SM | blocks read ahead | poll | ms a step | TB/s | sums |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, c in result["persistent"].items():
         for r in c["runs"]:
             ms = f"{r['ms']:.3f} | {r['tb_s']:.2f}" if "ms" in r else f"not timed: {r['waits_out']} waits ran out | -"
-            print(f"| {name} | {c['phases']} | {c['bytes'] / 1e9:.3f} | {r['config']} | {r['ahead']} | {ms} | "
+            print(f"| {name} | {c['phases']} | {c['bytes'] / 1e9:.3f} | {r['config']} | {r['ahead']} | {r['poll']} | {ms} | "
                   f"{'ok' if r['sum_ok'] else 'WRONG'} |")
 
 

@@ -51,17 +51,19 @@ def test_stream_kernel_reads_every_word(floor, programs, block):
     assert got == want
 
 
-@pytest.mark.parametrize("ahead", [0, 1, 2])
-def test_persistent_kernel_reads_every_word_of_every_phase(floor, ahead):
+@pytest.mark.parametrize("ahead,load_poll", [(0, False), (1, True), (2, False)])
+def test_persistent_kernel_reads_every_word_of_every_phase(floor, ahead, load_poll):
     # phases of ragged, empty and one-word sizes; one program, so its grid barriers never wait on another
     sizes = [5000, 0, 17, 3000, 1]
-    got, want, waits_out = floor.persistent_summed(sizes, "cpu", programs=1, block=256, ahead=ahead)
+    got, want, waits_out = floor.persistent_summed(sizes, "cpu", programs=1, block=256, ahead=ahead,
+                                                   load_poll=load_poll)
     assert got == want and waits_out == 0
 
 
-def test_persistent_kernel_counts_barrier_waits_that_run_out(floor):
+@pytest.mark.parametrize("load_poll", [False, True])
+def test_persistent_kernel_counts_barrier_waits_that_run_out(floor, load_poll):
     # the interpreter runs programs one after another: the first program's waits run out of polls, the sums stay
     # whole, and the counters are reset for the next launch (persistent_summed launches twice)
     got, want, waits_out = floor.persistent_summed([5000, 300, 17, 3000], "cpu", programs=3, block=128, ahead=2,
-                                                   limit=3)
+                                                   limit=3, load_poll=load_poll)
     assert got == want and waits_out == 6
