@@ -19,15 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "llmc" / "codegen" / "templates"
-
 
 def templates_off(names: list[str]) -> None:
     """Patch the kernel loader: a kernel of a template in `names` loads without PDL."""
     import functools
 
     from llmc.codegen import elementwise
-    from llmc.codegen.kernels import load
+    from llmc.codegen.kernels import TEMPLATES, load
     known = {p.name.removesuffix(".py.jinja") for p in TEMPLATES.glob("*.py.jinja")}
     unknown = sorted(set(names) - known)
     if unknown:

@@ -76,8 +76,7 @@ def test_late_trigger_names_are_checked(monkeypatch):
     from llmc.codegen import kernels
     from llmc.codegen.matmul import MatmulSpec
     from llmc.errors import LLMCError
-    templates = Path(kernels.__file__).parent / "templates"
-    with_trigger = {t.name.removesuffix(".py.jinja") for t in templates.glob("*.py.jinja")
+    with_trigger = {t.name.removesuffix(".py.jinja") for t in TEMPLATES.glob("*.py.jinja")
                     if "_pdl_trigger.jinja" in t.read_text()}
     assert with_trigger == set(kernels.PDL_LATE_TEMPLATES)
     spec = MatmulSpec("bf16", False, ())
