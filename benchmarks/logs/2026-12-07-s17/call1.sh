@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
 # One call on whichever GPU comes:
-# 1. benchmarks/step_floor.py (about a minute): the step's floors, its chains also as one persistent kernel each;
-# 2. benchmarks/persistent_linears.py (about 3 minutes): the 32 layers' int4 linears at batch 1 as one persistent
-#    kernel against one launch a linear, on one GEMV body;
-# Usage, from the repository root on the GPU: bash benchmarks/logs/2026-12-07-s17/call1.sh OUT
+# 1. benchmarks/gluon_int4_lab.py: the int4 g128 GEMV whose codes load straight into the MMA's register layout
+#    (Gluon), its bits against torch and its time at 1 and 16 rows on the 8B linears; then llmc's qlinear on the
+#    same shapes and rows (qlinear_probe.py, default configs) beside it;
+# 2. benchmarks/step_floor.py: the step's floors, its chains also as one persistent kernel each;
+# 3. benchmarks/persistent_linears.py: the 32 layers' int4 linears at batch 1 as one persistent kernel against
+#    one launch a linear, on one GEMV body.
+# Usage, from the repository root on the GPU: bash benchmarks/logs/2026-12-07-s17/call1.sh OUT (under 9 minutes)
 OUT=$1; mkdir -p $OUT
 python3 -c "import llmc" 2>/dev/null || pip install -q --no-deps -e . >/dev/null 2>&1
 n=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$n" | tee $OUT/gpu.txt
-git log -1 --format=%H > $OUT/commit.txt 2>/dev/null
-timeout 150 python3 benchmarks/step_floor.py --out $OUT/floor > $OUT/floor.log 2>&1
+timeout 120 python3 benchmarks/gluon_int4_lab.py --out $OUT/gluon > $OUT/gluon.log 2>&1
+echo "gluon lab rc $?"
+timeout 120 python3 benchmarks/qlinear_probe.py --shapes gate_up,down,qkv,o_proj --ms 1,16 --formats int4-g128 \
+    --variants default --out $OUT/probe > $OUT/probe.log 2>&1
+echo "probe rc $?"
+timeout 120 python3 benchmarks/step_floor.py --out $OUT/floor > $OUT/floor.log 2>&1
 echo "step_floor rc $?"
-timeout 240 python3 benchmarks/persistent_linears.py --out $OUT/pl > $OUT/pl.log 2>&1
+timeout 150 python3 benchmarks/persistent_linears.py --out $OUT/pl --block-n 32,64 --block-w 32,64 \
+    --launch 4x3,8x3 > $OUT/pl.log 2>&1
 echo "persistent_linears rc $?"
-grep -B2 -A60 "^# .*step chains" $OUT/floor.log | grep -v "| [0-9,]* | [0-9.]* | [0-9.]* | \[" | head -70
-grep "against torch\|^best\|error" $OUT/pl.log | head -20
+grep -v "^{" $OUT/gluon.log | grep -v -i "warn" | tail -12
+grep -v -i warn $OUT/probe.log | tail -12
+grep -A12 "step chains" $OUT/floor.log; grep -A60 "one persistent kernel" $OUT/floor.log | grep -v atomic | head -40
+grep "against torch\|^best" $OUT/pl.log | head -10

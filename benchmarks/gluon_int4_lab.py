@@ -1,0 +1,314 @@
+"""An int4 g128 decode GEMV whose codes load straight into the tensor cores' register layout (Gluon, Hopper).
+
+llmc's int4 qlinear (Triton) issues about 3.8 main-loop instructions a code on sm_90 (`sass_loop.py`): beside the
+dequantization itself, the codes go through shared memory into the MMA operand's register layout, two bytes a
+load, with byte permutes and shifts, and the loop's addressing. On the H200 the decode is bound by those
+instructions, not by HBM. This lab asks what a kernel costs whose weight layout, chosen on the host, puts in
+each thread's registers exactly the codes its part of the MMA operand needs:
+
+- W is stored in tiles of 64 rows x 128 columns (one scale group), 1,024 int32 words a tile. A word holds the
+  8 codes one thread of the warpgroup MMA's A operand needs from a 16 x 16 block: rows r and r + 8, columns
+  k, k + 1, k + 8, k + 9 (`pack`). A thread's 4 words of a tile are 16 contiguous bytes (one 128-bit load) and
+  a warp's loads are 512 contiguous bytes.
+- Each word becomes 4 bf16 pairs by 3 shifts, 4 LOP3s (a nibble pair or-ed into the exponent of 128) and, with
+  `SUB`, 4 bf16x2 FMAs (less 136: the zero point 8 and the 128); without `SUB` the MMA takes 128 + code and the
+  tile's sum less 136 x the group's sum of x (computed once a tile for all 64 rows).
+- The words' tensor goes through joins, a permute and a reshape to the [64, 128] A operand; `convert_layout(...,
+  assert_trivial=True)` proves at compile time that no data moves.
+- x [M <= 16, 128] through shared memory is the MMA's B operand; the 64 x 16 fp32 product of each group is
+  scaled into the accumulator; K splits add into an fp32 y atomically (a lab: llmc's qlinear sums its splits in
+  a fixed order).
+
+    python3 benchmarks/gluon_int4_lab.py --out OUT      # on a Hopper GPU: bits against torch, then timings
+    python3 benchmarks/gluon_int4_lab.py --sass         # no GPU: compile for sm_90, main-loop instructions a code
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+TILE_N, TILE_K = 64, 128  # a tile: 64 weight rows (4 warps x 16), one group of 128 columns
+WORDS_A_TILE = TILE_N * TILE_K // 8
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def word_position(rows: torch.Tensor, cols: torch.Tensor, tiles_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(word index, bit offset) of the code at (row, column): the layout the kernel's loads and its
+    join / permute / reshape read (`_dequant`)."""
+    tn, r = rows // TILE_N, rows % TILE_N
+    tk, kk = cols // TILE_K, cols % TILE_K
+    w, g, lr = r // 16, (r // 8) % 2, r % 8  # warp, row half (+8), row within the half
+    s_hi, s_lo, h, q, p = kk // 64, (kk // 16) % 4, (kk // 8) % 2, (kk // 2) % 4, kk % 2
+    word = (tn * tiles_k + tk) * WORDS_A_TILE + (((w * 2 + s_hi) * 8 + lr) * 4 + q) * 4 + s_lo
+    return word, 16 * p + 4 * (2 * g + h)
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes 0..15 (N a multiple of 64, K of 128) -> the kernel's int32 words."""
+    n, k = codes.shape
+    rows = torch.arange(n).repeat_interleave(k)
+    cols = torch.arange(k).repeat(n)
+    word, bit = word_position(rows, cols, k // TILE_K)
+    words = torch.zeros(n * k // 8, dtype=torch.int64)
+    words.index_add_(0, word, codes.flatten().to(torch.int64) << bit)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    rows = torch.arange(n).repeat_interleave(k)
+    cols = torch.arange(k).repeat(n)
+    word, bit = word_position(rows, cols, k // TILE_K)
+    return ((words.to(torch.int64)[word] >> bit) & 15).view(n, k).to(torch.int32)
+
+
+def mirror_dequant(tile_words: torch.Tensor) -> torch.Tensor:
+    """The kernel's `_dequant` on one tile's 1,024 words, in torch (codes, not values): the asm's 8 outputs,
+    then the same joins, permute and reshape. Checks `pack` against the kernel's op sequence on a CPU."""
+    w5 = tile_words.to(torch.int64).view(4, 2, 8, 4, 4).permute(0, 2, 1, 3, 4)  # memory [w, s_hi, lr, q, s_lo]
+    outs = []
+    for i in range(4):  # pair i: bits 4i (p = 0) and 16 + 4i (p = 1)
+        outs += [(w5 >> (4 * i)) & 15, (w5 >> (16 + 4 * i)) & 15]
+    join = lambda a, b: torch.stack([a, b], dim=-1)  # noqa: E731  gl.join appends its new dimension last
+    g0 = join(join(outs[0], outs[1]), join(outs[2], outs[3]))
+    g1 = join(join(outs[4], outs[5]), join(outs[6], outs[7]))
+    a = join(g0, g1)  # [w, lr, s_hi, q, s_lo, p, h, g]
+    return a.permute(0, 7, 1, 2, 4, 6, 3, 5).reshape(TILE_N, TILE_K)
+
+
+KERNEL_SOURCE = r'''
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, fence_async_shared
+
+# the words of a tile as [w, lr, s_hi, q, s_lo]: lanes (lr, q) as the MMA operand's, a thread's 4 s_lo contiguous
+WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, 4], threads_per_warp=[1, 8, 1, 4, 1],
+                                      warps_per_cta=[4, 1, 1, 1, 1], order=[4, 3, 2, 1, 0]))
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
+A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+X_LD = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
+                                     order=[1, 0]))
+X_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+_HEAD = """{
+.reg .b32 t4, t8, t12, u0, u1, u2, u3, one, bias;
+mov.b32 one, 0x3F803F80;
+mov.b32 bias, 0xC308C308;
+shr.b32 t4, $8, 4;
+shr.b32 t8, $8, 8;
+shr.b32 t12, $8, 12;
+lop3.b32 u0, $8, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 u1, t4, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 u2, t8, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 u3, t12, 0x000F000F, 0x43004300, 0xEA;
+"""
+_SUB = """fma.rn.bf16x2 u0, u0, one, bias;
+fma.rn.bf16x2 u1, u1, one, bias;
+fma.rn.bf16x2 u2, u2, one, bias;
+fma.rn.bf16x2 u3, u3, one, bias;
+"""
+_TAIL = """mov.b32 {$0, $1}, u0;
+mov.b32 {$2, $3}, u1;
+mov.b32 {$4, $5}, u2;
+mov.b32 {$6, $7}, u3;
+}"""
+ASM_SUB = gl.constexpr(_HEAD + _SUB + _TAIL)  # codes - 8
+ASM_RAW = gl.constexpr(_HEAD + _TAIL)  # 128 + codes
+
+
+@gluon.jit
+def _at(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
+    # arange(n) along `dim` of a 5-D tensor of `layout`
+    if dim == 0:
+        r = gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, layout)))))
+        r = r[:, None, None, None, None]
+    elif dim == 1:
+        r = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, layout)))))
+        r = r[None, :, None, None, None]
+    elif dim == 2:
+        r = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, layout)))))
+        r = r[None, None, :, None, None]
+    elif dim == 3:
+        r = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, layout)))))
+        r = r[None, None, None, :, None]
+    else:
+        r = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout)))))
+        r = r[None, None, None, None, :]
+    return r
+
+
+@gluon.jit
+def _dequant(words, SUB: gl.constexpr):
+    # [4, 8, 2, 4, 4] words -> the [64, 128] bf16 A operand, with no data movement
+    if SUB:
+        c = gl.inline_asm_elementwise(ASM_SUB, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=[gl.bfloat16] * 8,
+                                      is_pure=True, pack=1)
+    else:
+        c = gl.inline_asm_elementwise(ASM_RAW, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=[gl.bfloat16] * 8,
+                                      is_pure=True, pack=1)
+    g0 = gl.join(gl.join(c[0], c[1]), gl.join(c[2], c[3]))
+    g1 = gl.join(gl.join(c[4], c[5]), gl.join(c[6], c[7]))
+    a = gl.join(g0, g1)  # [w, lr, s_hi, q, s_lo, p, h, g]: a join appends its new dimension last
+    a = gl.permute(a, (0, 7, 1, 2, 4, 6, 3, 5))  # [w, g, lr, s_hi, s_lo, h, q, p]
+    a = gl.reshape(a, (64, 128))  # row 16 w + 8 g + lr, column 64 s_hi + 16 s_lo + 8 h + 2 q + p
+    return gl.convert_layout(a, A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KSPLIT, SUB: gl.constexpr):
+    # y[m, n] += sum_k x[m, k] (code[n, k] - 8) s[n, k // 128] over this program's KSPLIT groups; M <= 16
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    tiles_k = K // 128
+    w_idx = (((_at(4, 0, WORDS) * 2 + _at(2, 2, WORDS)) * 8 + _at(8, 1, WORDS)) * 4 + _at(4, 3, WORDS)) * 4 \
+        + _at(4, 4, WORDS)
+    acc = gl.zeros([64, 16], gl.float32, layout=MMA)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [16, 128], X_SMEM)
+    xm = gl.arange(0, 16, layout=gl.SliceLayout(1, X_LD))
+    xk = gl.arange(0, 128, layout=gl.SliceLayout(0, X_LD))
+    rows = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
+    t0 = pid_k * KSPLIT
+    tile_ptr = w_ptr + (pid_n * tiles_k).to(gl.int64) * 1024
+    words = gl.load(tile_ptr + t0 * 1024 + w_idx)
+    for t in range(t0, t0 + KSPLIT):
+        nxt = gl.load(tile_ptr + gl.minimum(t + 1, tiles_k - 1) * 1024 + w_idx)  # the next tile's words, ahead
+        xv = gl.load(x_ptr + xm[:, None] * stride_xm + t * 128 + xk[None, :], mask=xm[:, None] < M, other=0.0)
+        gl.barrier()  # every warp done with the last tile's x
+        x_smem.store(xv)
+        fence_async_shared()
+        gl.barrier()
+        a = _dequant(words, SUB)
+        part = warpgroup_mma(a, x_smem.permute((1, 0)), gl.zeros([64, 16], gl.float32, layout=MMA), use_acc=False)
+        if not SUB:  # the MMA took 128 + code: less 136 x the group's sum of x, a token
+            xs = gl.convert_layout(gl.sum(xv.to(gl.float32), axis=1), gl.SliceLayout(0, MMA))
+            part = part - 136.0 * xs[None, :]
+        s = gl.load(s_ptr + rows * tiles_k + t).to(gl.float32)
+        acc += part * s[:, None]
+        words = nxt
+    gl.atomic_add(y_ptr + cols[None, :] * N + rows[:, None], acc, mask=cols[None, :] < M)
+'''
+
+
+def load_kernel():
+    """The kernel module, written out and imported (Gluon reads a kernel's source from its file)."""
+    import importlib.util
+    d = Path(tempfile.mkdtemp(prefix="gluon_int4_"))
+    path = d / "gluon_int4_kernel.py"
+    path.write_text(KERNEL_SOURCE)
+    spec = importlib.util.spec_from_file_location("gluon_int4_kernel", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def sass_counts(sub: bool) -> dict:
+    """Compile for sm_90 here (no GPU needed) and count the MMA loop's instructions a thread."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sass_loop import cuobjdump, loop_opcodes
+    fn = load_kernel().int4_gemv_kernel
+    sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": "*fp32", "M": "i32", "N": "i32",
+           "K": "i32", "stride_xm": "i32", "KSPLIT": "i32", "SUB": "constexpr"}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "KSPLIT", "SUB")}
+    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index("SUB"),): sub}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "k.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        sass = subprocess.run([str(cuobjdump()), "-sass", str(cubin)], check=True, capture_output=True, text=True)
+        res = subprocess.run([str(cuobjdump()), "-res-usage", str(cubin)], check=True, capture_output=True,
+                             text=True).stdout
+    ops = loop_opcodes(sass.stdout, mma=True)
+    regs = int(res.split("REG:")[1].split()[0]) if "REG:" in res else None
+    codes = TILE_N * TILE_K / 128  # a thread's codes a loop step
+    return {"sub": sub, "instructions": sum(ops.values()), "per_code": sum(ops.values()) / codes, "registers": regs,
+            "opcodes": dict(collections.Counter(ops).most_common())}
+
+
+def gpu_main(args) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from quant_bench import graph_time_us
+    mod = load_kernel()
+    dev = "cuda"
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    rows = []
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+        scales = ((torch.rand(n, k // 128, generator=gen) + 0.5) / 40).to(torch.bfloat16)
+        words = pack(codes).to(dev)
+        s = scales.to(dev)
+        w_ref = ((codes.float() - 8) * scales.float().repeat_interleave(128, dim=1)).to(dev)
+        copies = max(1, -(-2 * (60 << 20) // (words.numel() * 4)))
+        ws = [words] + [words.clone() for _ in range(copies - 1)]
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(dev)
+            ref = x.float() @ w_ref.T
+            tiles_k = k // 128
+            for sub in (True, False):
+                for split in [v for v in (1, 2, 4, 8, 16) if tiles_k % v == 0]:
+                    y = torch.zeros(m, n, dtype=torch.float32, device=dev)
+                    grid = (n // TILE_N, split)
+                    row = {"shape": name, "m": m, "sub": sub, "split": split}
+                    try:
+                        mod.int4_gemv_kernel[grid](x, words, s, y, m, n, k, x.stride(0), tiles_k // split, SUB=sub,
+                                                   num_warps=4)
+                        torch.cuda.synchronize()
+                        row["rel_err"] = ((y - ref).abs().max() / ref.abs().max()).item()
+                        calls = [lambda w=w, y=y: mod.int4_gemv_kernel[grid](x, w, s, y, m, n, k, x.stride(0),
+                                                                              tiles_k // split, SUB=sub, num_warps=4)
+                                 for w in ws]
+                        row["us"] = graph_time_us(calls, args.reps)
+                        row["tb_s"] = (words.numel() * 4 + s.numel() * 2) / (row["us"] * 1e-6) / 1e12
+                    except Exception as exc:  # reported, not fatal: the lab's first run on a GPU's triton
+                        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gluon_int4_lab.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "rows": rows},
+                                                            indent=1))
+    print("\n| linear | rows | subtract in | best K split | us | TB/s | rel err |")
+    print("|---|---|---|---|---|---|---|")
+    best = {}
+    for r in rows:
+        key = (r["shape"], r["m"], r["sub"])
+        if "us" in r and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+    for (name, m, sub), r in best.items():
+        print(f"| {name} | {m} | {'dequant' if sub else 'x sums'} | {r['split']} | {r['us']:.1f} | {r['tb_s']:.2f} | "
+              f"{r['rel_err']:.1e} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sass", action="store_true", help="compile for sm_90 here and count instructions (no GPU)")
+    ap.add_argument("--out", help="directory for gluon_int4_lab.json")
+    ap.add_argument("--shapes", default="gate_up,down,qkv,o_proj")
+    ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    if args.sass:
+        for sub in (True, False):
+            c = sass_counts(sub)
+            print(f"subtract in {'dequant' if sub else 'x sums'}: {c['instructions']} instructions a loop step, "
+                  f"{c['per_code']:.2f} a code, {c['registers']} registers; "
+                  + ", ".join(f"{k} {v}" for k, v in list(c["opcodes"].items())[:8]))
+        return
+    if not torch.cuda.is_available():
+        sys.exit("gluon_int4_lab: timing needs a CUDA GPU (--sass counts instructions without one)")
+    gpu_main(args)
+
+
+if __name__ == "__main__":
+    main()
