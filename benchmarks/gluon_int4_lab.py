@@ -96,6 +96,7 @@ A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 X_LD = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
                                      order=[1, 0]))
 X_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # the name before triton 3.7
 _HEAD = """{
 .reg .b32 t4, t8, t12, u0, u1, u2, u3, one, bias;
 mov.b32 one, 0x3F803F80;
@@ -180,10 +181,10 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KSPLIT, SUB
     for t in range(t0, t0 + KSPLIT):
         nxt = gl.load(tile_ptr + gl.minimum(t + 1, tiles_k - 1) * 1024 + w_idx)  # the next tile's words, ahead
         xv = gl.load(x_ptr + xm[:, None] * stride_xm + t * 128 + xk[None, :], mask=xm[:, None] < M, other=0.0)
-        gl.barrier()  # every warp done with the last tile's x
+        _barrier()  # every warp done with the last tile's x
         x_smem.store(xv)
         fence_async_shared()
-        gl.barrier()
+        _barrier()
         a = _dequant(words, SUB)
         part = warpgroup_mma(a, x_smem.permute((1, 0)), gl.zeros([64, 16], gl.float32, layout=MMA), use_acc=False)
         if not SUB:  # the MMA took 128 + code: less 136 x the group's sum of x, a token
