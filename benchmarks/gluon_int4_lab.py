@@ -162,8 +162,26 @@ def _dequant(words, SUB: gl.constexpr):
 
 
 @gluon.jit
-def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KSPLIT, SUB: gl.constexpr):
-    # y[m, n] += sum_k x[m, k] (code[n, k] - 8) s[n, k // 128] over this program's KSPLIT groups; M <= 16
+def _tile(words, xv, x_smem, s_ptr, rows, tiles_k, t, acc, SUB: gl.constexpr):
+    # one group: x's 16 x 128 tile into shared memory, the codes' MMA, the product scaled into acc
+    _barrier()  # every warp done with the last tile's x
+    x_smem.store(xv)
+    fence_async_shared()
+    _barrier()
+    a = _dequant(words, SUB)
+    part = warpgroup_mma(a, x_smem.permute((1, 0)), gl.zeros([64, 16], gl.float32, layout=MMA), use_acc=False)
+    if not SUB:  # the MMA took 128 + code: less 136 x the group's sum of x, a token
+        xs = gl.convert_layout(gl.sum(xv.to(gl.float32), axis=1), gl.SliceLayout(0, MMA))
+        part = part - 136.0 * xs[None, :]
+    s = gl.load(s_ptr + rows * tiles_k + t).to(gl.float32)
+    return acc + part * s[:, None]
+
+
+@gluon.jit
+def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KSPLIT, SUB: gl.constexpr,
+                     TILES: gl.constexpr = 1):
+    # y[m, n] += sum_k x[m, k] (code[n, k] - 8) s[n, k // 128] over this program's KSPLIT groups; M <= 16.
+    # TILES groups a loop step (1 or 2; KSPLIT a multiple), the next step's words loaded before this one's math
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     tiles_k = K // 128
@@ -173,26 +191,31 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KSPLIT, SUB
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [16, 128], X_SMEM)
     xm = gl.arange(0, 16, layout=gl.SliceLayout(1, X_LD))
     xk = gl.arange(0, 128, layout=gl.SliceLayout(0, X_LD))
+    x_rows = x_ptr + xm[:, None] * stride_xm + xk[None, :]
+    x_ok = xm[:, None] < M
     rows = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     cols = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
     t0 = pid_k * KSPLIT
     tile_ptr = w_ptr + (pid_n * tiles_k).to(gl.int64) * 1024
-    words = gl.load(tile_ptr + t0 * 1024 + w_idx)
-    for t in range(t0, t0 + KSPLIT):
-        nxt = gl.load(tile_ptr + gl.minimum(t + 1, tiles_k - 1) * 1024 + w_idx)  # the next tile's words, ahead
-        xv = gl.load(x_ptr + xm[:, None] * stride_xm + t * 128 + xk[None, :], mask=xm[:, None] < M, other=0.0)
-        _barrier()  # every warp done with the last tile's x
-        x_smem.store(xv)
-        fence_async_shared()
-        _barrier()
-        a = _dequant(words, SUB)
-        part = warpgroup_mma(a, x_smem.permute((1, 0)), gl.zeros([64, 16], gl.float32, layout=MMA), use_acc=False)
-        if not SUB:  # the MMA took 128 + code: less 136 x the group's sum of x, a token
-            xs = gl.convert_layout(gl.sum(xv.to(gl.float32), axis=1), gl.SliceLayout(0, MMA))
-            part = part - 136.0 * xs[None, :]
-        s = gl.load(s_ptr + rows * tiles_k + t).to(gl.float32)
-        acc += part * s[:, None]
-        words = nxt
+    if TILES == 1:
+        words = gl.load(tile_ptr + t0 * 1024 + w_idx)
+        for t in range(t0, t0 + KSPLIT):
+            nxt = gl.load(tile_ptr + gl.minimum(t + 1, tiles_k - 1) * 1024 + w_idx)  # the next tile's, ahead
+            xv = gl.load(x_rows + t * 128, mask=x_ok, other=0.0)
+            acc = _tile(words, xv, x_smem, s_ptr, rows, tiles_k, t, acc, SUB)
+            words = nxt
+    else:
+        w0 = gl.load(tile_ptr + t0 * 1024 + w_idx)
+        w1 = gl.load(tile_ptr + (t0 + 1) * 1024 + w_idx)
+        for t in range(t0, t0 + KSPLIT, 2):
+            n0 = gl.load(tile_ptr + gl.minimum(t + 2, tiles_k - 1) * 1024 + w_idx)  # the next step's, ahead
+            n1 = gl.load(tile_ptr + gl.minimum(t + 3, tiles_k - 1) * 1024 + w_idx)
+            x0 = gl.load(x_rows + t * 128, mask=x_ok, other=0.0)
+            x1 = gl.load(x_rows + (t + 1) * 128, mask=x_ok, other=0.0)
+            acc = _tile(w0, x0, x_smem, s_ptr, rows, tiles_k, t, acc, SUB)
+            acc = _tile(w1, x1, x_smem, s_ptr, rows, tiles_k, t + 1, acc, SUB)
+            w0 = n0
+            w1 = n1
     gl.atomic_add(y_ptr + cols[None, :] * N + rows[:, None], acc, mask=cols[None, :] < M)
 '''
 
@@ -209,7 +232,7 @@ def load_kernel():
     return mod
 
 
-def sass_counts(sub: bool) -> dict:
+def sass_counts(sub: bool, tiles: int = 1) -> dict:
     """Compile for sm_90 here (no GPU needed) and count the MMA loop's instructions a thread."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -218,9 +241,11 @@ def sass_counts(sub: bool) -> dict:
     from sass_loop import cuobjdump, loop_opcodes
     fn = load_kernel().int4_gemv_kernel
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": "*fp32", "M": "i32", "N": "i32",
-           "K": "i32", "stride_xm": "i32", "KSPLIT": "i32", "SUB": "constexpr"}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "KSPLIT", "SUB")}
-    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index("SUB"),): sub}, attrs=attrs)
+           "K": "i32", "stride_xm": "i32", "KSPLIT": "i32", "SUB": "constexpr", "TILES": "constexpr"}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig
+             if a not in ("M", "KSPLIT", "SUB", "TILES")}
+    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index("SUB"),): sub,
+                                              (fn.arg_names.index("TILES"),): tiles}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "k.cubin"
@@ -230,8 +255,8 @@ def sass_counts(sub: bool) -> dict:
                              text=True).stdout
     ops = loop_opcodes(sass.stdout, mma=True)
     regs = int(res.split("REG:")[1].split()[0]) if "REG:" in res else None
-    codes = TILE_N * TILE_K / 128  # a thread's codes a loop step
-    return {"sub": sub, "instructions": sum(ops.values()), "per_code": sum(ops.values()) / codes, "registers": regs,
+    codes = tiles * TILE_N * TILE_K / 128  # a thread's codes a loop step
+    return {"sub": sub, "tiles": tiles, "instructions": sum(ops.values()), "per_code": sum(ops.values()) / codes, "registers": regs,
             "opcodes": dict(collections.Counter(ops).most_common())}
 
 
@@ -255,18 +280,18 @@ def gpu_main(args) -> None:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(dev)
             ref = x.float() @ w_ref.T
             tiles_k = k // 128
-            for sub in (True, False):
-                for split in [v for v in (1, 2, 4, 8, 16) if tiles_k % v == 0]:
+            for sub, tiles in ((True, 1), (False, 1), (True, 2)):
+                for split in [v for v in (1, 2, 4, 8, 16) if tiles_k % (v * tiles) == 0]:
                     y = torch.zeros(m, n, dtype=torch.float32, device=dev)
                     grid = (n // TILE_N, split)
-                    row = {"shape": name, "m": m, "sub": sub, "split": split}
+                    row = {"shape": name, "m": m, "sub": sub, "tiles": tiles, "split": split}
+                    launch = dict(SUB=sub, TILES=tiles, num_warps=4)
                     try:
-                        mod.int4_gemv_kernel[grid](x, words, s, y, m, n, k, x.stride(0), tiles_k // split, SUB=sub,
-                                                   num_warps=4)
+                        mod.int4_gemv_kernel[grid](x, words, s, y, m, n, k, x.stride(0), tiles_k // split, **launch)
                         torch.cuda.synchronize()
                         row["rel_err"] = ((y - ref).abs().max() / ref.abs().max()).item()
                         calls = [lambda w=w, y=y: mod.int4_gemv_kernel[grid](x, w, s, y, m, n, k, x.stride(0),
-                                                                              tiles_k // split, SUB=sub, num_warps=4)
+                                                                              tiles_k // split, **launch)
                                  for w in ws]
                         row["us"] = graph_time_us(calls, args.reps)
                         row["tb_s"] = (words.numel() * 4 + s.numel() * 2) / (row["us"] * 1e-6) / 1e12
@@ -279,16 +304,16 @@ def gpu_main(args) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "gluon_int4_lab.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "rows": rows},
                                                             indent=1))
-    print("\n| linear | rows | subtract in | best K split | us | TB/s | rel err |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| linear | rows | subtract in | groups a step | best K split | us | TB/s | rel err |")
+    print("|---|---|---|---|---|---|---|---|")
     best = {}
     for r in rows:
-        key = (r["shape"], r["m"], r["sub"])
+        key = (r["shape"], r["m"], r["sub"], r["tiles"])
         if "us" in r and (key not in best or r["us"] < best[key]["us"]):
             best[key] = r
-    for (name, m, sub), r in best.items():
-        print(f"| {name} | {m} | {'dequant' if sub else 'x sums'} | {r['split']} | {r['us']:.1f} | {r['tb_s']:.2f} | "
-              f"{r['rel_err']:.1e} |")
+    for (name, m, sub, tiles), r in best.items():
+        print(f"| {name} | {m} | {'dequant' if sub else 'x sums'} | {tiles} | {r['split']} | {r['us']:.1f} | "
+              f"{r['tb_s']:.2f} | {r['rel_err']:.1e} |")
 
 
 def main() -> None:
@@ -300,9 +325,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     if args.sass:
-        for sub in (True, False):
-            c = sass_counts(sub)
-            print(f"subtract in {'dequant' if sub else 'x sums'}: {c['instructions']} instructions a loop step, "
+        for sub, tiles in ((True, 1), (False, 1), (True, 2)):
+            c = sass_counts(sub, tiles)
+            print(f"subtract in {'dequant' if sub else 'x sums'}, {tiles} group(s) a step: {c['instructions']} instructions a loop step, "
                   f"{c['per_code']:.2f} a code, {c['registers']} registers; "
                   + ", ".join(f"{k} {v}" for k, v in list(c["opcodes"].items())[:8]))
         return
