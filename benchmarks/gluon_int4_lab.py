@@ -51,13 +51,14 @@ def word_position(rows: torch.Tensor, cols: torch.Tensor, tiles_k: int) -> tuple
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
-    """[N, K] codes 0..15 (N a multiple of 64, K of 128) -> the kernel's int32 words."""
+    """[N, K] codes 0..15 (N a multiple of 64, K of 128) -> the kernel's int32 words (on the codes' device):
+    `word_position`'s layout as one permute."""
     n, k = codes.shape
-    rows = torch.arange(n).repeat_interleave(k)
-    cols = torch.arange(k).repeat(n)
-    word, bit = word_position(rows, cols, k // TILE_K)
-    words = torch.zeros(n * k // 8, dtype=torch.int64)
-    words.index_add_(0, word, codes.flatten().to(torch.int64) << bit)
+    c = codes.to(torch.int64).view(n // TILE_N, 4, 2, 8, k // TILE_K, 2, 4, 2, 4, 2)  # tn w g lr tk s_hi s_lo h q p
+    c = c.permute(0, 4, 1, 5, 3, 8, 6, 2, 7, 9).reshape(-1, 8)  # words in memory order, codes (g, h, p)
+    shifts = torch.tensor([16 * p + 4 * (2 * g + h) for g in (0, 1) for h in (0, 1) for p in (0, 1)],
+                          device=codes.device)
+    words = (c << shifts).sum(dim=1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
@@ -271,9 +272,9 @@ def gpu_main(args) -> None:
         n, k = SHAPES[name]
         codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
         scales = ((torch.rand(n, k // 128, generator=gen) + 0.5) / 40).to(torch.bfloat16)
-        words = pack(codes).to(dev)
+        words = pack(codes.to(dev))
         s = scales.to(dev)
-        w_ref = ((codes.float() - 8) * scales.float().repeat_interleave(128, dim=1)).to(dev)
+        w_ref = (codes.to(dev).float() - 8) * s.float().repeat_interleave(128, dim=1)
         copies = max(1, -(-2 * (60 << 20) // (words.numel() * 4)))
         ws = [words] + [words.clone() for _ in range(copies - 1)]
         for m in [int(v) for v in args.ms.split(",")]:

@@ -33,3 +33,12 @@ def test_kernel_compiles_for_hopper_without_moving_the_operand(lab):
     assert counts["opcodes"].get("HGMMA", 0) == 8  # a 64 x 128 tile: 8 MMAs of K 16
     # no byte permutes: each code's register is where the MMA reads it
     assert counts["opcodes"].get("PRMT", 0) == 0 and counts["per_code"] < 3.0
+
+
+def test_pack_puts_each_code_where_word_position_says(lab):
+    codes = torch.randint(0, 16, (128, 256), dtype=torch.int32)
+    words = lab.pack(codes).to(torch.int64)
+    rows = torch.arange(128).repeat_interleave(256)
+    cols = torch.arange(256).repeat(128)
+    word, bit = lab.word_position(rows, cols, 2)
+    assert torch.equal((words[word] >> bit) & 15, codes.flatten().to(torch.int64))
