@@ -19,6 +19,9 @@ each thread's registers exactly the codes its part of the MMA operand needs:
   scaled into the accumulator; K splits add into an fp32 y atomically (a lab: llmc's qlinear sums its splits in
   a fixed order).
 
+Variants timed: ``sub`` (as above), ``xsums`` (the subtraction through x's sums), ``2tiles`` (two groups a loop
+step), ``xall`` (`int4_gemv_xall_kernel`: the split's whole x in shared memory before the loop).
+
     python3 benchmarks/gluon_int4_lab.py --out OUT      # on a Hopper GPU: bits against torch, then timings
     python3 benchmarks/gluon_int4_lab.py --sass         # no GPU: compile for sm_90, main-loop instructions a code
 """
@@ -97,6 +100,7 @@ A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 X_LD = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
                                      order=[1, 0]))
 X_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+X_SMEM3 = X_SMEM  # a stack of 2-D tiles: the layout of one
 _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # the name before triton 3.7
 _HEAD = """{
 .reg .b32 t4, t8, t12, u0, u1, u2, u3, one, bias;
@@ -218,6 +222,47 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KSPLIT, SUB
             w0 = n0
             w1 = n1
     gl.atomic_add(y_ptr + cols[None, :] * N + rows[:, None], acc, mask=cols[None, :] < M)
+
+
+@gluon.jit
+def int4_gemv_xall_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KT: gl.constexpr, AHEAD: gl.constexpr = 1):
+    # int4_gemv_kernel with the split's whole x [16, KT x 128] put in shared memory first: the loop then only
+    # loads words and scales, dequantizes and multiplies. AHEAD: 1 or 2 tiles' words loaded ahead
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    tiles_k = K // 128
+    w_idx = (((_at(4, 0, WORDS) * 2 + _at(2, 2, WORDS)) * 8 + _at(8, 1, WORDS)) * 4 + _at(4, 3, WORDS)) * 4 \
+        + _at(4, 4, WORDS)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [KT, 16, 128], X_SMEM3)
+    xm = gl.arange(0, 16, layout=gl.SliceLayout(1, X_LD))
+    xk = gl.arange(0, 128, layout=gl.SliceLayout(0, X_LD))
+    t0 = pid_k * KT
+    x_rows = x_ptr + xm[:, None] * stride_xm + t0 * 128 + xk[None, :]
+    for i in gl.static_range(KT):
+        x_smem.index(i).store(gl.load(x_rows + i * 128, mask=xm[:, None] < M, other=0.0))
+    fence_async_shared()
+    _barrier()
+    rows = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
+    acc = gl.zeros([64, 16], gl.float32, layout=MMA)
+    tile_ptr = w_ptr + (pid_n * tiles_k + t0).to(gl.int64) * 1024 + w_idx
+    s_row = s_ptr + rows * tiles_k + t0
+    words = gl.load(tile_ptr)
+    if AHEAD == 2:
+        nxt = gl.load(tile_ptr + 1024 * (KT > 1))
+    for i in range(KT):
+        if AHEAD == 2:
+            nn = gl.load(tile_ptr + gl.minimum(i + 2, KT - 1) * 1024)
+        else:
+            nxt = gl.load(tile_ptr + gl.minimum(i + 1, KT - 1) * 1024)
+        a = _dequant(words, True)
+        part = warpgroup_mma(a, x_smem.index(i).permute((1, 0)), gl.zeros([64, 16], gl.float32, layout=MMA),
+                             use_acc=False)
+        acc += part * gl.load(s_row + i).to(gl.float32)[:, None]
+        words = nxt
+        if AHEAD == 2:
+            nxt = nn
+    gl.atomic_add(y_ptr + cols[None, :] * N + rows[:, None], acc, mask=cols[None, :] < M)
 '''
 
 
@@ -281,19 +326,25 @@ def gpu_main(args) -> None:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(dev)
             ref = x.float() @ w_ref.T
             tiles_k = k // 128
-            for sub, tiles in ((True, 1), (False, 1), (True, 2)):
-                for split in [v for v in (1, 2, 4, 8, 16) if tiles_k % (v * tiles) == 0]:
+            for variant in ("sub", "xsums", "2tiles", "xall"):
+                sub, tiles = variant != "xsums", 2 if variant == "2tiles" else 1
+                for split in [v for v in (1, 2, 4, 8, 16, 32) if tiles_k % (v * tiles) == 0]:
+                    if variant == "xall" and tiles_k // split > 16:  # x in shared memory: 4 KB a group
+                        continue
                     y = torch.zeros(m, n, dtype=torch.float32, device=dev)
                     grid = (n // TILE_N, split)
-                    row = {"shape": name, "m": m, "sub": sub, "tiles": tiles, "split": split}
-                    launch = dict(SUB=sub, TILES=tiles, num_warps=4)
+                    row = {"shape": name, "m": m, "variant": variant, "split": split}
+                    if variant == "xall":
+                        kernel, last = mod.int4_gemv_xall_kernel, dict(KT=tiles_k // split, num_warps=4)
+                    else:
+                        kernel, last = mod.int4_gemv_kernel, dict(KSPLIT=tiles_k // split, SUB=sub, TILES=tiles,
+                                                                  num_warps=4)
                     try:
-                        mod.int4_gemv_kernel[grid](x, words, s, y, m, n, k, x.stride(0), tiles_k // split, **launch)
+                        kernel[grid](x, words, s, y, m, n, k, x.stride(0), **last)
                         torch.cuda.synchronize()
                         row["rel_err"] = ((y - ref).abs().max() / ref.abs().max()).item()
-                        calls = [lambda w=w, y=y: mod.int4_gemv_kernel[grid](x, w, s, y, m, n, k, x.stride(0),
-                                                                              tiles_k // split, **launch)
-                                 for w in ws]
+                        calls = [lambda w=w, y=y, kernel=kernel, last=last, grid=grid:
+                                 kernel[grid](x, w, s, y, m, n, k, x.stride(0), **last) for w in ws]
                         row["us"] = graph_time_us(calls, args.reps)
                         row["tb_s"] = (words.numel() * 4 + s.numel() * 2) / (row["us"] * 1e-6) / 1e12
                     except Exception as exc:  # reported, not fatal: the lab's first run on a GPU's triton
@@ -305,16 +356,18 @@ def gpu_main(args) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "gluon_int4_lab.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "rows": rows},
                                                             indent=1))
-    print("\n| linear | rows | subtract in | groups a step | best K split | us | TB/s | rel err |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| linear | rows | variant | best K split | us | TB/s | rel err |")
+    print("|---|---|---|---|---|---|---|")
     best = {}
     for r in rows:
-        key = (r["shape"], r["m"], r["sub"], r["tiles"])
+        key = (r["shape"], r["m"], r["variant"])
         if "us" in r and (key not in best or r["us"] < best[key]["us"]):
             best[key] = r
-    for (name, m, sub, tiles), r in best.items():
-        print(f"| {name} | {m} | {'dequant' if sub else 'x sums'} | {tiles} | {r['split']} | {r['us']:.1f} | "
-              f"{r['tb_s']:.2f} | {r['rel_err']:.1e} |")
+    for (name, m, variant), r in best.items():
+        print(f"| {name} | {m} | {variant} | {r['split']} | {r['us']:.1f} | {r['tb_s']:.2f} | {r['rel_err']:.1e} |")
+    errors = [r for r in rows if "error" in r]
+    if errors:
+        print(f"{len(errors)} runs failed; the first: {errors[0]}")
 
 
 def main() -> None:
