@@ -20,7 +20,8 @@ each thread's registers exactly the codes its part of the MMA operand needs:
   a fixed order).
 
 Variants timed: ``sub`` (as above), ``xsums`` (the subtraction through x's sums), ``2tiles`` (two groups a loop
-step), ``xall`` (`int4_gemv_xall_kernel`: the split's whole x in shared memory before the loop).
+step), ``xall`` (`int4_gemv_xall_kernel`: the split's whole x in shared memory before the loop), ``xraw`` (`xall`
+with 128 + code into the MMA and the groups' sums of x, made before the loop, taken off after it).
 
     python3 benchmarks/gluon_int4_lab.py --out OUT      # on a Hopper GPU: bits against torch, then timings
     python3 benchmarks/gluon_int4_lab.py --sass         # no GPU: compile for sm_90, main-loop instructions a code
@@ -101,6 +102,7 @@ X_LD = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2
                                      order=[1, 0]))
 X_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 X_SMEM3 = X_SMEM  # a stack of 2-D tiles: the layout of one
+XS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))  # rows of 16 sums
 _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # the name before triton 3.7
 _HEAD = """{
 .reg .b32 t4, t8, t12, u0, u1, u2, u3, one, bias;
@@ -225,9 +227,12 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KSPLIT, SUB
 
 
 @gluon.jit
-def int4_gemv_xall_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KT: gl.constexpr, AHEAD: gl.constexpr = 1):
+def int4_gemv_xall_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KT: gl.constexpr, AHEAD: gl.constexpr = 1,
+                          RAW: gl.constexpr = False):
     # int4_gemv_kernel with the split's whole x [16, KT x 128] put in shared memory first: the loop then only
-    # loads words and scales, dequantizes and multiplies. AHEAD: 1 or 2 tiles' words loaded ahead
+    # loads words and scales, dequantizes and multiplies. AHEAD: 1 or 2 tiles' words loaded ahead. RAW: the MMA
+    # takes 128 + code (no subtraction a pair) and each group's product less 136 x its sum of x, the sums made
+    # once before the loop
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     tiles_k = K // 128
@@ -238,8 +243,12 @@ def int4_gemv_xall_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KT: gl
     xk = gl.arange(0, 128, layout=gl.SliceLayout(0, X_LD))
     t0 = pid_k * KT
     x_rows = x_ptr + xm[:, None] * stride_xm + t0 * 128 + xk[None, :]
+    xs_smem = gl.allocate_shared_memory(gl.float32, [KT, 16], XS_SMEM)
     for i in gl.static_range(KT):
-        x_smem.index(i).store(gl.load(x_rows + i * 128, mask=xm[:, None] < M, other=0.0))
+        xv = gl.load(x_rows + i * 128, mask=xm[:, None] < M, other=0.0)
+        x_smem.index(i).store(xv)
+        if RAW:
+            xs_smem.index(i).store(gl.sum(xv.to(gl.float32), axis=1))
     fence_async_shared()
     _barrier()
     rows = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
@@ -255,9 +264,11 @@ def int4_gemv_xall_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KT: gl
             nn = gl.load(tile_ptr + gl.minimum(i + 2, KT - 1) * 1024)
         else:
             nxt = gl.load(tile_ptr + gl.minimum(i + 1, KT - 1) * 1024)
-        a = _dequant(words, True)
+        a = _dequant(words, not RAW)
         part = warpgroup_mma(a, x_smem.index(i).permute((1, 0)), gl.zeros([64, 16], gl.float32, layout=MMA),
                              use_acc=False)
+        if RAW:
+            part = part - 136.0 * xs_smem.index(i).load(gl.SliceLayout(0, MMA))[None, :]
         acc += part * gl.load(s_row + i).to(gl.float32)[:, None]
         words = nxt
         if AHEAD == 2:
@@ -278,20 +289,31 @@ def load_kernel():
     return mod
 
 
-def sass_counts(sub: bool, tiles: int = 1) -> dict:
-    """Compile for sm_90 here (no GPU needed) and count the MMA loop's instructions a thread."""
+SASS_VARIANTS = {  # name: (kernel, constexprs, codes a thread a loop step)
+    "sub": ("int4_gemv_kernel", {"SUB": True, "TILES": 1}, 64),
+    "xsums": ("int4_gemv_kernel", {"SUB": False, "TILES": 1}, 64),
+    "2tiles": ("int4_gemv_kernel", {"SUB": True, "TILES": 2}, 128),
+    "xall": ("int4_gemv_xall_kernel", {"KT": 8, "AHEAD": 1, "RAW": False}, 64),
+    "xraw": ("int4_gemv_xall_kernel", {"KT": 8, "AHEAD": 1, "RAW": True}, 64),
+}
+
+
+def sass_counts(variant: str = "sub") -> dict:
+    """Compile a variant for sm_90 here (no GPU needed) and count its MMA loop's instructions a thread."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from sass_loop import cuobjdump, loop_opcodes
-    fn = load_kernel().int4_gemv_kernel
+    name, consts, codes = SASS_VARIANTS[variant]
+    fn = getattr(load_kernel(), name)
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": "*fp32", "M": "i32", "N": "i32",
-           "K": "i32", "stride_xm": "i32", "KSPLIT": "i32", "SUB": "constexpr", "TILES": "constexpr"}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig
-             if a not in ("M", "KSPLIT", "SUB", "TILES")}
-    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index("SUB"),): sub,
-                                              (fn.arg_names.index("TILES"),): tiles}, attrs=attrs)
+           "K": "i32", "stride_xm": "i32"}
+    if name == "int4_gemv_kernel":
+        sig["KSPLIT"] = "i32"
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "KSPLIT")}
+    sig.update({c: "constexpr" for c in consts})
+    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "k.cubin"
@@ -301,9 +323,8 @@ def sass_counts(sub: bool, tiles: int = 1) -> dict:
                              text=True).stdout
     ops = loop_opcodes(sass.stdout, mma=True)
     regs = int(res.split("REG:")[1].split()[0]) if "REG:" in res else None
-    codes = tiles * TILE_N * TILE_K / 128  # a thread's codes a loop step
-    return {"sub": sub, "tiles": tiles, "instructions": sum(ops.values()), "per_code": sum(ops.values()) / codes, "registers": regs,
-            "opcodes": dict(collections.Counter(ops).most_common())}
+    return {"variant": variant, "instructions": sum(ops.values()), "per_code": sum(ops.values()) / codes,
+            "registers": regs, "opcodes": dict(collections.Counter(ops).most_common())}
 
 
 def gpu_main(args) -> None:
@@ -326,16 +347,17 @@ def gpu_main(args) -> None:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(dev)
             ref = x.float() @ w_ref.T
             tiles_k = k // 128
-            for variant in ("sub", "xsums", "2tiles", "xall"):
+            for variant in ("sub", "xsums", "2tiles", "xall", "xraw"):
                 sub, tiles = variant != "xsums", 2 if variant == "2tiles" else 1
                 for split in [v for v in (1, 2, 4, 8, 16, 32) if tiles_k % (v * tiles) == 0]:
-                    if variant == "xall" and tiles_k // split > 16:  # x in shared memory: 4 KB a group
+                    if variant in ("xall", "xraw") and tiles_k // split > 16:  # x in shared memory: 4 KB a group
                         continue
                     y = torch.zeros(m, n, dtype=torch.float32, device=dev)
                     grid = (n // TILE_N, split)
                     row = {"shape": name, "m": m, "variant": variant, "split": split}
-                    if variant == "xall":
-                        kernel, last = mod.int4_gemv_xall_kernel, dict(KT=tiles_k // split, num_warps=4)
+                    if variant in ("xall", "xraw"):
+                        kernel, last = mod.int4_gemv_xall_kernel, dict(KT=tiles_k // split, RAW=variant == "xraw",
+                                                                        num_warps=4)
                     else:
                         kernel, last = mod.int4_gemv_kernel, dict(KSPLIT=tiles_k // split, SUB=sub, TILES=tiles,
                                                                   num_warps=4)
@@ -379,9 +401,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     if args.sass:
-        for sub, tiles in ((True, 1), (False, 1), (True, 2)):
-            c = sass_counts(sub, tiles)
-            print(f"subtract in {'dequant' if sub else 'x sums'}, {tiles} group(s) a step: {c['instructions']} instructions a loop step, "
+        import triton
+        print(f"triton {triton.__version__}, sm_90, 4 warps: the MMA loop's instructions a thread")
+        for variant in SASS_VARIANTS:
+            c = sass_counts(variant)
+            print(f"{variant:7s} {c['instructions']} instructions a loop step, "
                   f"{c['per_code']:.2f} a code, {c['registers']} registers; "
                   + ", ".join(f"{k} {v}" for k, v in list(c["opcodes"].items())[:8]))
         return

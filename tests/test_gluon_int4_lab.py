@@ -29,7 +29,7 @@ def test_kernels_op_sequence_reads_each_tile_in_place(lab, tile_n, tile_k):
 
 def test_kernel_compiles_for_hopper_without_moving_the_operand(lab):
     pytest.importorskip("triton.experimental.gluon")
-    counts = lab.sass_counts(sub=True)  # convert_layout(..., assert_trivial=True) fails the compile otherwise
+    counts = lab.sass_counts("sub")  # convert_layout(..., assert_trivial=True) fails the compile otherwise
     assert counts["opcodes"].get("HGMMA", 0) == 8  # a 64 x 128 tile: 8 MMAs of K 16
     # no byte permutes: each code's register is where the MMA reads it
     assert counts["opcodes"].get("PRMT", 0) == 0 and counts["per_code"] < 3.0
