@@ -21,7 +21,8 @@ each thread's registers exactly the codes its part of the MMA operand needs:
 
 Variants timed: ``sub`` (as above), ``xsums`` (the subtraction through x's sums), ``2tiles`` (two groups a loop
 step), ``xall`` (`int4_gemv_xall_kernel`: the split's whole x in shared memory before the loop), ``xraw`` (`xall`
-with 128 + code into the MMA and the groups' sums of x, made before the loop, taken off after it).
+with 128 + code into the MMA and the groups' sums of x, made before the loop, taken off after it); ``xall-det``
+and ``xraw-det`` end as llmc's qlinear does: a bf16 y, K splits summed in a fixed order by the last to arrive.
 
     python3 benchmarks/gluon_int4_lab.py --out OUT      # on a Hopper GPU: bits against torch, then timings
     python3 benchmarks/gluon_int4_lab.py --sass         # no GPU: compile for sm_90, main-loop instructions a code
@@ -228,7 +229,8 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KSPLIT, SUB
 
 @gluon.jit
 def int4_gemv_xall_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KT: gl.constexpr, AHEAD: gl.constexpr = 1,
-                          RAW: gl.constexpr = False):
+                          RAW: gl.constexpr = False, ws_ptr=None, count_ptr=None, DET: gl.constexpr = False):
+    # (ws_ptr, count_ptr: the split sums' workspace [splits, 16, N] and tile counters, read with DET only)
     # int4_gemv_kernel with the split's whole x [16, KT x 128] put in shared memory first: the loop then only
     # loads words and scales, dequantizes and multiplies. AHEAD: 1 or 2 tiles' words loaded ahead. RAW: the MMA
     # takes 128 + code (no subtraction a pair) and each group's product less 136 x its sum of x, the sums made
@@ -273,7 +275,23 @@ def int4_gemv_xall_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KT: gl
         words = nxt
         if AHEAD == 2:
             nxt = nn
-    gl.atomic_add(y_ptr + cols[None, :] * N + rows[:, None], acc, mask=cols[None, :] < M)
+    if DET:  # as llmc's qlinear: bf16 y; with K splits, the split that arrives last sums the partials in order
+        y_at = y_ptr + cols[None, :] * N + rows[:, None]
+        n_split = gl.num_programs(1)
+        if n_split == 1:
+            gl.store(y_at, acc.to(gl.bfloat16), mask=cols[None, :] < M)
+        else:
+            ws_at = ws_ptr + cols[None, :] * N + rows[:, None]
+            gl.store(ws_at + pid_k * 16 * N, acc)
+            _barrier()  # every thread's partials written before the arrival is counted
+            if gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == n_split - 1:
+                gl.atomic_xchg(count_ptr + pid_n, 0)
+                tot = gl.zeros([64, 16], gl.float32, layout=MMA)
+                for sp in range(n_split):
+                    tot += gl.load(ws_at + sp * 16 * N, cache_modifier=".cg")
+                gl.store(y_at, tot.to(gl.bfloat16), mask=cols[None, :] < M)
+    else:
+        gl.atomic_add(y_ptr + cols[None, :] * N + rows[:, None], acc, mask=cols[None, :] < M)
 '''
 
 
@@ -293,8 +311,9 @@ SASS_VARIANTS = {  # name: (kernel, constexprs, codes a thread a loop step)
     "sub": ("int4_gemv_kernel", {"SUB": True, "TILES": 1}, 64),
     "xsums": ("int4_gemv_kernel", {"SUB": False, "TILES": 1}, 64),
     "2tiles": ("int4_gemv_kernel", {"SUB": True, "TILES": 2}, 128),
-    "xall": ("int4_gemv_xall_kernel", {"KT": 8, "AHEAD": 1, "RAW": False}, 64),
-    "xraw": ("int4_gemv_xall_kernel", {"KT": 8, "AHEAD": 1, "RAW": True}, 64),
+    "xall": ("int4_gemv_xall_kernel", {"KT": 8, "AHEAD": 1, "RAW": False, "DET": False}, 64),
+    "xraw": ("int4_gemv_xall_kernel", {"KT": 8, "AHEAD": 1, "RAW": True, "DET": False}, 64),
+    "xall-det": ("int4_gemv_xall_kernel", {"KT": 8, "AHEAD": 1, "RAW": False, "DET": True}, 64),
 }
 
 
@@ -311,8 +330,11 @@ def sass_counts(variant: str = "sub") -> dict:
            "K": "i32", "stride_xm": "i32"}
     if name == "int4_gemv_kernel":
         sig["KSPLIT"] = "i32"
+    if name == "int4_gemv_xall_kernel":
+        sig.update(ws_ptr="*fp32", count_ptr="*i32")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "KSPLIT")}
     sig.update({c: "constexpr" for c in consts})
+    sig = {a: sig[a] for a in fn.arg_names if a in sig}  # in the kernel's argument order
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     with tempfile.TemporaryDirectory() as d:
@@ -347,24 +369,28 @@ def gpu_main(args) -> None:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(dev)
             ref = x.float() @ w_ref.T
             tiles_k = k // 128
-            for variant in ("sub", "xsums", "2tiles", "xall", "xraw"):
+            ws_buf = torch.zeros(32 * 16 * n, dtype=torch.float32, device=dev)
+            count = torch.zeros(n // TILE_N, dtype=torch.int32, device=dev)
+            for variant in ("sub", "xsums", "2tiles", "xall", "xraw", "xall-det", "xraw-det"):
                 sub, tiles = variant != "xsums", 2 if variant == "2tiles" else 1
                 for split in [v for v in (1, 2, 4, 8, 16, 32) if tiles_k % (v * tiles) == 0]:
-                    if variant in ("xall", "xraw") and tiles_k // split > 16:  # x in shared memory: 4 KB a group
-                        continue
-                    y = torch.zeros(m, n, dtype=torch.float32, device=dev)
+                    det = variant.endswith("-det")
+                    if variant.startswith("x") and variant != "xsums" and tiles_k // split > 16:
+                        continue  # x in shared memory: 4 KB a group
+                    y = torch.zeros(m, n, dtype=torch.bfloat16 if det else torch.float32, device=dev)
                     grid = (n // TILE_N, split)
                     row = {"shape": name, "m": m, "variant": variant, "split": split}
-                    if variant in ("xall", "xraw"):
-                        kernel, last = mod.int4_gemv_xall_kernel, dict(KT=tiles_k // split, RAW=variant == "xraw",
-                                                                        num_warps=4)
+                    if variant.startswith(("xall", "xraw")):
+                        kernel, last = mod.int4_gemv_xall_kernel, dict(KT=tiles_k // split,
+                                                                        RAW=variant.startswith("xraw"), ws_ptr=ws_buf,
+                                                                        count_ptr=count, DET=det, num_warps=4)
                     else:
                         kernel, last = mod.int4_gemv_kernel, dict(KSPLIT=tiles_k // split, SUB=sub, TILES=tiles,
                                                                   num_warps=4)
                     try:
                         kernel[grid](x, words, s, y, m, n, k, x.stride(0), **last)
                         torch.cuda.synchronize()
-                        row["rel_err"] = ((y - ref).abs().max() / ref.abs().max()).item()
+                        row["rel_err"] = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                         calls = [lambda w=w, y=y, kernel=kernel, last=last, grid=grid:
                                  kernel[grid](x, w, s, y, m, n, k, x.stride(0), **last) for w in ws]
                         row["us"] = graph_time_us(calls, args.reps)
