@@ -10,10 +10,10 @@
 OUT=$1; mkdir -p $OUT
 python3 -c "import llmc" 2>/dev/null || pip install -q --no-deps -e . >/dev/null 2>&1
 n=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$n" | tee $OUT/gpu.txt
-timeout 110 python3 benchmarks/gluon_int4_lab.py --out $OUT/gluon > $OUT/gluon.log 2>&1
+timeout 150 python3 benchmarks/gluon_int4_lab.py --out $OUT/gluon > $OUT/gluon.log 2>&1
 echo "gluon lab rc $?"
-timeout 100 python3 benchmarks/qlinear_probe.py --shapes gate_up,down,qkv,o_proj --ms 1,16 --formats int4-g128 \
-    --variants default --out $OUT/probe > $OUT/probe.log 2>&1
+timeout 120 python3 benchmarks/qlinear_probe.py --shapes gate_up,down,qkv,o_proj --ms 1,16 --formats int4-g128 \
+    --variants default,split2 --out $OUT/probe > $OUT/probe.log 2>&1
 echo "probe rc $?"
 timeout 100 python3 benchmarks/step_floor.py --out $OUT/floor > $OUT/floor.log 2>&1
 echo "step_floor rc $?"

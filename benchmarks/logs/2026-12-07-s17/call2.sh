@@ -5,11 +5,11 @@
 OUT=$1; mkdir -p $OUT
 python3 -c "import llmc" 2>/dev/null || pip install -q --no-deps -e . >/dev/null 2>&1
 n=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$n" | tee $OUT/gpu.txt
-timeout 110 python3 benchmarks/gluon_int4_lab.py --out $OUT/gluon > $OUT/gluon.log 2>&1
+timeout 110 python3 benchmarks/gluon_int4_lab.py --variants sub,xall,xraw,xall-det --out $OUT/gluon > $OUT/gluon.log 2>&1
 echo "gluon lab rc $?"
 grep -v "^{" $OUT/gluon.log | grep -v -i "warn" | tail -40
-timeout 90 python3 benchmarks/qlinear_probe.py --shapes gate_up,down,qkv,o_proj --ms 1,16 --formats int4-g128 \
-    --variants default --out $OUT/probe > $OUT/probe.log 2>&1
+timeout 110 python3 benchmarks/qlinear_probe.py --shapes gate_up,down,qkv,o_proj --ms 1,16 --formats int4-g128 \
+    --variants default,split2 --out $OUT/probe > $OUT/probe.log 2>&1
 echo "probe rc $?"
 grep -v -i warn $OUT/probe.log | tail -12
 timeout 100 python3 benchmarks/step_floor.py --out $OUT/floor > $OUT/floor.log 2>&1
