@@ -399,11 +399,11 @@ def gpu_main(args) -> None:
                         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gluon_int4_lab.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "rows": rows},
-                                                            indent=1))
+        if args.out:  # after each linear, so that a run cut short keeps what it measured
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "gluon_int4_lab.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "rows": rows},
+                                                                indent=1))
     print("\n| linear | rows | variant | best K split | us | TB/s | rel err |")
     print("|---|---|---|---|---|---|---|")
     best = {}
@@ -418,9 +418,32 @@ def gpu_main(args) -> None:
         print(f"{len(errors)} runs failed; the first: {errors[0]}")
 
 
+def compare(lab_rows: list[dict], probe_rows: list[dict]) -> list[dict]:
+    """Per linear and row count: the fastest lab variant (any K split) against llmc's fastest qlinear variant
+    (`qlinear_probe.py`'s rows), and the four linears summed a layer; only runs whose bits were checked."""
+    out = []
+    for shape in SHAPES:
+        for m in sorted({r["m"] for r in lab_rows}):
+            lab = [r for r in lab_rows if r["shape"] == shape and r["m"] == m and "us" in r and r["rel_err"] < 1e-2]
+            ref = [r for r in probe_rows if r["shape"] == shape and r["m"] == m and r.get("format") == "int4-g128"]
+            if lab and ref:
+                a, b = min(lab, key=lambda r: r["us"]), min(ref, key=lambda r: r["us"])
+                out.append({"shape": shape, "m": m, "gluon_us": a["us"], "gluon": f"{a['variant']} split {a['split']}",
+                            "qlinear_us": b["us"], "qlinear": b["variant"], "speedup": b["us"] / a["us"]})
+    for m in sorted({r["m"] for r in out}):
+        rows = [r for r in out if r["m"] == m]
+        if len(rows) == len(SHAPES):
+            g, q = sum(r["gluon_us"] for r in rows), sum(r["qlinear_us"] for r in rows)
+            out.append({"shape": "a layer", "m": m, "gluon_us": g, "gluon": "", "qlinear_us": q, "qlinear": "",
+                        "speedup": q / g})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sass", action="store_true", help="compile for sm_90 here and count instructions (no GPU)")
+    ap.add_argument("--compare", nargs=2, metavar=("LAB_JSON", "PROBE_JSON"),
+                    help="the lab's timings against qlinear_probe.py's, per linear and a layer (no GPU)")
     ap.add_argument("--out", help="directory for gluon_int4_lab.json")
     ap.add_argument("--shapes", default="gate_up,down,qkv,o_proj", help="8B linears (comma-separated)")
     ap.add_argument("--ms", default="1,16", help="rows of x (comma-separated, at most 16)")
@@ -436,6 +459,15 @@ def main() -> None:
             print(f"{variant:7s} {c['instructions']} instructions a loop step, "
                   f"{c['per_code']:.2f} a code, {c['registers']} registers; "
                   + ", ".join(f"{k} {v}" for k, v in list(c["opcodes"].items())[:8]))
+        return
+    if args.compare:
+        lab_rows = json.loads(Path(args.compare[0]).read_text())["rows"]
+        probe_rows = json.loads(Path(args.compare[1]).read_text())
+        print("| linear | rows | Gluon us (variant) | qlinear us (variant) | qlinear / Gluon |")
+        print("|---|---|---|---|---|")
+        for r in compare(lab_rows, probe_rows):
+            print(f"| {r['shape']} | {r['m']} | {r['gluon_us']:.1f} {r['gluon']} | {r['qlinear_us']:.1f} {r['qlinear']} | "
+                  f"{r['speedup']:.2f}x |")
         return
     if not torch.cuda.is_available():
         sys.exit("gluon_int4_lab: timing needs a CUDA GPU (--sass counts instructions without one)")

@@ -42,3 +42,18 @@ def test_pack_puts_each_code_where_word_position_says(lab):
     cols = torch.arange(256).repeat(128)
     word, bit = lab.word_position(rows, cols, 2)
     assert torch.equal((words[word] >> bit) & 15, codes.flatten().to(torch.int64))
+
+
+def test_compare_takes_each_sides_fastest_checked_run(lab):
+    lab_rows, probe_rows = [], []
+    for shape in lab.SHAPES:
+        lab_rows += [{"shape": shape, "m": 1, "variant": "xall", "split": 2, "us": 10.0, "rel_err": 1e-3},
+                     {"shape": shape, "m": 1, "variant": "xraw", "split": 4, "us": 5.0, "rel_err": 0.5},  # wrong bits
+                     {"shape": shape, "m": 1, "variant": "sub", "split": 1, "error": "no"}]
+        probe_rows += [{"shape": shape, "m": 1, "format": "int4-g128", "variant": v, "us": us}
+                       for v, us in (("default", 20.0), ("split2", 15.0))]
+    rows = lab.compare(lab_rows, probe_rows)
+    per = [r for r in rows if r["shape"] == "qkv"][0]
+    assert per["gluon_us"] == 10.0 and per["qlinear_us"] == 15.0 and per["speedup"] == 1.5
+    layer = rows[-1]
+    assert layer["shape"] == "a layer" and layer["gluon_us"] == 40.0 and layer["qlinear_us"] == 60.0

@@ -22,5 +22,7 @@ timeout 120 python3 benchmarks/persistent_linears.py --out $OUT/pl --block-n 32,
 echo "persistent_linears rc $?"
 grep -v "^{" $OUT/gluon.log | grep -v -i "warn" | tail -12
 grep -v -i warn $OUT/probe.log | tail -12
+python3 benchmarks/gluon_int4_lab.py --compare $OUT/gluon/gluon_int4_lab.json $OUT/probe/qlinear_probe.json \
+    2>&1 | tee $OUT/compare.md
 grep -A12 "step chains" $OUT/floor.log; grep -A60 "one persistent kernel" $OUT/floor.log | grep -v atomic | head -40
 grep "against torch\|^best" $OUT/pl.log | head -10

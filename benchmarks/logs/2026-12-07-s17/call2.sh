@@ -12,6 +12,8 @@ timeout 110 python3 benchmarks/qlinear_probe.py --shapes gate_up,down,qkv,o_proj
     --variants default,split2 --out $OUT/probe > $OUT/probe.log 2>&1
 echo "probe rc $?"
 grep -v -i warn $OUT/probe.log | tail -12
+python3 benchmarks/gluon_int4_lab.py --compare $OUT/gluon/gluon_int4_lab.json $OUT/probe/qlinear_probe.json \
+    2>&1 | tee $OUT/compare.md
 timeout 100 python3 benchmarks/step_floor.py --out $OUT/floor > $OUT/floor.log 2>&1
 echo "step_floor rc $?"
 grep -A12 "step chains" $OUT/floor.log; grep -A60 "one persistent kernel" $OUT/floor.log | grep -v atomic | head -40

@@ -11,3 +11,5 @@ timeout 100 python3 benchmarks/qlinear_probe.py --shapes gate_up,down,qkv,o_proj
     --variants default,split2 --out $OUT/probe > $OUT/probe.log 2>&1
 echo "probe rc $?"
 grep -v -i warn $OUT/probe.log | tail -12
+python3 benchmarks/gluon_int4_lab.py --compare $OUT/gluon/gluon_int4_lab.json $OUT/probe/qlinear_probe.json \
+    2>&1 | tee $OUT/compare.md
