@@ -35,25 +35,12 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_bench import SHAPES  # noqa: E402
+from int4_gemv_lab import _plane, _x as _x_plane  # noqa: E402  (code - 8) x 2^P of a nibble plane; x x 2^-P
 from quant_bench import graph_time_us  # noqa: E402
 
 GROUP = 128
 COLUMNS = 8  # columns an int32 word of codes holds
 FIELDS = 9  # a phase's row of the phase table: weight and scale offsets, N, K, K split, x and y offsets, SwiGLU, items
-
-
-@triton.jit
-def _plane(src, P: tl.constexpr):
-    # the nibble at bits P..P+3 of each int32 word (P <= 12) less the zero point 8, times 2^P, as an exact fp32:
-    # and-or into 2^23's exponent, then one subtraction (no int-to-float conversion)
-    f = ((src & (15 << P)) | 0x4B000000).to(tl.float32, bitcast=True)
-    return f - (8388608.0 + 8.0 * (1 << P))
-
-
-@triton.jit
-def _x_plane(x_ptr, col, K, P: tl.constexpr):
-    # x at the plane's columns, times 2^-P (exact), so that with a plane of code x 2^P the product is code x x
-    return tl.load(x_ptr + col, mask=col < K, other=0.0).to(tl.float32) * (1.0 / (1 << P))
 
 
 @triton.jit

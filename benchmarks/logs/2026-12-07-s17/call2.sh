@@ -1,19 +1,5 @@
 #!/usr/bin/env bash
-# call1.sh's first three parts, for a call with less device time: the Gluon int4 lab, llmc's qlinear beside it
-# (qlinear_probe.py), then step_floor.py (whatever of it fits).
-# Usage, from the repository root on the GPU: bash benchmarks/logs/2026-12-07-s17/call2.sh OUT (about 5 minutes)
-OUT=$1; mkdir -p $OUT
-python3 -c "import llmc" 2>/dev/null || pip install -q --no-deps -e . >/dev/null 2>&1
-n=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$n" | tee $OUT/gpu.txt
-timeout 110 python3 benchmarks/gluon_int4_lab.py --variants sub,xall,xraw,xall-det --out $OUT/gluon > $OUT/gluon.log 2>&1
-echo "gluon lab rc $?"
-grep -v "^{" $OUT/gluon.log | grep -v -i "warn" | tail -40
-timeout 110 python3 benchmarks/qlinear_probe.py --shapes gate_up,down,qkv,o_proj --ms 1,16 --formats int4-g128 \
-    --variants default,split2 --out $OUT/probe > $OUT/probe.log 2>&1
-echo "probe rc $?"
-grep -v -i warn $OUT/probe.log | tail -12
-python3 benchmarks/gluon_int4_lab.py --compare $OUT/gluon/gluon_int4_lab.json $OUT/probe/qlinear_probe.json \
-    2>&1 | tee $OUT/compare.md
-timeout 100 python3 benchmarks/step_floor.py --out $OUT/floor > $OUT/floor.log 2>&1
-echo "step_floor rc $?"
-grep -A12 "step chains" $OUT/floor.log; grep -A60 "one persistent kernel" $OUT/floor.log | grep -v atomic | head -40
+# call1.sh's first three parts with four of the lab's kernels, for a call with less device time (about 5 minutes):
+# bash benchmarks/logs/2026-12-07-s17/call2.sh OUT
+PARTS="lab probe floor" LAB_VARIANTS=sub,xall,xraw,xall-det LAB_T=110 PROBE_T=110 \
+    exec bash "$(dirname "$0")/call1.sh" "$@"
