@@ -22,7 +22,8 @@ each thread's registers exactly the codes its part of the MMA operand needs:
 Variants timed: ``sub`` (as above), ``xsums`` (the subtraction through x's sums), ``2tiles`` (two groups a loop
 step), ``xall`` (`int4_gemv_xall_kernel`: the split's whole x in shared memory before the loop), ``xraw`` (`xall`
 with 128 + code into the MMA and the groups' sums of x, made before the loop, taken off after it); ``xall-det``
-and ``xraw-det`` end as llmc's qlinear does: a bf16 y, K splits summed in a fixed order by the last to arrive.
+and ``xraw-det`` end as llmc's qlinear does: a bf16 y, K splits summed in a fixed order by the last to arrive. Any
+variant takes the suffix ``-det`` (that ending) and ``-a2`` (two tiles' words loaded ahead, not one): ``sub-det-a2``.
 
     python3 benchmarks/gluon_int4_lab.py --out OUT      # on a Hopper GPU: bits against torch, then timings
     python3 benchmarks/gluon_int4_lab.py --sass         # no GPU: compile for sm_90, main-loop instructions a code
@@ -186,10 +187,37 @@ def _tile(words, xv, x_smem, s_ptr, rows, tiles_k, t, acc, SUB: gl.constexpr):
 
 
 @gluon.jit
+def _store_y(acc, y_ptr, ws_ptr, count_ptr, rows, cols, M, N, DET: gl.constexpr):
+    # DET, as llmc's qlinear: bf16 y; with K splits, the split that arrives last sums the partials in order.
+    # Otherwise the splits add into an fp32 y atomically
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    if DET:
+        y_at = y_ptr + cols[None, :] * N + rows[:, None]
+        n_split = gl.num_programs(1)
+        if n_split == 1:
+            gl.store(y_at, acc.to(gl.bfloat16), mask=cols[None, :] < M)
+        else:
+            ws_at = ws_ptr + cols[None, :] * N + rows[:, None]
+            gl.store(ws_at + pid_k * 16 * N, acc)
+            _barrier()  # every thread's partials written before the arrival is counted
+            if gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == n_split - 1:
+                gl.atomic_xchg(count_ptr + pid_n, 0)
+                tot = gl.zeros([64, 16], gl.float32, layout=MMA)
+                for sp in range(n_split):
+                    tot += gl.load(ws_at + sp * 16 * N, cache_modifier=".cg")
+                gl.store(y_at, tot.to(gl.bfloat16), mask=cols[None, :] < M)
+    else:
+        gl.atomic_add(y_ptr + cols[None, :] * N + rows[:, None], acc, mask=cols[None, :] < M)
+
+
+@gluon.jit
 def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KSPLIT, SUB: gl.constexpr,
-                     TILES: gl.constexpr = 1):
+                     TILES: gl.constexpr = 1, AHEAD: gl.constexpr = 1, ws_ptr=None, count_ptr=None,
+                     DET: gl.constexpr = False):
     # y[m, n] += sum_k x[m, k] (code[n, k] - 8) s[n, k // 128] over this program's KSPLIT groups; M <= 16.
     # TILES groups a loop step (1 or 2; KSPLIT a multiple), the next step's words loaded before this one's math
+    # (with TILES 1, AHEAD 2: the next two tiles' words); DET, ws_ptr, count_ptr: as `_store_y`
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     tiles_k = K // 128
@@ -207,11 +235,18 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KSPLIT, SUB
     tile_ptr = w_ptr + (pid_n * tiles_k).to(gl.int64) * 1024
     if TILES == 1:
         words = gl.load(tile_ptr + t0 * 1024 + w_idx)
+        if AHEAD == 2:
+            nxt = gl.load(tile_ptr + gl.minimum(t0 + 1, tiles_k - 1) * 1024 + w_idx)
         for t in range(t0, t0 + KSPLIT):
-            nxt = gl.load(tile_ptr + gl.minimum(t + 1, tiles_k - 1) * 1024 + w_idx)  # the next tile's, ahead
+            if AHEAD == 2:
+                nn = gl.load(tile_ptr + gl.minimum(t + 2, tiles_k - 1) * 1024 + w_idx)
+            else:
+                nxt = gl.load(tile_ptr + gl.minimum(t + 1, tiles_k - 1) * 1024 + w_idx)  # the next tile's, ahead
             xv = gl.load(x_rows + t * 128, mask=x_ok, other=0.0)
             acc = _tile(words, xv, x_smem, s_ptr, rows, tiles_k, t, acc, SUB)
             words = nxt
+            if AHEAD == 2:
+                nxt = nn
     else:
         w0 = gl.load(tile_ptr + t0 * 1024 + w_idx)
         w1 = gl.load(tile_ptr + (t0 + 1) * 1024 + w_idx)
@@ -224,7 +259,7 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KSPLIT, SUB
             acc = _tile(w1, x1, x_smem, s_ptr, rows, tiles_k, t + 1, acc, SUB)
             w0 = n0
             w1 = n1
-    gl.atomic_add(y_ptr + cols[None, :] * N + rows[:, None], acc, mask=cols[None, :] < M)
+    _store_y(acc, y_ptr, ws_ptr, count_ptr, rows, cols, M, N, DET)
 
 
 @gluon.jit
@@ -275,23 +310,7 @@ def int4_gemv_xall_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KT: gl
         words = nxt
         if AHEAD == 2:
             nxt = nn
-    if DET:  # as llmc's qlinear: bf16 y; with K splits, the split that arrives last sums the partials in order
-        y_at = y_ptr + cols[None, :] * N + rows[:, None]
-        n_split = gl.num_programs(1)
-        if n_split == 1:
-            gl.store(y_at, acc.to(gl.bfloat16), mask=cols[None, :] < M)
-        else:
-            ws_at = ws_ptr + cols[None, :] * N + rows[:, None]
-            gl.store(ws_at + pid_k * 16 * N, acc)
-            _barrier()  # every thread's partials written before the arrival is counted
-            if gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == n_split - 1:
-                gl.atomic_xchg(count_ptr + pid_n, 0)
-                tot = gl.zeros([64, 16], gl.float32, layout=MMA)
-                for sp in range(n_split):
-                    tot += gl.load(ws_at + sp * 16 * N, cache_modifier=".cg")
-                gl.store(y_at, tot.to(gl.bfloat16), mask=cols[None, :] < M)
-    else:
-        gl.atomic_add(y_ptr + cols[None, :] * N + rows[:, None], acc, mask=cols[None, :] < M)
+    _store_y(acc, y_ptr, ws_ptr, count_ptr, rows, cols, M, N, DET)
 '''
 
 
@@ -314,6 +333,7 @@ SASS_VARIANTS = {  # name: (kernel, constexprs, codes a thread a loop step)
     "xall": ("int4_gemv_xall_kernel", {"KT": 8, "AHEAD": 1, "RAW": False, "DET": False}, 64),
     "xraw": ("int4_gemv_xall_kernel", {"KT": 8, "AHEAD": 1, "RAW": True, "DET": False}, 64),
     "xall-det": ("int4_gemv_xall_kernel", {"KT": 8, "AHEAD": 1, "RAW": False, "DET": True}, 64),
+    "sub-det-a2": ("int4_gemv_kernel", {"SUB": True, "TILES": 1, "AHEAD": 2, "DET": True}, 64),
 }
 
 
@@ -325,13 +345,13 @@ def sass_counts(variant: str = "sub") -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from sass_loop import cuobjdump, loop_opcodes
     name, consts, codes = SASS_VARIANTS[variant]
+    consts = {"AHEAD": 1, "DET": False, **consts}  # every constexpr named, defaults too
     fn = getattr(load_kernel(), name)
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": "*fp32", "M": "i32", "N": "i32",
            "K": "i32", "stride_xm": "i32"}
     if name == "int4_gemv_kernel":
         sig["KSPLIT"] = "i32"
-    if name == "int4_gemv_xall_kernel":
-        sig.update(ws_ptr="*fp32", count_ptr="*i32")
+    sig.update(ws_ptr="*fp32", count_ptr="*i32")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "KSPLIT")}
     sig.update({c: "constexpr" for c in consts})
     sig = {a: sig[a] for a in fn.arg_names if a in sig}  # in the kernel's argument order
@@ -372,21 +392,21 @@ def gpu_main(args) -> None:
             ws_buf = torch.zeros(32 * 16 * n, dtype=torch.float32, device=dev)
             count = torch.zeros(n // TILE_N, dtype=torch.int32, device=dev)
             for variant in args.variants.split(","):
-                sub, tiles = variant != "xsums", 2 if variant == "2tiles" else 1
+                base, det, ahead = variant.split("-")[0], "-det" in variant, 2 if "-a2" in variant else 1
+                sub, tiles = base != "xsums", 2 if base == "2tiles" else 1
                 for split in [v for v in (1, 2, 4, 8, 16) if tiles_k % (v * tiles) == 0]:
-                    det = variant.endswith("-det")
-                    if variant.startswith("x") and variant != "xsums" and tiles_k // split > 16:
+                    if base in ("xall", "xraw") and tiles_k // split > 16:
                         continue  # x in shared memory: 4 KB a group
                     y = torch.zeros(m, n, dtype=torch.bfloat16 if det else torch.float32, device=dev)
                     grid = (n // TILE_N, split)
                     row = {"shape": name, "m": m, "variant": variant, "split": split}
-                    if variant.startswith(("xall", "xraw")):
-                        kernel, last = mod.int4_gemv_xall_kernel, dict(KT=tiles_k // split,
-                                                                        RAW=variant.startswith("xraw"), ws_ptr=ws_buf,
-                                                                        count_ptr=count, DET=det, num_warps=4)
+                    last = dict(AHEAD=ahead, ws_ptr=ws_buf, count_ptr=count, DET=det, num_warps=4)
+                    if base in ("xall", "xraw"):
+                        kernel = mod.int4_gemv_xall_kernel
+                        last.update(KT=tiles_k // split, RAW=base == "xraw")
                     else:
-                        kernel, last = mod.int4_gemv_kernel, dict(KSPLIT=tiles_k // split, SUB=sub, TILES=tiles,
-                                                                  num_warps=4)
+                        kernel = mod.int4_gemv_kernel
+                        last.update(KSPLIT=tiles_k // split, SUB=sub, TILES=tiles)
                     try:
                         kernel[grid](x, words, s, y, m, n, k, x.stride(0), **last)
                         torch.cuda.synchronize()
@@ -449,7 +469,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,16", help="rows of x (comma-separated, at most 16)")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed (median)")
     ap.add_argument("--variants", default="sub,2tiles,xall,xraw,xall-det,xraw-det",
-                    help="kernels to time (comma-separated; also xsums)")
+                    help="kernels to time (comma-separated; also xsums; suffixes -det and -a2)")
     args = ap.parse_args()
     if args.sass:
         import triton

@@ -106,9 +106,9 @@ def _item(table_ptr, phase, item, w_arena, s_arena, act, ws_ptr, count_ptr,
                 u += tl.load(ws_ptr + s2 * N + rh + BLOCK_N // 2, mask=rh < N, other=0.0, cache_modifier=".cg")
             g = g.to(tl.bfloat16).to(tl.float32)
             u = u.to(tl.bfloat16).to(tl.float32)
-            y = g / (1.0 + tl.exp(-g)) * u
+            h = g / (1.0 + tl.exp(-g)) * u  # (a name of its own: triton 3.6 types a name alike in both branches)
             out = tn * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            tl.store(act + y_off + out, y.to(tl.bfloat16), mask=out < N // 2)
+            tl.store(act + y_off + out, h.to(tl.bfloat16), mask=out < N // 2)
         else:
             y = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for s2 in range(SPLIT):

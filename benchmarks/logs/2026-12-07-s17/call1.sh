@@ -13,7 +13,7 @@
 # call2.sh and call3.sh run fewer parts)
 OUT=$1; mkdir -p $OUT
 PARTS=${PARTS:-lab probe floor pl}
-python3 -c "import llmc" 2>/dev/null || pip install -q --no-deps -e . >/dev/null 2>&1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # llmc from this tree (scripts under benchmarks/ import it)
 n=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$n" | tee $OUT/gpu.txt
 for part in $PARTS; do
   case $part in
