@@ -23,7 +23,8 @@ Variants timed: ``sub`` (as above), ``xsums`` (the subtraction through x's sums)
 step), ``xall`` (`int4_gemv_xall_kernel`: the split's whole x in shared memory before the loop), ``xraw`` (`xall`
 with 128 + code into the MMA and the groups' sums of x, made before the loop, taken off after it); ``xall-det``
 and ``xraw-det`` end as llmc's qlinear does: a bf16 y, K splits summed in a fixed order by the last to arrive. Any
-variant takes the suffix ``-det`` (that ending) and ``-a2`` (two tiles' words loaded ahead, not one): ``sub-det-a2``.
+variant takes the suffix ``-det`` (that ending) and ``-a2`` (two tiles' words loaded ahead, not one), and the
+one-tile loops ``-wg2`` (two warpgroups, 128 weight rows a program sharing x's tile): ``sub-det-a2``.
 
     python3 benchmarks/gluon_int4_lab.py --out OUT      # on a Hopper GPU: bits against torch, then timings
     python3 benchmarks/gluon_int4_lab.py --sass         # no GPU: compile for sm_90, main-loop instructions a code
@@ -102,6 +103,13 @@ MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 X_LD = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
                                      order=[1, 0]))
+# the same for two warpgroups (8 warps, `WG` 2): 128 weight rows a program, one x tile in shared memory for both
+WORDS8 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, 4], threads_per_warp=[1, 8, 1, 4, 1],
+                                       warps_per_cta=[8, 1, 1, 1, 1], order=[4, 3, 2, 1, 0]))
+MMA8 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 16, 16]))
+A_OP8 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA8, k_width=2))
+X_LD8 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[8, 1],
+                                      order=[1, 0]))
 X_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 X_SMEM3 = X_SMEM  # a stack of 2-D tiles: the layout of one
 XS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))  # rows of 16 sums
@@ -154,8 +162,8 @@ def _at(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _dequant(words, SUB: gl.constexpr):
-    # [4, 8, 2, 4, 4] words -> the [64, 128] bf16 A operand, with no data movement
+def _dequant(words, SUB: gl.constexpr, A_OP: gl.constexpr = A_OP, ROWS: gl.constexpr = 64):
+    # [ROWS / 16, 8, 2, 4, 4] words -> the [ROWS, 128] bf16 A operand (layout A_OP), with no data movement
     if SUB:
         c = gl.inline_asm_elementwise(ASM_SUB, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=[gl.bfloat16] * 8,
                                       is_pure=True, pack=1)
@@ -166,19 +174,20 @@ def _dequant(words, SUB: gl.constexpr):
     g1 = gl.join(gl.join(c[4], c[5]), gl.join(c[6], c[7]))
     a = gl.join(g0, g1)  # [w, lr, s_hi, q, s_lo, p, h, g]: a join appends its new dimension last
     a = gl.permute(a, (0, 7, 1, 2, 4, 6, 3, 5))  # [w, g, lr, s_hi, s_lo, h, q, p]
-    a = gl.reshape(a, (64, 128))  # row 16 w + 8 g + lr, column 64 s_hi + 16 s_lo + 8 h + 2 q + p
+    a = gl.reshape(a, (ROWS, 128))  # row 16 w + 8 g + lr, column 64 s_hi + 16 s_lo + 8 h + 2 q + p
     return gl.convert_layout(a, A_OP, assert_trivial=True)
 
 
 @gluon.jit
-def _tile(words, xv, x_smem, s_ptr, rows, tiles_k, t, acc, SUB: gl.constexpr):
+def _tile(words, xv, x_smem, s_ptr, rows, tiles_k, t, acc, SUB: gl.constexpr, MMA: gl.constexpr = MMA,
+          A_OP: gl.constexpr = A_OP):
     # one group: x's 16 x 128 tile into shared memory, the codes' MMA, the product scaled into acc
     _barrier()  # every warp done with the last tile's x
     x_smem.store(xv)
     fence_async_shared()
     _barrier()
-    a = _dequant(words, SUB)
-    part = warpgroup_mma(a, x_smem.permute((1, 0)), gl.zeros([64, 16], gl.float32, layout=MMA), use_acc=False)
+    a = _dequant(words, SUB, A_OP, acc.shape[0])
+    part = warpgroup_mma(a, x_smem.permute((1, 0)), gl.zeros(acc.shape, gl.float32, layout=MMA), use_acc=False)
     if not SUB:  # the MMA took 128 + code: less 136 x the group's sum of x, a token
         xs = gl.convert_layout(gl.sum(xv.to(gl.float32), axis=1), gl.SliceLayout(0, MMA))
         part = part - 136.0 * xs[None, :]
@@ -187,7 +196,7 @@ def _tile(words, xv, x_smem, s_ptr, rows, tiles_k, t, acc, SUB: gl.constexpr):
 
 
 @gluon.jit
-def _store_y(acc, y_ptr, ws_ptr, count_ptr, rows, cols, M, N, DET: gl.constexpr):
+def _store_y(acc, y_ptr, ws_ptr, count_ptr, rows, cols, M, N, DET: gl.constexpr, MMA: gl.constexpr = MMA):
     # DET, as llmc's qlinear: bf16 y; with K splits, the split that arrives last sums the partials in order.
     # Otherwise the splits add into an fp32 y atomically
     pid_n = gl.program_id(0)
@@ -199,13 +208,14 @@ def _store_y(acc, y_ptr, ws_ptr, count_ptr, rows, cols, M, N, DET: gl.constexpr)
             gl.store(y_at, acc.to(gl.bfloat16), mask=cols[None, :] < M)
         else:
             ws_at = ws_ptr + cols[None, :] * N + rows[:, None]
-            gl.store(ws_at + pid_k * 16 * N, acc)
+            live = (cols[None, :] < M) & (rows[:, None] >= 0)  # the rows of x there are, acc's shape
+            gl.store(ws_at + pid_k * 16 * N, acc, mask=live)
             _barrier()  # every thread's partials written before the arrival is counted
             if gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == n_split - 1:
                 gl.atomic_xchg(count_ptr + pid_n, 0)
-                tot = gl.zeros([64, 16], gl.float32, layout=MMA)
+                tot = gl.zeros(acc.shape, gl.float32, layout=MMA)
                 for sp in range(n_split):
-                    tot += gl.load(ws_at + sp * 16 * N, cache_modifier=".cg")
+                    tot += gl.load(ws_at + sp * 16 * N, mask=live, other=0.0, cache_modifier=".cg")
                 gl.store(y_at, tot.to(gl.bfloat16), mask=cols[None, :] < M)
     else:
         gl.atomic_add(y_ptr + cols[None, :] * N + rows[:, None], acc, mask=cols[None, :] < M)
@@ -214,25 +224,29 @@ def _store_y(acc, y_ptr, ws_ptr, count_ptr, rows, cols, M, N, DET: gl.constexpr)
 @gluon.jit
 def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KSPLIT, SUB: gl.constexpr,
                      TILES: gl.constexpr = 1, AHEAD: gl.constexpr = 1, ws_ptr=None, count_ptr=None,
-                     DET: gl.constexpr = False):
+                     DET: gl.constexpr = False, WG: gl.constexpr = 1, LW: gl.constexpr = WORDS,
+                     LM: gl.constexpr = MMA, LA: gl.constexpr = A_OP, LX: gl.constexpr = X_LD):
     # y[m, n] += sum_k x[m, k] (code[n, k] - 8) s[n, k // 128] over this program's KSPLIT groups; M <= 16.
+    # WG warpgroups (1 or 2) of 64 weight rows each, sharing x's tile; LW, LM, LA, LX: WG's layouts (WORDS, MMA,
+    # A_OP, X_LD for 1; WORDS8, ... for 2)
     # TILES groups a loop step (1 or 2; KSPLIT a multiple), the next step's words loaded before this one's math
     # (with TILES 1, AHEAD 2: the next two tiles' words); DET, ws_ptr, count_ptr: as `_store_y`
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     tiles_k = K // 128
-    w_idx = (((_at(4, 0, WORDS) * 2 + _at(2, 2, WORDS)) * 8 + _at(8, 1, WORDS)) * 4 + _at(4, 3, WORDS)) * 4 \
-        + _at(4, 4, WORDS)
-    acc = gl.zeros([64, 16], gl.float32, layout=MMA)
+    w = _at(4 * WG, 0, LW)  # warp: warpgroup w // 4 takes the 64-row tile pid_n * WG + w // 4
+    w_idx = (w // 4) * tiles_k * 1024 + ((((w % 4) * 2 + _at(2, 2, LW)) * 8 + _at(8, 1, LW)) * 4 + _at(4, 3, LW)) * 4 \
+        + _at(4, 4, LW)
+    acc = gl.zeros([64 * WG, 16], gl.float32, layout=LM)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [16, 128], X_SMEM)
-    xm = gl.arange(0, 16, layout=gl.SliceLayout(1, X_LD))
-    xk = gl.arange(0, 128, layout=gl.SliceLayout(0, X_LD))
+    xm = gl.arange(0, 16, layout=gl.SliceLayout(1, LX))
+    xk = gl.arange(0, 128, layout=gl.SliceLayout(0, LX))
     x_rows = x_ptr + xm[:, None] * stride_xm + xk[None, :]
     x_ok = xm[:, None] < M
-    rows = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
+    rows = pid_n * 64 * WG + gl.arange(0, 64 * WG, layout=gl.SliceLayout(1, LM))
+    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, LM))
     t0 = pid_k * KSPLIT
-    tile_ptr = w_ptr + (pid_n * tiles_k).to(gl.int64) * 1024
+    tile_ptr = w_ptr + (pid_n * WG * tiles_k).to(gl.int64) * 1024
     if TILES == 1:
         words = gl.load(tile_ptr + t0 * 1024 + w_idx)
         if AHEAD == 2:
@@ -243,7 +257,7 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KSPLIT, SUB
             else:
                 nxt = gl.load(tile_ptr + gl.minimum(t + 1, tiles_k - 1) * 1024 + w_idx)  # the next tile's, ahead
             xv = gl.load(x_rows + t * 128, mask=x_ok, other=0.0)
-            acc = _tile(words, xv, x_smem, s_ptr, rows, tiles_k, t, acc, SUB)
+            acc = _tile(words, xv, x_smem, s_ptr, rows, tiles_k, t, acc, SUB, LM, LA)
             words = nxt
             if AHEAD == 2:
                 nxt = nn
@@ -255,11 +269,11 @@ def int4_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KSPLIT, SUB
             n1 = gl.load(tile_ptr + gl.minimum(t + 3, tiles_k - 1) * 1024 + w_idx)
             x0 = gl.load(x_rows + t * 128, mask=x_ok, other=0.0)
             x1 = gl.load(x_rows + (t + 1) * 128, mask=x_ok, other=0.0)
-            acc = _tile(w0, x0, x_smem, s_ptr, rows, tiles_k, t, acc, SUB)
-            acc = _tile(w1, x1, x_smem, s_ptr, rows, tiles_k, t + 1, acc, SUB)
+            acc = _tile(w0, x0, x_smem, s_ptr, rows, tiles_k, t, acc, SUB, LM, LA)
+            acc = _tile(w1, x1, x_smem, s_ptr, rows, tiles_k, t + 1, acc, SUB, LM, LA)
             w0 = n0
             w1 = n1
-    _store_y(acc, y_ptr, ws_ptr, count_ptr, rows, cols, M, N, DET)
+    _store_y(acc, y_ptr, ws_ptr, count_ptr, rows, cols, M, N, DET, LM)
 
 
 @gluon.jit
@@ -326,6 +340,11 @@ def load_kernel():
     return mod
 
 
+def wg_layouts(mod, wg: int) -> tuple:
+    """The layouts `int4_gemv_kernel` takes for `wg` warpgroups (LW, LM, LA, LX)."""
+    return (mod.WORDS, mod.MMA, mod.A_OP, mod.X_LD) if wg == 1 else (mod.WORDS8, mod.MMA8, mod.A_OP8, mod.X_LD8)
+
+
 SASS_VARIANTS = {  # name: (kernel, constexprs, codes a thread a loop step)
     "sub": ("int4_gemv_kernel", {"SUB": True, "TILES": 1}, 64),
     "xsums": ("int4_gemv_kernel", {"SUB": False, "TILES": 1}, 64),
@@ -334,6 +353,7 @@ SASS_VARIANTS = {  # name: (kernel, constexprs, codes a thread a loop step)
     "xraw": ("int4_gemv_xall_kernel", {"KT": 8, "AHEAD": 1, "RAW": True, "DET": False}, 64),
     "xall-det": ("int4_gemv_xall_kernel", {"KT": 8, "AHEAD": 1, "RAW": False, "DET": True}, 64),
     "sub-det-a2": ("int4_gemv_kernel", {"SUB": True, "TILES": 1, "AHEAD": 2, "DET": True}, 64),
+    "sub-det-wg2": ("int4_gemv_kernel", {"SUB": True, "TILES": 1, "DET": True, "WG": 2}, 64),
 }
 
 
@@ -346,7 +366,13 @@ def sass_counts(variant: str = "sub") -> dict:
     from sass_loop import cuobjdump, loop_opcodes
     name, consts, codes = SASS_VARIANTS[variant]
     consts = {"AHEAD": 1, "DET": False, **consts}  # every constexpr named, defaults too
-    fn = getattr(load_kernel(), name)
+    mod = load_kernel()
+    fn = getattr(mod, name)
+    warps = 4
+    if name == "int4_gemv_kernel":
+        consts = {"WG": 1, **consts}
+        consts.update(zip(("LW", "LM", "LA", "LX"), wg_layouts(mod, consts["WG"])))
+        warps = 4 * consts["WG"]
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": "*fp32", "M": "i32", "N": "i32",
            "K": "i32", "stride_xm": "i32"}
     if name == "int4_gemv_kernel":
@@ -356,7 +382,7 @@ def sass_counts(variant: str = "sub") -> dict:
     sig.update({c: "constexpr" for c in consts})
     sig = {a: sig[a] for a in fn.arg_names if a in sig}  # in the kernel's argument order
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "k.cubin"
         cubin.write_bytes(k.asm["cubin"])
@@ -393,12 +419,13 @@ def gpu_main(args) -> None:
             count = torch.zeros(n // TILE_N, dtype=torch.int32, device=dev)
             for variant in args.variants.split(","):
                 base, det, ahead = variant.split("-")[0], "-det" in variant, 2 if "-a2" in variant else 1
+                wg = 2 if "-wg2" in variant and base not in ("xall", "xraw") else 1
                 sub, tiles = base != "xsums", 2 if base == "2tiles" else 1
                 for split in [v for v in (1, 2, 4, 8, 16) if tiles_k % (v * tiles) == 0]:
                     if base in ("xall", "xraw") and tiles_k // split > 16:
                         continue  # x in shared memory: 4 KB a group
                     y = torch.zeros(m, n, dtype=torch.bfloat16 if det else torch.float32, device=dev)
-                    grid = (n // TILE_N, split)
+                    grid = (n // (TILE_N * wg), split)
                     row = {"shape": name, "m": m, "variant": variant, "split": split}
                     last = dict(AHEAD=ahead, ws_ptr=ws_buf, count_ptr=count, DET=det, num_warps=4)
                     if base in ("xall", "xraw"):
@@ -406,7 +433,8 @@ def gpu_main(args) -> None:
                         last.update(KT=tiles_k // split, RAW=base == "xraw")
                     else:
                         kernel = mod.int4_gemv_kernel
-                        last.update(KSPLIT=tiles_k // split, SUB=sub, TILES=tiles)
+                        last.update(KSPLIT=tiles_k // split, SUB=sub, TILES=tiles, WG=wg, num_warps=4 * wg,
+                                    **dict(zip(("LW", "LM", "LA", "LX"), wg_layouts(mod, wg))))
                     try:
                         kernel[grid](x, words, s, y, m, n, k, x.stride(0), **last)
                         torch.cuda.synchronize()
@@ -469,7 +497,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,16", help="rows of x (comma-separated, at most 16)")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed (median)")
     ap.add_argument("--variants", default="sub,2tiles,xall,xraw,xall-det,xraw-det",
-                    help="kernels to time (comma-separated; also xsums; suffixes -det and -a2)")
+                    help="kernels to time (comma-separated; also xsums; suffixes -det, -a2, -wg2)")
     args = ap.parse_args()
     if args.sass:
         import triton
