@@ -96,20 +96,20 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, fence_async_shared
 
-# the words of a tile as [w, lr, s_hi, q, s_lo]: lanes (lr, q) as the MMA operand's, a thread's 4 s_lo contiguous
-WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, 4], threads_per_warp=[1, 8, 1, 4, 1],
-                                      warps_per_cta=[4, 1, 1, 1, 1], order=[4, 3, 2, 1, 0]))
-MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
-A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
-X_LD = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
-                                     order=[1, 0]))
-# the same for two warpgroups (8 warps, `WG` 2): 128 weight rows a program, one x tile in shared memory for both
-WORDS8 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, 4], threads_per_warp=[1, 8, 1, 4, 1],
-                                       warps_per_cta=[8, 1, 1, 1, 1], order=[4, 3, 2, 1, 0]))
-MMA8 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 16, 16]))
-A_OP8 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA8, k_width=2))
-X_LD8 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[8, 1],
-                                      order=[1, 0]))
+
+def _layouts(warps):
+    # the words of a tile as [w, lr, s_hi, q, s_lo] (lanes (lr, q) as the MMA operand's, a thread's 4 s_lo
+    # contiguous), the MMA's accumulator, its A operand, and x's tile as loaded: for one warpgroup (4 warps, 64
+    # weight rows a program) or two (8 warps, 128 rows sharing x's tile in shared memory)
+    words = gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, 4], threads_per_warp=[1, 8, 1, 4, 1],
+                             warps_per_cta=[warps, 1, 1, 1, 1], order=[4, 3, 2, 1, 0])
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, 16, 16])
+    x_ld = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[warps, 1], order=[1, 0])
+    return [gl.constexpr(v) for v in (words, mma, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2), x_ld)]
+
+
+WORDS, MMA, A_OP, X_LD = _layouts(4)
+WORDS8, MMA8, A_OP8, X_LD8 = _layouts(8)
 X_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 X_SMEM3 = X_SMEM  # a stack of 2-D tiles: the layout of one
 XS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))  # rows of 16 sums
