@@ -41,53 +41,10 @@ from pathlib import Path
 
 import torch
 
-TILE_N, TILE_K = 64, 128  # a tile: 64 weight rows (4 warps x 16), one group of 128 columns
-WORDS_A_TILE = TILE_N * TILE_K // 8
+from llmc.codegen.qwgmma import (TILE_K, TILE_N, WORDS_A_TILE, mirror_operand as mirror_dequant,  # noqa: E402,F401
+                                  pack, unpack, word_position)
+
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-
-
-def word_position(rows: torch.Tensor, cols: torch.Tensor, tiles_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(word index, bit offset) of the code at (row, column): the layout the kernel's loads and its
-    join / permute / reshape read (`_dequant`)."""
-    tn, r = rows // TILE_N, rows % TILE_N
-    tk, kk = cols // TILE_K, cols % TILE_K
-    w, g, lr = r // 16, (r // 8) % 2, r % 8  # warp, row half (+8), row within the half
-    s_hi, s_lo, h, q, p = kk // 64, (kk // 16) % 4, (kk // 8) % 2, (kk // 2) % 4, kk % 2
-    word = (tn * tiles_k + tk) * WORDS_A_TILE + (((w * 2 + s_hi) * 8 + lr) * 4 + q) * 4 + s_lo
-    return word, 16 * p + 4 * (2 * g + h)
-
-
-def pack(codes: torch.Tensor) -> torch.Tensor:
-    """[N, K] codes 0..15 (N a multiple of 64, K of 128) -> the kernel's int32 words (on the codes' device):
-    `word_position`'s layout as one permute."""
-    n, k = codes.shape
-    c = codes.to(torch.int64).view(n // TILE_N, 4, 2, 8, k // TILE_K, 2, 4, 2, 4, 2)  # tn w g lr tk s_hi s_lo h q p
-    c = c.permute(0, 4, 1, 5, 3, 8, 6, 2, 7, 9).reshape(-1, 8)  # words in memory order, codes (g, h, p)
-    shifts = torch.tensor([16 * p + 4 * (2 * g + h) for g in (0, 1) for h in (0, 1) for p in (0, 1)],
-                          device=codes.device)
-    words = (c << shifts).sum(dim=1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def unpack(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    rows = torch.arange(n).repeat_interleave(k)
-    cols = torch.arange(k).repeat(n)
-    word, bit = word_position(rows, cols, k // TILE_K)
-    return ((words.to(torch.int64)[word] >> bit) & 15).view(n, k).to(torch.int32)
-
-
-def mirror_dequant(tile_words: torch.Tensor) -> torch.Tensor:
-    """The kernel's `_dequant` on one tile's 1,024 words, in torch (codes, not values): the asm's 8 outputs,
-    then the same joins, permute and reshape. Checks `pack` against the kernel's op sequence on a CPU."""
-    w5 = tile_words.to(torch.int64).view(4, 2, 8, 4, 4).permute(0, 2, 1, 3, 4)  # memory [w, s_hi, lr, q, s_lo]
-    outs = []
-    for i in range(4):  # pair i: bits 4i (p = 0) and 16 + 4i (p = 1)
-        outs += [(w5 >> (4 * i)) & 15, (w5 >> (16 + 4 * i)) & 15]
-    join = lambda a, b: torch.stack([a, b], dim=-1)  # noqa: E731  gl.join appends its new dimension last
-    g0 = join(join(outs[0], outs[1]), join(outs[2], outs[3]))
-    g1 = join(join(outs[4], outs[5]), join(outs[6], outs[7]))
-    a = join(g0, g1)  # [w, lr, s_hi, q, s_lo, p, h, g]
-    return a.permute(0, 7, 1, 2, 4, 6, 3, 5).reshape(TILE_N, TILE_K)
 
 
 KERNEL_SOURCE = r'''

@@ -24,6 +24,9 @@ that dequantizes each weight tile in registers.
   instructions on Hopper (`benchmarks/sass_loop.py`), where int4 decode is bound by issuing them.
   `SWAP_AB` configs compute (W x.T), making the weight tile the MMA's tall operand: Hopper's wgmma
   takes it from registers, where it was dequantized.
+- int4 g128 at up to 64 tokens on an sm_90 GPU can also run `qgemv_wgmma_int4.py.jinja` (llmc/codegen/qwgmma.py):
+  Gluon, its codes loaded from a layout of their own straight into the warpgroup MMA's registers; the tuner
+  times it beside the Triton kernel in every decode bucket and keeps it where it is faster.
 - int4 at 1 to 4 tokens can also stream through `qgemv_int4.py.jinja` (`QGemvSpec`), on the FMA pipes:
   each int32 word of codes yields its 8 codes with one shift and 8 LOP3s (the and-or into 2^23's
   exponent), one subtraction or FMA each, and one FMA per row of x. It is offered to the tuner only
@@ -57,6 +60,7 @@ from typing import Any
 
 import torch
 
+from llmc.codegen import qwgmma
 from llmc.codegen.act_quant import quantize_act
 from llmc.codegen.autotune import M_BUCKETS, Tuner, bucket_size, m_bucket, timing_io
 from llmc.codegen.elementwise import HELPERS, cast_expr, cast_helpers, compiled, interpreting, op_expr
@@ -727,6 +731,8 @@ def _launch(spec: QMatmulSpec, x2: torch.Tensor, p: PreparedQWeight, b: torch.Te
     them already, with `x_scales` [M, 1]), then the GEMM."""
     if cfg.get("GEMV"):
         return _launch_gemv(spec, x2, p, b, y2, cfg)
+    if cfg.get("WGMMA"):
+        return qwgmma.launch(compiled, x2, p, y2, cfg)
     if cfg.get("LIBRARY"):
         return _launch_library(spec, x2, p, b, y2, cfg["LIBRARY"], x_scales)
     M, N, K = x2.shape[0], p.out_features, p.in_features
@@ -835,6 +841,9 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
             cands += tma_candidates(cands)
         if gemv_fits(prepared) and max(map(bucket_size, group)) <= GEMV_ROWS:
             cands += gemv_candidates(N, kw)  # only where every M sharing the choice fits it
+        if (x_scales is None and max(map(bucket_size, group)) <= qwgmma.MAX_ROWS and qwgmma.offered(x2.device)
+                and qwgmma.fits(prepared, ydtype, b is not None, act)):
+            cands += qwgmma.candidates(N, K)  # the same rule: the kernel takes up to 64 rows
         if x2.device.type == "cuda" and len(group) == 1:
             cands += library_candidates(bucket, prepared, ydtype)
         config = tuner.choose(spec.key(N, K), group, cands,

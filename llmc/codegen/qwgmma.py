@@ -1,0 +1,190 @@
+"""int4 g128 decode GEMV on Hopper's warpgroup MMA, its codes loaded straight into the MMA's registers (Gluon).
+
+llmc's int4 qlinear (Triton, `qmatmul_linear.py.jinja`) dequantizes in registers, but its codes reach the MMA
+operand's register layout through shared memory, two bytes a load, then byte permutes and shifts: Triton
+chooses that path and a kernel cannot name the operand's layout. On an H200 the int4 decode is bound by
+issuing those instructions, not by HBM (benchmarks/RESULTS.md). This kernel is written in Gluon, Triton's
+explicit-layout dialect, over a weight layout made for it once, when a plan first launches it:
+
+- A 64-row x 128-column tile (one scale group) is 1,024 int32 words. A word holds the 8 codes one thread of the
+  warpgroup MMA's A operand needs from a 16 x 16 block: rows r and r + 8, columns k, k + 1, k + 8, k + 9
+  (`word_position`). A thread's 4 words of a tile are one 16-byte load; a warp reads 512 contiguous bytes.
+- Inline PTX turns a word into 4 pairs of x's dtype less 8 (3 shifts, 4 LOP3s, 4 packed FMAs: 1.375
+  instructions a code); joins, a permute and a reshape make the operand, and `convert_layout(...,
+  assert_trivial=True)` proves when the kernel compiles that no data moves.
+- x's 16-row tiles (up to 4) are the MMA's B operands (through shared memory), each against the same codes;
+  each group's products take their scales; K splits are summed in a fixed order by the split that arrives
+  last. Every 16-row tile runs the same operations, so a row's sums never depend on M.
+
+Its main loop issues 2.4 instructions a code on sm_90 against the qlinear's 3.6 (`benchmarks/gluon_int4_lab.py
+--sass`). It takes int4 with groups of 128 and no zero points, no bias or activation, bf16 / f16 x of up to 64
+rows, N a multiple of 64 and K of 128, on an sm_90 GPU; the qlinear's tuner offers it beside its own configs
+where every M sharing the choice is at most 64 (every decode bucket, batch-invariant or not), and keeps it only
+where it is faster over the buckets that share the choice. A weight it runs holds its codes twice on the GPU (the nibble planes for the other
+buckets, these words for this one): int4's GPU memory for the chosen linears doubles.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmc.codegen.kernels import KernelSpec, tile_counters
+from llmc.errors import CompileError
+from llmc.intmath import cdiv
+
+TILE_N, TILE_K = 64, 128  # a tile: 64 weight rows (a warpgroup's 4 warps x 16), one group of 128 columns
+WORDS_A_TILE = TILE_N * TILE_K // 8
+MAX_TILES = 4  # x's 16-row tiles (the MMA's N) a launch takes, each its own MMA against the same codes
+MAX_ROWS = 16 * MAX_TILES
+# (warpgroups, groups' words loaded ahead, programs as a multiple of TARGET_PROGRAMS) the tuner tries: the
+# fastest at 1 and 16 rows of the 8B linears on an H100 took 1-2x (benchmarks/gluon_int4_lab.py)
+CONFIGS = ((1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 1))
+TARGET_PROGRAMS = 512  # programs a launch aims at: about 4 a multiprocessor
+# x's dtype: (Gluon's name, PTX's, the bits of one, of the magic M whose last mantissa bit is 1, of -(M + 8))
+DTYPES = {torch.bfloat16: ("bfloat16", "bf16", "0x3F803F80", "0x43004300", "0xC308C308"),
+          torch.float16: ("float16", "f16", "0x3C003C00", "0x64006400", "0xE408E408")}
+
+
+def word_position(rows: torch.Tensor, cols: torch.Tensor, tiles_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(word index, bit offset) of the code at (row, column) of a weight with `tiles_k` groups a row."""
+    tn, r = rows // TILE_N, rows % TILE_N
+    tk, kk = cols // TILE_K, cols % TILE_K
+    w, g, lr = r // 16, (r // 8) % 2, r % 8  # warp, row half (+8), row within the half
+    s_hi, s_lo, h, q, p = kk // 64, (kk // 16) % 4, (kk // 8) % 2, (kk // 2) % 4, kk % 2
+    word = (tn * tiles_k + tk) * WORDS_A_TILE + (((w * 2 + s_hi) * 8 + lr) * 4 + q) * 4 + s_lo
+    return word, 16 * p + 4 * (2 * g + h)
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes 0..15 (N a multiple of 64, K of 128) -> the kernel's int32 words on the codes' device,
+    `word_position`'s layout, made one 64-row tile band at a time (a band's int64 temporaries, not the weight's)."""
+    n, k = codes.shape
+    shifts = torch.tensor([16 * p + 4 * (2 * g + h) for g in (0, 1) for h in (0, 1) for p in (0, 1)],
+                          device=codes.device, dtype=torch.int64)
+    out = torch.empty(n * k // 8, dtype=torch.int32, device=codes.device)
+    band = TILE_N * k // 8
+    for i in range(n // TILE_N):
+        c = codes[i * TILE_N:(i + 1) * TILE_N].to(torch.int64)
+        c = c.view(1, 4, 2, 8, k // TILE_K, 2, 4, 2, 4, 2)  # tn w g lr tk s_hi s_lo h q p
+        c = c.permute(0, 4, 1, 5, 3, 8, 6, 2, 7, 9).reshape(-1, 8)  # words in memory order, codes (g, h, p)
+        words = (c << shifts).sum(dim=1)
+        out[i * band:(i + 1) * band] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return out
+
+
+def unpack(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The codes [N, K] (int32) back from `pack`'s words."""
+    rows = torch.arange(n).repeat_interleave(k)
+    cols = torch.arange(k).repeat(n)
+    word, bit = word_position(rows, cols, k // TILE_K)
+    return ((words.cpu().to(torch.int64)[word] >> bit) & 15).view(n, k).to(torch.int32)
+
+
+def mirror_operand(tile_words: torch.Tensor) -> torch.Tensor:
+    """The kernel's `_operand` on one 64-row tile's 1,024 words, in torch (codes, not values): the inline PTX's 8
+    outputs, then the same joins, permute and reshape. Checks `pack` against the kernel's op sequence on a CPU."""
+    w5 = tile_words.to(torch.int64).view(4, 2, 8, 4, 4).permute(0, 2, 1, 3, 4)  # memory [w, s_hi, lr, q, s_lo]
+    outs = []
+    for i in range(4):  # pair i: bits 4i (p = 0) and 16 + 4i (p = 1)
+        outs += [(w5 >> (4 * i)) & 15, (w5 >> (16 + 4 * i)) & 15]
+
+    def join(a, b):  # gl.join appends its new dimension last
+        return torch.stack([a, b], dim=-1)
+    g0 = join(join(outs[0], outs[1]), join(outs[2], outs[3]))
+    g1 = join(join(outs[4], outs[5]), join(outs[6], outs[7]))
+    a = join(g0, g1)  # [w, lr, s_hi, q, s_lo, p, h, g]
+    return a.permute(0, 7, 1, 2, 4, 6, 3, 5).reshape(TILE_N, TILE_K)
+
+
+@dataclass(frozen=True)
+class QWgmmaSpec(KernelSpec):
+    """y = x @ W.T for an int4 g128 W without zero points, x and y of `dtype` (bf16 / f16), on `warpgroups`
+    warpgroups of 64 weight rows a program."""
+
+    template = "qgemv_wgmma_int4.py.jinja"
+    dtype: str
+    warpgroups: int = 1
+
+    def context(self) -> dict[str, Any]:
+        gl_name, ptx, one, magic, bias = next(v for v in DTYPES.values() if v[1] == self.dtype)
+        return {"dtype": gl_name, "ptx_type": ptx, "one_bits": one, "magic_bits": magic, "bias_bits": bias,
+                "magic": "128" if ptx == "bf16" else "1024", "warpgroups": self.warpgroups, "max_tiles": MAX_TILES}
+
+
+def fits(p, dtype: torch.dtype, has_bias: bool, act: str) -> bool:
+    """Whether this kernel takes a prepared weight `p` (`qmatmul.PreparedQWeight`) with x of `dtype`."""
+    f = p.fmt
+    return (f.kind == "int" and f.bits == 4 and f.group_size == TILE_K and not f.has_zeros and not has_bias
+            and not act and dtype in DTYPES and p.out_features % TILE_N == 0 and p.in_features % TILE_K == 0
+            and p.padded_k == p.in_features)
+
+
+def offered(device: torch.device) -> bool:
+    """Whether a tuning on `device` times this kernel: it runs there (`runs_here`) and `LLMC_QWGMMA` is not 0
+    (read at each tuning; the switch keeps the tuner to the Triton kernels, for comparison)."""
+    return os.environ.get("LLMC_QWGMMA", "1") != "0" and runs_here(device)
+
+
+def runs_here(device: torch.device) -> bool:
+    """Whether the device runs the kernel: an NVIDIA GPU of compute capability 9.0 (warpgroup MMA), compiled."""
+    from llmc.codegen.elementwise import interpreting
+    return (device.type == "cuda" and torch.version.hip is None and not interpreting()
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def _split(n_tiles: int, tiles_k: int, scale: float) -> int:
+    """The power-of-two K split (dividing tiles_k, at most 16) bringing n_tiles x split to about scale x
+    TARGET_PROGRAMS programs."""
+    s = 1
+    while n_tiles * s * 2 <= scale * TARGET_PROGRAMS and s * 2 <= 16 and tiles_k % (s * 2) == 0:
+        s *= 2
+    return s
+
+
+def candidates(n: int, k: int) -> list[dict]:
+    """The tuner's configs of this kernel for a weight of n rows and k columns."""
+    out = []
+    for wg, ahead, scale in CONFIGS:
+        if n % (TILE_N * wg):
+            continue
+        out.append({"WGMMA": True, "WG": wg, "AHEAD": ahead, "SPLIT_K": _split(n // (TILE_N * wg), k // TILE_K, scale)})
+    return [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]
+
+
+_WORDS: dict[int, torch.Tensor] = {}  # id(prepared qweight) -> its words (made by the first launch)
+
+
+def words_of(p) -> torch.Tensor:
+    """The prepared weight's codes in this kernel's layout, made by its first launch (eager: a CUDA graph's
+    warm-up run, never its capture) and kept as long as the weight's own codes live."""
+    key = id(p.qweight)
+    w = _WORDS.get(key)
+    if w is None:
+        if p.qweight.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the int4 wgmma kernel makes its weight layout on its first launch: run the step "
+                               "once eagerly before a CUDA graph captures it")
+        n, kw = p.out_features, p.padded_k
+        planes = p.qweight.view(n, kw // p.pack, p.run)  # int4 nibble planes (`qmatmul.PreparedQWeight`)
+        w = _WORDS[key] = pack(torch.stack((planes & 0xF, planes >> 4), dim=2).reshape(n, kw))
+        weakref.finalize(p.qweight, _WORDS.pop, key, None)
+    return w
+
+
+def launch(compiled, x2: torch.Tensor, p, y2: torch.Tensor, cfg: dict) -> None:
+    """One call on rows x2 [M <= MAX_ROWS, K] into y2 [M, N]; `compiled` is `elementwise.compiled`."""
+    M, N, K = x2.shape[0], p.out_features, p.in_features
+    if M > MAX_ROWS or not runs_here(x2.device):
+        raise CompileError(f"qlinear: the int4 wgmma kernel takes up to {MAX_ROWS} rows on an sm_90 GPU, not {M} rows "
+                           f"on {x2.device}; tune on this device again")
+    wg, split = cfg["WG"], cfg["SPLIT_K"]
+    dt = {torch.bfloat16: "bf16", torch.float16: "f16"}[x2.dtype]
+    grid = (N // (TILE_N * wg), split)
+    ws = torch.empty((split, M, N) if split > 1 else (1,), device=x2.device, dtype=torch.float32)
+    counts = tile_counters(x2.device, grid[0]) if split > 1 else ws
+    compiled(QWgmmaSpec(dt, wg)).qwgmma_kernel[grid](
+        x2, words_of(p), p.scales, y2, ws, counts, x2.stride(0), p.scales.stride(0), y2.stride(0), M, N, K,
+        cdiv(K // TILE_K, split), AHEAD=cfg["AHEAD"], M_TILES=cdiv(M, 16), num_warps=4 * wg)

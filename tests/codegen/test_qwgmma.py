@@ -1,0 +1,122 @@
+"""The int4 wgmma GEMV (llmc/codegen/qwgmma.py, Gluon): its weight layout on the CPU, its compile for sm_90 on any
+machine, and its sums against the qlinear reference on an sm_90 GPU (`TRITON_INTERPRET=0 pytest
+tests/codegen/test_qwgmma.py`; Gluon kernels do not run under Triton's interpreter)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmc.codegen import qmatmul as qm
+from llmc.codegen import qwgmma
+from llmc.codegen.kernels import load
+from llmc.errors import CompileError
+from llmc.ir import quant
+from llmc.ir.quant import QuantFormat, quantize_rtn
+
+G128 = QuantFormat("int", 4, 128)
+ON_HOPPER = torch.cuda.is_available() and qwgmma.runs_here(torch.device("cuda"))
+
+
+def prepared(n: int, k: int, fmt: QuantFormat = G128, device: str = "cpu", seed: int = 0) -> qm.PreparedQWeight:
+    g = torch.Generator().manual_seed(seed)
+    qw = quantize_rtn(torch.randn(n, k, generator=g), fmt)
+    return qm.prepare(qw.fmt, *(t.to(device) if t is not None else None for t in (qw.qweight, qw.scales, qw.zeros)))
+
+
+def test_pack_round_trips_and_puts_each_code_where_word_position_says():
+    codes = torch.randint(0, 16, (128, 384), dtype=torch.int32)
+    words = qwgmma.pack(codes)
+    assert words.dtype == torch.int32 and words.numel() == 128 * 384 // 8
+    assert torch.equal(qwgmma.unpack(words, 128, 384), codes)
+    rows = torch.arange(128).repeat_interleave(384)
+    cols = torch.arange(384).repeat(128)
+    word, bit = qwgmma.word_position(rows, cols, 3)
+    assert torch.equal((words.to(torch.int64)[word] >> bit) & 15, codes.flatten().to(torch.int64))
+
+
+@pytest.mark.parametrize("tile_n,tile_k", [(0, 0), (1, 2)])
+def test_kernels_op_sequence_reads_each_tile_in_place(tile_n, tile_k):
+    """`mirror_operand` repeats the kernel's inline PTX outputs, joins, permute and reshape in torch: on packed
+    words it gives back each 64 x 128 tile's codes in place."""
+    codes = torch.randint(0, 16, (128, 384), dtype=torch.int32)
+    words = qwgmma.pack(codes)
+    start = (tile_n * 3 + tile_k) * qwgmma.WORDS_A_TILE
+    tile = qwgmma.mirror_operand(words[start:start + qwgmma.WORDS_A_TILE]).to(torch.int32)
+    assert torch.equal(tile, codes[64 * tile_n:64 * (tile_n + 1), 128 * tile_k:128 * (tile_k + 1)])
+
+
+def test_words_come_from_the_prepared_nibble_planes():
+    p = prepared(128, 256)
+    want = qwgmma.pack(quant.codes(p.fmt, p.canonical().qweight).to(torch.int32))
+    assert torch.equal(qwgmma.words_of(p), want)
+    assert qwgmma.words_of(p) is qwgmma.words_of(p)  # made once
+
+
+def test_fits_only_what_the_kernel_computes():
+    p = prepared(128, 256)
+    assert qwgmma.fits(p, torch.bfloat16, False, "") and qwgmma.fits(p, torch.float16, False, "")
+    assert not qwgmma.fits(p, torch.float32, False, "")  # the MMA's operands are 16-bit
+    assert not qwgmma.fits(p, torch.bfloat16, True, "") and not qwgmma.fits(p, torch.bfloat16, False, "silu")
+    assert not qwgmma.fits(prepared(128, 256, QuantFormat("int", 4, 128, True)), torch.bfloat16, False, "")
+    assert not qwgmma.fits(prepared(128, 256, QuantFormat("int", 4, 64)), torch.bfloat16, False, "")
+    assert not qwgmma.fits(prepared(96, 256), torch.bfloat16, False, "")  # 64-row tiles
+    assert not qwgmma.fits(prepared(128, 256, QuantFormat("int", 8, 128)), torch.bfloat16, False, "")
+
+
+def test_candidates_split_k_evenly_and_pair_warpgroups_only_over_whole_tiles():
+    for n, k in ((28672, 4096), (4096, 14336), (6144, 4096), (192, 384)):
+        for c in qwgmma.candidates(n, k):
+            assert (k // 128) % c["SPLIT_K"] == 0 and c["SPLIT_K"] <= 16
+            assert n % (64 * c["WG"]) == 0 and c["AHEAD"] in (1, 2)
+    assert {c["WG"] for c in qwgmma.candidates(192, 384)} == {1}
+
+
+def test_not_offered_off_hopper_and_refused_there_with_a_clear_error():
+    p = prepared(128, 256)
+    assert not qwgmma.offered(torch.device("cpu"))
+    cfg = {"WGMMA": True, "WG": 1, "AHEAD": 1, "SPLIT_K": 1}
+    with pytest.raises(CompileError, match="sm_90"):
+        qm.qlinear(torch.randn(1, 256, dtype=torch.bfloat16), p, config=cfg)
+
+
+def test_switch_keeps_the_tuner_off_it(monkeypatch):
+    monkeypatch.setenv("LLMC_QWGMMA", "0")
+    assert not qwgmma.offered(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dtype,warpgroups", [("bf16", 1), ("f16", 1), ("bf16", 2)])
+def test_kernel_compiles_for_hopper_without_moving_the_operand(dtype, warpgroups):
+    """The rendered kernel compiles for sm_90 on any machine: `convert_layout(..., assert_trivial=True)` fails the
+    compile unless the dequantized codes are already where the MMA reads them; PDL's wait is in the PTX."""
+    pytest.importorskip("triton.experimental.gluon")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    fn = load(qwgmma.QWgmmaSpec(dtype, warpgroups), pdl=True).qwgmma_kernel
+    fn = getattr(fn, "fn", fn)  # PDLKernel wraps it
+    ty = {"bf16": "bf16", "f16": "fp16"}[dtype]
+    sig = {"x_ptr": f"*{ty}", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": f"*{ty}", "ws_ptr": "*fp32",
+           "count_ptr": "*i32", "stride_xm": "i32", "stride_sn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32",
+           "K": "i32", "KSPLIT": "i32", "AHEAD": "constexpr", "M_TILES": "constexpr"}
+    for ahead, m_tiles in ((1, 1), (2, 4)):
+        src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index("AHEAD"),): ahead,
+                                                  (fn.arg_names.index("M_TILES"),): m_tiles}, attrs={})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * warpgroups})
+        ptx = k.asm["ptx"]
+        assert "griddepcontrol.wait" in ptx and "wgmma.mma_async" in ptx
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="Gluon's warpgroup MMA needs an sm_90 GPU, compiled")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_sums_match_the_reference_and_rows_do_not_depend_on_m(dtype):
+    """Every config against the reference at 1 to 64 rows (one to four x tiles, a ragged last one), and each
+    row's sums bit-equal alone, in a 16-row launch and in a 64-row one."""
+    p = prepared(256, 1024, device="cuda", seed=1)
+    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(2)).to(dtype).cuda()
+    ref = qm.reference(x.float(), p.fmt, *(t for t in p.canonical().tensors()))
+    for cfg in qwgmma.candidates(256, 1024) + [{"WGMMA": True, "WG": 1, "AHEAD": 1, "SPLIT_K": 8}]:
+        together = qm.qlinear(x, p, config=cfg)
+        assert ((together.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, cfg
+        for m in (1, 3, 16, 40):
+            assert torch.equal(qm.qlinear(x[:m], p, config=cfg), together[:m]), (cfg, m)
+        assert torch.equal(qm.qlinear(x[37:38], p, config=cfg), together[37:38]), cfg
