@@ -333,6 +333,8 @@ class Plan:
             return Step(n, lambda x, h: None, "triton:qlinear", label)
         self._check_fp8(fmt)
         prepared = qmm.prepare(fmt, self.params[qw], self.params[sc], self.params[zeros] if zeros else None)
+        if not codes:
+            qmm.ready_layouts(prepared, tuner, torch_dtype(n.inputs[0].type.dtype), bias is not None, act)
 
         def fn(x, h, out=None):
             return qmm.qlinear(x[0], prepared, self.params[bias] if bias else None, act, tuner=tuner, out=out,

@@ -852,6 +852,17 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
     return y
 
 
+def ready_layouts(p: PreparedQWeight, tuner: Tuner | None, dtype: torch.dtype, has_bias: bool, act: str) -> None:
+    """Make now the weight layouts that the tuned choices for `p` launch (the int4 wgmma GEMV's words,
+    `qwgmma.words_of`): when a plan is built, before the KV cache sizes itself from the memory left, rather
+    than at a first launch. `dtype`: x's."""
+    if tuner is None or not qwgmma.runs_here(p.qweight.device):
+        return
+    key = QMatmulSpec.of(p, dtype, has_bias, act).key(p.out_features, p.in_features)
+    if any((rec.get("config") or {}).get("WGMMA") for rec in tuner.records.get(key, {}).values()):
+        qwgmma.words_of(p)
+
+
 def reference(x: torch.Tensor, fmt: QuantFormat, qweight: torch.Tensor, scales: torch.Tensor,
               zeros: torch.Tensor | None = None, bias: torch.Tensor | None = None, act: str = "") -> torch.Tensor:
     """The same computation by the qlinear op's reference (quant.qlinear_ref, then act on its result)."""

@@ -120,3 +120,20 @@ def test_gpu_sums_match_the_reference_and_rows_do_not_depend_on_m(dtype):
         for m in (1, 3, 16, 40):
             assert torch.equal(qm.qlinear(x[:m], p, config=cfg), together[:m]), (cfg, m)
         assert torch.equal(qm.qlinear(x[37:38], p, config=cfg), together[37:38]), cfg
+
+
+def test_a_plan_makes_the_words_its_tuned_choices_launch(monkeypatch):
+    """`qmatmul.ready_layouts` makes the words when a plan is built (before the KV cache takes the memory left),
+    only for a weight whose recorded choices launch this kernel."""
+    from llmc.codegen.autotune import Tuner
+    monkeypatch.setattr(qwgmma, "runs_here", lambda device: True)
+    chosen, other = prepared(128, 256, seed=3), prepared(128, 256, seed=4)
+    key = qm.QMatmulSpec.of(chosen, torch.bfloat16, False, "").key(128, 256)
+    rec = {"config": {"WGMMA": True, "WG": 1, "AHEAD": 1, "SPLIT_K": 1}, "triton_ms": 0.01, "cublas_ms": None,
+           "prefer_cublas": False}
+    tuner = Tuner({key: {"1": rec}}, frozen=True)
+    qm.ready_layouts(other, Tuner({}, frozen=True), torch.bfloat16, False, "")
+    assert id(other.qweight) not in qwgmma._WORDS
+    qm.ready_layouts(chosen, tuner, torch.bfloat16, False, "")
+    assert id(chosen.qweight) in qwgmma._WORDS
+    qm.ready_layouts(chosen, None, torch.bfloat16, False, "")  # no tuner: nothing to read, nothing made
