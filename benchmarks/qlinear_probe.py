@@ -7,8 +7,10 @@ error against the reference relative to the reference's largest value:
 
 A variant changes the bucket's default config: "default" (as an untuned GPU runs it), "split2" /
 "split0.5" (the K split doubled / halved), "bk512" (BLOCK_K 512), "bn32" (BLOCK_N 32), "swap" /
-"noswap" (SWAP_AB), "w8" (8 warps), "stN" (N pipeline stages); "a+b" applies a, then b. Run from a
-copy of an older tree, the same command measures that tree's kernels.
+"noswap" (SWAP_AB), "w8" (8 warps), "stN" (N pipeline stages); "a+b" applies a, then b. "wgmma" runs
+each config the tuner may time of the int4 wgmma GEMV (llmc/codegen/qwgmma.py; sm_90, int4 g128, up to 64
+rows) as variants wgmma0, wgmma1, ... Run from a copy of an older tree, the same command measures that tree's
+kernels.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmc.codegen import qmatmul as qm  # noqa: E402
+from llmc.codegen import qwgmma  # noqa: E402
 from llmc.codegen.autotune import m_bucket  # noqa: E402
 from llmc.ir.quant import QuantFormat, quantize_rtn  # noqa: E402
 
@@ -89,8 +92,13 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = qm.reference(x.float(), qw.fmt, qw.qweight, qw.scales, qw.zeros).to(torch.bfloat16).float()
                 base = qm.candidates(m_bucket(m), n, p0.padded_k, p0.pack)[0]
+                runs = []
                 for vname in a.variants.split(","):
-                    cfg = variant(base, vname)
+                    if vname != "wgmma":
+                        runs.append((vname, variant(base, vname)))
+                    elif m <= qwgmma.MAX_ROWS and qwgmma.fits(p0, torch.bfloat16, False, ""):
+                        runs += [(f"wgmma{i}", c) for i, c in enumerate(qwgmma.candidates(n, k))]
+                for vname, cfg in runs:
                     y = qm.qlinear(x, p0, config=cfg)
                     err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                     ys = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in copies]
