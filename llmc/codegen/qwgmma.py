@@ -155,6 +155,12 @@ def candidates(n: int, k: int) -> list[dict]:
     return [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]
 
 
+def async_x_candidates(n: int, k: int) -> list[dict]:
+    """`candidates` with x's tiles copied a group ahead (`XASYNC`): not yet timed on a GPU, so not offered to the
+    tuner; `benchmarks/qlinear_probe.py --variants wgmma-async` measures them."""
+    return [dict(c, XASYNC=True) for c in candidates(n, k)]
+
+
 _WORDS: dict[int, torch.Tensor] = {}  # id(prepared qweight) -> its words (made by the first launch)
 
 
@@ -181,10 +187,14 @@ def launch(compiled, x2: torch.Tensor, p, y2: torch.Tensor, cfg: dict) -> None:
         raise CompileError(f"qlinear: the int4 wgmma kernel takes up to {MAX_ROWS} rows on an sm_90 GPU, not {M} rows "
                            f"on {x2.device}; tune on this device again")
     wg, split = cfg["WG"], cfg["SPLIT_K"]
+    # cp.async copies 16 bytes a thread: x's rows must start 16-byte aligned, which the compiled kernel knows where
+    # Triton specializes x's pointer and row stride as multiples of 16; otherwise x goes through registers, with
+    # the same sums
+    xasync = bool(cfg.get("XASYNC")) and x2.data_ptr() % 16 == 0 and x2.stride(0) % 16 == 0
     dt = {torch.bfloat16: "bf16", torch.float16: "f16"}[x2.dtype]
     grid = (N // (TILE_N * wg), split)
     ws = torch.empty((split, M, N) if split > 1 else (1,), device=x2.device, dtype=torch.float32)
     counts = tile_counters(x2.device, grid[0]) if split > 1 else ws
     compiled(QWgmmaSpec(dt, wg)).qwgmma_kernel[grid](
         x2, words_of(p), p.scales, y2, ws, counts, x2.stride(0), p.scales.stride(0), y2.stride(0), M, N, K,
-        cdiv(K // TILE_K, split), AHEAD=cfg["AHEAD"], M_TILES=cdiv(M, 16), num_warps=4 * wg)
+        cdiv(K // TILE_K, split), AHEAD=cfg["AHEAD"], M_TILES=cdiv(M, 16), XASYNC=xasync, num_warps=4 * wg)

@@ -97,10 +97,12 @@ def test_kernel_compiles_for_hopper_without_moving_the_operand(dtype, warpgroups
     ty = {"bf16": "bf16", "f16": "fp16"}[dtype]
     sig = {"x_ptr": f"*{ty}", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": f"*{ty}", "ws_ptr": "*fp32",
            "count_ptr": "*i32", "stride_xm": "i32", "stride_sn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32",
-           "K": "i32", "KSPLIT": "i32", "AHEAD": "constexpr", "M_TILES": "constexpr"}
-    for ahead, m_tiles in ((1, 1), (2, 4)):
-        src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index("AHEAD"),): ahead,
-                                                  (fn.arg_names.index("M_TILES"),): m_tiles}, attrs={})
+           "K": "i32", "KSPLIT": "i32", "AHEAD": "constexpr", "M_TILES": "constexpr", "XASYNC": "constexpr"}
+    for ahead, m_tiles, xasync in ((1, 1, False), (2, 4, False), (1, 4, True)):
+        consts = {"AHEAD": ahead, "M_TILES": m_tiles, "XASYNC": xasync}
+        aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("x_ptr", "w_ptr", "stride_xm")}
+        src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()},
+                             attrs=aligned)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * warpgroups})
         ptx = k.asm["ptx"]
         assert "griddepcontrol.wait" in ptx and "wgmma.mma_async" in ptx
@@ -114,7 +116,8 @@ def test_gpu_sums_match_the_reference_and_rows_do_not_depend_on_m(dtype):
     p = prepared(256, 1024, device="cuda", seed=1)
     x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(2)).to(dtype).cuda()
     ref = qm.reference(x.float(), p.fmt, *(t for t in p.canonical().tensors()))
-    for cfg in qwgmma.candidates(256, 1024) + [{"WGMMA": True, "WG": 1, "AHEAD": 1, "SPLIT_K": 8}]:
+    for cfg in (qwgmma.candidates(256, 1024) + qwgmma.async_x_candidates(256, 1024)
+                + [{"WGMMA": True, "WG": 1, "AHEAD": 1, "SPLIT_K": 8}]):
         together = qm.qlinear(x, p, config=cfg)
         assert ((together.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, cfg
         for m in (1, 3, 16, 40):
