@@ -41,8 +41,7 @@ from pathlib import Path
 
 import torch
 
-from llmc.codegen.qwgmma import (TILE_K, TILE_N, WORDS_A_TILE, mirror_operand as mirror_dequant,  # noqa: E402,F401
-                                  pack, unpack, word_position)
+from llmc.codegen.qwgmma import TILE_N, pack  # the layout's tiles and packing: llmc's kernel's
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -53,69 +52,18 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, fence_async_shared
 
-
-def _layouts(warps):
-    # the words of a tile as [w, lr, s_hi, q, s_lo] (lanes (lr, q) as the MMA operand's, a thread's 4 s_lo
-    # contiguous), the MMA's accumulator, its A operand, and x's tile as loaded: for one warpgroup (4 warps, 64
-    # weight rows a program) or two (8 warps, 128 rows sharing x's tile in shared memory)
-    words = gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, 4], threads_per_warp=[1, 8, 1, 4, 1],
-                             warps_per_cta=[warps, 1, 1, 1, 1], order=[4, 3, 2, 1, 0])
-    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, 16, 16])
-    x_ld = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[warps, 1], order=[1, 0])
-    return [gl.constexpr(v) for v in (words, mma, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2), x_ld)]
-
+# shared with llmc's kernel (`load_kernel` names its rendered module): the layouts of one or two warpgroups,
+# `_at`, the barrier, and the dequantizing PTX (bf16 x, codes less 8)
+from gluon_int4_lab_product import DEQUANT, _at, _barrier, _layouts
 
 WORDS, MMA, A_OP, X_LD = _layouts(4)
 WORDS8, MMA8, A_OP8, X_LD8 = _layouts(8)
 X_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 X_SMEM3 = X_SMEM  # a stack of 2-D tiles: the layout of one
 XS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))  # rows of 16 sums
-_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # the name before triton 3.7
-_HEAD = """{
-.reg .b32 t4, t8, t12, u0, u1, u2, u3, one, bias;
-mov.b32 one, 0x3F803F80;
-mov.b32 bias, 0xC308C308;
-shr.b32 t4, $8, 4;
-shr.b32 t8, $8, 8;
-shr.b32 t12, $8, 12;
-lop3.b32 u0, $8, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 u1, t4, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 u2, t8, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 u3, t12, 0x000F000F, 0x43004300, 0xEA;
-"""
-_SUB = """fma.rn.bf16x2 u0, u0, one, bias;
-fma.rn.bf16x2 u1, u1, one, bias;
-fma.rn.bf16x2 u2, u2, one, bias;
-fma.rn.bf16x2 u3, u3, one, bias;
-"""
-_TAIL = """mov.b32 {$0, $1}, u0;
-mov.b32 {$2, $3}, u1;
-mov.b32 {$4, $5}, u2;
-mov.b32 {$6, $7}, u3;
-}"""
-ASM_SUB = gl.constexpr(_HEAD + _SUB + _TAIL)  # codes - 8
-ASM_RAW = gl.constexpr(_HEAD + _TAIL)  # 128 + codes
-
-
-@gluon.jit
-def _at(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
-    # arange(n) along `dim` of a 5-D tensor of `layout`
-    if dim == 0:
-        r = gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, layout)))))
-        r = r[:, None, None, None, None]
-    elif dim == 1:
-        r = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, layout)))))
-        r = r[None, :, None, None, None]
-    elif dim == 2:
-        r = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, layout)))))
-        r = r[None, None, :, None, None]
-    elif dim == 3:
-        r = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, layout)))))
-        r = r[None, None, None, :, None]
-    else:
-        r = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout)))))
-        r = r[None, None, None, None, :]
-    return r
+ASM_SUB = DEQUANT  # codes - 8
+ASM_RAW = gl.constexpr("".join(line for line in DEQUANT.value.splitlines(True)
+                               if not line.startswith("fma")))  # 128 + codes: without the subtraction
 
 
 @gluon.jit
@@ -286,15 +234,13 @@ def int4_gemv_xall_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, KT: gl
 
 
 def load_kernel():
-    """The kernel module, written out and imported (Gluon reads a kernel's source from its file)."""
-    import importlib.util
-    d = Path(tempfile.mkdtemp(prefix="gluon_int4_"))
-    path = d / "gluon_int4_kernel.py"
-    path.write_text(KERNEL_SOURCE)
-    spec = importlib.util.spec_from_file_location("gluon_int4_kernel", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The kernel module, through llmc's kernel cache (Gluon reads a kernel's source from its file). Its shared
+    pieces come from llmc's rendered kernel (one warpgroup, bf16), registered under the name the source imports."""
+    from llmc.codegen.cache import load_source
+    from llmc.codegen.kernels import load
+    from llmc.codegen.qwgmma import QWgmmaSpec
+    sys.modules["gluon_int4_lab_product"] = load(QWgmmaSpec("bf16", 1), pdl=False)
+    return load_source(KERNEL_SOURCE, "gluon_int4_lab")
 
 
 def wg_layouts(mod, wg: int) -> tuple:

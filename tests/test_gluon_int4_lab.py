@@ -1,7 +1,6 @@
-"""benchmarks/gluon_int4_lab.py's int4 layout: the host packing is the one the kernel's loads, joins, permute and
-reshape read, and the kernel compiles for sm_90 with its operand conversion free of data movement."""
+"""benchmarks/gluon_int4_lab.py: its kernels compile for sm_90 with their operand conversion free of data movement,
+and its comparison against qlinear_probe.py. Its packing is llmc's (tests/codegen/test_qwgmma.py checks it)."""
 import pytest
-import torch
 
 from tests.scripts import BENCHMARKS, load_script
 
@@ -11,37 +10,12 @@ def lab():
     return load_script("gluon_int4_lab", BENCHMARKS)
 
 
-def test_pack_round_trips(lab):
-    codes = torch.randint(0, 16, (128, 384), dtype=torch.int32)
-    words = lab.pack(codes)
-    assert words.numel() == 128 * 384 // 8
-    assert torch.equal(lab.unpack(words, 128, 384), codes)
-
-
-@pytest.mark.parametrize("tile_n,tile_k", [(0, 0), (1, 2)])
-def test_kernels_op_sequence_reads_each_tile_in_place(lab, tile_n, tile_k):
-    codes = torch.randint(0, 16, (128, 384), dtype=torch.int32)
-    words = lab.pack(codes)
-    start = (tile_n * 3 + tile_k) * lab.WORDS_A_TILE
-    tile = lab.mirror_dequant(words[start:start + lab.WORDS_A_TILE]).to(torch.int32)
-    assert torch.equal(tile, codes[64 * tile_n:64 * (tile_n + 1), 128 * tile_k:128 * (tile_k + 1)])
-
-
 def test_kernel_compiles_for_hopper_without_moving_the_operand(lab):
     pytest.importorskip("triton.experimental.gluon")
     counts = lab.sass_counts("sub")  # convert_layout(..., assert_trivial=True) fails the compile otherwise
     assert counts["opcodes"].get("HGMMA", 0) == 8  # a 64 x 128 tile: 8 MMAs of K 16
     # no byte permutes: each code's register is where the MMA reads it
     assert counts["opcodes"].get("PRMT", 0) == 0 and counts["per_code"] < 3.0
-
-
-def test_pack_puts_each_code_where_word_position_says(lab):
-    codes = torch.randint(0, 16, (128, 256), dtype=torch.int32)
-    words = lab.pack(codes).to(torch.int64)
-    rows = torch.arange(128).repeat_interleave(256)
-    cols = torch.arange(256).repeat(128)
-    word, bit = lab.word_position(rows, cols, 2)
-    assert torch.equal((words[word] >> bit) & 15, codes.flatten().to(torch.int64))
 
 
 def test_compare_takes_each_sides_fastest_checked_run(lab):

@@ -132,16 +132,18 @@ class PreparedQWeight:
         """Bytes a call reads of the weight: codes, scales and zero points."""
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros) if t is not None)
 
+    def codes(self) -> torch.Tensor:
+        """int: the codes [N, KW] (u8, one a byte, in column order, K's padding included)."""
+        if self.fmt.bits != 4:
+            return self.qweight
+        p = self.qweight.view(self.out_features, self.padded_k // self.pack, self.run)
+        return torch.stack((p & 0xF, p >> 4), dim=2).reshape(self.out_features, self.padded_k)
+
     def canonical(self) -> QuantizedWeight:
         """The weight back in llmc/ir/quant.py's layout."""
         if self.fmt.kind != "int":
             return QuantizedWeight(self.fmt, self.qweight, self.scales.reshape(-1, 1), None)
-        n, k, kw = self.out_features, self.in_features, self.padded_k
-        if self.fmt.bits == 4:
-            p = self.qweight.view(n, kw // self.pack, self.run)
-            codes = torch.stack((p & 0xF, p >> 4), dim=2).reshape(n, kw)[:, :k]
-        else:
-            codes = self.qweight[:, :k]
+        codes = self.codes()[:, :self.in_features]
         return QuantizedWeight(self.fmt, quant.pack(self.fmt, codes), self.scales, self.zeros)
 
     def dequantize(self) -> torch.Tensor:
@@ -839,11 +841,12 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
         cands = candidates(bucket, N, kw, pack, len(group) > 1)
         if tma_offered():
             cands += tma_candidates(cands)
-        if gemv_fits(prepared) and max(map(bucket_size, group)) <= GEMV_ROWS:
-            cands += gemv_candidates(N, kw)  # only where every M sharing the choice fits it
-        if (x_scales is None and max(map(bucket_size, group)) <= qwgmma.MAX_ROWS and qwgmma.offered(x2.device)
+        largest = max(map(bucket_size, group))  # the kernels below only where every M sharing the choice fits
+        if gemv_fits(prepared) and largest <= GEMV_ROWS:
+            cands += gemv_candidates(N, kw)
+        if (x_scales is None and largest <= qwgmma.MAX_ROWS and qwgmma.offered(x2.device)
                 and qwgmma.fits(prepared, ydtype, b is not None, act)):
-            cands += qwgmma.candidates(N, K)  # the same rule: the kernel takes up to 64 rows
+            cands += qwgmma.candidates(N, K)
         if x2.device.type == "cuda" and len(group) == 1:
             cands += library_candidates(bucket, prepared, ydtype)
         config = tuner.choose(spec.key(N, K), group, cands,

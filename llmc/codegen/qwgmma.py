@@ -40,10 +40,9 @@ TILE_N, TILE_K = 64, 128  # a tile: 64 weight rows (a warpgroup's 4 warps x 16),
 WORDS_A_TILE = TILE_N * TILE_K // 8
 MAX_TILES = 4  # x's 16-row tiles (the MMA's N) a launch takes, each its own MMA against the same codes
 MAX_ROWS = 16 * MAX_TILES
-# (warpgroups, groups' words loaded ahead, programs as a multiple of TARGET_PROGRAMS) the tuner tries: the
+# (warpgroups, groups' words loaded ahead, programs as a multiple of qmatmul.TARGET_PROGRAMS) the tuner tries: the
 # fastest at 1 and 16 rows of the 8B linears on an H100 took 1-2x (benchmarks/gluon_int4_lab.py)
 CONFIGS = ((1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 1))
-TARGET_PROGRAMS = 512  # programs a launch aims at: about 4 a multiprocessor
 # x's dtype: (Gluon's name, PTX's, the bits of one, of the magic M whose last mantissa bit is 1, of -(M + 8))
 DTYPES = {torch.bfloat16: ("bfloat16", "bf16", "0x3F803F80", "0x43004300", "0xC308C308"),
           torch.float16: ("float16", "f16", "0x3C003C00", "0x64006400", "0xE408E408")}
@@ -136,22 +135,15 @@ def runs_here(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0))
 
 
-def _split(n_tiles: int, tiles_k: int, scale: float) -> int:
-    """The power-of-two K split (dividing tiles_k, at most 16) bringing n_tiles x split to about scale x
-    TARGET_PROGRAMS programs."""
-    s = 1
-    while n_tiles * s * 2 <= scale * TARGET_PROGRAMS and s * 2 <= 16 and tiles_k % (s * 2) == 0:
-        s *= 2
-    return s
-
-
 def candidates(n: int, k: int) -> list[dict]:
-    """The tuner's configs of this kernel for a weight of n rows and k columns."""
+    """The tuner's configs of this kernel for a weight of n rows and k columns; K splits as the qlinear's own
+    (`qmatmul._split`: a power of two, at most 16, dividing K's groups)."""
+    from llmc.codegen.qmatmul import _split  # qmatmul imports this module
     out = []
     for wg, ahead, scale in CONFIGS:
         if n % (TILE_N * wg):
             continue
-        out.append({"WGMMA": True, "WG": wg, "AHEAD": ahead, "SPLIT_K": _split(n // (TILE_N * wg), k // TILE_K, scale)})
+        out.append({"WGMMA": True, "WG": wg, "AHEAD": ahead, "SPLIT_K": _split(n, k, TILE_N * wg, TILE_K, scale)})
     return [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]
 
 
@@ -173,9 +165,7 @@ def words_of(p) -> torch.Tensor:
         if p.qweight.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the int4 wgmma kernel makes its weight layout on its first launch: run the step "
                                "once eagerly before a CUDA graph captures it")
-        n, kw = p.out_features, p.padded_k
-        planes = p.qweight.view(n, kw // p.pack, p.run)  # int4 nibble planes (`qmatmul.PreparedQWeight`)
-        w = _WORDS[key] = pack(torch.stack((planes & 0xF, planes >> 4), dim=2).reshape(n, kw))
+        w = _WORDS[key] = pack(p.codes())  # `fits`: K holds no padding
         weakref.finalize(p.qweight, _WORDS.pop, key, None)
     return w
 
