@@ -846,7 +846,7 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
             cands += gemv_candidates(N, kw)
         if (x_scales is None and largest <= qwgmma.MAX_ROWS and qwgmma.offered(x2.device)
                 and qwgmma.fits(prepared, ydtype, b is not None, act)):
-            cands += qwgmma.candidates(N, K)
+            cands += qwgmma.tuned_candidates(N, K)
         if x2.device.type == "cuda" and len(group) == 1:
             cands += library_candidates(bucket, prepared, ydtype)
         config = tuner.choose(spec.key(N, K), group, cands,

@@ -148,9 +148,17 @@ def candidates(n: int, k: int) -> list[dict]:
 
 
 def async_x_candidates(n: int, k: int) -> list[dict]:
-    """`candidates` with x's tiles copied a group ahead (`XASYNC`): not yet timed on a GPU, so not offered to the
-    tuner; `benchmarks/qlinear_probe.py --variants wgmma-async` measures them."""
+    """`candidates` with x's tiles copied a group ahead (`XASYNC`), offered to the tuner beside them only where
+    `LLMC_QWGMMA_XASYNC=1` (`tuned_candidates`) until GPU timings show them worth their tuning time;
+    `benchmarks/qlinear_probe.py --variants wgmma-async` measures them alone."""
     return [dict(c, XASYNC=True) for c in candidates(n, k)]
+
+
+def tuned_candidates(n: int, k: int) -> list[dict]:
+    """What a tuning times of this kernel: `candidates`, and `async_x_candidates` too where
+    `LLMC_QWGMMA_XASYNC=1` (read at each tuning)."""
+    extra = async_x_candidates(n, k) if os.environ.get("LLMC_QWGMMA_XASYNC", "0") == "1" else []
+    return candidates(n, k) + extra
 
 
 _WORDS: dict[int, torch.Tensor] = {}  # id(prepared qweight) -> its words (made by the first launch)

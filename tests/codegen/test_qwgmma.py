@@ -84,6 +84,15 @@ def test_switch_keeps_the_tuner_off_it(monkeypatch):
     assert not qwgmma.offered(torch.device("cuda"))
 
 
+def test_async_copies_of_x_are_timed_only_when_asked(monkeypatch):
+    monkeypatch.delenv("LLMC_QWGMMA_XASYNC", raising=False)
+    assert qwgmma.tuned_candidates(4096, 4096) == qwgmma.candidates(4096, 4096)
+    monkeypatch.setenv("LLMC_QWGMMA_XASYNC", "1")
+    both = qwgmma.tuned_candidates(4096, 4096)
+    assert [c for c in both if c.get("XASYNC")] == qwgmma.async_x_candidates(4096, 4096)
+    assert [c for c in both if not c.get("XASYNC")] == qwgmma.candidates(4096, 4096)
+
+
 @pytest.mark.parametrize("dtype,warpgroups", [("bf16", 1), ("f16", 1), ("bf16", 2)])
 def test_kernel_compiles_for_hopper_without_moving_the_operand(dtype, warpgroups):
     """The rendered kernel compiles for sm_90 on any machine: `convert_layout(..., assert_trivial=True)` fails the

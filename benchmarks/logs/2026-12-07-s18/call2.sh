@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The int4 wgmma GEMV (llmc/codegen/qwgmma.py) on a Hopper GPU: its tests compiled on the hardware, then the 8B
 # int4 g128 decode at batch 1 and 16, with the kernel offered to the tuner (arm `wgmma`) and without (`triton`:
-# LLMC_QWGMMA=0), each arm with a tuning cache of its own so that each times its own candidates; bf16 beside
-# each. ARMS: the arms in order; ARM_T: each arm's limit (s); NBI=1: the int4 compiles with --no-batch-invariant
-# (the first measurement, on 1-16 rows only: llmc's default is batch-invariant).
+# LLMC_QWGMMA=0), and with its variant copying x a group ahead offered too (`xasync`: LLMC_QWGMMA_XASYNC=1),
+# each arm with a tuning cache of its own so that each times its own candidates; bf16 beside each. ARMS: the
+# arms in order; ARM_T: each arm's limit (s); NBI=1: the int4 compiles with --no-batch-invariant (the first
+# measurement, on 1-16 rows only: llmc's default is batch-invariant).
 # Usage, from the repository root on the GPU: bash benchmarks/logs/2026-12-07-s18/call2.sh OUT
 OUT=$1; mkdir -p $OUT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -14,7 +15,8 @@ echo "tests rc $?"; grep -E "passed|failed|Error" $OUT/tests.log | tail -5
 for arm in ${ARMS:-wgmma triton}; do
   d=$OUT/$arm; mkdir -p $d
   sw=1; [ "$arm" = triton ] && sw=0
-  LLMC_QWGMMA=$sw LLMC_CACHE_DIR=/tmp/llmc-cache-$arm timeout ${ARM_T:-240} python3 benchmarks/quant_decode_bench.py \
+  xa=0; [ "$arm" = xasync ] && xa=1
+  LLMC_QWGMMA=$sw LLMC_QWGMMA_XASYNC=$xa LLMC_CACHE_DIR=/tmp/llmc-cache-$arm timeout ${ARM_T:-240} python3 benchmarks/quant_decode_bench.py \
       --shape 8b --quant rtn4 ${NBI:+--no-batch-invariant} --new 128 --out $d > $d/bench.log 2>&1
   echo "$arm rc $?"
   rm -rf /tmp/llmc-cache-$arm
@@ -27,9 +29,10 @@ for l in sys.stdin:
 import glob, json, sys
 for f in glob.glob(sys.argv[1] + "/rtn4_tuning.json"):
     k = json.load(open(f)).get("kernels", {})
-    picks = {key: {b: rec.get("config", {}).get("WGMMA", False) for b, rec in v.items() if isinstance(rec, dict)}
-             for key, v in k.items() if key.startswith("qlinear[w4a16")}
-    for key, by in picks.items():
-        print("  ", key[-24:], "wgmma chosen at", [b for b, w in by.items() if w] or "none")
+    for key, v in k.items():
+        if key.startswith("qlinear[w4a16"):
+            cfgs = {b: rec.get("config", {}) for b, rec in v.items() if isinstance(rec, dict)}
+            print("  ", key[-24:], "wgmma chosen at", [b + (" (x ahead)" if c.get("XASYNC") else "")
+                                                       for b, c in cfgs.items() if c.get("WGMMA")] or "none")
 PY
 done
