@@ -9,8 +9,8 @@ A variant changes the bucket's default config: "default" (as an untuned GPU runs
 "split0.5" (the K split doubled / halved), "bk512" (BLOCK_K 512), "bn32" (BLOCK_N 32), "swap" /
 "noswap" (SWAP_AB), "w8" (8 warps), "stN" (N pipeline stages); "a+b" applies a, then b. "wgmma" runs
 each config the tuner may time of the int4 wgmma GEMV (llmc/codegen/qwgmma.py; sm_90, int4 g128, up to 64
-rows) as variants wgmma0, wgmma1, ...; "wgmma-async" the same configs with x copied a group ahead
-(wgmma-async0, ...). Run from a copy of an older tree, the same command measures that tree's kernels.
+rows) as variants wgmma0, wgmma1, ...; "wgmma-trial" the configs not yet timed on a GPU (4 warpgroups, and
+every config with x copied a group ahead: `qwgmma.trial_candidates`) as wgmma-trial0, ... Run from a copy of an older tree, the same command measures that tree's kernels.
 """
 from __future__ import annotations
 
@@ -94,10 +94,10 @@ def main() -> None:
                 base = qm.candidates(m_bucket(m), n, p0.padded_k, p0.pack)[0]
                 runs = []
                 for vname in a.variants.split(","):
-                    if vname not in ("wgmma", "wgmma-async"):
+                    if vname not in ("wgmma", "wgmma-trial"):
                         runs.append((vname, variant(base, vname)))
                     elif m <= qwgmma.MAX_ROWS and qwgmma.fits(p0, torch.bfloat16, False, ""):
-                        configs = qwgmma.candidates(n, k) if vname == "wgmma" else qwgmma.async_x_candidates(n, k)
+                        configs = qwgmma.candidates(n, k) if vname == "wgmma" else qwgmma.trial_candidates(n, k)
                         runs += [(f"{vname}{i}", c) for i, c in enumerate(configs)]
                 for vname, cfg in runs:
                     y = qm.qlinear(x, p0, config=cfg)

@@ -43,6 +43,10 @@ MAX_ROWS = 16 * MAX_TILES
 # (warpgroups, groups' words loaded ahead, programs as a multiple of qmatmul.TARGET_PROGRAMS) the tuner tries: the
 # fastest at 1 and 16 rows of the 8B linears on an H100 took 1-2x (benchmarks/gluon_int4_lab.py)
 CONFIGS = ((1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 1))
+# configs not yet timed on a GPU, tried where `LLMC_QWGMMA_TRY=1` (`tuned_candidates`): 4 warpgroups, 256 weight
+# rows a program, which read x's tiles from L2 half as often as 2 (at 64 rows x's 16 KB a group is 4x the group's
+# codes a 64-row tile)
+TRIAL_CONFIGS = ((4, 1, 1), (4, 1, 2))
 # x's dtype: (Gluon's name, PTX's, the bits of one, of the magic M whose last mantissa bit is 1, of -(M + 8))
 DTYPES = {torch.bfloat16: ("bfloat16", "bf16", "0x3F803F80", "0x43004300", "0xC308C308"),
           torch.float16: ("float16", "f16", "0x3C003C00", "0x64006400", "0xE408E408")}
@@ -135,12 +139,12 @@ def runs_here(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0))
 
 
-def candidates(n: int, k: int) -> list[dict]:
+def candidates(n: int, k: int, configs=CONFIGS) -> list[dict]:
     """The tuner's configs of this kernel for a weight of n rows and k columns; K splits as the qlinear's own
     (`qmatmul._split`: a power of two, at most 16, dividing K's groups)."""
     from llmc.codegen.qmatmul import _split  # qmatmul imports this module
     out = []
-    for wg, ahead, scale in CONFIGS:
+    for wg, ahead, scale in configs:
         if n % (TILE_N * wg):
             continue
         out.append({"WGMMA": True, "WG": wg, "AHEAD": ahead, "SPLIT_K": _split(n, k, TILE_N * wg, TILE_K, scale)})
@@ -148,16 +152,20 @@ def candidates(n: int, k: int) -> list[dict]:
 
 
 def async_x_candidates(n: int, k: int) -> list[dict]:
-    """`candidates` with x's tiles copied a group ahead (`XASYNC`), offered to the tuner beside them only where
-    `LLMC_QWGMMA_XASYNC=1` (`tuned_candidates`) until GPU timings show them worth their tuning time;
-    `benchmarks/qlinear_probe.py --variants wgmma-async` measures them alone."""
+    """`candidates` with x's tiles copied a group ahead (`XASYNC`)."""
     return [dict(c, XASYNC=True) for c in candidates(n, k)]
 
 
+def trial_candidates(n: int, k: int) -> list[dict]:
+    """The configs not yet timed on a GPU: `TRIAL_CONFIGS`, and every config with x copied a group ahead
+    (`async_x_candidates`); `benchmarks/qlinear_probe.py --variants wgmma-trial` measures them alone."""
+    return candidates(n, k, TRIAL_CONFIGS) + async_x_candidates(n, k)
+
+
 def tuned_candidates(n: int, k: int) -> list[dict]:
-    """What a tuning times of this kernel: `candidates`, and `async_x_candidates` too where
-    `LLMC_QWGMMA_XASYNC=1` (read at each tuning)."""
-    extra = async_x_candidates(n, k) if os.environ.get("LLMC_QWGMMA_XASYNC", "0") == "1" else []
+    """What a tuning times of this kernel: `candidates`, and `trial_candidates` too where `LLMC_QWGMMA_TRY=1`
+    (read at each tuning), until GPU timings show them worth their tuning time."""
+    extra = trial_candidates(n, k) if os.environ.get("LLMC_QWGMMA_TRY", "0") == "1" else []
     return candidates(n, k) + extra
 
 

@@ -84,16 +84,18 @@ def test_switch_keeps_the_tuner_off_it(monkeypatch):
     assert not qwgmma.offered(torch.device("cuda"))
 
 
-def test_async_copies_of_x_are_timed_only_when_asked(monkeypatch):
-    monkeypatch.delenv("LLMC_QWGMMA_XASYNC", raising=False)
+def test_trial_configs_are_timed_only_when_asked(monkeypatch):
+    monkeypatch.delenv("LLMC_QWGMMA_TRY", raising=False)
     assert qwgmma.tuned_candidates(4096, 4096) == qwgmma.candidates(4096, 4096)
-    monkeypatch.setenv("LLMC_QWGMMA_XASYNC", "1")
+    monkeypatch.setenv("LLMC_QWGMMA_TRY", "1")
     both = qwgmma.tuned_candidates(4096, 4096)
     assert [c for c in both if c.get("XASYNC")] == qwgmma.async_x_candidates(4096, 4096)
-    assert [c for c in both if not c.get("XASYNC")] == qwgmma.candidates(4096, 4096)
+    assert [c for c in both if c["WG"] == 4] == qwgmma.candidates(4096, 4096, qwgmma.TRIAL_CONFIGS)
+    assert both[:len(qwgmma.candidates(4096, 4096))] == qwgmma.candidates(4096, 4096)
+    assert {c["WG"] for c in qwgmma.trial_candidates(192, 384)} == {1}  # 4 warpgroups only over whole tiles
 
 
-@pytest.mark.parametrize("dtype,warpgroups", [("bf16", 1), ("f16", 1), ("bf16", 2)])
+@pytest.mark.parametrize("dtype,warpgroups", [("bf16", 1), ("f16", 1), ("bf16", 2), ("bf16", 4)])
 def test_kernel_compiles_for_hopper_without_moving_the_operand(dtype, warpgroups):
     """The rendered kernel compiles for sm_90 on any machine: `convert_layout(..., assert_trivial=True)` fails the
     compile unless the dequantized codes are already where the MMA reads them; PDL's wait is in the PTX."""
@@ -125,7 +127,7 @@ def test_gpu_sums_match_the_reference_and_rows_do_not_depend_on_m(dtype):
     p = prepared(256, 1024, device="cuda", seed=1)
     x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(2)).to(dtype).cuda()
     ref = qm.reference(x.float(), p.fmt, *(t for t in p.canonical().tensors()))
-    for cfg in (qwgmma.candidates(256, 1024) + qwgmma.async_x_candidates(256, 1024)
+    for cfg in (qwgmma.candidates(256, 1024) + qwgmma.trial_candidates(256, 1024)
                 + [{"WGMMA": True, "WG": 1, "AHEAD": 1, "SPLIT_K": 8}]):
         together = qm.qlinear(x, p, config=cfg)
         assert ((together.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, cfg

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The int4 wgmma GEMV (llmc/codegen/qwgmma.py) on a Hopper GPU: its tests compiled on the hardware, then the 8B
 # int4 g128 decode at batch 1 and 16, with the kernel offered to the tuner (arm `wgmma`) and without (`triton`:
-# LLMC_QWGMMA=0), and with its variant copying x a group ahead offered too (`xasync`: LLMC_QWGMMA_XASYNC=1),
+# LLMC_QWGMMA=0), and with its configs not yet timed offered too (`trial`: LLMC_QWGMMA_TRY=1; 4 warpgroups, x copied a group ahead),
 # each arm with a tuning cache of its own so that each times its own candidates; bf16 beside each. ARMS: the
 # arms in order; ARM_T: each arm's limit (s); NBI=1: the int4 compiles with --no-batch-invariant (the first
 # measurement, on 1-16 rows only: llmc's default is batch-invariant).
@@ -15,8 +15,8 @@ echo "tests rc $?"; grep -E "passed|failed|Error" $OUT/tests.log | tail -5
 for arm in ${ARMS:-wgmma triton}; do
   d=$OUT/$arm; mkdir -p $d
   sw=1; [ "$arm" = triton ] && sw=0
-  xa=0; [ "$arm" = xasync ] && xa=1
-  LLMC_QWGMMA=$sw LLMC_QWGMMA_XASYNC=$xa LLMC_CACHE_DIR=/tmp/llmc-cache-$arm timeout ${ARM_T:-240} python3 benchmarks/quant_decode_bench.py \
+  xa=0; [ "$arm" = trial ] && xa=1
+  LLMC_QWGMMA=$sw LLMC_QWGMMA_TRY=$xa LLMC_CACHE_DIR=/tmp/llmc-cache-$arm timeout ${ARM_T:-240} python3 benchmarks/quant_decode_bench.py \
       --shape 8b --quant rtn4 ${NBI:+--no-batch-invariant} --new 128 --out $d > $d/bench.log 2>&1
   echo "$arm rc $?"
   rm -rf /tmp/llmc-cache-$arm
@@ -32,7 +32,7 @@ for f in glob.glob(sys.argv[1] + "/rtn4_tuning.json"):
     for key, v in k.items():
         if key.startswith("qlinear[w4a16"):
             cfgs = {b: rec.get("config", {}) for b, rec in v.items() if isinstance(rec, dict)}
-            print("  ", key[-24:], "wgmma chosen at", [b + (" (x ahead)" if c.get("XASYNC") else "")
+            print("  ", key[-24:], "wgmma chosen at", [f"{b} (WG {c['WG']}{', x ahead' if c.get('XASYNC') else ''})"
                                                        for b, c in cfgs.items() if c.get("WGMMA")] or "none")
 PY
 done

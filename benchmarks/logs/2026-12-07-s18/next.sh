@@ -2,7 +2,7 @@
 # The next GPU call for the int4 wgmma GEMV (preferably on an H200, where the int4 decode is furthest from its bytes):
 # 1. each 8B int4 linear at 1, 16, 32 and 64 rows: the Triton qlinear's default and doubled K split beside every
 #    wgmma config the tuner may time, and each with x copied a group ahead (`qlinear_probe.py --variants
-#    default,split2,wgmma,wgmma-async`; the latter not yet offered to the tuner): where the wgmma kernel loses at
+#    default,split2,wgmma,wgmma-trial`; the latter offered to the tuner only with LLMC_QWGMMA_TRY=1): where the wgmma kernel loses at
 #    32-64 rows, which keeps the default (batch-invariant) tuning off it, and whether the copies ahead mend that;
 # 2. call2.sh: the 8B int4 decode at batch 1 / 16, default compile, with the kernel offered and without (NBI=1:
 #    with --no-batch-invariant instead).
@@ -10,7 +10,7 @@
 OUT=$1; mkdir -p $OUT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 timeout 150 python3 benchmarks/qlinear_probe.py --shapes gate_up,down,qkv,o_proj --ms 1,16,32,64 --formats int4-g128 \
-    --variants default,split2,wgmma,wgmma-async --out $OUT/probe > $OUT/probe.log 2>&1
+    --variants default,split2,wgmma,wgmma-trial --out $OUT/probe > $OUT/probe.log 2>&1
 echo "probe rc $?"
 python3 - $OUT/probe/qlinear_probe.json <<'PY'
 import json, sys
