@@ -31,6 +31,34 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 if "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+# Triton's interpreter swaps `triton.language`'s functions and tensor methods for interpreted ones while a kernel
+# runs, and puts them back after; but a library function a kernel calls (`tl.sum`) swaps them again with nothing to
+# put them back (triton 3.9: `InterpretedFunction.__call__`). A kernel then compiled for a real GPU in the same
+# process (the sm_90 compiles of the Gluon kernels, where Triton's cache does not already hold them) meets
+# interpreted arithmetic and fails. So after every test the language modules' functions are put back as first
+# imported, and the methods the interpreter added to its tensor classes are taken off.
+def _language_state() -> dict:
+    import triton.language as tl
+    mods = [m for name, m in list(sys.modules.items()) if name.startswith("triton.language") and m is not None]
+    return {obj: dict(vars(obj)) for obj in mods + [tl.core.tensor, tl.core.tensor_descriptor_base]}
+
+
+_LANGUAGE = _language_state()
+
+
+@pytest.fixture(autouse=True)
+def _language_put_back():
+    yield
+    for obj, state in _LANGUAGE.items():
+        for name, value in state.items():
+            if vars(obj).get(name, value) is not value:
+                setattr(obj, name, value)
+        if isinstance(obj, type):
+            for name in set(vars(obj)) - set(state):
+                delattr(obj, name)
+
+
 TOKENIZER_TEXT = [
     "def add(a, b):\n    return a + b\n",
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
