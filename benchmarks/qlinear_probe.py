@@ -9,8 +9,9 @@ A variant changes the bucket's default config: "default" (as an untuned GPU runs
 "split0.5" (the K split doubled / halved), "bk512" (BLOCK_K 512), "bn32" (BLOCK_N 32), "swap" /
 "noswap" (SWAP_AB), "w8" (8 warps), "stN" (N pipeline stages); "a+b" applies a, then b. "wgmma" runs
 each config the tuner may time of the int4 wgmma GEMV (llmc/codegen/qwgmma.py; sm_90, int4 g128, up to 64
-rows) as variants wgmma0, wgmma1, ...; "wgmma-trial" the configs not yet timed on a GPU (4 warpgroups, and
-every config with x copied a group ahead: `qwgmma.trial_candidates`) as wgmma-trial0, ... Run from a copy of an older tree, the same command measures that tree's kernels.
+rows) as variants wgmma0, wgmma1, ...; "wgmma-trial" those timed only with LLMC_QWGMMA_TRY=1 (4 warpgroups:
+`qwgmma.trial_candidates`) as wgmma-trial0, ... Run from a copy of an older tree, the same command measures
+that tree's kernels.
 """
 from __future__ import annotations
 

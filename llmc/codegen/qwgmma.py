@@ -43,9 +43,9 @@ MAX_ROWS = 16 * MAX_TILES
 # (warpgroups, groups' words loaded ahead, programs as a multiple of qmatmul.TARGET_PROGRAMS) the tuner tries: the
 # fastest at 1 and 16 rows of the 8B linears on an H100 took 1-2x (benchmarks/gluon_int4_lab.py)
 CONFIGS = ((1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 1))
-# configs not yet timed on a GPU, tried where `LLMC_QWGMMA_TRY=1` (`tuned_candidates`): 4 warpgroups, 256 weight
-# rows a program, which read x's tiles from L2 half as often as 2 (at 64 rows x's 16 KB a group is 4x the group's
-# codes a 64-row tile)
+# configs not yet chosen on a GPU, timed where `LLMC_QWGMMA_TRY=1` (`tuned_candidates`): 4 warpgroups, 256 weight
+# rows a program, which read x's tiles from L2 half as often as 2 (on an H200 the batch-invariant tuning of the 8B
+# int4 linears chose none: benchmarks/RESULTS.md, 2026-12-07, x a group ahead)
 TRIAL_CONFIGS = ((4, 1, 1), (4, 1, 2))
 # x's dtype: (Gluon's name, PTX's, the bits of one, of the magic M whose last mantissa bit is 1, of -(M + 8))
 DTYPES = {torch.bfloat16: ("bfloat16", "bf16", "0x3F803F80", "0x43004300", "0xC308C308"),
@@ -140,26 +140,23 @@ def runs_here(device: torch.device) -> bool:
 
 
 def candidates(n: int, k: int, configs=CONFIGS) -> list[dict]:
-    """The tuner's configs of this kernel for a weight of n rows and k columns; K splits as the qlinear's own
-    (`qmatmul._split`: a power of two, at most 16, dividing K's groups)."""
+    """The tuner's configs of this kernel for a weight of n rows and k columns, each with x's tiles loaded when
+    used and copied a group ahead (`XASYNC`: on an H200 the batch-invariant tuning chose the copies ahead for
+    the 8B int4 QKV, gate/up and down projections); K splits as the qlinear's own (`qmatmul._split`: a power of
+    two, at most 16, dividing K's groups)."""
     from llmc.codegen.qmatmul import _split  # qmatmul imports this module
     out = []
     for wg, ahead, scale in configs:
         if n % (TILE_N * wg):
             continue
         out.append({"WGMMA": True, "WG": wg, "AHEAD": ahead, "SPLIT_K": _split(n, k, TILE_N * wg, TILE_K, scale)})
-    return [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]
-
-
-def async_x_candidates(n: int, k: int) -> list[dict]:
-    """`candidates` with x's tiles copied a group ahead (`XASYNC`)."""
-    return [dict(c, XASYNC=True) for c in candidates(n, k)]
+    out = [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]
+    return out + [dict(c, XASYNC=True) for c in out]
 
 
 def trial_candidates(n: int, k: int) -> list[dict]:
-    """The configs not yet timed on a GPU: `TRIAL_CONFIGS`, and every config with x copied a group ahead
-    (`async_x_candidates`); `benchmarks/qlinear_probe.py --variants wgmma-trial` measures them alone."""
-    return candidates(n, k, TRIAL_CONFIGS) + async_x_candidates(n, k)
+    """The configs of `TRIAL_CONFIGS`; `benchmarks/qlinear_probe.py --variants wgmma-trial` measures them alone."""
+    return candidates(n, k, TRIAL_CONFIGS)
 
 
 def tuned_candidates(n: int, k: int) -> list[dict]:

@@ -89,10 +89,16 @@ def test_trial_configs_are_timed_only_when_asked(monkeypatch):
     assert qwgmma.tuned_candidates(4096, 4096) == qwgmma.candidates(4096, 4096)
     monkeypatch.setenv("LLMC_QWGMMA_TRY", "1")
     both = qwgmma.tuned_candidates(4096, 4096)
-    assert [c for c in both if c.get("XASYNC")] == qwgmma.async_x_candidates(4096, 4096)
-    assert [c for c in both if c["WG"] == 4] == qwgmma.candidates(4096, 4096, qwgmma.TRIAL_CONFIGS)
-    assert both[:len(qwgmma.candidates(4096, 4096))] == qwgmma.candidates(4096, 4096)
-    assert {c["WG"] for c in qwgmma.trial_candidates(192, 384)} == {1}  # 4 warpgroups only over whole tiles
+    assert [c for c in both if c["WG"] == 4] == qwgmma.trial_candidates(4096, 4096)
+    assert [c for c in both if c["WG"] != 4] == qwgmma.candidates(4096, 4096)
+    assert qwgmma.trial_candidates(192, 384) == []  # 4 warpgroups only over whole tiles
+
+
+def test_each_config_is_offered_with_x_loaded_when_used_and_copied_ahead():
+    cands = qwgmma.candidates(4096, 4096)
+    plain = [c for c in cands if not c.get("XASYNC")]
+    assert [c for c in cands if c.get("XASYNC")] == [dict(c, XASYNC=True) for c in plain]
+    assert len(plain) == len({tuple(c.items()) for c in plain})
 
 
 @pytest.mark.parametrize("dtype,warpgroups", [("bf16", 1), ("f16", 1), ("bf16", 2), ("bf16", 4)])
