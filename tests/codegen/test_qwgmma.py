@@ -157,3 +157,31 @@ def test_a_plan_makes_the_words_its_tuned_choices_launch(monkeypatch):
     qm.ready_layouts(chosen, tuner, torch.bfloat16, False, "")
     assert id(chosen.qweight) in qwgmma._WORDS
     qm.ready_layouts(chosen, None, torch.bfloat16, False, "")  # no tuner: nothing to read, nothing made
+
+
+def test_shipped_int4_choices_are_configs_the_tuner_offers():
+    """Every qlinear choice of the shipped tables (int4 g128) is one this tree's tuning would time for its key and
+    bucket: a table carried over a kernel change (renamed with the sources) must not hold a config the kernels
+    no longer take."""
+    import json
+    import re
+
+    from llmc.codegen import autotune
+    seen = 0
+    for table in sorted(autotune.SHIPPED_DIR.glob("*.json")):
+        data = json.loads(table.read_text())
+        joint = data["joint_buckets"]
+        for key, by_bucket in data["kernels"].items():
+            if not key.startswith("qlinear[w4a16-g128,"):
+                continue
+            n, k = map(int, re.search(r"N(\d+)K(\d+)$", key).groups())
+            p = prepared(64, 256)  # the pack tile's columns: the format's, not the shape's
+            for bucket, rec in by_bucket.items():
+                offered = qm.candidates(bucket, n, k, p.pack, bucket in joint) + qwgmma.candidates(n, k)
+                if autotune.bucket_size(bucket) <= qm.GEMV_ROWS:
+                    offered += qm.gemv_candidates(n, k)
+                if autotune.bucket_size(bucket) >= 128:
+                    offered.append({"LIBRARY": "dequant"})
+                assert rec["config"] in offered, (table.name, key, bucket, rec["config"])
+                seen += 1
+    assert seen  # the H200 table ships the 8B int4 linears' choices
