@@ -285,7 +285,7 @@ class Tuner:
     def choose(self, key: str, buckets: str | Sequence[str], candidates: Sequence[dict],
                bench: Callable[[dict], Any], baseline: Callable[[], Any] | None = None,
                margin: float = 0.97, lighter: Callable[[dict], Any] | None = None,
-               within: float = 0.0) -> dict:
+               within: float = 0.0, accept: Callable[[dict], bool] | None = None) -> dict:
         """The config for `key` at `buckets`: recorded, else timed now (GPU), else the first candidate.
 
         Args:
@@ -301,6 +301,10 @@ class Tuner:
                 for what a timing of the kernel alone cannot see (how much of the GPU it holds while the
                 next kernel's programs are placed beside it).
             within: the tolerance `lighter` looks within (0.02: configs up to 2% slower than the fastest).
+            accept: whether a recorded config may still run here (a kernel a setting now keeps out, such as
+                `LLMC_QWGMMA=0`, recorded by an earlier compile or a shipped table): one it refuses is timed
+                afresh among `candidates` and the record replaced, for every bucket of the group alike. A
+                frozen tuner (an artifact's) keeps its records.
 
         Returns:
             The chosen config.
@@ -310,7 +314,7 @@ class Tuner:
             return dict(candidates[0])
         buckets = (buckets,) if isinstance(buckets, str) else tuple(buckets)
         rec = self.lookup(key, buckets[0])
-        if rec is not None:
+        if rec is not None and (self.frozen or accept is None or accept(rec.config)):
             self.used.add(key)
             return rec.config
         if self.frozen:

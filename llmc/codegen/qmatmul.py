@@ -850,9 +850,18 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
         if x2.device.type == "cuda" and len(group) == 1:
             cands += library_candidates(bucket, prepared, ydtype)
         config = tuner.choose(spec.key(N, K), group, cands,
-                              bench=lambda cfg: [_launch(spec, xi, prepared, b, yi, cfg) for xi, yi in io()])
+                              bench=lambda cfg: [_launch(spec, xi, prepared, b, yi, cfg) for xi, yi in io()],
+                              accept=recorded_config_runs(x2.device))
     _launch(spec, x2, prepared, b, y.view(-1, N), config, x_scales.reshape(-1, 1) if x_scales is not None else None)
     return y
+
+
+def recorded_config_runs(device: torch.device):
+    """Whether a qlinear config recorded by an earlier compile (or a shipped table) may run in this compile: not a
+    wgmma GEMV's where that kernel is not offered here (`LLMC_QWGMMA=0`, or not an sm_90 GPU), nor a TMA config's
+    where TMA configs are not (`LLMC_QLINEAR_TMA`); such a choice is timed afresh (`Tuner.choose`'s `accept`)."""
+    wgmma, tma = qwgmma.offered(device), tma_offered()
+    return lambda cfg: (wgmma or not cfg.get("WGMMA")) and (tma or not cfg.get("TMA"))
 
 
 def ready_layouts(p: PreparedQWeight, tuner: Tuner | None, dtype: torch.dtype, has_bias: bool, act: str) -> None:
@@ -860,6 +869,8 @@ def ready_layouts(p: PreparedQWeight, tuner: Tuner | None, dtype: torch.dtype, h
     `qwgmma.words_of`): when a plan is built, before the KV cache sizes itself from the memory left, rather
     than at a first launch. `dtype`: x's."""
     if tuner is None or not qwgmma.runs_here(p.qweight.device):
+        return
+    if not tuner.frozen and not qwgmma.offered(p.qweight.device):  # a compile times its records afresh
         return
     key = QMatmulSpec.of(p, dtype, has_bias, act).key(p.out_features, p.in_features)
     if any((rec.get("config") or {}).get("WGMMA") for rec in tuner.records.get(key, {}).values()):

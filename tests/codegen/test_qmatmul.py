@@ -406,7 +406,7 @@ def test_gemv_is_a_candidate_only_where_every_sharing_bucket_fits(monkeypatch):
     share) offers it for int4 weights it fits, and the choice is recorded for all three buckets."""
     offered = []
 
-    def fake_choose(self, key, buckets, cands, bench, baseline=None, margin=0.97):
+    def fake_choose(self, key, buckets, cands, bench, baseline=None, margin=0.97, accept=None):
         offered.append((tuple(buckets), any(c.get("GEMV") for c in cands)))
         return dict(cands[0])
 

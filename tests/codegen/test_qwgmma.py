@@ -159,6 +159,46 @@ def test_a_plan_makes_the_words_its_tuned_choices_launch(monkeypatch):
     qm.ready_layouts(chosen, None, torch.bfloat16, False, "")  # no tuner: nothing to read, nothing made
 
 
+def test_a_switched_off_kernels_records_are_timed_afresh_and_make_no_words(monkeypatch):
+    """`LLMC_QWGMMA=0` keeps the kernel out of a compile whose tuning cache or shipped table recorded it: the
+    record is refused (`recorded_config_runs`), the group timed again and its records replaced; no words are made
+    for it. An artifact's frozen records still run as compiled."""
+    from llmc.codegen import autotune
+    from llmc.codegen.autotune import Tuner
+    monkeypatch.setattr(qwgmma, "runs_here", lambda device: True)
+    monkeypatch.setattr(autotune, "can_time", lambda: True)
+    timed = []
+
+    def fake_tune(cands, bench, baseline, margin=0.97, lighter=None, within=0.0):
+        timed.append(cands)
+        return autotune.TuneRecord(dict(cands[0]), triton_ms=0.02)
+    monkeypatch.setattr(Tuner, "tune", staticmethod(fake_tune))
+    p = prepared(128, 256, seed=5)
+    key = qm.QMatmulSpec.of(p, torch.bfloat16, False, "").key(128, 256)
+    wgmma = {"WGMMA": True, "WG": 1, "AHEAD": 1, "SPLIT_K": 1}
+    group = ("1", "2", "4")
+    records = lambda: {key: {b: {"config": dict(wgmma), "triton_ms": 0.01} for b in group}}  # noqa: E731
+    plain = [{"BLOCK_N": 64}]
+    device = torch.device("cuda")
+
+    monkeypatch.setenv("LLMC_QWGMMA", "1")
+    assert Tuner(records()).choose(key, group, plain, bench=None, accept=qm.recorded_config_runs(device)) == wgmma
+    assert timed == []
+
+    monkeypatch.setenv("LLMC_QWGMMA", "0")
+    t = Tuner(records())
+    assert t.choose(key, group, plain, bench=None, accept=qm.recorded_config_runs(device)) == plain[0]
+    assert len(timed) == 1 and all(t.lookup(key, b).config == plain[0] for b in group)
+    qm.ready_layouts(p, Tuner(records()), torch.bfloat16, False, "")
+    assert id(p.qweight) not in qwgmma._WORDS
+    frozen = Tuner(records(), frozen=True)
+    assert frozen.choose(key, group, plain, bench=None, accept=qm.recorded_config_runs(device)) == wgmma
+    monkeypatch.delenv("LLMC_QLINEAR_TMA", raising=False)  # TMA configs alike: off unless asked
+    assert not qm.recorded_config_runs(device)({"BLOCK_N": 64, "TMA": True})
+    monkeypatch.setenv("LLMC_QLINEAR_TMA", "1")
+    assert qm.recorded_config_runs(device)({"BLOCK_N": 64, "TMA": True})
+
+
 def test_shipped_int4_choices_are_configs_the_tuner_offers():
     """Every qlinear choice of the shipped tables (int4 g128) is one this tree's tuning would time for its key and
     bucket: a table carried over a kernel change (renamed with the sources) must not hold a config the kernels
