@@ -59,6 +59,23 @@ def test_inspect_summary_and_ir(compiled):
     assert code == 0 and ir.startswith("graph ") and "attend_paged(" in ir
 
 
+def test_inspect_tuning(compiled):
+    """`llmc inspect --tuning`: a CPU compile timed nothing; a GPU's choices read per kernel, buckets that share a
+    config on one line (the shipped H200 table: the 8B int4 linears on the wgmma GEMV at 1-64 tokens)."""
+    from llmc.cli.artifacts import tuning_lines
+    from llmc.codegen.autotune import SHIPPED_DIR
+    _, art = compiled
+    code, out = cli("inspect", art, "--tuning")
+    assert code == 0 and "no kernel choices recorded" in out
+    table = json.loads(next(SHIPPED_DIR.glob("nvidia-h200-*.json")).read_text())
+    lines = tuning_lines(table)
+    assert lines[0].startswith("timed on NVIDIA H200, triton 3.6.0")
+    at = lines.index("qlinear[w4a16-g128,bf16,bias=0,act=none]N6144K4096")
+    assert "int4 wgmma GEMV: 1 warpgroup(s), x copied a group ahead" in lines[at + 1]
+    assert [ln.split()[0] for ln in lines[at + 1:at + 5]] == ["1..64", "128+", "512+", "1024+"]
+    assert not any(ln.startswith("qgemm_ms") for ln in lines)  # measurements, not choices
+
+
 def test_bad_model_paths(tmp_path):
     assert_clean_error(*cli("compile", tmp_path / "nope", "-o", tmp_path / "o.llmc"), "does not exist")
     (tmp_path / "empty").mkdir()

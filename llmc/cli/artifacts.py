@@ -158,8 +158,11 @@ def compile(model, output, dtype, kv_cache_dtype, passes, pass_before, pass_afte
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON, the quantization plan in it (null: none).")
 @click.option("--plan", "show_plan", is_flag=True,
               help="List the quantization plan per linear: format, bits per weight, measured errors, notes.")
+@click.option("--tuning", "show_tuning", is_flag=True,
+              help="List the kernel choices the compile timed on its GPU (tuning.json), per kernel and token-count "
+                   "bucket: which kernel, its tiles, its time.")
 @options.plugin_option
-def inspect(artifact, ir, kernels, as_json, show_plan, plugins):
+def inspect(artifact, ir, kernels, as_json, show_plan, show_tuning, plugins):
     """Show what ARTIFACT holds: manifest, passes applied, op counts, parameter bytes."""
     import llmc
     from llmc.runtime.config import DEFAULT_TOKEN_BUDGET
@@ -178,6 +181,10 @@ def inspect(artifact, ir, kernels, as_json, show_plan, plugins):
                 click.echo(f"{'':>16s}{src}")
         views = sum(1 for r in art.manifest.get("kernels", []) if r["kernel"] == "view")
         click.echo(f"{len(rows)} launches per step, {views} views; sources in {art.path / 'kernels'}")
+        return
+    if show_tuning:
+        for line in tuning_lines(art.tuning):
+            click.echo(line)
         return
     s = art.summary()
     if as_json:
@@ -203,6 +210,48 @@ def inspect(artifact, ir, kernels, as_json, show_plan, plugins):
     for op, n in s["op_counts"].items():
         click.echo(f"  {op:18s} {n}")
     _echo_quant_plan(_quant_plan(art), show_plan)
+
+
+def tuning_lines(tuning: dict) -> list[str]:
+    """`llmc inspect --tuning`: each timed kernel's choices, one line per run of buckets that share a config
+    (the measurements the token budget reads, configless, are left out)."""
+    kernels = (tuning or {}).get("kernels") or {}
+    chosen = {key: recs for key, recs in kernels.items() if any(r.get("config") for r in recs.values())}
+    if not chosen:
+        return ["no kernel choices recorded: compiled without a GPU or with --no-tune (default tiles and cuBLAS)"]
+    from llmc.codegen.autotune import bucket_size
+    out = [f"timed on {tuning.get('device', 'an unnamed GPU')}, triton {tuning.get('triton', '?')}; the token-count "
+           f"buckets {', '.join(tuning.get('joint_buckets') or [])} share one choice, timed as their sum"]
+    for key in sorted(chosen):
+        out.append(key)
+        runs: list[tuple[list[str], dict]] = []
+        order = lambda kv: (0, bucket_size(kv[0])) if kv[0].rstrip("+").isdigit() else (1, 0)  # noqa: E731 - "decode"
+        for bucket, rec in sorted(chosen[key].items(), key=order):
+            if runs and runs[-1][1] == rec:
+                runs[-1][0].append(bucket)
+            else:
+                runs.append(([bucket], rec))
+        for buckets, rec in runs:
+            ms = rec.get("triton_ms")
+            where = buckets[0] if len(buckets) == 1 else f"{buckets[0]}..{buckets[-1]}"
+            out.append(f"  {where:>12s}  {_choice(rec)}" + (f"  ({ms * 1e3:.1f} us)" if ms else ""))
+    return out
+
+
+def _choice(rec: dict) -> str:
+    """A recorded choice in words: the kernel family, then its settings."""
+    cfg = dict(rec.get("config") or {})
+    if rec.get("prefer_cublas"):
+        return "cuBLAS (faster than the generated kernel by more than the margin)"
+    if cfg.pop("WGMMA", False):
+        x = "copied a group ahead" if cfg.get("XASYNC") else "loaded when used"
+        return (f"int4 wgmma GEMV: {cfg['WG']} warpgroup(s), x {x}, codes {cfg['AHEAD']} group(s) ahead, "
+                f"K split {cfg['SPLIT_K']}")
+    if "LIBRARY" in cfg:
+        return {"dequant": "weight dequantized, then cuBLAS", "scaled_mm": "torch._scaled_mm (FP8)",
+                "int_mm": "torch._int_mm (int8)"}.get(cfg["LIBRARY"], f"library {cfg['LIBRARY']}")
+    family = "int4 GEMV" if cfg.pop("GEMV", False) else "generated"
+    return f"{family}: " + ", ".join(f"{k}={v}" for k, v in cfg.items())
 
 
 def _quant_plan(art) -> dict | None:
