@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The int4 wgmma GEMV (llmc/codegen/qwgmma.py) on a Hopper GPU: its tests compiled on the hardware, then the 8B
 # int4 g128 decode at batch 1 and 16, with the kernel offered to the tuner (arm `wgmma`) and without (`triton`:
-# LLMC_QWGMMA=0), and with its configs not yet timed offered too (`trial`: LLMC_QWGMMA_TRY=1; 4 warpgroups, x copied a group ahead),
-# each arm with a tuning cache of its own so that each times its own candidates; bf16 beside each. ARMS: the
-# arms in order; ARM_T: each arm's limit (s); NBI=1: the int4 compiles with --no-batch-invariant (the first
-# measurement, on 1-16 rows only: llmc's default is batch-invariant).
+# LLMC_QWGMMA=0), and with its configs not yet timed offered too (`trial`: LLMC_QWGMMA_TRY=1), each arm with a
+# tuning cache of its own so that each times its own candidates; bf16 beside each; each arm's chosen decode
+# attention launch and wgmma choices printed after it. ARMS: the arms in order; ARM_T: each arm's limit (s);
+# NBI=1: the int4 compiles with --no-batch-invariant (the first measurement, on 1-16 rows only: llmc's default
+# is batch-invariant).
 # Usage, from the repository root on the GPU: bash benchmarks/logs/2026-12-07-s18/call2.sh OUT
 OUT=$1; mkdir -p $OUT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -27,6 +28,10 @@ for l in sys.stdin:
     print(r.get('config'), {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k.startswith(('b1_', 'b16_'))})"
   python3 - "$d" <<'PY'
 import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/*_tuning.json")):  # each compile's decode attention launch
+    for key, v in json.load(open(f)).get("kernels", {}).items():
+        if key.startswith("paged_attention_decode"):
+            print("  ", f.split("/")[-1], key[:30], {b: r.get("config") for b, r in v.items()})
 for f in glob.glob(sys.argv[1] + "/rtn4_tuning.json"):
     k = json.load(open(f)).get("kernels", {})
     for key, v in k.items():

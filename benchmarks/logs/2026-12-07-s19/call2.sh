@@ -23,12 +23,3 @@ print("seeded", path)
 PY
 done
 ARMS=${ARMS:-wgmma triton} ARM_T=${ARM_T:-180} bash benchmarks/logs/2026-12-07-s18/call2.sh $OUT/decode
-for f in $OUT/decode/*/*_tuning.json; do
-  python3 - "$f" <<'PY'
-import json, sys
-k = json.load(open(sys.argv[1])).get("kernels", {})
-for key, v in k.items():
-    if key.startswith("paged_attention_decode"):
-        print(sys.argv[1].split("/")[-2:], key[:30], {b: r.get("config") for b, r in v.items()})
-PY
-done
