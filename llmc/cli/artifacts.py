@@ -222,10 +222,10 @@ def tuning_lines(tuning: dict) -> list[str]:
     from llmc.codegen.autotune import bucket_size
     out = [f"timed on {tuning.get('device', 'an unnamed GPU')}, triton {tuning.get('triton', '?')}; the token-count "
            f"buckets {', '.join(tuning.get('joint_buckets') or [])} share one choice, timed as their sum"]
+    order = lambda kv: (0, bucket_size(kv[0])) if kv[0].rstrip("+").isdigit() else (1, 0)  # noqa: E731 - "decode"
     for key in sorted(chosen):
         out.append(key)
         runs: list[tuple[list[str], dict]] = []
-        order = lambda kv: (0, bucket_size(kv[0])) if kv[0].rstrip("+").isdigit() else (1, 0)  # noqa: E731 - "decode"
         for bucket, rec in sorted(chosen[key].items(), key=order):
             if runs and runs[-1][1] == rec:
                 runs[-1][0].append(bucket)

@@ -851,7 +851,7 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
             cands += library_candidates(bucket, prepared, ydtype)
         config = tuner.choose(spec.key(N, K), group, cands,
                               bench=lambda cfg: [_launch(spec, xi, prepared, b, yi, cfg) for xi, yi in io()],
-                              accept=recorded_config_runs(x2.device))
+                              accept=None if tuner.frozen else recorded_config_runs(x2.device))
     _launch(spec, x2, prepared, b, y.view(-1, N), config, x_scales.reshape(-1, 1) if x_scales is not None else None)
     return y
 
@@ -868,9 +868,9 @@ def ready_layouts(p: PreparedQWeight, tuner: Tuner | None, dtype: torch.dtype, h
     """Make now the weight layouts that the tuned choices for `p` launch (the int4 wgmma GEMV's words,
     `qwgmma.words_of`): when a plan is built, before the KV cache sizes itself from the memory left, rather
     than at a first launch. `dtype`: x's."""
-    if tuner is None or not qwgmma.runs_here(p.qweight.device):
-        return
-    if not tuner.frozen and not qwgmma.offered(p.qweight.device):  # a compile times its records afresh
+    # a frozen tuner's (an artifact's) records run wherever the kernel does; a compile's, only where it is offered
+    # (it times the others afresh: `recorded_config_runs`)
+    if tuner is None or not (qwgmma.runs_here if tuner.frozen else qwgmma.offered)(p.qweight.device):
         return
     key = QMatmulSpec.of(p, dtype, has_bias, act).key(p.out_features, p.in_features)
     if any((rec.get("config") or {}).get("WGMMA") for rec in tuner.records.get(key, {}).values()):
