@@ -207,6 +207,7 @@ def test_shipped_int4_choices_are_configs_the_tuner_offers():
     import re
 
     from llmc.codegen import autotune
+    pack = prepared(64, 256).pack  # the pack tile's columns: the format's, not the shape's
     seen = 0
     for table in sorted(autotune.SHIPPED_DIR.glob("*.json")):
         data = json.loads(table.read_text())
@@ -215,9 +216,8 @@ def test_shipped_int4_choices_are_configs_the_tuner_offers():
             if not key.startswith("qlinear[w4a16-g128,"):
                 continue
             n, k = map(int, re.search(r"N(\d+)K(\d+)$", key).groups())
-            p = prepared(64, 256)  # the pack tile's columns: the format's, not the shape's
             for bucket, rec in by_bucket.items():
-                offered = qm.candidates(bucket, n, k, p.pack, bucket in joint) + qwgmma.candidates(n, k)
+                offered = qm.candidates(bucket, n, k, pack, bucket in joint) + qwgmma.candidates(n, k)
                 if autotune.bucket_size(bucket) <= qm.GEMV_ROWS:
                     offered += qm.gemv_candidates(n, k)
                 if autotune.bucket_size(bucket) >= 128:
