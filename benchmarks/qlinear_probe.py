@@ -10,8 +10,11 @@ A variant changes the bucket's default config: "default" (as an untuned GPU runs
 "noswap" (SWAP_AB), "w8" (8 warps), "stN" (N pipeline stages); "a+b" applies a, then b. "wgmma" runs
 each config the tuner may time of the int4 wgmma GEMV (llmc/codegen/qwgmma.py; sm_90, int4 g128, up to 64
 rows) as variants wgmma0, wgmma1, ...; "wgmma-trial" those timed only with LLMC_QWGMMA_TRY=1 (4 warpgroups:
-`qwgmma.trial_candidates`) as wgmma-trial0, ... Run from a copy of an older tree, the same command measures
-that tree's kernels.
+`qwgmma.trial_candidates`) as wgmma-trial0, ...; "wgmma-tall" the kernel's tall form (any rows:
+`qwgmma.tall_candidates`) as wgmma-tall0, ...; "triton-all" every generated config the tuner times at the
+rows' bucket (`qlinear_bucket`) as triton-all0, ...; "dequant" the library GEMM over a dequantized weight
+(128+ rows); "bf16" cuBLAS on the bf16 weight the int4 one was made from (copies of it streamed alike).
+Run from a copy of an older tree, the same command measures that tree's kernels.
 """
 from __future__ import annotations
 
@@ -94,23 +97,42 @@ def main() -> None:
                 ref = qm.reference(x.float(), qw.fmt, qw.qweight, qw.scales, qw.zeros).to(torch.bfloat16).float()
                 base = qm.candidates(m_bucket(m), n, p0.padded_k, p0.pack)[0]
                 runs = []
+                fits = qwgmma.fits(p0, torch.bfloat16, False, "")
                 for vname in a.variants.split(","):
-                    if vname not in ("wgmma", "wgmma-trial"):
+                    if vname == "bf16":
+                        runs.append((vname, None))
+                    elif vname == "dequant":
+                        runs += [(vname, {"LIBRARY": "dequant"})] if m >= 128 else []
+                    elif vname == "triton-all":
+                        configs = qm.candidates(qm.qlinear_bucket(m), n, p0.padded_k, p0.pack, m <= 64)
+                        runs += [(f"{vname}{i}", c) for i, c in enumerate(configs)]
+                    elif vname == "wgmma-tall":
+                        runs += [(f"{vname}{i}", c) for i, c in enumerate(qwgmma.tall_candidates(n, k))] if fits else []
+                    elif vname not in ("wgmma", "wgmma-trial"):
                         runs.append((vname, variant(base, vname)))
-                    elif m <= qwgmma.MAX_ROWS and qwgmma.fits(p0, torch.bfloat16, False, ""):
+                    elif m <= qwgmma.MAX_ROWS and fits:
                         configs = qwgmma.candidates(n, k) if vname == "wgmma" else qwgmma.trial_candidates(n, k)
                         runs += [(f"{vname}{i}", c) for i, c in enumerate(configs)]
+                wb = [w.to(torch.bfloat16)] if any(c is None for _, c in runs) else []
+                wb += [wb[0].clone() for _ in range(max(0, -(-2 * L2_BYTES // (n * k * 2)) - 1))] if wb else []
                 for vname, cfg in runs:
-                    y = qm.qlinear(x, p0, config=cfg)
-                    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                    ys = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in copies]
+                    ys = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in (wb if cfg is None else copies)]
+                    if cfg is None:
+                        y = x @ wb[0].t()
 
-                    def calls():
-                        for p, yi in zip(copies, ys):
-                            qm.qlinear(x, p, config=cfg, out=yi)
-                    us = triton.testing.do_bench_cudagraph(calls, rep=100) * 1e3 / len(copies)
+                        def calls():
+                            for wi, yi in zip(wb, ys):
+                                torch.mm(x, wi.t(), out=yi)
+                    else:
+                        y = qm.qlinear(x, p0, config=cfg)
+
+                        def calls():
+                            for p, yi in zip(copies, ys):
+                                qm.qlinear(x, p, config=cfg, out=yi)
+                    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                    us = triton.testing.do_bench_cudagraph(calls, rep=100) * 1e3 / len(ys)
                     row = {"shape": shape, "n": n, "k": k, "m": m, "format": fname, "variant": vname, "us": us,
-                           "tb_s": nbytes / us / 1e6, "rel_err": err, "config": cfg}
+                           "tb_s": (n * k * 2 if cfg is None else nbytes) / us / 1e6, "rel_err": err, "config": cfg}
                     rows.append(row)
                     print(f"{shape:8s} {m:4d} {fname:13s} {vname:9s} {us:7.1f} {row['tb_s']:6.2f} {err:8.1e}  "
                           f"{json.dumps(cfg)}", flush=True)

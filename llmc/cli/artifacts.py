@@ -245,7 +245,8 @@ def _choice(rec: dict) -> str:
         return "cuBLAS (faster than the generated kernel by more than the margin)"
     if cfg.pop("WGMMA", False):
         x = "copied a group ahead" if cfg.get("XASYNC") else "loaded when used"
-        return (f"int4 wgmma GEMV: {cfg['WG']} warpgroup(s), x {x}, codes {cfg['AHEAD']} group(s) ahead, "
+        form = f"int4 wgmma GEMM, {cfg['XN']} rows of x a program" if cfg.get("XN") else "int4 wgmma GEMV"
+        return (f"{form}: {cfg['WG']} warpgroup(s), x {x}, codes {cfg['AHEAD']} group(s) ahead, "
                 f"K split {cfg['SPLIT_K']}")
     if "LIBRARY" in cfg:
         return {"dequant": "weight dequantized, then cuBLAS", "scaled_mm": "torch._scaled_mm (FP8)",

@@ -26,7 +26,9 @@ that dequantizes each weight tile in registers.
   takes it from registers, where it was dequantized.
 - int4 g128 at up to 64 tokens on an sm_90 GPU can also run `qgemv_wgmma_int4.py.jinja` (llmc/codegen/qwgmma.py):
   Gluon, its codes loaded from a layout of their own straight into the warpgroup MMA's registers; the tuner
-  times it beside the Triton kernel in every decode bucket and keeps it where it is faster.
+  times it beside the Triton kernel in every decode bucket and keeps it where it is faster. Its tall form (one
+  MMA of 64 or 128 of x's rows a group) is timed in the buckets of 32 tokens and more that share no choice:
+  full decode batches and prefill chunks.
 - int4 at 1 to 4 tokens can also stream through `qgemv_int4.py.jinja` (`QGemvSpec`), on the FMA pipes:
   each int32 word of codes yields its 8 codes with one shift and 8 LOP3s (the and-or into 2^23's
   exponent), one subtraction or FMA each, and one FMA per row of x. It is offered to the tuner only
@@ -844,9 +846,11 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
         largest = max(map(bucket_size, group))  # the kernels below only where every M sharing the choice fits
         if gemv_fits(prepared) and largest <= GEMV_ROWS:
             cands += gemv_candidates(N, kw)
-        if (x_scales is None and largest <= qwgmma.MAX_ROWS and qwgmma.offered(x2.device)
-                and qwgmma.fits(prepared, ydtype, b is not None, act)):
-            cands += qwgmma.tuned_candidates(N, K)
+        if x_scales is None and qwgmma.offered(x2.device) and qwgmma.fits(prepared, ydtype, b is not None, act):
+            if largest <= qwgmma.MAX_ROWS:
+                cands += qwgmma.tuned_candidates(N, K)
+            if len(group) == 1 and largest >= qwgmma.TALL_MIN_ROWS and qwgmma.tall_offered():  # never shared
+                cands += qwgmma.tall_candidates(N, K)
         if x2.device.type == "cuda" and len(group) == 1:
             cands += library_candidates(bucket, prepared, ydtype)
         config = tuner.choose(spec.key(N, K), group, cands,
@@ -858,10 +862,12 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
 
 def recorded_config_runs(device: torch.device):
     """Whether a qlinear config recorded by an earlier compile (or a shipped table) may run in this compile: not a
-    wgmma GEMV's where that kernel is not offered here (`LLMC_QWGMMA=0`, or not an sm_90 GPU), nor a TMA config's
-    where TMA configs are not (`LLMC_QLINEAR_TMA`); such a choice is timed afresh (`Tuner.choose`'s `accept`)."""
-    wgmma, tma = qwgmma.offered(device), tma_offered()
-    return lambda cfg: (wgmma or not cfg.get("WGMMA")) and (tma or not cfg.get("TMA"))
+    wgmma kernel's where that kernel is not offered here (`LLMC_QWGMMA=0`, or not an sm_90 GPU; its tall form's
+    under `LLMC_QWGMMA_TALL=0`), nor a TMA config's where TMA configs are not (`LLMC_QLINEAR_TMA`); such a choice
+    is timed afresh (`Tuner.choose`'s `accept`)."""
+    wgmma, tall, tma = qwgmma.offered(device), qwgmma.tall_offered(), tma_offered()
+    return lambda cfg: ((wgmma or not cfg.get("WGMMA")) and (tall or not cfg.get("XN"))
+                        and (tma or not cfg.get("TMA")))
 
 
 def ready_layouts(p: PreparedQWeight, tuner: Tuner | None, dtype: torch.dtype, has_bias: bool, act: str) -> None:

@@ -20,7 +20,13 @@ Its main loop issues 2.4 instructions a code on sm_90 against the qlinear's 3.6 
 --sass`). It takes int4 with groups of 128 and no zero points, no bias or activation, bf16 / f16 x of up to 64
 rows, N a multiple of 64 and K of 128, on an sm_90 GPU; the qlinear's tuner offers it beside its own configs
 where every M sharing the choice is at most 64 (every decode bucket, batch-invariant or not), and keeps it only
-where it is faster over the buckets that share the choice. A weight it runs holds its codes twice on the GPU (the nibble planes for the other
+where it is faster over the buckets that share the choice.
+
+Its tall form (`QWgmmaSpec.rows` 64 or 128, `tall_candidates`) takes any M: a program runs one MMA of 64 or 128
+of x's rows against each dequantized group, so that at a full decode batch (128 rows: 256 FLOPs a weight, where
+the tensor cores, not the weight's bytes, set the pace) the dequantization is spread over 8 times the MMA work of
+a 16-row tile. It is timed in the buckets of 32 tokens and more that share no choice with another (a row's sums
+there depend on its block of x); `LLMC_QWGMMA_TALL=0` keeps it out. A weight it runs holds its codes twice on the GPU (the nibble planes for the other
 buckets, these words for this one): int4's GPU memory for the chosen linears doubles.
 """
 from __future__ import annotations
@@ -47,6 +53,12 @@ CONFIGS = ((1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 1))
 # rows a program, which read x's tiles from L2 half as often as 2 (on an H200 the batch-invariant tuning of the 8B
 # int4 linears chose none: benchmarks/RESULTS.md, 2026-12-07, x a group ahead)
 TRIAL_CONFIGS = ((4, 1, 1), (4, 1, 2))
+# (x's rows a program, warpgroups, programs as a multiple of qmatmul.TARGET_PROGRAMS) of the kernel's taller form,
+# for steps of more than 64 tokens (`tall_candidates`): one MMA of 64 or 128 columns (x's rows) a group, where the
+# GEMV runs one of 16 for each 16 rows. At 128 rows the 8B int4 linears are bound by the tensor cores, not by the
+# weight's bytes (2 x 128 FLOPs a weight), which a 16-column MMA does not keep busy. x copied a group ahead only.
+TALL_CONFIGS = ((128, 1, 1), (128, 1, 0.5), (128, 2, 1), (64, 1, 1))
+TALL_MIN_ROWS = 32  # the smallest single-bucket M the tall form is timed at (never in a shared, batch-invariant group)
 # x's dtype: (Gluon's name, PTX's, the bits of one, of the magic M whose last mantissa bit is 1, of -(M + 8))
 DTYPES = {torch.bfloat16: ("bfloat16", "bf16", "0x3F803F80", "0x43004300", "0xC308C308"),
           torch.float16: ("float16", "f16", "0x3C003C00", "0x64006400", "0xE408E408")}
@@ -111,11 +123,13 @@ class QWgmmaSpec(KernelSpec):
     template = "qgemv_wgmma_int4.py.jinja"
     dtype: str
     warpgroups: int = 1
+    rows: int = 16  # x's rows an MMA takes: 16 (the GEMV, up to MAX_TILES MMAs), or 64 / 128 (the tall form)
 
     def context(self) -> dict[str, Any]:
         gl_name, ptx, one, magic, bias = next(v for v in DTYPES.values() if v[1] == self.dtype)
         return {"dtype": gl_name, "ptx_type": ptx, "one_bits": one, "magic_bits": magic, "bias_bits": bias,
-                "magic": "128" if ptx == "bf16" else "1024", "warpgroups": self.warpgroups, "max_tiles": MAX_TILES}
+                "magic": "128" if ptx == "bf16" else "1024", "warpgroups": self.warpgroups,
+                "max_tiles": MAX_TILES if self.rows == 16 else 1, "xn": self.rows}
 
 
 def fits(p, dtype: torch.dtype, has_bias: bool, act: str) -> bool:
@@ -130,6 +144,12 @@ def offered(device: torch.device) -> bool:
     """Whether a tuning on `device` times this kernel: it runs there (`runs_here`) and `LLMC_QWGMMA` is not 0
     (read at each tuning; the switch keeps the tuner to the Triton kernels, for comparison)."""
     return os.environ.get("LLMC_QWGMMA", "1") != "0" and runs_here(device)
+
+
+def tall_offered() -> bool:
+    """Whether a tuning that offers the kernel also times its tall form (`tall_candidates`): unless
+    `LLMC_QWGMMA_TALL=0` (read at each tuning; for comparison with the Triton kernels alone at 32+ tokens)."""
+    return os.environ.get("LLMC_QWGMMA_TALL", "1") != "0"
 
 
 def runs_here(device: torch.device) -> bool:
@@ -159,6 +179,14 @@ def trial_candidates(n: int, k: int) -> list[dict]:
     return candidates(n, k, TRIAL_CONFIGS)
 
 
+def tall_candidates(n: int, k: int) -> list[dict]:
+    """The tall form's configs (`TALL_CONFIGS`, `XN` rows of x a program), for a bucket of more than 64 tokens."""
+    from llmc.codegen.qmatmul import _split
+    out = [{"WGMMA": True, "XN": xn, "WG": wg, "AHEAD": 1, "SPLIT_K": _split(n, k, TILE_N * wg, TILE_K, scale),
+            "XASYNC": True} for xn, wg, scale in TALL_CONFIGS if n % (TILE_N * wg) == 0]
+    return [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]
+
+
 def tuned_candidates(n: int, k: int) -> list[dict]:
     """What a tuning times of this kernel: `candidates`, and `trial_candidates` too where `LLMC_QWGMMA_TRY=1`
     (read at each tuning), until GPU timings show them worth their tuning time."""
@@ -184,9 +212,12 @@ def words_of(p) -> torch.Tensor:
 
 
 def launch(compiled, x2: torch.Tensor, p, y2: torch.Tensor, cfg: dict) -> None:
-    """One call on rows x2 [M <= MAX_ROWS, K] into y2 [M, N]; `compiled` is `elementwise.compiled`."""
+    """One call on rows x2 [M, K] into y2 [M, N]: the GEMV (M <= MAX_ROWS), or the tall form (`XN` in `cfg`: any
+    M, grid (x's blocks of XN rows, weight tiles, K splits), so that the blocks sharing a weight tile run side by
+    side); `compiled` is `elementwise.compiled`."""
     M, N, K = x2.shape[0], p.out_features, p.in_features
-    if M > MAX_ROWS or not runs_here(x2.device):
+    xn = cfg.get("XN", 16)
+    if (xn == 16 and M > MAX_ROWS) or not runs_here(x2.device):
         raise CompileError(f"qlinear: the int4 wgmma kernel takes up to {MAX_ROWS} rows on an sm_90 GPU, not {M} rows "
                            f"on {x2.device}; tune on this device again")
     wg, split = cfg["WG"], cfg["SPLIT_K"]
@@ -195,9 +226,10 @@ def launch(compiled, x2: torch.Tensor, p, y2: torch.Tensor, cfg: dict) -> None:
     # the same sums
     xasync = bool(cfg.get("XASYNC")) and x2.data_ptr() % 16 == 0 and x2.stride(0) % 16 == 0
     dt = {torch.bfloat16: "bf16", torch.float16: "f16"}[x2.dtype]
-    grid = (N // (TILE_N * wg), split)
+    grid = (N // (TILE_N * wg), split) if xn == 16 else (cdiv(M, xn), N // (TILE_N * wg), split)
     ws = torch.empty((split, M, N) if split > 1 else (1,), device=x2.device, dtype=torch.float32)
-    counts = tile_counters(x2.device, grid[0]) if split > 1 else ws
-    compiled(QWgmmaSpec(dt, wg)).qwgmma_kernel[grid](
+    counts = tile_counters(x2.device, grid[0] * (grid[1] if xn > 16 else 1)) if split > 1 else ws
+    compiled(QWgmmaSpec(dt, wg, xn)).qwgmma_kernel[grid](
         x2, words_of(p), p.scales, y2, ws, counts, x2.stride(0), p.scales.stride(0), y2.stride(0), M, N, K,
-        cdiv(K // TILE_K, split), AHEAD=cfg["AHEAD"], M_TILES=cdiv(M, 16), XASYNC=xasync, num_warps=4 * wg)
+        cdiv(K // TILE_K, split), AHEAD=cfg["AHEAD"], M_TILES=cdiv(M, 16) if xn == 16 else xn // 16,
+        XASYNC=xasync, num_warps=4 * wg)

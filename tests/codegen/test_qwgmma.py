@@ -71,6 +71,51 @@ def test_candidates_split_k_evenly_and_pair_warpgroups_only_over_whole_tiles():
     assert {c["WG"] for c in qwgmma.candidates(192, 384)} == {1}
 
 
+def test_tall_candidates_cover_whole_tiles_and_split_k_evenly():
+    for n, k in ((28672, 4096), (4096, 14336), (6144, 4096), (192, 384)):
+        cands = qwgmma.tall_candidates(n, k)
+        assert cands and all(c["XN"] in (64, 128) and c["XASYNC"] and c["WGMMA"] for c in cands)
+        for c in cands:
+            assert (k // 128) % c["SPLIT_K"] == 0 and c["SPLIT_K"] <= 16 and n % (64 * c["WG"]) == 0
+    assert {c["WG"] for c in qwgmma.tall_candidates(192, 384)} == {1}
+    assert qwgmma.tall_candidates(4096, 14336)[1]["SPLIT_K"] * 2 == qwgmma.tall_candidates(4096, 14336)[0]["SPLIT_K"]
+
+
+def _offered(monkeypatch, m: int, joint=None) -> list[dict]:
+    """The configs a tuning on a (faked) sm_90 GPU times for an int4 g128 weight at m rows."""
+    from llmc.codegen import autotune
+    from llmc.codegen.autotune import Tuner
+    monkeypatch.setattr(qwgmma, "runs_here", lambda device: True)
+    monkeypatch.setattr(autotune, "can_time", lambda: True)
+    monkeypatch.setattr(qm, "_launch", lambda *a, **k: None)
+    timed = []
+
+    def fake_tune(cands, bench, baseline, margin=0.97, lighter=None, within=0.0):
+        timed.append(cands)
+        return autotune.TuneRecord(dict(cands[0]), triton_ms=0.02)
+    monkeypatch.setattr(Tuner, "tune", staticmethod(fake_tune))
+    tuner = Tuner(device="test-gpu") if joint is None else Tuner(device="test-gpu", joint=joint)
+    qm.qlinear(torch.zeros(m, 256, dtype=torch.bfloat16), prepared(128, 256), tuner=tuner)
+    assert len(timed) == 1
+    return timed[0]
+
+
+@pytest.mark.parametrize("m,joint,tall", [(1, None, False), (64, None, False), (130, None, True),
+                                          (700, None, True), (2000, None, True), (32, ("1", "2", "4"), True),
+                                          (16, ("1", "2", "4"), False)])
+def test_tall_form_is_timed_only_in_buckets_that_share_no_choice(monkeypatch, m, joint, tall):
+    """The tall form's rows depend on their block of x, so the batch-invariant group of 1-64 tokens never times
+    it; a bucket of its own of 32+ tokens does, unless `LLMC_QWGMMA_TALL=0`. The GEMV is timed only up to 64."""
+    monkeypatch.delenv("LLMC_QWGMMA_TALL", raising=False)
+    cands = _offered(monkeypatch, m, joint)
+    assert any(c.get("XN") for c in cands) == tall
+    assert any(c.get("WGMMA") and not c.get("XN") for c in cands) == (m <= 64)
+    if tall:
+        monkeypatch.setenv("LLMC_QWGMMA_TALL", "0")
+        assert not any(c.get("XN") for c in _offered(monkeypatch, m, joint))
+        assert not qm.recorded_config_runs(torch.device("cuda"))(qwgmma.tall_candidates(128, 256)[0])
+
+
 def test_not_offered_off_hopper_and_refused_there_with_a_clear_error():
     p = prepared(128, 256)
     assert not qwgmma.offered(torch.device("cpu"))
@@ -101,28 +146,32 @@ def test_each_config_is_offered_with_x_loaded_when_used_and_copied_ahead():
     assert len(plain) == len({tuple(c.items()) for c in plain})
 
 
-@pytest.mark.parametrize("dtype,warpgroups", [("bf16", 1), ("f16", 1), ("bf16", 2), ("bf16", 4)])
-def test_kernel_compiles_for_hopper_without_moving_the_operand(dtype, warpgroups):
+@pytest.mark.parametrize("dtype,warpgroups,rows", [("bf16", 1, 16), ("f16", 1, 16), ("bf16", 2, 16), ("bf16", 4, 16),
+                                                   ("bf16", 1, 128), ("f16", 2, 64)])
+def test_kernel_compiles_for_hopper_without_moving_the_operand(dtype, warpgroups, rows):
     """The rendered kernel compiles for sm_90 on any machine: `convert_layout(..., assert_trivial=True)` fails the
-    compile unless the dequantized codes are already where the MMA reads them; PDL's wait is in the PTX."""
+    compile unless the dequantized codes are already where the MMA reads them; PDL's wait is in the PTX, and the
+    MMA is as wide as x's rows a program (16 for the GEMV's tiles, 64 or 128 for the tall form)."""
     pytest.importorskip("triton.experimental.gluon")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    fn = load(qwgmma.QWgmmaSpec(dtype, warpgroups), pdl=True).qwgmma_kernel
+    fn = load(qwgmma.QWgmmaSpec(dtype, warpgroups, rows), pdl=True).qwgmma_kernel
     fn = getattr(fn, "fn", fn)  # PDLKernel wraps it
     ty = {"bf16": "bf16", "f16": "fp16"}[dtype]
     sig = {"x_ptr": f"*{ty}", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": f"*{ty}", "ws_ptr": "*fp32",
            "count_ptr": "*i32", "stride_xm": "i32", "stride_sn": "i32", "stride_ym": "i32", "M": "i32", "N": "i32",
            "K": "i32", "KSPLIT": "i32", "AHEAD": "constexpr", "M_TILES": "constexpr", "XASYNC": "constexpr"}
-    for ahead, m_tiles, xasync in ((1, 1, False), (2, 4, False), (1, 4, True)):
+    launches = ((1, 1, False), (2, 4, False), (1, 4, True)) if rows == 16 else ((1, rows // 16, True),
+                                                                                   (1, rows // 16, False))
+    for ahead, m_tiles, xasync in launches:
         consts = {"AHEAD": ahead, "M_TILES": m_tiles, "XASYNC": xasync}
         aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("x_ptr", "w_ptr", "stride_xm")}
         src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()},
                              attrs=aligned)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * warpgroups})
         ptx = k.asm["ptx"]
-        assert "griddepcontrol.wait" in ptx and "wgmma.mma_async" in ptx
+        assert "griddepcontrol.wait" in ptx and f"wgmma.mma_async.sync.aligned.m64n{rows}k16" in ptx
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's warpgroup MMA needs an sm_90 GPU, compiled")
@@ -140,6 +189,24 @@ def test_gpu_sums_match_the_reference_and_rows_do_not_depend_on_m(dtype):
         for m in (1, 3, 16, 40):
             assert torch.equal(qm.qlinear(x[:m], p, config=cfg), together[:m]), (cfg, m)
         assert torch.equal(qm.qlinear(x[37:38], p, config=cfg), together[37:38]), cfg
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="Gluon's warpgroup MMA needs an sm_90 GPU, compiled")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_tall_form_matches_the_reference_at_any_rows(dtype):
+    """Every tall config against the reference at ragged row counts (one block of x and several, a last one
+    partly empty), with K splits, and with x whose rows are not 16-byte aligned (loaded through registers)."""
+    p = prepared(384, 2048, device="cuda", seed=6)
+    x = torch.randn(300, 2049, generator=torch.Generator().manual_seed(7)).to(dtype).cuda()
+    for cfg in (qwgmma.tall_candidates(384, 2048) + [{"WGMMA": True, "XN": 64, "WG": 2, "AHEAD": 1, "SPLIT_K": 4,
+                                                      "XASYNC": True}]):
+        for m in (33, 128, 130, 300):
+            for xs in (x[:m, :2048], x[:m, 1:]):
+                ref = qm.reference(xs.float(), p.fmt, *(t for t in p.canonical().tensors()))
+                y = qm.qlinear(xs, p, config=cfg)
+                assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, (cfg, m, xs.data_ptr() % 16)
+        assert torch.equal(qm.qlinear(x[:130, :2048], p, config=cfg),
+                           qm.qlinear(x[:130, :2048].contiguous(), p, config=cfg)), cfg
 
 
 def test_a_plan_makes_the_words_its_tuned_choices_launch(monkeypatch):
@@ -218,6 +285,8 @@ def test_shipped_int4_choices_are_configs_the_tuner_offers():
             n, k = map(int, re.search(r"N(\d+)K(\d+)$", key).groups())
             for bucket, rec in by_bucket.items():
                 offered = qm.candidates(bucket, n, k, pack, bucket in joint) + qwgmma.candidates(n, k)
+                if bucket not in joint and autotune.bucket_size(bucket) >= qwgmma.TALL_MIN_ROWS:
+                    offered += qwgmma.tall_candidates(n, k)
                 if autotune.bucket_size(bucket) <= qm.GEMV_ROWS:
                     offered += qm.gemv_candidates(n, k)
                 if autotune.bucket_size(bucket) >= 128:
