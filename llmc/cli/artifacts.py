@@ -246,6 +246,7 @@ def _choice(rec: dict) -> str:
     if cfg.pop("WGMMA", False):
         x = "copied a group ahead" if cfg.get("XASYNC") else "loaded when used"
         form = f"int4 wgmma GEMM, {cfg['XN']} rows of x a program" if cfg.get("XN") else "int4 wgmma GEMV"
+        form += ", scales folded into the codes" if cfg.get("FOLD") else ""
         return (f"{form}: {cfg['WG']} warpgroup(s), x {x}, codes {cfg['AHEAD']} group(s) ahead, "
                 f"K split {cfg['SPLIT_K']}")
     if "LIBRARY" in cfg:

@@ -53,11 +53,14 @@ CONFIGS = ((1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 1))
 # rows a program, which read x's tiles from L2 half as often as 2 (on an H200 the batch-invariant tuning of the 8B
 # int4 linears chose none: benchmarks/RESULTS.md, 2026-12-07, x a group ahead)
 TRIAL_CONFIGS = ((4, 1, 1), (4, 1, 2))
-# (x's rows a program, warpgroups, programs as a multiple of qmatmul.TARGET_PROGRAMS) of the kernel's taller form,
-# for steps of more than 64 tokens (`tall_candidates`): one MMA of 64 or 128 columns (x's rows) a group, where the
-# GEMV runs one of 16 for each 16 rows. At 128 rows the 8B int4 linears are bound by the tensor cores, not by the
-# weight's bytes (2 x 128 FLOPs a weight), which a 16-column MMA does not keep busy. x copied a group ahead only.
-TALL_CONFIGS = ((128, 1, 1), (128, 1, 0.5), (128, 2, 1), (64, 1, 1))
+# (x's rows a program, warpgroups, programs as a multiple of qmatmul.TARGET_PROGRAMS, FOLD) of the kernel's taller
+# form, for steps of more than 64 tokens (`tall_candidates`): one MMA of 64 or 128 columns (x's rows) a group, where
+# the GEMV runs one of 16 for each 16 rows. At 128 rows the 8B int4 linears are bound by the tensor cores, not by
+# the weight's bytes (2 x 128 FLOPs a weight), which a 16-column MMA does not keep busy. x copied a group ahead only.
+# FOLD: the scales folded into the codes (rounded once to x's dtype), one MMA chain over the groups with one in
+# flight while the next group is dequantized, rather than each group's MMA waited for and scaled in fp32.
+TALL_CONFIGS = ((128, 1, 1, False), (128, 1, 0.5, False), (128, 2, 1, False), (64, 1, 1, False),
+                (128, 1, 1, True), (128, 2, 1, True), (64, 1, 1, True), (64, 2, 1, True))
 TALL_MIN_ROWS = 32  # the smallest single-bucket M the tall form is timed at (never in a shared, batch-invariant group)
 # x's dtype: (Gluon's name, PTX's, the bits of one, of the magic M whose last mantissa bit is 1, of -(M + 8))
 DTYPES = {torch.bfloat16: ("bfloat16", "bf16", "0x3F803F80", "0x43004300", "0xC308C308"),
@@ -124,12 +127,13 @@ class QWgmmaSpec(KernelSpec):
     dtype: str
     warpgroups: int = 1
     rows: int = 16  # x's rows an MMA takes: 16 (the GEMV, up to MAX_TILES MMAs), or 64 / 128 (the tall form)
+    fold: bool = False  # the tall form's scales folded into the codes, one MMA chain over the groups (`FOLD`)
 
     def context(self) -> dict[str, Any]:
         gl_name, ptx, one, magic, bias = next(v for v in DTYPES.values() if v[1] == self.dtype)
         return {"dtype": gl_name, "ptx_type": ptx, "one_bits": one, "magic_bits": magic, "bias_bits": bias,
                 "magic": "128" if ptx == "bf16" else "1024", "warpgroups": self.warpgroups,
-                "max_tiles": MAX_TILES if self.rows == 16 else 1, "xn": self.rows}
+                "max_tiles": MAX_TILES if self.rows == 16 else 1, "xn": self.rows, "fold": self.fold and self.rows > 16}
 
 
 def fits(p, dtype: torch.dtype, has_bias: bool, act: str) -> bool:
@@ -180,10 +184,13 @@ def trial_candidates(n: int, k: int) -> list[dict]:
 
 
 def tall_candidates(n: int, k: int) -> list[dict]:
-    """The tall form's configs (`TALL_CONFIGS`, `XN` rows of x a program), for a bucket of more than 64 tokens."""
+    """The tall form's configs (`TALL_CONFIGS`, `XN` rows of x a program), for a bucket of more than 64 tokens;
+    its `FOLD` configs unless `LLMC_QWGMMA_FOLD=0` (read at each tuning)."""
     from llmc.codegen.qmatmul import _split
+    fold = os.environ.get("LLMC_QWGMMA_FOLD", "1") != "0"
     out = [{"WGMMA": True, "XN": xn, "WG": wg, "AHEAD": 1, "SPLIT_K": _split(n, k, TILE_N * wg, TILE_K, scale),
-            "XASYNC": True} for xn, wg, scale in TALL_CONFIGS if n % (TILE_N * wg) == 0]
+            "XASYNC": True, **({"FOLD": True} if f else {})}
+           for xn, wg, scale, f in TALL_CONFIGS if n % (TILE_N * wg) == 0 and (fold or not f)]
     return [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]
 
 
@@ -229,7 +236,7 @@ def launch(compiled, x2: torch.Tensor, p, y2: torch.Tensor, cfg: dict) -> None:
     grid = (N // (TILE_N * wg), split) if xn == 16 else (cdiv(M, xn), N // (TILE_N * wg), split)
     ws = torch.empty((split, M, N) if split > 1 else (1,), device=x2.device, dtype=torch.float32)
     counts = tile_counters(x2.device, grid[0] * (grid[1] if xn > 16 else 1)) if split > 1 else ws
-    compiled(QWgmmaSpec(dt, wg, xn)).qwgmma_kernel[grid](
+    compiled(QWgmmaSpec(dt, wg, xn, bool(cfg.get("FOLD")) and xn > 16)).qwgmma_kernel[grid](
         x2, words_of(p), p.scales, y2, ws, counts, x2.stride(0), p.scales.stride(0), y2.stride(0), M, N, K,
         cdiv(K // TILE_K, split), AHEAD=cfg["AHEAD"], M_TILES=cdiv(M, 16) if xn == 16 else xn // 16,
         XASYNC=xasync, num_warps=4 * wg)

@@ -81,6 +81,14 @@ def test_tall_candidates_cover_whole_tiles_and_split_k_evenly():
     assert qwgmma.tall_candidates(4096, 14336)[1]["SPLIT_K"] * 2 == qwgmma.tall_candidates(4096, 14336)[0]["SPLIT_K"]
 
 
+def test_folded_tall_configs_are_timed_unless_switched_off(monkeypatch):
+    monkeypatch.delenv("LLMC_QWGMMA_FOLD", raising=False)
+    both = qwgmma.tall_candidates(4096, 4096)
+    assert any(c.get("FOLD") for c in both) and any(not c.get("FOLD") for c in both)
+    monkeypatch.setenv("LLMC_QWGMMA_FOLD", "0")
+    assert qwgmma.tall_candidates(4096, 4096) == [c for c in both if not c.get("FOLD")]
+
+
 def _offered(monkeypatch, m: int, joint=None) -> list[dict]:
     """The configs a tuning on a (faked) sm_90 GPU times for an int4 g128 weight at m rows."""
     from llmc.codegen import autotune
@@ -146,9 +154,11 @@ def test_each_config_is_offered_with_x_loaded_when_used_and_copied_ahead():
     assert len(plain) == len({tuple(c.items()) for c in plain})
 
 
-@pytest.mark.parametrize("dtype,warpgroups,rows", [("bf16", 1, 16), ("f16", 1, 16), ("bf16", 2, 16), ("bf16", 4, 16),
-                                                   ("bf16", 1, 128), ("f16", 2, 64)])
-def test_kernel_compiles_for_hopper_without_moving_the_operand(dtype, warpgroups, rows):
+@pytest.mark.parametrize("dtype,warpgroups,rows,fold", [("bf16", 1, 16, False), ("f16", 1, 16, False),
+                                                        ("bf16", 2, 16, False), ("bf16", 4, 16, False),
+                                                        ("bf16", 1, 128, False), ("f16", 2, 64, False),
+                                                        ("bf16", 1, 128, True), ("f16", 2, 64, True)])
+def test_kernel_compiles_for_hopper_without_moving_the_operand(dtype, warpgroups, rows, fold):
     """The rendered kernel compiles for sm_90 on any machine: `convert_layout(..., assert_trivial=True)` fails the
     compile unless the dequantized codes are already where the MMA reads them; PDL's wait is in the PTX, and the
     MMA is as wide as x's rows a program (16 for the GEMV's tiles, 64 or 128 for the tall form)."""
@@ -156,7 +166,7 @@ def test_kernel_compiles_for_hopper_without_moving_the_operand(dtype, warpgroups
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    fn = load(qwgmma.QWgmmaSpec(dtype, warpgroups, rows), pdl=True).qwgmma_kernel
+    fn = load(qwgmma.QWgmmaSpec(dtype, warpgroups, rows, fold), pdl=True).qwgmma_kernel
     fn = getattr(fn, "fn", fn)  # PDLKernel wraps it
     ty = {"bf16": "bf16", "f16": "fp16"}[dtype]
     sig = {"x_ptr": f"*{ty}", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": f"*{ty}", "ws_ptr": "*fp32",
@@ -193,13 +203,14 @@ def test_gpu_sums_match_the_reference_and_rows_do_not_depend_on_m(dtype):
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's warpgroup MMA needs an sm_90 GPU, compiled")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_tall_form_matches_the_reference_at_any_rows(dtype):
+@pytest.mark.parametrize("fold", [False, True], ids=["scaled", "fold"])
+def test_gpu_tall_form_matches_the_reference_at_any_rows(dtype, fold):
     """Every tall config against the reference at ragged row counts (one block of x and several, a last one
     partly empty), with K splits, and with x whose rows are not 16-byte aligned (loaded through registers)."""
     p = prepared(384, 2048, device="cuda", seed=6)
     x = torch.randn(300, 2049, generator=torch.Generator().manual_seed(7)).to(dtype).cuda()
-    for cfg in (qwgmma.tall_candidates(384, 2048) + [{"WGMMA": True, "XN": 64, "WG": 2, "AHEAD": 1, "SPLIT_K": 4,
-                                                      "XASYNC": True}]):
+    split = {"WGMMA": True, "XN": 64, "WG": 2, "AHEAD": 1, "SPLIT_K": 4, "XASYNC": True, **({"FOLD": True} if fold else {})}
+    for cfg in [c for c in qwgmma.tall_candidates(384, 2048) if bool(c.get("FOLD")) == fold] + [split]:
         for m in (33, 128, 130, 300):
             for xs in (x[:m, :2048], x[:m, 1:]):
                 ref = qm.reference(xs.float(), p.fmt, *(t for t in p.canonical().tensors()))

@@ -3,7 +3,8 @@
 # GPU: its tests compiled on the hardware; then, if they pass, the 8B mixed workload (`quant_decode_bench.py --quant
 # rtn4 --no-decode --mixed 128 --bf16-no-tune --longest-first`, bf16 beside each) in the arms of ARMS (default
 # "tall notall": the tall form offered to the tuner, and kept out by LLMC_QWGMMA_TALL=0), each with a tuning cache
-# of its own, each arm's int4 choices at 128+ / 512+ / 1024+ tokens printed after it; then (PROBE=1) each 8B int4
+# of its own, each arm's int4 choices at 128+ / 512+ / 1024+ tokens printed after it (the folded configs offered
+# only where their GPU tests pass: LLMC_QWGMMA_FOLD=0 otherwise); then (PROBE=1) each 8B int4
 # linear at 128 and 512 rows: every generated config, the tall configs, the dequantized library GEMM and bf16 cuBLAS.
 # Usage, from the repository root on the GPU: bash benchmarks/logs/2026-12-07-s20/call1.sh OUT
 OUT=$1; mkdir -p $OUT
@@ -12,9 +13,14 @@ nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee $OUT/gpu.txt
 git log -1 --format=%H > $OUT/commit.txt 2>/dev/null
 if [ "${TESTS:-1}" = 1 ]; then
   TRITON_INTERPRET=0 timeout ${TESTS_T:-200} python3 -m pytest -q -p no:cacheprovider tests/codegen/test_qwgmma.py \
-      > $OUT/tests.log 2>&1
+      -k "not fold" > $OUT/tests.log 2>&1
   rc=$?; echo "tests rc $rc"; grep -E "passed|failed|Error" $OUT/tests.log | tail -8
   [ $rc = 0 ] || ARMS=""
+  # the tall form's folded configs: timed in the arms only where their sums match the reference here
+  TRITON_INTERPRET=0 timeout ${TESTS_T:-200} python3 -m pytest -q -p no:cacheprovider tests/codegen/test_qwgmma.py \
+      -k "fold" > $OUT/tests-fold.log 2>&1
+  rc=$?; echo "fold tests rc $rc"; grep -E "passed|failed|Error" $OUT/tests-fold.log | tail -8
+  [ $rc = 0 ] || export LLMC_QWGMMA_FOLD=0
 fi
 for arm in ${ARMS-tall notall}; do
   d=$OUT/$arm; mkdir -p $d
