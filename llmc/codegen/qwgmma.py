@@ -25,8 +25,8 @@ where it is faster over the buckets that share the choice.
 Its tall form (`QWgmmaSpec.rows` 64 or 128, `tall_candidates`) takes any M: a program runs one MMA of 64 or 128
 of x's rows against each dequantized group, so that at a full decode batch (128 rows: 256 FLOPs a weight, where
 the tensor cores, not the weight's bytes, set the pace) the dequantization is spread over 8 times the MMA work of
-a 16-row tile. It is timed in the buckets of 32 tokens and more that share no choice with another (a row's sums
-there depend on its block of x); `LLMC_QWGMMA_TALL=0` keeps it out. A weight it runs holds its codes twice on the GPU (the nibble planes for the other
+a 16-row tile. Where `LLMC_QWGMMA_TALL=1` it is timed in the buckets of 32 tokens and more that share no choice
+with another (a row's sums there depend on its block of x); off by default until measured on a GPU. A weight it runs holds its codes twice on the GPU (the nibble planes for the other
 buckets, these words for this one): int4's GPU memory for the chosen linears doubles.
 """
 from __future__ import annotations
@@ -151,9 +151,10 @@ def offered(device: torch.device) -> bool:
 
 
 def tall_offered() -> bool:
-    """Whether a tuning that offers the kernel also times its tall form (`tall_candidates`): unless
-    `LLMC_QWGMMA_TALL=0` (read at each tuning; for comparison with the Triton kernels alone at 32+ tokens)."""
-    return os.environ.get("LLMC_QWGMMA_TALL", "1") != "0"
+    """Whether a tuning that offers the kernel also times its tall form (`tall_candidates`): where
+    `LLMC_QWGMMA_TALL=1` (read at each tuning). Off by default until its sums and times are measured on a GPU
+    (compiled for sm_90 only so far: benchmarks/RESULTS.md, 2026-12-07, the tall form)."""
+    return os.environ.get("LLMC_QWGMMA_TALL", "0") == "1"
 
 
 def runs_here(device: torch.device) -> bool:

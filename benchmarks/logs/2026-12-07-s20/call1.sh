@@ -2,7 +2,7 @@
 # The int4 wgmma kernel's tall form (one MMA of 64 or 128 of x's rows a group; llmc/codegen/qwgmma.py) on an sm_90
 # GPU: its tests compiled on the hardware; then, if they pass, the 8B mixed workload (`quant_decode_bench.py --quant
 # rtn4 --no-decode --mixed 128 --bf16-no-tune --longest-first`, bf16 beside each) in the arms of ARMS (default
-# "tall notall": the tall form offered to the tuner, and kept out by LLMC_QWGMMA_TALL=0), each with a tuning cache
+# "tall notall": the tall form offered to the tuner, LLMC_QWGMMA_TALL=1, and not, =0), each with a tuning cache
 # of its own, each arm's int4 choices at 128+ / 512+ / 1024+ tokens printed after it (the folded configs offered
 # only where their GPU tests pass: LLMC_QWGMMA_FOLD=0 otherwise); then (PROBE=1) each 8B int4
 # linear at 128 and 512 rows: every generated config, the tall configs, the dequantized library GEMM and bf16 cuBLAS.
@@ -22,10 +22,30 @@ if [ "${TESTS:-1}" = 1 ]; then
   rc=$?; echo "fold tests rc $rc"; grep -E "passed|failed|Error" $OUT/tests-fold.log | tail -8
   [ $rc = 0 ] || export LLMC_QWGMMA_FOLD=0
 fi
+# Both arms time the int4 linears at 128+ tokens afresh: each arm's tuning cache starts as this GPU's shipped table
+# without its int4 records at 128+, 512+ and 1024+ tokens and their token-budget GEMM times, and the shipped table
+# is moved aside for the arms (the device's copy of the tree; put back at the end).
+mkdir -p /tmp/shipped-aside
 for arm in ${ARMS-tall notall}; do
   d=$OUT/$arm; mkdir -p $d
   sw=1; [ "$arm" = notall ] && sw=0
   rm -rf /tmp/llmc-cache-$arm
+  LLMC_CACHE_DIR=/tmp/llmc-cache-$arm python3 - <<'PY'
+import json, shutil, torch
+from llmc.codegen import autotune
+path = autotune.cache_file(torch.cuda.get_device_name(0), autotune.JOINT_BUCKETS)
+shipped = autotune.SHIPPED_DIR / path.name
+kernels = {}
+if shipped.exists():
+    kernels = json.loads(shipped.read_text())["kernels"]
+    kernels = {k: {b: r for b, r in v.items() if not (k.startswith("qlinear[w4a16") and b in ("128+", "512+", "1024+"))}
+               for k, v in kernels.items() if not k.startswith("qgemm_ms:w4a16")}
+    shutil.move(str(shipped), "/tmp/shipped-aside/" + shipped.name)
+path.parent.mkdir(parents=True, exist_ok=True)
+path.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "format": 1,
+                            "joint_buckets": list(autotune.JOINT_BUCKETS), "kernels": kernels}))
+print("seeded", path, len(kernels), "keys")
+PY
   LLMC_QWGMMA_TALL=$sw LLMC_CACHE_DIR=/tmp/llmc-cache-$arm timeout ${ARM_T:-230} python3 \
       benchmarks/quant_decode_bench.py --shape 8b --quant rtn4 --no-decode --mixed 128 --bf16-no-tune --longest-first \
       --out $d > $d/bench.log 2>&1
@@ -44,6 +64,7 @@ for f in glob.glob(sys.argv[1] + "/rtn4_tuning.json"):
             print("  ", key[-22:], {b: (rec.get("config"), round(rec.get("triton_ms") or 0, 4)) for b, rec in v.items()
                                       if b in ("128+", "512+", "1024+")})
 PY
+  mv /tmp/shipped-aside/*.json llmc/codegen/tuned/ 2>/dev/null
 done
 if [ "${PROBE:-1}" = 1 ]; then
   timeout ${PROBE_T:-200} python3 benchmarks/qlinear_probe.py --shapes gate_up,down,qkv,o_proj --ms 128 \
