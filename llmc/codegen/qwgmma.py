@@ -57,8 +57,8 @@ TRIAL_CONFIGS = ((4, 1, 1), (4, 1, 2))
 # form, for steps of more than 64 tokens (`tall_candidates`): one MMA of 64 or 128 columns (x's rows) a group, where
 # the GEMV runs one of 16 for each 16 rows. At 128 rows the 8B int4 linears are bound by the tensor cores, not by
 # the weight's bytes (2 x 128 FLOPs a weight), which a 16-column MMA does not keep busy. x copied a group ahead only.
-# FOLD: the scales folded into the codes (rounded once to x's dtype), one MMA chain over the groups with one in
-# flight while the next group is dequantized, rather than each group's MMA waited for and scaled in fp32.
+# FOLD: the scales folded into the codes (rounded once to x's dtype) and the MMAs accumulating straight into one
+# fp32 sum, rather than each group's product scaled in fp32 and added (64 fewer registers of products in flight).
 TALL_CONFIGS = ((128, 1, 1, False), (128, 1, 0.5, False), (128, 2, 1, False), (64, 1, 1, False),
                 (128, 1, 1, True), (128, 2, 1, True), (64, 1, 1, True), (64, 2, 1, True))
 TALL_MIN_ROWS = 32  # the smallest single-bucket M the tall form is timed at (never in a shared, batch-invariant group)
