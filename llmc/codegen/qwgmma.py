@@ -26,8 +26,10 @@ Its tall form (`QWgmmaSpec.rows` 64 or 128, `tall_candidates`) takes any M: a pr
 of x's rows against each dequantized group, so that at a full decode batch (128 rows: 256 FLOPs a weight, where
 the tensor cores, not the weight's bytes, set the pace) the dequantization is spread over 8 times the MMA work of
 a 16-row tile. Where `LLMC_QWGMMA_TALL=1` it is timed in the buckets of 32 tokens and more that share no choice
-with another (a row's sums there depend on its block of x); off by default until measured on a GPU. A weight it runs holds its codes twice on the GPU (the nibble planes for the other
-buckets, these words for this one): int4's GPU memory for the chosen linears doubles.
+with another (a row's sums there may depend on its block of x); off by default until measured on a GPU.
+
+A weight either form runs holds its codes twice on the GPU (the nibble planes for the other buckets, these words
+for this one): int4's GPU memory for the chosen linears doubles.
 """
 from __future__ import annotations
 
@@ -127,7 +129,7 @@ class QWgmmaSpec(KernelSpec):
     dtype: str
     warpgroups: int = 1
     rows: int = 16  # x's rows an MMA takes: 16 (the GEMV, up to MAX_TILES MMAs), or 64 / 128 (the tall form)
-    fold: bool = False  # the tall form's scales folded into the codes, one MMA chain over the groups (`FOLD`)
+    fold: bool = False  # the tall form's scales folded into the codes, its MMAs summing into one fp32 sum (`FOLD`)
 
     def context(self) -> dict[str, Any]:
         gl_name, ptx, one, magic, bias = next(v for v in DTYPES.values() if v[1] == self.dtype)
@@ -225,9 +227,11 @@ def launch(compiled, x2: torch.Tensor, p, y2: torch.Tensor, cfg: dict) -> None:
     side); `compiled` is `elementwise.compiled`."""
     M, N, K = x2.shape[0], p.out_features, p.in_features
     xn = cfg.get("XN", 16)
-    if (xn == 16 and M > MAX_ROWS) or not runs_here(x2.device):
-        raise CompileError(f"qlinear: the int4 wgmma kernel takes up to {MAX_ROWS} rows on an sm_90 GPU, not {M} rows "
-                           f"on {x2.device}; tune on this device again")
+    if not runs_here(x2.device):
+        raise CompileError(f"qlinear: the int4 wgmma kernel runs on an sm_90 GPU, not on {x2.device}; tune on this "
+                           f"device again")
+    if xn == 16 and M > MAX_ROWS:
+        raise CompileError(f"qlinear: the int4 wgmma GEMV takes up to {MAX_ROWS} rows, not {M}; tune again")
     wg, split = cfg["WG"], cfg["SPLIT_K"]
     # cp.async copies 16 bytes a thread: x's rows must start 16-byte aligned, which the compiled kernel knows where
     # Triton specializes x's pointer and row stride as multiples of 16; otherwise x goes through registers, with

@@ -1,5 +1,5 @@
-"""The int4 wgmma GEMV (llmc/codegen/qwgmma.py, Gluon): its weight layout on the CPU, its compile for sm_90 on any
-machine, and its sums against the qlinear reference on an sm_90 GPU (`TRITON_INTERPRET=0 pytest
+"""The int4 wgmma GEMV and its tall form (llmc/codegen/qwgmma.py, Gluon): its weight layout on the CPU, its compile
+for sm_90 on any machine, and its sums against the qlinear reference on an sm_90 GPU (`TRITON_INTERPRET=0 pytest
 tests/codegen/test_qwgmma.py`; Gluon kernels do not run under Triton's interpreter)."""
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def _offered(monkeypatch, m: int, joint=None) -> list[dict]:
                                           (700, None, True), (2000, None, True), (32, ("1", "2", "4"), True),
                                           (16, ("1", "2", "4"), False)])
 def test_tall_form_is_timed_only_in_buckets_that_share_no_choice(monkeypatch, m, joint, tall):
-    """The tall form's rows depend on their block of x, so the batch-invariant group of 1-64 tokens never times
+    """The tall form's rows may depend on their block of x, so the batch-invariant group of 1-64 tokens never times
     it; a bucket of its own of 32+ tokens does where `LLMC_QWGMMA_TALL=1` (off by default: not yet run on a GPU).
     The GEMV is timed only up to 64."""
     monkeypatch.setenv("LLMC_QWGMMA_TALL", "1")
@@ -131,6 +131,8 @@ def test_not_offered_off_hopper_and_refused_there_with_a_clear_error():
     cfg = {"WGMMA": True, "WG": 1, "AHEAD": 1, "SPLIT_K": 1}
     with pytest.raises(CompileError, match="sm_90"):
         qm.qlinear(torch.randn(1, 256, dtype=torch.bfloat16), p, config=cfg)
+    with pytest.raises(CompileError, match="runs on an sm_90 GPU, not on cpu"):
+        qm.qlinear(torch.randn(130, 256, dtype=torch.bfloat16), p, config=qwgmma.tall_candidates(128, 256)[0])
 
 
 def test_switch_keeps_the_tuner_off_it(monkeypatch):
