@@ -107,7 +107,7 @@ def main() -> None:
                         configs = qm.candidates(qm.qlinear_bucket(m), n, p0.padded_k, p0.pack, m <= 64)
                         runs += [(f"{vname}{i}", c) for i, c in enumerate(configs)]
                     elif vname == "wgmma-tall":
-                        runs += [(f"{vname}{i}", c) for i, c in enumerate(qwgmma.tall_candidates(n, k))] if fits else []
+                        runs += [(f"{vname}{i}", c) for i, c in enumerate(qwgmma.tall_candidates(n, k, m))] if fits else []
                     elif vname not in ("wgmma", "wgmma-trial"):
                         runs.append((vname, variant(base, vname)))
                     elif m <= qwgmma.MAX_ROWS and fits:

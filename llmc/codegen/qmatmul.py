@@ -850,7 +850,7 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
             if largest <= qwgmma.MAX_ROWS:
                 cands += qwgmma.tuned_candidates(N, K)
             if len(group) == 1 and largest >= qwgmma.TALL_MIN_ROWS and qwgmma.tall_offered():  # never shared
-                cands += qwgmma.tall_candidates(N, K)
+                cands += qwgmma.tall_candidates(N, K, largest)
         if x2.device.type == "cuda" and len(group) == 1:
             cands += library_candidates(bucket, prepared, ydtype)
         config = tuner.choose(spec.key(N, K), group, cands,

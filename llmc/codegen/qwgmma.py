@@ -186,12 +186,15 @@ def trial_candidates(n: int, k: int) -> list[dict]:
     return candidates(n, k, TRIAL_CONFIGS)
 
 
-def tall_candidates(n: int, k: int) -> list[dict]:
-    """The tall form's configs (`TALL_CONFIGS`, `XN` rows of x a program), for a bucket of more than 64 tokens;
-    its `FOLD` configs unless `LLMC_QWGMMA_FOLD=0` (read at each tuning)."""
-    from llmc.codegen.qmatmul import _split
+def tall_candidates(n: int, k: int, m: int = 128) -> list[dict]:
+    """The tall form's configs (`TALL_CONFIGS`, `XN` rows of x a program) for a bucket of `m` tokens (32+); its
+    `FOLD` configs unless `LLMC_QWGMMA_FOLD=0` (read at each tuning). From `qmatmul.LARGE_M` tokens on, no K split:
+    x's blocks alone make programs enough, and split partials would take [splits, M, N] fp32 (as the qlinear's
+    prefill tiles)."""
+    from llmc.codegen.qmatmul import LARGE_M, _split
     fold = os.environ.get("LLMC_QWGMMA_FOLD", "1") != "0"
-    out = [{"WGMMA": True, "XN": xn, "WG": wg, "AHEAD": 1, "SPLIT_K": _split(n, k, TILE_N * wg, TILE_K, scale),
+    out = [{"WGMMA": True, "XN": xn, "WG": wg, "AHEAD": 1,
+            "SPLIT_K": 1 if m >= LARGE_M else _split(n, k, TILE_N * wg, TILE_K, scale),
             "XASYNC": True, **({"FOLD": True} if f else {})}
            for xn, wg, scale, f in TALL_CONFIGS if n % (TILE_N * wg) == 0 and (fold or not f)]
     return [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]

@@ -79,6 +79,7 @@ def test_tall_candidates_cover_whole_tiles_and_split_k_evenly():
             assert (k // 128) % c["SPLIT_K"] == 0 and c["SPLIT_K"] <= 16 and n % (64 * c["WG"]) == 0
     assert {c["WG"] for c in qwgmma.tall_candidates(192, 384)} == {1}
     assert qwgmma.tall_candidates(4096, 14336)[1]["SPLIT_K"] * 2 == qwgmma.tall_candidates(4096, 14336)[0]["SPLIT_K"]
+    assert {c["SPLIT_K"] for c in qwgmma.tall_candidates(4096, 14336, qm.LARGE_M)} == {1}  # no [splits, M, N] at prefill
 
 
 def test_folded_tall_configs_are_timed_unless_switched_off(monkeypatch):
@@ -300,7 +301,7 @@ def test_shipped_int4_choices_are_configs_the_tuner_offers():
             for bucket, rec in by_bucket.items():
                 offered = qm.candidates(bucket, n, k, pack, bucket in joint) + qwgmma.candidates(n, k)
                 if bucket not in joint and autotune.bucket_size(bucket) >= qwgmma.TALL_MIN_ROWS:
-                    offered += qwgmma.tall_candidates(n, k)
+                    offered += qwgmma.tall_candidates(n, k, autotune.bucket_size(bucket))
                 if autotune.bucket_size(bucket) <= qm.GEMV_ROWS:
                     offered += qm.gemv_candidates(n, k)
                 if autotune.bucket_size(bucket) >= 128:
