@@ -33,6 +33,7 @@ for this one): int4's GPU memory for the chosen linears doubles.
 """
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -243,8 +244,8 @@ def launch(compiled, x2: torch.Tensor, p, y2: torch.Tensor, cfg: dict) -> None:
     dt = {torch.bfloat16: "bf16", torch.float16: "f16"}[x2.dtype]
     grid = (N // (TILE_N * wg), split) if xn == 16 else (cdiv(M, xn), N // (TILE_N * wg), split)
     ws = torch.empty((split, M, N) if split > 1 else (1,), device=x2.device, dtype=torch.float32)
-    counts = tile_counters(x2.device, grid[0] * (grid[1] if xn > 16 else 1)) if split > 1 else ws
-    compiled(QWgmmaSpec(dt, wg, xn, bool(cfg.get("FOLD")) and xn > 16)).qwgmma_kernel[grid](
+    counts = tile_counters(x2.device, math.prod(grid[:-1])) if split > 1 else ws  # one a tile the splits share
+    compiled(QWgmmaSpec(dt, wg, xn, bool(cfg.get("FOLD")))).qwgmma_kernel[grid](
         x2, words_of(p), p.scales, y2, ws, counts, x2.stride(0), p.scales.stride(0), y2.stride(0), M, N, K,
         cdiv(K // TILE_K, split), AHEAD=cfg["AHEAD"], M_TILES=cdiv(M, 16) if xn == 16 else xn // 16,
         XASYNC=xasync, num_warps=4 * wg)

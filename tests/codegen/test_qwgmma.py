@@ -90,19 +90,27 @@ def test_folded_tall_configs_are_timed_unless_switched_off(monkeypatch):
     assert qwgmma.tall_candidates(4096, 4096) == [c for c in both if not c.get("FOLD")]
 
 
-def _offered(monkeypatch, m: int, joint=None) -> list[dict]:
-    """The configs a tuning on a (faked) sm_90 GPU times for an int4 g128 weight at m rows."""
+def _fake_sm90_tuning(monkeypatch) -> list[list[dict]]:
+    """A tuning as on an sm_90 GPU, faked: each group's first candidate wins untimed. Returns the candidate lists
+    the tuner was given, one a timed group."""
     from llmc.codegen import autotune
     from llmc.codegen.autotune import Tuner
     monkeypatch.setattr(qwgmma, "runs_here", lambda device: True)
     monkeypatch.setattr(autotune, "can_time", lambda: True)
-    monkeypatch.setattr(qm, "_launch", lambda *a, **k: None)
     timed = []
 
     def fake_tune(cands, bench, baseline, margin=0.97, lighter=None, within=0.0):
         timed.append(cands)
         return autotune.TuneRecord(dict(cands[0]), triton_ms=0.02)
     monkeypatch.setattr(Tuner, "tune", staticmethod(fake_tune))
+    return timed
+
+
+def _offered(monkeypatch, m: int, joint=None) -> list[dict]:
+    """The configs a tuning on a (faked) sm_90 GPU times for an int4 g128 weight at m rows."""
+    from llmc.codegen.autotune import Tuner
+    timed = _fake_sm90_tuning(monkeypatch)
+    monkeypatch.setattr(qm, "_launch", lambda *a, **k: None)
     tuner = Tuner(device="test-gpu") if joint is None else Tuner(device="test-gpu", joint=joint)
     qm.qlinear(torch.zeros(m, 256, dtype=torch.bfloat16), prepared(128, 256), tuner=tuner)
     assert len(timed) == 1
@@ -245,16 +253,8 @@ def test_a_switched_off_kernels_records_are_timed_afresh_and_make_no_words(monke
     """`LLMC_QWGMMA=0` keeps the kernel out of a compile whose tuning cache or shipped table recorded it: the
     record is refused (`recorded_config_runs`), the group timed again and its records replaced; no words are made
     for it. An artifact's frozen records still run as compiled."""
-    from llmc.codegen import autotune
     from llmc.codegen.autotune import Tuner
-    monkeypatch.setattr(qwgmma, "runs_here", lambda device: True)
-    monkeypatch.setattr(autotune, "can_time", lambda: True)
-    timed = []
-
-    def fake_tune(cands, bench, baseline, margin=0.97, lighter=None, within=0.0):
-        timed.append(cands)
-        return autotune.TuneRecord(dict(cands[0]), triton_ms=0.02)
-    monkeypatch.setattr(Tuner, "tune", staticmethod(fake_tune))
+    timed = _fake_sm90_tuning(monkeypatch)
     p = prepared(128, 256, seed=5)
     key = qm.QMatmulSpec.of(p, torch.bfloat16, False, "").key(128, 256)
     wgmma = {"WGMMA": True, "WG": 1, "AHEAD": 1, "SPLIT_K": 1}
