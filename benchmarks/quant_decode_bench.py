@@ -2,9 +2,10 @@
 random model compiled unquantized and with each `--quant` method, side by side in one run.
 
 For each: weights file size, batch-1 engine decode tok/s (greedy, `--new` tokens after a fresh
-128-token prompt, prefill included) and batch-16 decode tok/s, the ratio to bf16, and the share of the
-memory roofline at batch 1 (bytes of the weights each step reads / measured copy bandwidth); beside
-them the prompts' prefill time and the time a decode step takes after it (`*_prefill_ms`, `*_step_ms`).
+128-token prompt, prefill included) and batch-16 decode tok/s (`--full-batch N`: batch N too), the
+ratio to bf16, and the share of the memory roofline at batch 1 (bytes of the weights each step
+reads / measured copy bandwidth); beside them the prompts' prefill time and the time a decode step
+takes after it (`*_prefill_ms`, `*_step_ms`).
 
     python3 benchmarks/quant_decode_bench.py [--shape 8b] [--quant rtn4,fp8,smoothquant] [--new 128] [--out DIR]
 
@@ -74,6 +75,12 @@ def run_engines(a, art, row: dict, engine: dict, prompt, profile_root, name: str
             rate = decode_rate(llm, prompt, a.new, batch, (a.out, name) if a.profile_decode else None)
             row.update({f"b{batch}_{k}": v for k, v in rate.items()})
         del llm
+    if a.full_batch:  # a full decode batch: its GEMMs run at the largest decode graph's rows
+        n = a.full_batch
+        llm = LLM(art, max_num_seqs=n, num_blocks=2 * n * -(-(len(prompt) + a.new) // a.block_size), **engine)
+        rate = decode_rate(llm, prompt, a.new, n, (a.out, name) if a.profile_decode else None)
+        row.update({f"full_{k}": v for k, v in rate.items()}, full_batch=n)
+        del llm
     if a.mixed:
         from llmc.bench import bench
         if profile_root:  # LLMC_PROFILE_DIR: each config's engine profiles into a directory of its own
@@ -106,6 +113,8 @@ def main() -> None:
     ap.add_argument("--mixed-budget", type=int, default=None, metavar="TOKENS",
                     help="the mixed workload's budget for steps that carry decodes (steps without: 2,048 tokens)")
     ap.add_argument("--no-decode", action="store_true", help="skip the batch-1 and batch-16 decode figures")
+    ap.add_argument("--full-batch", type=int, default=0, metavar="N",
+                    help="also decode at batch N (e.g. 128, a full decode graph), as batch 16 is: tok/s and step ms")
     ap.add_argument("--profile-decode", action="store_true",
                     help="after each timed decode run, one more under the profiler: OUT/profile-CONFIG-bN.txt (wall "
                          "and GPU busy a step, top kernels)")
@@ -167,6 +176,8 @@ def main() -> None:
                      b1_of_roofline=r["b1_tok_s"] / r["roofline_b1_tok_s"])
         if "mixed_out_tok_s" in r:
             r["mixed_x"] = r["mixed_out_tok_s"] / base["mixed_out_tok_s"]
+        if "full_tok_s" in r:
+            r["full_x"] = r["full_tok_s"] / base["full_tok_s"]
     Path(a.out).mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     switches = {k: v for k, v in os.environ.items() if k.startswith("LLMC_")}  # e.g. LLMC_PDL=0
@@ -183,6 +194,9 @@ def main() -> None:
                if "b1_tok_s" in r else f"{'-':>9s} {'':5s} {'':6s} {'-':>10s} {'':5s}")
         mix = f"{r['mixed_out_tok_s']:11.1f} {r['mixed_x']:5.2f}" if "mixed_out_tok_s" in r else f"{'-':>11s}"
         print(f"{r['config']:12s} {r['weights_GiB']:6.2f} {r['weights_x']:5.2f} {dec} {mix}")
+    for r in (r for r in rows if "full_tok_s" in r):
+        print(f"{r['config']:12s} batch {r['full_batch']}: {r['full_tok_s']:9.1f} tok/s {r['full_x']:5.2f}x, "
+              f"prefill {r['full_prefill_ms']:.2f} ms, step {r['full_step_ms']:.3f} ms")
     split = [r for r in rows if "b1_step_ms" in r]
     if split:
         print(f"{'config':12s} {'b1 prefill ms':>13s} {'b1 step ms':>10s} {'b16 prefill ms':>14s} {'b16 step ms':>11s}")

@@ -6,6 +6,7 @@
 # of its own, each arm's int4 choices at 128+ / 512+ / 1024+ tokens printed after it (the folded configs offered
 # only where their GPU tests pass: LLMC_QWGMMA_FOLD=0 otherwise); then (PROBE=1) each 8B int4
 # linear at 128 and 512 rows: every generated config, the tall configs, the dequantized library GEMM and bf16 cuBLAS.
+# BENCH replaces the benchmark's workload options (e.g. "--full-batch 128 --mixed 128 --bf16-no-tune --longest-first").
 # Usage, from the repository root on the GPU: bash benchmarks/logs/2026-12-07-s20/call1.sh OUT
 OUT=$1; mkdir -p $OUT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -47,7 +48,7 @@ path.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "format": 1
 print("seeded", path, len(kernels), "keys")
 PY
   LLMC_QWGMMA_TALL=$sw LLMC_CACHE_DIR=/tmp/llmc-cache-$arm timeout ${ARM_T:-230} python3 \
-      benchmarks/quant_decode_bench.py --shape 8b --quant rtn4 --no-decode --mixed 128 --bf16-no-tune --longest-first \
+      benchmarks/quant_decode_bench.py --shape 8b --quant rtn4 --no-decode ${BENCH:---mixed 128 --bf16-no-tune --longest-first} \
       --out $d > $d/bench.log 2>&1
   echo "$arm rc $?"
   rm -rf /tmp/llmc-cache-$arm
@@ -55,7 +56,7 @@ PY
 import json, sys
 for l in sys.stdin:
     r = json.loads(l)
-    print(r.get('config'), {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k.startswith(('mixed', 'compile'))})"
+    print(r.get('config'), {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k.startswith(('mixed', 'compile', 'full'))})"
   python3 - "$d" <<'PY'
 import glob, json, sys
 for f in glob.glob(sys.argv[1] + "/rtn4_tuning.json"):
