@@ -27,8 +27,8 @@ that dequantizes each weight tile in registers.
 - int4 g128 at up to 64 tokens on an sm_90 GPU can also run `qgemv_wgmma_int4.py.jinja` (llmc/codegen/qwgmma.py):
   Gluon, its codes loaded from a layout of their own straight into the warpgroup MMA's registers; the tuner
   times it beside the Triton kernel in every decode bucket and keeps it where it is faster. Its tall form (one
-  MMA of 64 or 128 of x's rows a group) is timed, where `LLMC_QWGMMA_TALL=1`, in the buckets of 32 tokens and
-  more that share no choice: full decode batches and prefill chunks.
+  MMA of 64 or 128 of x's rows a group) is timed, where `LLMC_QWGMMA_TALL=1`, in the buckets of 32 to 128 tokens
+  that share no choice (full decode batches), never in a batch-invariant group.
 - int4 at 1 to 4 tokens can also stream through `qgemv_int4.py.jinja` (`QGemvSpec`), on the FMA pipes:
   each int32 word of codes yields its 8 codes with one shift and 8 LOP3s (the and-or into 2^23's
   exponent), one subtraction or FMA each, and one FMA per row of x. It is offered to the tuner only
@@ -849,7 +849,8 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
         if x_scales is None and qwgmma.offered(x2.device) and qwgmma.fits(prepared, ydtype, b is not None, act):
             if largest <= qwgmma.MAX_ROWS:
                 cands += qwgmma.tuned_candidates(N, K)
-            if len(group) == 1 and largest >= qwgmma.TALL_MIN_ROWS and qwgmma.tall_offered():  # never shared
+            tall = qwgmma.TALL_MIN_ROWS <= largest <= qwgmma.TALL_MAX_ROWS
+            if len(group) == 1 and tall and qwgmma.tall_offered():  # never shared
                 cands += qwgmma.tall_candidates(N, K, largest)
         if x2.device.type == "cuda" and len(group) == 1:
             cands += library_candidates(bucket, prepared, ydtype)

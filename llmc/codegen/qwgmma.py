@@ -25,8 +25,9 @@ where it is faster over the buckets that share the choice.
 Its tall form (`QWgmmaSpec.rows` 64 or 128, `tall_candidates`) takes any M: a program runs one MMA of 64 or 128
 of x's rows against each dequantized group, so that at a full decode batch (128 rows: 256 FLOPs a weight, where
 the tensor cores, not the weight's bytes, set the pace) the dequantization is spread over 8 times the MMA work of
-a 16-row tile. Where `LLMC_QWGMMA_TALL=1` it is timed in the buckets of 32 tokens and more that share no choice
-with another (a row's sums there may depend on its block of x); off by default until measured on a GPU.
+a 16-row tile. Where `LLMC_QWGMMA_TALL=1` it is timed in the buckets of 32 to 128 tokens that share no choice
+with another (a row's sums there may depend on its block of x). Off by default: on an H100 it beat the Triton
+kernel on three of the 8B shape's four linears at 128 rows, by 7-11%, yet the mixed workload ran no faster.
 
 A weight either form runs holds its codes twice on the GPU (the nibble planes for the other buckets, these words
 for this one): int4's GPU memory for the chosen linears doubles.
@@ -65,6 +66,10 @@ TRIAL_CONFIGS = ((4, 1, 1), (4, 1, 2))
 TALL_CONFIGS = ((128, 1, 1, False), (128, 1, 0.5, False), (128, 2, 1, False), (64, 1, 1, False),
                 (128, 1, 1, True), (128, 2, 1, True), (64, 1, 1, True), (64, 2, 1, True))
 TALL_MIN_ROWS = 32  # the smallest single-bucket M the tall form is timed at (never in a shared, batch-invariant group)
+# the largest: a full decode batch. From 512 rows on each block of x dequantizes the weight again, and on an H100
+# the dequantized library GEMM or the Triton kernel beat it on every 8B linear at 512 (benchmarks/RESULTS.md,
+# 2026-12-07, the tall form measured); a step of 129-511 tokens runs the 128-token bucket's choice
+TALL_MAX_ROWS = 128
 # x's dtype: (Gluon's name, PTX's, the bits of one, of the magic M whose last mantissa bit is 1, of -(M + 8))
 DTYPES = {torch.bfloat16: ("bfloat16", "bf16", "0x3F803F80", "0x43004300", "0xC308C308"),
           torch.float16: ("float16", "f16", "0x3C003C00", "0x64006400", "0xE408E408")}
@@ -155,8 +160,8 @@ def offered(device: torch.device) -> bool:
 
 def tall_offered() -> bool:
     """Whether a tuning that offers the kernel also times its tall form (`tall_candidates`): where
-    `LLMC_QWGMMA_TALL=1` (read at each tuning). Off by default until its sums and times are measured on a GPU
-    (compiled for sm_90 only so far: benchmarks/RESULTS.md, 2026-12-07, the tall form)."""
+    `LLMC_QWGMMA_TALL=1` (read at each tuning). Off by default: faster a linear, not yet faster end to end
+    (benchmarks/RESULTS.md, 2026-12-07, the tall form measured)."""
     return os.environ.get("LLMC_QWGMMA_TALL", "0") == "1"
 
 
