@@ -7,6 +7,7 @@
 # only where their GPU tests pass: LLMC_QWGMMA_FOLD=0 otherwise); then (PROBE=1) each 8B int4
 # linear at 128 and 512 rows: every generated config, the tall configs, the dequantized library GEMM and bf16 cuBLAS.
 # BENCH replaces the benchmark's workload options (e.g. "--full-batch 128 --mixed 128 --bf16-no-tune --longest-first").
+# Its files come back as OUT/call1-out.tgz.
 # Usage, from the repository root on the GPU: bash benchmarks/logs/2026-12-07-s20/call1.sh OUT
 OUT=$1; mkdir -p $OUT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -89,4 +90,8 @@ for f in ("probe128", "probe512"):
     for (shape, m, fam), r in sorted(best.items()):
         print(f"{shape:8s} {m:4d} {fam:12s} {r['us']:7.1f} us  err {r['rel_err']:.1e}  {json.dumps(r['config'])}")
 PY
+fi
+# at most 8 files come back from a call: everything in one archive (TAR=0 leaves the files as they are)
+if [ "${TAR:-1}" = 1 ]; then
+  tar czf /tmp/call1-out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/call1-out.tgz "$OUT"/
 fi
