@@ -66,8 +66,8 @@ TRIAL_CONFIGS = ((4, 1, 1), (4, 1, 2))
 TALL_CONFIGS = ((128, 1, 1, False), (128, 1, 0.5, False), (128, 2, 1, False), (64, 1, 1, False),
                 (128, 1, 1, True), (128, 2, 1, True), (64, 1, 1, True), (64, 2, 1, True))
 TALL_MIN_ROWS = 32  # the smallest single-bucket M the tall form is timed at (never in a shared, batch-invariant group)
-# the largest: a full decode batch. From 512 rows on each block of x dequantizes the weight again, and on an H100
-# the dequantized library GEMM or the Triton kernel beat it on every 8B linear at 512 (benchmarks/RESULTS.md,
+# the largest: a full decode batch. At 512 rows four blocks of x each dequantize the whole weight, and on an H100
+# the dequantized library GEMM or the Triton kernel beat it on every 8B linear there (benchmarks/RESULTS.md,
 # 2026-12-07, the tall form measured); a step of 129-511 tokens runs the 128-token bucket's choice
 TALL_MAX_ROWS = 128
 # x's dtype: (Gluon's name, PTX's, the bits of one, of the magic M whose last mantissa bit is 1, of -(M + 8))
