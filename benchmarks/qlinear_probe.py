@@ -11,7 +11,9 @@ A variant changes the bucket's default config: "default" (as an untuned GPU runs
 each config the tuner may time of the int4 wgmma GEMV (llmc/codegen/qwgmma.py; sm_90, int4 g128, up to 64
 rows) as variants wgmma0, wgmma1, ...; "wgmma-trial" those timed only with LLMC_QWGMMA_TRY=1 (4 warpgroups:
 `qwgmma.trial_candidates`) as wgmma-trial0, ...; "wgmma-tall" the kernel's tall form (any rows:
-`qwgmma.tall_candidates`) as wgmma-tall0, ...; "triton-all" every generated config the tuner times at the
+`qwgmma.tall_candidates`) as wgmma-tall0, ...; "wgmma-tall-grid" the tall form over a wider grid than the
+tuner's (64 or 128 of x's rows, 1 or 2 warpgroups, K splits of 1 to 8, no folding) as wgmma-tall-grid0, ...;
+"triton-all" every generated config the tuner times at the
 rows' bucket (`qlinear_bucket`) as triton-all0, ...; "dequant" the library GEMM over a dequantized weight
 (128+ rows); "bf16" cuBLAS on the bf16 weight the int4 one was made from (copies of it streamed alike).
 Run from a copy of an older tree, the same command measures that tree's kernels.
@@ -37,6 +39,14 @@ SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
 FORMATS = {"int4-g128": QuantFormat("int", 4, 128), "int4": QuantFormat("int", 4, 0),
            "int4-g128-zp": QuantFormat("int", 4, 128, True), "int8": QuantFormat("int", 8, 0)}
 L2_BYTES = 60 << 20
+
+
+def tall_grid(n: int, k: int) -> list[dict]:
+    """The tall form's configs past the tuner's (`qwgmma.TALL_CONFIGS`): every pairing of x's rows a program (64,
+    128), warpgroups (1, 2) and K split (1, 2, 4, 8, where it divides K's groups), x copied a group ahead."""
+    return [{"WGMMA": True, "XN": xn, "WG": wg, "AHEAD": 1, "SPLIT_K": s, "XASYNC": True}
+            for xn in (64, 128) for wg in (1, 2) for s in (1, 2, 4, 8)
+            if n % (qwgmma.TILE_N * wg) == 0 and (k // qwgmma.TILE_K) % s == 0]
 
 
 def streamed_copies(qw) -> list:
@@ -106,6 +116,8 @@ def main() -> None:
                     elif vname == "triton-all":
                         configs = qm.candidates(qm.qlinear_bucket(m), n, p0.padded_k, p0.pack, m <= 64)
                         runs += [(f"{vname}{i}", c) for i, c in enumerate(configs)]
+                    elif vname == "wgmma-tall-grid":
+                        runs += [(f"{vname}{i}", c) for i, c in enumerate(tall_grid(n, k))] if fits else []
                     elif vname == "wgmma-tall":
                         runs += [(f"{vname}{i}", c) for i, c in enumerate(qwgmma.tall_candidates(n, k, m))] if fits else []
                     elif vname not in ("wgmma", "wgmma-trial"):

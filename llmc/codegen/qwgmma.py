@@ -63,8 +63,12 @@ TRIAL_CONFIGS = ((4, 1, 1), (4, 1, 2))
 # the weight's bytes (2 x 128 FLOPs a weight), which a 16-column MMA does not keep busy. x copied a group ahead only.
 # FOLD: the scales folded into the codes (rounded once to x's dtype) and the MMAs accumulating straight into one
 # fp32 sum, rather than each group's product scaled in fp32 and added (64 fewer registers of products in flight).
+# At 128 rows a K split's [splits, M, N] fp32 partials cost more than on the GEMV's 16 (on an H100: down 45.6 us at
+# half the default split, 61.7 at it; two warpgroups, which read x's block from L2 half as often as one, 109.2
+# against 71.2 us on gate/up and 116.0 against 45.6 on down at the default): splits of a quarter and a half too.
 TALL_CONFIGS = ((128, 1, 1, False), (128, 1, 0.5, False), (128, 2, 1, False), (64, 1, 1, False),
-                (128, 1, 1, True), (128, 2, 1, True), (64, 1, 1, True), (64, 2, 1, True))
+                (128, 1, 1, True), (128, 2, 1, True), (64, 1, 1, True), (64, 2, 1, True),
+                (128, 1, 0.25, False), (128, 2, 0.5, False), (128, 2, 0.25, False))
 TALL_MIN_ROWS = 32  # the smallest single-bucket M the tall form is timed at (never in a shared, batch-invariant group)
 # the largest: a full decode batch. At 512 rows four blocks of x each dequantize the whole weight, and on an H100
 # the dequantized library GEMM or the Triton kernel beat it on every 8B linear there (benchmarks/RESULTS.md,
