@@ -12,7 +12,7 @@ each config the tuner may time of the int4 wgmma GEMV (llmc/codegen/qwgmma.py; s
 rows) as variants wgmma0, wgmma1, ...; "wgmma-trial" those timed only with LLMC_QWGMMA_TRY=1 (4 warpgroups:
 `qwgmma.trial_candidates`) as wgmma-trial0, ...; "wgmma-tall" the kernel's tall form (any rows:
 `qwgmma.tall_candidates`) as wgmma-tall0, ...; "wgmma-tall-grid" the tall form over a wider grid than the
-tuner's (64 or 128 of x's rows, 1 or 2 warpgroups, K splits of 1 to 8, no folding) as wgmma-tall-grid0, ...;
+tuner's (64 or 128 of x's rows, 1 or 2 warpgroups, K splits of 1 to 8; `tall_grid`) as wgmma-tall-grid0, ...;
 "triton-all" every generated config the tuner times at the
 rows' bucket (`qlinear_bucket`) as triton-all0, ...; "dequant" the library GEMM over a dequantized weight
 (128+ rows); "bf16" cuBLAS on the bf16 weight the int4 one was made from (copies of it streamed alike).
@@ -43,10 +43,12 @@ L2_BYTES = 60 << 20
 
 def tall_grid(n: int, k: int) -> list[dict]:
     """The tall form's configs past the tuner's (`qwgmma.TALL_CONFIGS`): every pairing of x's rows a program (64,
-    128), warpgroups (1, 2) and K split (1, 2, 4, 8, where it divides K's groups), x copied a group ahead."""
-    return [{"WGMMA": True, "XN": xn, "WG": wg, "AHEAD": 1, "SPLIT_K": s, "XASYNC": True}
-            for xn in (64, 128) for wg in (1, 2) for s in (1, 2, 4, 8)
-            if n % (qwgmma.TILE_N * wg) == 0 and (k // qwgmma.TILE_K) % s == 0]
+    128), warpgroups (1, 2) and K split (1, 2, 4, 8, where it divides K's groups), x copied a group ahead; and
+    128 rows on 2 warpgroups with the scales folded (fewer registers a thread) at splits of 1, 2 and 4."""
+    out = [{"WGMMA": True, "XN": xn, "WG": wg, "AHEAD": 1, "SPLIT_K": s, "XASYNC": True}
+           for xn in (64, 128) for wg in (1, 2) for s in (1, 2, 4, 8)]
+    out += [{"WGMMA": True, "XN": 128, "WG": 2, "AHEAD": 1, "SPLIT_K": s, "XASYNC": True, "FOLD": True} for s in (1, 2, 4)]
+    return [c for c in out if n % (qwgmma.TILE_N * c["WG"]) == 0 and (k // qwgmma.TILE_K) % c["SPLIT_K"] == 0]
 
 
 def streamed_copies(qw) -> list:
