@@ -27,8 +27,8 @@ that dequantizes each weight tile in registers.
 - int4 g128 at up to 64 tokens on an sm_90 GPU can also run `qgemv_wgmma_int4.py.jinja` (llmc/codegen/qwgmma.py):
   Gluon, its codes loaded from a layout of their own straight into the warpgroup MMA's registers; the tuner
   times it beside the Triton kernel in every decode bucket and keeps it where it is faster. Its tall form (one
-  MMA of 64 or 128 of x's rows a group) is timed, where `LLMC_QWGMMA_TALL=1`, in the buckets of 32 to 128 tokens
-  that share no choice (full decode batches), never in a batch-invariant group.
+  MMA of 64 or 128 of x's rows a group) is timed in the buckets of 32 to 128 tokens that share no choice (full
+  decode batches; `LLMC_QWGMMA_TALL=0` keeps it out), never in a batch-invariant group.
 - int4 at 1 to 4 tokens can also stream through `qgemv_int4.py.jinja` (`QGemvSpec`), on the FMA pipes:
   each int32 word of codes yields its 8 codes with one shift and 8 LOP3s (the and-or into 2^23's
   exponent), one subtraction or FMA each, and one FMA per row of x. It is offered to the tuner only
@@ -864,7 +864,7 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
 def recorded_config_runs(device: torch.device):
     """Whether a qlinear config recorded by an earlier compile (or a shipped table) may run in this compile: not a
     wgmma kernel's where that kernel is not offered here (`LLMC_QWGMMA=0`, or not an sm_90 GPU; its tall form's
-    unless `LLMC_QWGMMA_TALL=1`), nor a TMA config's where TMA configs are not (`LLMC_QLINEAR_TMA`); such a choice
+    where `LLMC_QWGMMA_TALL=0`), nor a TMA config's where TMA configs are not (`LLMC_QLINEAR_TMA`); such a choice
     is timed afresh (`Tuner.choose`'s `accept`)."""
     wgmma, tall, tma = qwgmma.offered(device), qwgmma.tall_offered(), tma_offered()
     return lambda cfg: ((wgmma or not cfg.get("WGMMA")) and (tall or not cfg.get("XN"))

@@ -25,9 +25,10 @@ where it is faster over the buckets that share the choice.
 Its tall form (`QWgmmaSpec.rows` 64 or 128, `tall_candidates`) takes any M: a program runs one MMA of 64 or 128
 of x's rows against each dequantized group, so that at a full decode batch (128 rows: 256 FLOPs a weight, where
 the tensor cores, not the weight's bytes, set the pace) the dequantization is spread over 8 times the MMA work of
-a 16-row tile. Where `LLMC_QWGMMA_TALL=1` it is timed in the buckets of 32 to 128 tokens that share no choice
-with another (a row's sums there may depend on its block of x). Off by default: on an H100 it beat the Triton
-kernel on three of the 8B shape's four linears at 128 rows, by 7-11%, yet the mixed workload ran no faster.
+a 16-row tile. It is timed in the buckets of 32 to 128 tokens that share no choice with another (a row's sums
+there may depend on its block of x; `LLMC_QWGMMA_TALL=0` keeps it out). On an H100 the tuning chose it for all
+four of the 8B shape's linears at 128 rows (154.0 against 168.6 us a layer for the Triton kernel's choices), and
+the int4 decode step of 128 sequences ran 4.6% faster (benchmarks/RESULTS.md, 2026-12-08).
 
 A weight either form runs holds its codes twice on the GPU (the nibble planes for the other buckets, these words
 for this one): int4's GPU memory for the chosen linears doubles.
@@ -63,12 +64,13 @@ TRIAL_CONFIGS = ((4, 1, 1), (4, 1, 2))
 # the weight's bytes (2 x 128 FLOPs a weight), which a 16-column MMA does not keep busy. x copied a group ahead only.
 # FOLD: the scales folded into the codes (rounded once to x's dtype) and the MMAs accumulating straight into one
 # fp32 sum, rather than each group's product scaled in fp32 and added (64 fewer registers of products in flight).
-# At 128 rows a K split's [splits, M, N] fp32 partials cost more than on the GEMV's 16 (on an H100: down 45.6 us at
-# half the default split, 61.7 at it; two warpgroups, which read x's block from L2 half as often as one, 109.2
-# against 71.2 us on gate/up and 116.0 against 45.6 on down at the default): splits of a quarter and a half too.
+# At 128 rows a K split's [splits, M, N] fp32 partials cost more than at the GEMV's 16 rows, so smaller splits are
+# timed too: on an H100 (`qlinear_probe.py --variants wgmma-tall-grid --ms 128`) a quarter of the default took qkv
+# from 27.7 to 23.9 us, o_proj's best was 2 warpgroups of 64 rows at a split of 2 (17.1 against 18.1), down's the
+# same (44.7 against 45.8), and 2 warpgroups of 128 rows, which read x from L2 half as often, won no linear.
 TALL_CONFIGS = ((128, 1, 1, False), (128, 1, 0.5, False), (128, 2, 1, False), (64, 1, 1, False),
                 (128, 1, 1, True), (128, 2, 1, True), (64, 1, 1, True), (64, 2, 1, True),
-                (128, 1, 0.25, False), (128, 2, 0.5, False), (128, 2, 0.25, False))
+                (128, 1, 0.25, False), (64, 1, 0.5, False), (64, 2, 0.125, False))
 TALL_MIN_ROWS = 32  # the smallest single-bucket M the tall form is timed at (never in a shared, batch-invariant group)
 # the largest: a full decode batch. At 512 rows four blocks of x each dequantize the whole weight, and on an H100
 # the dequantized library GEMM or the Triton kernel beat it on every 8B linear there (benchmarks/RESULTS.md,
@@ -163,10 +165,9 @@ def offered(device: torch.device) -> bool:
 
 
 def tall_offered() -> bool:
-    """Whether a tuning that offers the kernel also times its tall form (`tall_candidates`): where
-    `LLMC_QWGMMA_TALL=1` (read at each tuning). Off by default: faster a linear, not yet faster end to end
-    (benchmarks/RESULTS.md, 2026-12-07, the tall form measured)."""
-    return os.environ.get("LLMC_QWGMMA_TALL", "0") == "1"
+    """Whether a tuning that offers the kernel also times its tall form (`tall_candidates`): unless
+    `LLMC_QWGMMA_TALL=0` (read at each tuning; the switch keeps the tall form out, for comparison)."""
+    return os.environ.get("LLMC_QWGMMA_TALL", "1") != "0"
 
 
 def runs_here(device: torch.device) -> bool:

@@ -122,14 +122,14 @@ def _offered(monkeypatch, m: int, joint=None) -> list[dict]:
                                           (16, ("1", "2", "4"), False)])
 def test_tall_form_is_timed_only_in_buckets_that_share_no_choice(monkeypatch, m, joint, tall):
     """The tall form's rows may depend on their block of x, so the batch-invariant group of 1-64 tokens never times
-    it; a bucket of its own of 32 to 128 tokens does where `LLMC_QWGMMA_TALL=1` (off by default), the 512+ and 1024+
-    buckets never (the library GEMM and the Triton kernel won them). The GEMV is timed only up to 64."""
-    monkeypatch.setenv("LLMC_QWGMMA_TALL", "1")
+    it; a bucket of its own of 32 to 128 tokens does (unless `LLMC_QWGMMA_TALL=0`), the 512+ and 1024+ buckets never
+    (the library GEMM and the Triton kernel won them). The GEMV is timed only up to 64."""
+    monkeypatch.delenv("LLMC_QWGMMA_TALL", raising=False)  # the default
     cands = _offered(monkeypatch, m, joint)
     assert any(c.get("XN") for c in cands) == tall
     assert any(c.get("WGMMA") and not c.get("XN") for c in cands) == (m <= 64)
     assert qm.recorded_config_runs(torch.device("cuda"))(qwgmma.tall_candidates(128, 256)[0])
-    monkeypatch.delenv("LLMC_QWGMMA_TALL")
+    monkeypatch.setenv("LLMC_QWGMMA_TALL", "0")
     assert not any(c.get("XN") for c in _offered(monkeypatch, m, joint))
     assert not qm.recorded_config_runs(torch.device("cuda"))(qwgmma.tall_candidates(128, 256)[0])
 
