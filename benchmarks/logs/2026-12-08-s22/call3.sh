@@ -2,15 +2,16 @@
 # The tall form as a default candidate, on whatever GPU comes for `nvidia-h200` (its bars are the H200's): its GPU
 # tests (the configs added after calls 1-2 included), then the 8B int4 compile with the shipped table (which holds
 # no int4 choice at 128+ tokens) against bf16 (untuned, cuBLAS): decode at batch 128 and the mixed workload.
+# MIXED=0 leaves the mixed workload out (decode at batch 128 only).
 # Usage, from the repository root on the GPU: bash benchmarks/logs/2026-12-08-s22/call3.sh OUT
 OUT=$1; mkdir -p $OUT/c3
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee $OUT/c3/gpu.txt
-TRITON_INTERPRET=0 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/codegen/test_qwgmma.py \
+TRITON_INTERPRET=0 timeout ${TESTS_T:-100} python3 -m pytest -q -p no:cacheprovider tests/codegen/test_qwgmma.py \
     -k "tall and not fold" > $OUT/c3/tests.log 2>&1
 echo "tall tests rc $?"; grep -E "passed|failed" $OUT/c3/tests.log | tail -3
 timeout ${BENCH_T:-330} python3 benchmarks/quant_decode_bench.py --shape 8b --quant rtn4 --no-decode --full-batch 128 \
-    --mixed 128 --bf16-no-tune --longest-first --out $OUT/c3 > $OUT/c3/bench.log 2>&1
+    $([ "${MIXED:-1}" = 1 ] && echo --mixed 128) --bf16-no-tune --longest-first --out $OUT/c3 > $OUT/c3/bench.log 2>&1
 echo "bench rc $?"
 grep '^{' $OUT/c3/bench.log | python3 -c "
 import json, sys
