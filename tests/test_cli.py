@@ -72,7 +72,8 @@ def test_inspect_tuning(compiled):
     assert lines[0].startswith("timed on NVIDIA H200, triton 3.6.0")
     at = lines.index("qlinear[w4a16-g128,bf16,bias=0,act=none]N6144K4096")
     assert "int4 wgmma GEMV: 1 warpgroup(s), x copied a group ahead" in lines[at + 1]
-    assert [ln.split()[0] for ln in lines[at + 1:at + 5]] == ["1..64", "128+", "512+", "1024+"]
+    # no 128+ line: that bucket's choices were taken out of the table, so that a compile times the tall form there
+    assert [ln.split()[0] for ln in lines[at + 1:at + 4]] == ["1..64", "512+", "1024+"]
     tall = dict(table, kernels={"k": {"128+": {"config": {"WGMMA": True, "XN": 128, "WG": 2, "AHEAD": 1, "SPLIT_K": 4,
                                                          "XASYNC": True}, "triton_ms": 0.04}}})
     assert "int4 wgmma GEMM, 128 rows of x a program: 2 warpgroup(s)" in tuning_lines(tall)[2]
