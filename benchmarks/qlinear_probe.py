@@ -13,6 +13,8 @@ rows) as variants wgmma0, wgmma1, ...; "wgmma-trial" those timed only with LLMC_
 `qwgmma.trial_candidates`) as wgmma-trial0, ...; "wgmma-tall" the kernel's tall form (any rows:
 `qwgmma.tall_candidates`) as wgmma-tall0, ...; "wgmma-tall-grid" the tall form over a wider grid than the
 tuner's (64 or 128 of x's rows, 1 or 2 warpgroups, K splits of 1 to 8; `tall_grid`) as wgmma-tall-grid0, ...;
+"wgmma-tall-pipe" that grid's unfolded configs pipelined (`PIPE`: the folded codes through shared memory, one MMA
+in flight while the next group is dequantized) as wgmma-tall-pipe0, ...;
 "triton-all" every generated config the tuner times at the
 rows' bucket (`qlinear_bucket`) as triton-all0, ...; "dequant" the library GEMM over a dequantized weight
 (128+ rows); "bf16" cuBLAS on the bf16 weight the int4 one was made from (copies of it streamed alike).
@@ -118,6 +120,9 @@ def main() -> None:
                     elif vname == "triton-all":
                         configs = qm.candidates(qm.qlinear_bucket(m), n, p0.padded_k, p0.pack, m <= 64)
                         runs += [(f"{vname}{i}", c) for i, c in enumerate(configs)]
+                    elif vname == "wgmma-tall-pipe":
+                        pipes = [dict(c, PIPE=True) for c in tall_grid(n, k) if not c.get("FOLD")]
+                        runs += [(f"{vname}{i}", c) for i, c in enumerate(pipes)] if fits else []
                     elif vname == "wgmma-tall-grid":
                         runs += [(f"{vname}{i}", c) for i, c in enumerate(tall_grid(n, k))] if fits else []
                     elif vname == "wgmma-tall":

@@ -852,6 +852,7 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
             tall = qwgmma.TALL_MIN_ROWS <= largest <= qwgmma.TALL_MAX_ROWS
             if len(group) == 1 and tall and qwgmma.tall_offered():  # never shared
                 cands += qwgmma.tall_candidates(N, K, largest)
+                cands += qwgmma.pipe_candidates(N, K, largest) if qwgmma.pipe_offered() else []
         if x2.device.type == "cuda" and len(group) == 1:
             cands += library_candidates(bucket, prepared, ydtype)
         config = tuner.choose(spec.key(N, K), group, cands,
@@ -864,11 +865,11 @@ def qlinear(x: torch.Tensor, prepared: PreparedQWeight, bias: torch.Tensor | Non
 def recorded_config_runs(device: torch.device):
     """Whether a qlinear config recorded by an earlier compile (or a shipped table) may run in this compile: not a
     wgmma kernel's where that kernel is not offered here (`LLMC_QWGMMA=0`, or not an sm_90 GPU; its tall form's
-    where `LLMC_QWGMMA_TALL=0`), nor a TMA config's where TMA configs are not (`LLMC_QLINEAR_TMA`); such a choice
-    is timed afresh (`Tuner.choose`'s `accept`)."""
-    wgmma, tall, tma = qwgmma.offered(device), qwgmma.tall_offered(), tma_offered()
+    where `LLMC_QWGMMA_TALL=0`, its pipelined configs' unless `LLMC_QWGMMA_PIPE=1`), nor a TMA config's where TMA
+    configs are not (`LLMC_QLINEAR_TMA`); such a choice is timed afresh (`Tuner.choose`'s `accept`)."""
+    wgmma, tall, pipe, tma = qwgmma.offered(device), qwgmma.tall_offered(), qwgmma.pipe_offered(), tma_offered()
     return lambda cfg: ((wgmma or not cfg.get("WGMMA")) and (tall or not cfg.get("XN"))
-                        and (tma or not cfg.get("TMA")))
+                        and (pipe or not cfg.get("PIPE")) and (tma or not cfg.get("TMA")))
 
 
 def ready_layouts(p: PreparedQWeight, tuner: Tuner | None, dtype: torch.dtype, has_bias: bool, act: str) -> None:

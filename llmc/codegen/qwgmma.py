@@ -30,6 +30,11 @@ there may depend on its block of x; `LLMC_QWGMMA_TALL=0` keeps it out). On an H1
 four of the 8B shape's linears at 128 rows (154.0 against 168.6 us a layer for the Triton kernel's choices), and
 the int4 decode step of 128 sequences ran 4.6% faster (benchmarks/RESULTS.md, 2026-12-08).
 
+The tall form's pipelined configs (`PIPE`, `pipe_candidates`; timed only where `LLMC_QWGMMA_PIPE=1` until their
+sums have been checked on a GPU) store each group's folded codes into shared memory and leave its MMA, read from
+there, in flight while the next group is dequantized: the register-operand forms must wait for each MMA first
+(triton-lang/triton#9433), so their tensor cores and dequantization take turns.
+
 A weight either form runs holds its codes twice on the GPU (the nibble planes for the other buckets, these words
 for this one): int4's GPU memory for the chosen linears doubles.
 """
@@ -142,12 +147,15 @@ class QWgmmaSpec(KernelSpec):
     warpgroups: int = 1
     rows: int = 16  # x's rows an MMA takes: 16 (the GEMV, up to MAX_TILES MMAs), or 64 / 128 (the tall form)
     fold: bool = False  # the tall form's scales folded into the codes, its MMAs summing into one fp32 sum (`FOLD`)
+    pipe: bool = False  # the tall form's folded codes through shared memory, one MMA left in flight (`PIPE`)
 
     def context(self) -> dict[str, Any]:
         gl_name, ptx, one, magic, bias = next(v for v in DTYPES.values() if v[1] == self.dtype)
+        tall = self.rows > 16
         return {"dtype": gl_name, "ptx_type": ptx, "one_bits": one, "magic_bits": magic, "bias_bits": bias,
                 "magic": "128" if ptx == "bf16" else "1024", "warpgroups": self.warpgroups,
-                "max_tiles": MAX_TILES if self.rows == 16 else 1, "xn": self.rows, "fold": self.fold and self.rows > 16}
+                "max_tiles": MAX_TILES if self.rows == 16 else 1, "xn": self.rows,
+                "fold": (self.fold or self.pipe) and tall, "pipe": self.pipe and tall}
 
 
 def fits(p, dtype: torch.dtype, has_bias: bool, act: str) -> bool:
@@ -168,6 +176,12 @@ def tall_offered() -> bool:
     """Whether a tuning that offers the kernel also times its tall form (`tall_candidates`): unless
     `LLMC_QWGMMA_TALL=0` (read at each tuning; the switch keeps the tall form out, for comparison)."""
     return os.environ.get("LLMC_QWGMMA_TALL", "1") != "0"
+
+
+def pipe_offered() -> bool:
+    """Whether a tuning that times the tall form also times its pipelined configs (`pipe_candidates`): where
+    `LLMC_QWGMMA_PIPE=1` (read at each tuning). Off by default until their sums have been checked on a GPU."""
+    return os.environ.get("LLMC_QWGMMA_PIPE", "0") == "1"
 
 
 def runs_here(device: torch.device) -> bool:
@@ -209,6 +223,14 @@ def tall_candidates(n: int, k: int, m: int = 128) -> list[dict]:
             "XASYNC": True, **({"FOLD": True} if f else {})}
            for xn, wg, scale, f in TALL_CONFIGS if n % (TILE_N * wg) == 0 and (fold or not f)]
     return [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]
+
+
+def pipe_candidates(n: int, k: int, m: int = 128) -> list[dict]:
+    """The tall form's unfolded configs (`tall_candidates`) as `PIPE` configs: each group's codes, times their
+    scales (as `FOLD`'s), stored into one of two shared-memory buffers, its MMA read from there and left in flight
+    while the next group is dequantized (at most one in flight). The register-operand forms cannot overlap the
+    two: their MMA reads registers the next group's code may reuse (triton-lang/triton#9433), so each waits."""
+    return [dict(c, PIPE=True) for c in tall_candidates(n, k, m) if not c.get("FOLD")]
 
 
 def tuned_candidates(n: int, k: int) -> list[dict]:
@@ -255,7 +277,7 @@ def launch(compiled, x2: torch.Tensor, p, y2: torch.Tensor, cfg: dict) -> None:
     grid = (N // (TILE_N * wg), split) if xn == 16 else (cdiv(M, xn), N // (TILE_N * wg), split)
     ws = torch.empty((split, M, N) if split > 1 else (1,), device=x2.device, dtype=torch.float32)
     counts = tile_counters(x2.device, math.prod(grid[:-1])) if split > 1 else ws  # one a tile the splits share
-    compiled(QWgmmaSpec(dt, wg, xn, bool(cfg.get("FOLD")))).qwgmma_kernel[grid](
+    compiled(QWgmmaSpec(dt, wg, xn, bool(cfg.get("FOLD")), bool(cfg.get("PIPE")) and xn > 16)).qwgmma_kernel[grid](
         x2, words_of(p), p.scales, y2, ws, counts, x2.stride(0), p.scales.stride(0), y2.stride(0), M, N, K,
         cdiv(K // TILE_K, split), AHEAD=cfg["AHEAD"], M_TILES=cdiv(M, 16) if xn == 16 else xn // 16,
         XASYNC=xasync, num_warps=4 * wg)

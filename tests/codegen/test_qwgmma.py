@@ -134,6 +134,24 @@ def test_tall_form_is_timed_only_in_buckets_that_share_no_choice(monkeypatch, m,
     assert not qm.recorded_config_runs(torch.device("cuda"))(qwgmma.tall_candidates(128, 256)[0])
 
 
+def test_pipelined_tall_configs_are_timed_only_when_asked(monkeypatch):
+    """`PIPE` configs (the folded codes through shared memory, one MMA in flight) are each unfolded tall config
+    with the flag; a tuning times them only where `LLMC_QWGMMA_PIPE=1`, and a recorded one runs only there."""
+    pipes = qwgmma.pipe_candidates(4096, 14336)
+    assert pipes == [dict(c, PIPE=True) for c in qwgmma.tall_candidates(4096, 14336) if not c.get("FOLD")]
+    monkeypatch.delenv("LLMC_QWGMMA_PIPE", raising=False)
+    assert not any(c.get("PIPE") for c in _offered(monkeypatch, 128))
+    assert not qm.recorded_config_runs(torch.device("cuda"))(pipes[0])
+    monkeypatch.setenv("LLMC_QWGMMA_PIPE", "1")
+    cands = _offered(monkeypatch, 128)
+    assert [c for c in cands if c.get("PIPE")] == qwgmma.pipe_candidates(128, 256)
+    assert not any(c.get("PIPE") for c in _offered(monkeypatch, 64))  # never in the batch-invariant group
+    assert qm.recorded_config_runs(torch.device("cuda"))(pipes[0])
+    # its spec renders the folded sums' template with the pipelined loop; a GEMV spec ignores the flag
+    assert qwgmma.QWgmmaSpec("bf16", 1, 128, False, True).context()["fold"]
+    assert not qwgmma.QWgmmaSpec("bf16", 1, 16, False, True).context()["pipe"]
+
+
 def test_not_offered_off_hopper_and_refused_there_with_a_clear_error():
     p = prepared(128, 256)
     assert not qwgmma.offered(torch.device("cpu"))
@@ -166,19 +184,21 @@ def test_each_config_is_offered_with_x_loaded_when_used_and_copied_ahead():
     assert len(plain) == len({tuple(c.items()) for c in plain})
 
 
-@pytest.mark.parametrize("dtype,warpgroups,rows,fold", [("bf16", 1, 16, False), ("f16", 1, 16, False),
-                                                        ("bf16", 2, 16, False), ("bf16", 4, 16, False),
-                                                        ("bf16", 1, 128, False), ("f16", 2, 64, False),
-                                                        ("bf16", 1, 128, True), ("f16", 2, 64, True)])
-def test_kernel_compiles_for_hopper_without_moving_the_operand(dtype, warpgroups, rows, fold):
+@pytest.mark.parametrize("dtype,warpgroups,rows,fold,pipe", [
+    ("bf16", 1, 16, False, False), ("f16", 1, 16, False, False), ("bf16", 2, 16, False, False),
+    ("bf16", 4, 16, False, False), ("bf16", 1, 128, False, False), ("f16", 2, 64, False, False),
+    ("bf16", 1, 128, True, False), ("f16", 2, 64, True, False), ("bf16", 1, 128, False, True),
+    ("f16", 2, 64, False, True)])
+def test_kernel_compiles_for_hopper_without_moving_the_operand(dtype, warpgroups, rows, fold, pipe):
     """The rendered kernel compiles for sm_90 on any machine: `convert_layout(..., assert_trivial=True)` fails the
     compile unless the dequantized codes are already where the MMA reads them; PDL's wait is in the PTX, and the
-    MMA is as wide as x's rows a program (16 for the GEMV's tiles, 64 or 128 for the tall form)."""
+    MMA is as wide as x's rows a program (16 for the GEMV's tiles, 64 or 128 for the tall form). The pipelined
+    tall form leaves one MMA in flight (`wgmma.wait_group 1`) and reads its A operand from shared memory."""
     pytest.importorskip("triton.experimental.gluon")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    fn = load(qwgmma.QWgmmaSpec(dtype, warpgroups, rows, fold), pdl=True).qwgmma_kernel
+    fn = load(qwgmma.QWgmmaSpec(dtype, warpgroups, rows, fold, pipe), pdl=True).qwgmma_kernel
     fn = getattr(fn, "fn", fn)  # PDLKernel wraps it
     ty = {"bf16": "bf16", "f16": "fp16"}[dtype]
     sig = {"x_ptr": f"*{ty}", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": f"*{ty}", "ws_ptr": "*fp32",
@@ -194,6 +214,7 @@ def test_kernel_compiles_for_hopper_without_moving_the_operand(dtype, warpgroups
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * warpgroups})
         ptx = k.asm["ptx"]
         assert "griddepcontrol.wait" in ptx and f"wgmma.mma_async.sync.aligned.m64n{rows}k16" in ptx
+        assert ("wgmma.wait_group.sync.aligned 1;" in ptx) == pipe
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's warpgroup MMA needs an sm_90 GPU, compiled")
@@ -230,6 +251,25 @@ def test_gpu_tall_form_matches_the_reference_at_any_rows(dtype, fold):
                 assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, (cfg, m, xs.data_ptr() % 16)
         assert torch.equal(qm.qlinear(x[:130, :2048], p, config=cfg),
                            qm.qlinear(x[:130, :2048].contiguous(), p, config=cfg)), cfg
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="Gluon's warpgroup MMA needs an sm_90 GPU, compiled")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_pipelined_tall_form_sums_as_the_folded_one(dtype):
+    """Each `PIPE` config against the reference and bit for bit against the same config folded (the same products
+    in the same order), at ragged row counts, with K splits, and with x loaded through registers (rows not 16-byte
+    aligned)."""
+    p = prepared(384, 2048, device="cuda", seed=8)
+    x = torch.randn(300, 2049, generator=torch.Generator().manual_seed(9)).to(dtype).cuda()
+    split = {"WGMMA": True, "XN": 64, "WG": 2, "AHEAD": 1, "SPLIT_K": 4, "XASYNC": True, "PIPE": True}
+    for cfg in qwgmma.pipe_candidates(384, 2048) + [split]:
+        folded = {k: v for k, v in cfg.items() if k != "PIPE"} | {"FOLD": True}
+        for m in (33, 128, 130, 300):
+            for xs in (x[:m, :2048], x[:m, 1:]):
+                ref = qm.reference(xs.float(), p.fmt, *(t for t in p.canonical().tensors()))
+                y = qm.qlinear(xs, p, config=cfg)
+                assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, (cfg, m)
+                assert torch.equal(y, qm.qlinear(xs, p, config=folded)), (cfg, m, xs.data_ptr() % 16)
 
 
 def test_a_plan_makes_the_words_its_tuned_choices_launch(monkeypatch):
