@@ -70,9 +70,10 @@ TRIAL_CONFIGS = ((4, 1, 1), (4, 1, 2))
 # FOLD: the scales folded into the codes (rounded once to x's dtype) and the MMAs accumulating straight into one
 # fp32 sum, rather than each group's product scaled in fp32 and added (64 fewer registers of products in flight).
 # At 128 rows a K split's [splits, M, N] fp32 partials cost more than at the GEMV's 16 rows, so smaller splits are
-# timed too: on an H100 (`qlinear_probe.py --variants wgmma-tall-grid --ms 128`) a quarter of the default took qkv
-# from 27.7 to 23.9 us, o_proj's best was 2 warpgroups of 64 rows at a split of 2 (17.1 against 18.1), down's the
-# same (44.7 against 45.8), and 2 warpgroups of 128 rows, which read x from L2 half as often, won no linear.
+# timed too: on an H100 (`qlinear_probe.py --variants wgmma-tall-grid --ms 128`) a quarter of the default split took
+# qkv from 33.9 us (27.4 at half) to 23.9; o_proj's best was 2 warpgroups of 64 rows at a split of 2 (17.1
+# against 18.1), down's the same (44.7 against 45.8); 2 warpgroups of 128 rows, which read x from L2 half as often,
+# won no linear.
 TALL_CONFIGS = ((128, 1, 1, False), (128, 1, 0.5, False), (128, 2, 1, False), (64, 1, 1, False),
                 (128, 1, 1, True), (128, 2, 1, True), (64, 1, 1, True), (64, 2, 1, True),
                 (128, 1, 0.25, False), (64, 1, 0.5, False), (64, 2, 0.125, False))
