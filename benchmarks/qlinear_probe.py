@@ -121,7 +121,7 @@ def main() -> None:
                         configs = qm.candidates(qm.qlinear_bucket(m), n, p0.padded_k, p0.pack, m <= 64)
                         runs += [(f"{vname}{i}", c) for i, c in enumerate(configs)]
                     elif vname == "wgmma-tall-pipe":
-                        pipes = [dict(c, PIPE=True) for c in tall_grid(n, k) if not c.get("FOLD")]
+                        pipes = qwgmma.pipelined(tall_grid(n, k))
                         runs += [(f"{vname}{i}", c) for i, c in enumerate(pipes)] if fits else []
                     elif vname == "wgmma-tall-grid":
                         runs += [(f"{vname}{i}", c) for i, c in enumerate(tall_grid(n, k))] if fits else []

@@ -226,12 +226,17 @@ def tall_candidates(n: int, k: int, m: int = 128) -> list[dict]:
     return [dict(c) for c in dict.fromkeys(tuple(c.items()) for c in out)]
 
 
+def pipelined(configs: list[dict]) -> list[dict]:
+    """Tall configs' unfolded ones as `PIPE` configs: each group's codes, times their scales (as `FOLD`'s), stored
+    into one of two shared-memory buffers, its MMA read from there and left in flight while the next group is
+    dequantized (at most one in flight). The register-operand forms cannot overlap the two: their MMA reads
+    registers the next group's code may reuse (triton-lang/triton#9433), so each waits."""
+    return [dict(c, PIPE=True) for c in configs if not c.get("FOLD")]
+
+
 def pipe_candidates(n: int, k: int, m: int = 128) -> list[dict]:
-    """The tall form's unfolded configs (`tall_candidates`) as `PIPE` configs: each group's codes, times their
-    scales (as `FOLD`'s), stored into one of two shared-memory buffers, its MMA read from there and left in flight
-    while the next group is dequantized (at most one in flight). The register-operand forms cannot overlap the
-    two: their MMA reads registers the next group's code may reuse (triton-lang/triton#9433), so each waits."""
-    return [dict(c, PIPE=True) for c in tall_candidates(n, k, m) if not c.get("FOLD")]
+    """The tuner's pipelined configs: `tall_candidates`, `pipelined`."""
+    return pipelined(tall_candidates(n, k, m))
 
 
 def tuned_candidates(n: int, k: int) -> list[dict]:
@@ -278,7 +283,7 @@ def launch(compiled, x2: torch.Tensor, p, y2: torch.Tensor, cfg: dict) -> None:
     grid = (N // (TILE_N * wg), split) if xn == 16 else (cdiv(M, xn), N // (TILE_N * wg), split)
     ws = torch.empty((split, M, N) if split > 1 else (1,), device=x2.device, dtype=torch.float32)
     counts = tile_counters(x2.device, math.prod(grid[:-1])) if split > 1 else ws  # one a tile the splits share
-    compiled(QWgmmaSpec(dt, wg, xn, bool(cfg.get("FOLD")), bool(cfg.get("PIPE")) and xn > 16)).qwgmma_kernel[grid](
+    compiled(QWgmmaSpec(dt, wg, xn, bool(cfg.get("FOLD")), bool(cfg.get("PIPE")))).qwgmma_kernel[grid](
         x2, words_of(p), p.scales, y2, ws, counts, x2.stride(0), p.scales.stride(0), y2.stride(0), M, N, K,
         cdiv(K // TILE_K, split), AHEAD=cfg["AHEAD"], M_TILES=cdiv(M, 16) if xn == 16 else xn // 16,
         XASYNC=xasync, num_warps=4 * wg)
